@@ -1,0 +1,1 @@
+"""warmserve_agent."""

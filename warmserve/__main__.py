@@ -1,0 +1,5 @@
+import sys
+
+from warmserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,136 @@
+"""Prewarm replica counts and scores (WarmServe §5.2, Eq. 5-8).
+
+Given a model with K active instances, max batch B and predicted average and peak load
+L_A, L_P (requests in flight):
+
+    N_basic = max(ceil(L_A / B) - K, 0)                                   (Eq. 5)
+    N_burst = max(ceil(L_P / B) - N_basic - K, 0)                          (Eq. 6)
+    S_basic(i) = exp(-i / (N_basic + N_burst)) * T_c                       (Eq. 7)
+    S_burst(i) = exp(-(N_basic + i) / (N_basic + N_burst)) * T_c * (L_P - L_A) / L_A   (Eq. 8)
+
+with i the zero-based rank within the category.
+
+Deviations, and why:
+- **L_A = 0** (Eq. 8 divides by it).  With no average load, any predicted peak is pure burst,
+  so the burstiness factor (L_P - L_A)/L_A is unbounded.  We cap the factor at
+  ``MAX_BURSTINESS`` (and use the cap whenever L_A is below one request in flight, i.e. the
+  factor is computed as (L_P - L_A) / max(L_A, 1/MAX_BURSTINESS) and then clipped).  A model
+  with L_A = L_P = 0 gets no replicas at all (Eq. 5-6 give 0), so the case only arises when a
+  peak is predicted with no average, and then its burst replicas rank by T_c and the cap.
+- **L_P < L_A** (possible from independent predictors): the factor is clipped at 0, so such
+  replicas exist (Eq. 6 may still ask for them) but score 0 and place last.
+- **ceil on float noise**: L/B is rounded to 9 decimals before ``ceil`` so that a forecast of
+  64.00000000001 with B = 32 asks for 2 instances, not 3.
+- Basic replicas always rank above burst ones regardless of score (the paper's rule); callers
+  use :func:`priority_key` to sort, which encodes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from warmserve.policy.cluster import (
+    ClusterState,
+    LoadForecast,
+    ModelSpec,
+    PolicyInputError,
+    ReplicaKind,
+)
+from dataclasses import dataclass
+
+MAX_BURSTINESS = 10.0
+
+
+@dataclass(frozen=True, slots=True, order=False)
+class ReplicaRequest:
+    """A replica the scorer asks for, before placement gives it a node and GPUs."""
+
+    model: str
+    kind: ReplicaKind
+    rank: int
+    score: float
+
+
+def instances_for(load: float, max_batch: int) -> int:
+    """ceil(load / B), robust to float noise; the instances that serve ``load`` requests."""
+    if max_batch < 1:
+        raise PolicyInputError(f"max_batch must be >= 1, got {max_batch}")
+    if load < 0 or not math.isfinite(load):
+        raise PolicyInputError(f"load must be finite and >= 0, got {load}")
+    return math.ceil(round(load / max_batch, 9))
+
+
+def replica_counts(forecast: LoadForecast, max_batch: int, active: int) -> tuple[int, int]:
+    """(N_basic, N_burst) of Eq. 5-6."""
+    if active < 0:
+        raise PolicyInputError(f"active instances must be >= 0, got {active}")
+    n_basic = max(instances_for(forecast.avg, max_batch) - active, 0)
+    n_burst = max(instances_for(forecast.peak, max_batch) - n_basic - active, 0)
+    return n_basic, n_burst
+
+
+def burstiness(forecast: LoadForecast) -> float:
+    """(L_P - L_A) / L_A of Eq. 8, defined for L_A = 0 and clipped to [0, MAX_BURSTINESS]."""
+    denom = max(forecast.avg, 1.0 / MAX_BURSTINESS)
+    return min(max((forecast.peak - forecast.avg) / denom, 0.0), MAX_BURSTINESS)
+
+
+def basic_score(rank: int, n_basic: int, n_burst: int, cold_start_s: float) -> float:
+    """Eq. 7."""
+    total = n_basic + n_burst
+    if not 0 <= rank < max(n_basic, 1) or total <= 0:
+        raise PolicyInputError(f"basic rank {rank} out of range for N_basic={n_basic}")
+    return math.exp(-rank / total) * cold_start_s
+
+
+def burst_score(
+    rank: int, n_basic: int, n_burst: int, cold_start_s: float, forecast: LoadForecast
+) -> float:
+    """Eq. 8 (with the L_A = 0 rule in the module docstring)."""
+    total = n_basic + n_burst
+    if not 0 <= rank < max(n_burst, 1) or total <= 0:
+        raise PolicyInputError(f"burst rank {rank} out of range for N_burst={n_burst}")
+    return math.exp(-(n_basic + rank) / total) * cold_start_s * burstiness(forecast)
+
+
+def model_replicas(spec: ModelSpec, forecast: LoadForecast, active: int) -> list[ReplicaRequest]:
+    """All replicas one model asks for this window, basic first, each rank with its score."""
+    n_basic, n_burst = replica_counts(forecast, spec.max_batch, active)
+    out = [
+        ReplicaRequest(spec.name, ReplicaKind.BASIC, i, basic_score(i, n_basic, n_burst, spec.cold_start_s))
+        for i in range(n_basic)
+    ]
+    out += [
+        ReplicaRequest(
+            spec.name,
+            ReplicaKind.BURST,
+            i,
+            burst_score(i, n_basic, n_burst, spec.cold_start_s, forecast),
+        )
+        for i in range(n_burst)
+    ]
+    return out
+
+
+def priority_key(req: ReplicaRequest) -> tuple[int, float, str, int]:
+    """Sort key for placement order: basic before burst, then score descending.
+
+    Ties break by model name and rank so the order (and thus the plan) is deterministic.
+    """
+    return (0 if req.kind == ReplicaKind.BASIC else 1, -req.score, req.model, req.rank)
+
+
+def replica_requests(state: ClusterState) -> list[ReplicaRequest]:
+    """Every model's replica requests for the snapshot's forecasts, in placement order.
+
+    Models without a forecast ask for nothing.
+    """
+    reqs: list[ReplicaRequest] = []
+    for name in sorted(state.forecasts):
+        reqs += model_replicas(state.models[name], state.forecasts[name], state.active_instances(name))
+    return sorted(reqs, key=priority_key)
+
+
+def sort_requests(reqs: Iterable[ReplicaRequest]) -> list[ReplicaRequest]:
+    return sorted(reqs, key=priority_key)
