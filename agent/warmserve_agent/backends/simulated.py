@@ -1,0 +1,187 @@
+"""Simulated GPU memory: one sparse shared-memory file per GPU, page tables in Python.
+
+Why a file and not ``multiprocessing.shared_memory`` of the GPU's size: an 80 GiB GPU must not
+cost 80 GiB of RAM.  A file truncated to the GPU size in ``/dev/shm`` (tmpfs) or a temp dir is
+sparse: pages cost nothing until written.  The agent and every worker process ``mmap`` the same
+file, so weights the agent loads are the bytes the engine in a worker reads (by physical page).
+
+Physical page ``p`` of GPU ``g`` is bytes ``[p*P, (p+1)*P)`` of ``<dir>/gpu<g>.mem``.  Virtual
+addresses are plain integers handed out per GPU; :meth:`SimulatedBackend.translation` exposes the
+emulated MMU (virtual page -> physical page) so tests can compare it with the page tables.
+
+The optional timing model (``map_s_per_page``, ``copy_bytes_per_s``) sleeps to mimic driver and
+PCIe costs in benchmarks; it is off by default so tests are fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from warmserve.policy.cluster import PAGE_BYTES
+
+_VA_START = 0x7F00_0000_0000
+_VA_ALIGN = 1 << 30
+
+
+class SimulatedBackend:
+    """:class:`~warmserve_agent.memory.MemoryBackend` over sparse shared files."""
+
+    name = "simulated"
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        page_bytes: int = PAGE_BYTES,
+        keep_files: bool = False,
+        map_s_per_page: float = 0.0,
+        copy_bytes_per_s: float | None = None,
+    ) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.page_bytes = page_bytes
+        self.keep_files = keep_files
+        self.map_s_per_page = map_s_per_page
+        self.copy_bytes_per_s = copy_bytes_per_s
+        self._mm: dict[int, mmap.mmap] = {}
+        self._files: dict[int, Path] = {}
+        self._mmu: dict[int, dict[int, int]] = {}  # gpu -> {virtual page number: ppage}
+        self._next_va: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def path(self, gpu: int) -> Path:
+        return self.dir / f"gpu{gpu}.mem"
+
+    def open_gpu(self, gpu: int, memory_bytes: int) -> int:
+        n = memory_bytes // self.page_bytes
+        if n < 1:
+            raise ValueError(f"gpu {gpu}: {memory_bytes} bytes is less than one page")
+        size = n * self.page_bytes
+        path = self.path(gpu)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)  # sparse: no RAM until written
+            self._mm[gpu] = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._files[gpu] = path
+        self._mmu[gpu] = {}
+        self._next_va[gpu] = _VA_START
+        return n
+
+    def reserve(self, gpu: int, size: int) -> int:
+        with self._lock:
+            va = self._next_va[gpu]
+            self._next_va[gpu] = va + -(-size // _VA_ALIGN) * _VA_ALIGN + _VA_ALIGN
+            return va
+
+    def free_reservation(self, gpu: int, va: int, size: int) -> None:
+        first, n = va // self.page_bytes, size // self.page_bytes
+        with self._lock:
+            mmu = self._mmu[gpu]
+            still = [v for v in mmu if first <= v < first + n]
+            if still:
+                raise RuntimeError(f"gpu {gpu}: freeing a reservation with {len(still)} mapped")
+
+    def map(self, gpu: int, va: int, ppages: Sequence[int]) -> None:
+        vfirst = va // self.page_bytes
+        with self._lock:
+            mmu = self._mmu[gpu]
+            used = set(mmu.values())
+            for i, p in enumerate(ppages):
+                if vfirst + i in mmu:
+                    raise RuntimeError(f"gpu {gpu}: virtual page {vfirst + i} already mapped")
+                if p in used:
+                    raise RuntimeError(f"gpu {gpu}: physical page {p} already mapped")
+            for i, p in enumerate(ppages):
+                mmu[vfirst + i] = p
+        if self.map_s_per_page:
+            time.sleep(self.map_s_per_page * len(ppages))
+
+    def unmap(self, gpu: int, va: int, npages: int) -> None:
+        vfirst = va // self.page_bytes
+        with self._lock:
+            mmu = self._mmu[gpu]
+            for v in range(vfirst, vfirst + npages):
+                if v not in mmu:
+                    raise RuntimeError(f"gpu {gpu}: virtual page {v} is not mapped")
+            for v in range(vfirst, vfirst + npages):
+                del mmu[v]
+
+    def _spans(self, gpu: int, va: int, nbytes: int) -> list[tuple[int, int, int]]:
+        """(file offset, buffer offset, length) pieces of a virtual byte range."""
+        out = []
+        mmu = self._mmu[gpu]
+        pos = 0
+        while pos < nbytes:
+            v, off = divmod(va + pos, self.page_bytes)
+            n = min(self.page_bytes - off, nbytes - pos)
+            try:
+                p = mmu[v]
+            except KeyError:
+                raise RuntimeError(f"gpu {gpu}: access to unmapped virtual page {v}") from None
+            out.append((p * self.page_bytes + off, pos, n))
+            pos += n
+        return out
+
+    def write(self, gpu: int, va: int, data: memoryview | bytes) -> None:
+        mv = memoryview(data).cast("B")
+        with self._lock:
+            spans = self._spans(gpu, va, len(mv))
+        mm = self._mm[gpu]
+        for foff, boff, n in spans:
+            mm[foff : foff + n] = mv[boff : boff + n]
+        if self.copy_bytes_per_s:
+            time.sleep(len(mv) / self.copy_bytes_per_s)
+
+    def read(self, gpu: int, va: int, nbytes: int) -> bytes:
+        with self._lock:
+            spans = self._spans(gpu, va, nbytes)
+        mm = self._mm[gpu]
+        return b"".join(mm[foff : foff + n] for foff, _, n in spans)
+
+    def translation(self, gpu: int) -> dict[int, int]:
+        with self._lock:
+            return dict(self._mmu[gpu])
+
+    def close(self) -> None:
+        for mm in self._mm.values():
+            mm.close()
+        self._mm.clear()
+        if not self.keep_files:
+            for path in self._files.values():
+                path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.dir.rmdir()  # only if empty (another backend may share the dir)
+
+
+class PhysicalReader:
+    """Read-only view of a simulated GPU for a worker process: bytes by physical page list."""
+
+    def __init__(self, path: str | Path, page_bytes: int) -> None:
+        self.page_bytes = page_bytes
+        with open(path, "rb") as f:
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def read(self, ppages: Sequence[int], offset: int, nbytes: int) -> bytes:
+        """Bytes [offset, offset+nbytes) of the virtual range whose pages are ``ppages``."""
+        out = bytearray()
+        pos = offset
+        end = offset + nbytes
+        while pos < end:
+            v, off = divmod(pos, self.page_bytes)
+            n = min(self.page_bytes - off, end - pos)
+            base = ppages[v] * self.page_bytes + off
+            out += self._mm[base : base + n]
+            pos += n
+        return bytes(out)
+
+    def close(self) -> None:
+        self._mm.close()

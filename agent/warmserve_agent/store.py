@@ -1,0 +1,291 @@
+"""Node-local weight store and the layout of a model's weights inside a prewarm slot.
+
+Store layout (HF-style)::
+
+    <root>/<model>/config.json          # num_hidden_layers (or n_layer / num_layers)
+    <root>/<model>/*.safetensors        # tensors named model.layers.<i>.<...> etc.
+
+``config.json`` may carry a ``"warmserve"`` object with engine profile fields (``max_batch``,
+``prefill_tok_s``, ``decode_tok_s``, ``kv_bytes_per_token``); defaults apply otherwise.
+
+Layers ("first N layers", WarmServe §4): a tensor named ``*.layers.<i>.*`` (or ``*.h.<i>.*``)
+belongs to layer ``i``; tensors outside the layer stack are assigned by role — embeddings
+(names containing ``embed`` or ``wte``/``wpe``) count with layer 0 (the first layer needs
+them), everything else (final norm, ``lm_head``) with the last layer (only the last layer needs
+them).  So "first N layers" is well defined and N = num_layers is the whole model.
+
+Slot layout: tensors are placed in layer order (then by name), each at a 256-byte aligned offset
+from the slot start; the weights of the first N layers are a prefix of the slot.
+
+Tensor parallelism (a group of D GPUs): each tensor's bytes are split evenly into D contiguous
+shards of ``ceil(n/D)`` bytes (the last may be shorter); rank r's shard sits at the same slot
+offset on GPU r.  This is a byte split, not a semantic (row/column) split: the simulated engine
+only needs verifiable bytes; a vLLM adapter would shard by its own rules (later issue).
+
+Host copies: a model's file bytes are read once into host memory (pinned when the backend
+provides ``alloc_host``) and kept in an LRU cache bounded by ``host_cache_bytes``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ALIGN = 256
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+_EMBED_RE = re.compile(r"embed|(?:^|\.)wte(?:\.|$)|(?:^|\.)wpe(?:\.|$)")
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class StoreError(ValueError):
+    """A model missing from or malformed in the weight store (message says what to fix)."""
+
+
+class UnknownModel(StoreError):
+    pass
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    layer: int
+    file: Path
+    offset: int  # absolute byte offset of the tensor data in ``file``
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """Pacing of the simulated engine (and the model's batch limit C of Eq. 1)."""
+
+    max_batch: int = 32
+    prefill_tok_s: float = 20000.0
+    decode_tok_s: float = 200.0
+    kv_bytes_per_token: int = 4096
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    path: Path
+    num_layers: int
+    tensors: tuple[TensorEntry, ...]  # slot order: by layer, then name
+    profile: EngineProfile
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class Placement:
+    tensor: TensorEntry
+    slot_offset: int
+    shard_bytes: int  # ceil(nbytes / tp)
+
+    def shard(self, rank: int) -> tuple[int, int]:
+        """(start within the tensor, length) of rank's shard."""
+        start = min(rank * self.shard_bytes, self.tensor.nbytes)
+        return start, min(self.shard_bytes, self.tensor.nbytes - start)
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where every tensor shard of ``model`` sits in a slot of a ``tp``-GPU group."""
+
+    model: ModelEntry
+    tp: int
+    placements: tuple[Placement, ...]
+    layer_end: tuple[int, ...]  # slot offset just after layer i's tensors
+
+    @classmethod
+    def build(cls, model: ModelEntry, tp: int) -> SlotLayout:
+        if tp < 1:
+            raise StoreError(f"tensor-parallel group size must be >= 1, got {tp}")
+        off = 0
+        placements = []
+        ends = [0] * model.num_layers
+        for t in model.tensors:
+            shard = math.ceil(t.nbytes / tp)
+            placements.append(Placement(t, off, shard))
+            off = -(-(off + shard) // ALIGN) * ALIGN
+            ends[t.layer] = off
+        for i in range(1, len(ends)):  # a layer without tensors ends where the previous did
+            ends[i] = max(ends[i], ends[i - 1])
+        return cls(model, tp, tuple(placements), tuple(ends))
+
+    def bytes_for_layers(self, n: int) -> int:
+        """Slot bytes (per GPU) holding the first ``n`` layers."""
+        return 0 if n <= 0 else self.layer_end[n - 1]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_for_layers(self.model.num_layers)
+
+    def layer_placements(self, layer: int) -> list[Placement]:
+        return [p for p in self.placements if p.tensor.layer == layer]
+
+
+def _layer_of(name: str, num_layers: int) -> int:
+    m = _LAYER_RE.search(name)
+    if m:
+        return int(m.group(1))
+    return 0 if _EMBED_RE.search(name) else num_layers - 1
+
+
+def read_safetensors_header(path: Path) -> tuple[int, dict[str, dict]]:
+    """(data start offset, header) of a .safetensors file, parsed without loading tensors."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise StoreError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 * 1024 * 1024:
+            raise StoreError(f"{path}: safetensors header of {n} bytes is implausible")
+        try:
+            header = json.loads(f.read(n))
+        except json.JSONDecodeError as exc:
+            raise StoreError(f"{path}: bad safetensors header: {exc}") from None
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+class WeightStore:
+    """Models under ``root`` and a bounded host-memory cache of their bytes."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        host_cache_bytes: int = 8 * 1024**3,
+        alloc_host: Callable[[int], memoryview] | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.host_cache_bytes = host_cache_bytes
+        self._alloc_host = alloc_host
+        self._lock = threading.Lock()
+        self._models: dict[str, tuple[float, ModelEntry]] = {}
+        self._host: OrderedDict[str, memoryview] = OrderedDict()
+        self._digests: dict[tuple[ModelEntry, int, int], tuple[bytes, ...]] = {}
+        self._host_bytes = 0
+        self.stats: dict[str, int] = {"host_hits": 0}
+
+    def list_models(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if (p / "config.json").is_file())
+
+    def model(self, name: str) -> ModelEntry:
+        if not MODEL_NAME_RE.match(name or ""):
+            raise StoreError(
+                f"malformed model name {name!r}: use 1-128 of [A-Za-z0-9._-], starting with a "
+                "letter or digit"
+            )
+        path = self.root / name
+        cfg = path / "config.json"
+        if not cfg.is_file():
+            have = ", ".join(self.list_models()) or "none"
+            raise UnknownModel(
+                f"unknown model {name!r}: no {cfg} in the weight store (models here: {have})"
+            )
+        mtime = max([cfg.stat().st_mtime] + [f.stat().st_mtime for f in path.glob("*.safetensors")])
+        with self._lock:
+            cached = self._models.get(name)
+            if cached and cached[0] == mtime:
+                return cached[1]
+        entry = self._scan(name, path, cfg)
+        with self._lock:
+            self._models[name] = (mtime, entry)
+        return entry
+
+    def _scan(self, name: str, path: Path, cfg_path: Path) -> ModelEntry:
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise StoreError(f"{cfg_path}: invalid JSON: {exc}") from None
+        num_layers = next(
+            (cfg[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in cfg), None
+        )
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise StoreError(f"{cfg_path}: needs num_hidden_layers >= 1")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise StoreError(f"model {name!r}: no *.safetensors files in {path}")
+        tensors = []
+        for f in files:
+            start, header = read_safetensors_header(f)
+            for tname, meta in header.items():
+                b, e = meta["data_offsets"]
+                layer = _layer_of(tname, num_layers)
+                if layer >= num_layers:
+                    raise StoreError(
+                        f"model {name!r}: tensor {tname} is in layer {layer} but config.json "
+                        f"says num_hidden_layers={num_layers}"
+                    )
+                tensors.append(
+                    TensorEntry(
+                        tname, layer, f, start + b, e - b, meta["dtype"], tuple(meta["shape"])
+                    )
+                )
+        tensors.sort(key=lambda t: (t.layer, t.name))
+        ws = cfg.get("warmserve", {})
+        try:
+            profile = EngineProfile(**{k: ws[k] for k in EngineProfile.__annotations__ if k in ws})
+        except TypeError as exc:
+            raise StoreError(f"{cfg_path}: bad warmserve profile: {exc}") from None
+        return ModelEntry(name, path, num_layers, tuple(tensors), profile)
+
+    def layout(self, name: str, tp: int) -> SlotLayout:
+        return SlotLayout.build(self.model(name), tp)
+
+    # ---- host copies ---------------------------------------------------------------------
+    def host_view(self, t: TensorEntry) -> memoryview:
+        """The tensor's bytes in host memory (pinned if the backend offers it), cached per file."""
+        key = str(t.file)
+        with self._lock:
+            buf = self._host.get(key)
+            if buf is not None:
+                self._host.move_to_end(key)
+                self.stats["host_hits"] += 1
+                return buf[t.offset : t.offset + t.nbytes]
+        data = t.file.read_bytes()
+        if self._alloc_host is not None:
+            buf = self._alloc_host(len(data))
+            buf[:] = data
+        else:
+            buf = memoryview(bytearray(data))
+        with self._lock:
+            self._host[key] = buf
+            self._host_bytes += len(buf)
+            while self._host_bytes > self.host_cache_bytes and len(self._host) > 1:
+                _, old = self._host.popitem(last=False)
+                self._host_bytes -= len(old)
+        return buf[t.offset : t.offset + t.nbytes]
+
+    def digests(self, layout: SlotLayout, rank: int) -> tuple[bytes, ...]:
+        """blake2b-128 of each placement's shard for ``rank`` (what the engine verifies)."""
+        # Files in the store are treated as immutable; a changed file (new mtime) is a new
+        # ModelEntry, hence a new key.
+        key = (layout.model, layout.tp, rank)
+        with self._lock:
+            if key in self._digests:
+                return self._digests[key]
+        out = []
+        for p in layout.placements:
+            s, n = p.shard(rank)
+            out.append(
+                hashlib.blake2b(self.host_view(p.tensor)[s : s + n], digest_size=16).digest()
+            )
+        with self._lock:
+            self._digests[key] = tuple(out)
+        return tuple(out)
