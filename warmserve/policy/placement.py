@@ -21,7 +21,9 @@ weight S and tensor-parallel degree D:
    first layers' share when only the first layers are prewarmed, paper §4).
 3. *Valid groups*: the group's GPU set must be disjoint from or nested with (subset or superset
    of) the GPU set of **every** replica and **every** instance on the node — never a partial
-   overlap.  This is checked exactly, with bit masks, against all sets present.
+   overlap.  This is checked exactly, with bit masks, against all sets present.  A group may
+   also not intersect a replica or an instance of the **same** model: starting one would evict
+   the other, so a second copy there would never add a warm start.
 4. *Selection* (the paper's rule): let the *nested replicas* of a group be the replicas whose
    GPUs intersect it (all of them would be evicted if an instance started there).  Among valid
    groups whose nested replicas all have a **lower priority** than the new one — priority is the
@@ -264,6 +266,7 @@ class _Occupant:
     mask: int
     prio: tuple[int, float] | None  # None for an instance
     score: float
+    model: str = ""
 
 
 class _NodeSlots:
@@ -357,8 +360,15 @@ class _DegreeIndex:
             self.hscore[k] = hs
             self.total[k] = tot
 
-    def select(self, need: int, prio: tuple[int, float]) -> int | str:
-        """Index of the chosen group, or the reason none fits."""
+    def select(
+        self, need: int, prio: tuple[int, float], same_model: Sequence[tuple[int, int]] = ()
+    ) -> int | str:
+        """Index of the chosen group, or the reason none fits.
+
+        ``same_model``: (node slot, mask) of replicas and instances of the same model; groups
+        intersecting them are excluded (two replicas of one model on shared GPUs can never both
+        start, so the second would be worthless).
+        """
         if not len(self.masks):
             return f"no node has {self.degree} GPUs for a tensor-parallel degree {self.degree}"
         if not self.valid.any():
@@ -372,6 +382,16 @@ class _DegreeIndex:
             return (
                 f"no valid group of {self.degree} GPUs has {need} bytes free on each GPU "
                 f"(most free on a valid group: {most} bytes)"
+            )
+        for i, m in same_model:
+            start, count = self.offset[i]
+            for k in range(start, start + count):
+                if self.masks[k] & m:
+                    fits[k] = False
+        if not fits.any():
+            return (
+                f"every valid group of {self.degree} GPUs with {need} bytes free per GPU "
+                "already holds a replica or instance of this model"
             )
         kind, score = prio
         lower = fits & ((self.hkind > kind) | ((self.hkind == kind) & (self.hscore < score)))
@@ -438,12 +458,12 @@ def _build_nodes(
     for inst in state.instances:
         ns = slots[at[inst.node]]
         m = ns.mask_of(inst.gpus)
-        ns.occupants.append(_Occupant(m, None, 0.0))
+        ns.occupants.append(_Occupant(m, None, 0.0, inst.model))
         ns.extra_masks.add(m)
     for r in keep:
         ns = slots[at[r.node]]
         m = ns.mask_of(r.gpus)
-        ns.occupants.append(_Occupant(m, _priority(r.kind, r.score), r.score))
+        ns.occupants.append(_Occupant(m, _priority(r.kind, r.score), r.score, r.model))
         ns.extra_masks.add(m)
     return slots, at
 
@@ -465,6 +485,19 @@ def _unplaced(req: ReplicaRequest, reason: str) -> Unplaced:
     return Unplaced(req.model, req.kind, req.rank, req.score, reason)
 
 
+def _same_model_masks(
+    state: ClusterState, slots: Sequence[_NodeSlots]
+) -> dict[str, list[tuple[int, int]]]:
+    """Per model, the (node slot, mask) of its kept replicas and its instances."""
+    at = {ns.name: i for i, ns in enumerate(slots)}
+    out: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for ns in slots:
+        for occ in ns.occupants:
+            if occ.model:
+                out[occ.model].append((at[ns.name], occ.mask))
+    return out
+
+
 def _place_evict_aware(
     state: ClusterState, slots: list[_NodeSlots], todo: Sequence[ReplicaRequest]
 ) -> tuple[list[Replica], list[Unplaced]]:
@@ -474,12 +507,13 @@ def _place_evict_aware(
         indexes[d] = _DegreeIndex(d, slots)
     placed: list[Replica] = []
     unplaced: list[Unplaced] = []
+    same = _same_model_masks(state, slots)
     for req in todo:
         spec = state.models[req.model]
         need = spec.prewarm_bytes_per_gpu
         prio = _priority(req.kind, req.score)
         idx = indexes[spec.tp]
-        k = idx.select(need, prio)
+        k = idx.select(need, prio, same[req.model])
         if isinstance(k, str):
             unplaced.append(_unplaced(req, k))
             continue
@@ -487,6 +521,7 @@ def _place_evict_aware(
         ns = slots[i]
         mask = idx.masks[k]
         ns.place(mask, prio, req.score, need)
+        same[req.model].append((i, mask))
         for other in indexes.values():
             other.refresh(i, ns)
         placed.append(_new_replica(spec, req, ns.name, ns.gpus_of(mask)))
@@ -498,14 +533,24 @@ def _place_first_fit(
 ) -> tuple[list[Replica], list[Unplaced]]:
     placed: list[Replica] = []
     unplaced: list[Unplaced] = []
+    same = _same_model_masks(state, slots)
     for req in todo:
         spec = state.models[req.model]
         need = spec.prewarm_bytes_per_gpu
-        for ns in slots:
-            fit = [p for p in range(ns.n) if ns.candidate[p] and ns.free[p] >= need]
+        for i, ns in enumerate(slots):
+            taken = 0
+            for j, m in same[req.model]:
+                if j == i:
+                    taken |= m
+            fit = [
+                p
+                for p in range(ns.n)
+                if ns.candidate[p] and ns.free[p] >= need and not taken >> p & 1
+            ]
             if len(fit) >= spec.tp:
                 mask = _mask(fit[: spec.tp])
                 ns.place(mask, _priority(req.kind, req.score), req.score, need)
+                same[req.model].append((i, mask))
                 placed.append(_new_replica(spec, req, ns.name, ns.gpus_of(mask)))
                 break
         else:
