@@ -1,4 +1,4 @@
-"""Proactive prewarming: how much of a grace instance's KV memory may be lent (WarmServe §4.1, Eq. 1).
+"""Proactive prewarming: how much of a grace instance's KV memory may be lent (§4.1, Eq. 1).
 
 For a grace-period instance with R requests in flight, max batch C, KV capacity M and K bytes
 of KV in use, the memory to keep reserved for its own KV cache is

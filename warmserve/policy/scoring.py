@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from warmserve.policy.cluster import (
     ClusterState,
@@ -37,7 +38,6 @@ from warmserve.policy.cluster import (
     PolicyInputError,
     ReplicaKind,
 )
-from dataclasses import dataclass
 
 MAX_BURSTINESS = 10.0
 
@@ -98,7 +98,9 @@ def model_replicas(spec: ModelSpec, forecast: LoadForecast, active: int) -> list
     """All replicas one model asks for this window, basic first, each rank with its score."""
     n_basic, n_burst = replica_counts(forecast, spec.max_batch, active)
     out = [
-        ReplicaRequest(spec.name, ReplicaKind.BASIC, i, basic_score(i, n_basic, n_burst, spec.cold_start_s))
+        ReplicaRequest(
+            spec.name, ReplicaKind.BASIC, i, basic_score(i, n_basic, n_burst, spec.cold_start_s)
+        )
         for i in range(n_basic)
     ]
     out += [
@@ -128,7 +130,8 @@ def replica_requests(state: ClusterState) -> list[ReplicaRequest]:
     """
     reqs: list[ReplicaRequest] = []
     for name in sorted(state.forecasts):
-        reqs += model_replicas(state.models[name], state.forecasts[name], state.active_instances(name))
+        active = state.active_instances(name)
+        reqs += model_replicas(state.models[name], state.forecasts[name], active)
     return sorted(reqs, key=priority_key)
 
 
