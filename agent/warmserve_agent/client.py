@@ -252,9 +252,9 @@ class SyncAgentClient:
     def describe(self) -> pb.NodeDescription:
         return self._run(self._client.describe())
 
-    def prewarm(self, model: str, gpus: Sequence[int], layers: int = 0, **kw: Any) -> Iterator[
-        pb.PrewarmProgress
-    ]:
+    def prewarm(
+        self, model: str, gpus: Sequence[int], layers: int = 0, **kw: Any
+    ) -> Iterator[pb.PrewarmProgress]:
         agen = self._client.prewarm(model, gpus, layers, **kw)
         while True:
             try:

@@ -1,1 +1,3 @@
-"""Generated gRPC code for the node agent API (``proto/warmserve/agent/v1``); see hack/gen-proto.sh."""
+"""Generated gRPC code for the node agent API (``proto/warmserve/agent/v1``).
+
+Regenerate with hack/gen-proto.sh."""

@@ -1,0 +1,68 @@
+"""How the core reaches an instance's engine: in a GPU worker process, or in this process.
+
+:class:`WorkerEngine` is the production path: the engine runs in the worker process of the
+group's first GPU (rank 0 hosts the HTTP endpoint; the other GPUs' workers stay attached to
+their GPUs as the paper's per-GPU actors).  :class:`InProcessEngine` runs the same
+:class:`~warmserve_agent.engine.SimulatedEngine` in the agent process; the property tests use it
+to drive thousands of steps without starting processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from warmserve_agent.engine import SimulatedEngine
+from warmserve_agent.worker import WorkerPool
+
+
+class InProcessEngine:
+    """InstanceEngine over a SimulatedEngine in this process."""
+
+    def __init__(self, gpus: Sequence[int] = ()) -> None:
+        self.gpus = tuple(gpus)
+        self.engine = SimulatedEngine()
+
+    def start(self, spec: dict[str, Any]) -> str:
+        return self.engine.start(spec)["endpoint"]
+
+    def layers_ready(self, n: int) -> None:
+        bad = self.engine.layers_ready(n)
+        if bad:
+            raise RuntimeError(f"weights differ from the store: {bad[:3]}")
+
+    def set_kv_capacity(self, nbytes: int) -> int:
+        return self.engine.set_kv_capacity(nbytes)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+
+class WorkerEngine:
+    """InstanceEngine whose engine lives in the worker process of ``gpus[0]``."""
+
+    def __init__(self, pool: WorkerPool, gpus: Sequence[int]) -> None:
+        self.pool = pool
+        self.gpus = tuple(gpus)
+        self.worker = pool.worker(self.gpus[0])
+
+    def start(self, spec: dict[str, Any]) -> str:
+        return self.worker.call("start_engine", timeout_s=120, spec=spec)["endpoint"]
+
+    def layers_ready(self, n: int) -> None:
+        bad = self.worker.call("layers_ready", n=n)
+        if bad:
+            raise RuntimeError(f"weights differ from the store: {bad[:3]}")
+
+    def set_kv_capacity(self, nbytes: int) -> int:
+        return int(self.worker.call("set_kv_capacity", nbytes=nbytes))
+
+    def stats(self) -> dict[str, Any]:
+        return self.worker.call("stats")
+
+    def stop(self) -> None:
+        if self.worker.alive():
+            self.worker.call("stop_engine")

@@ -1,0 +1,774 @@
+"""The node agent's core: GPU worker states, prewarm slots, instances (WarmServe §4, Fig. 5-6).
+
+:class:`NodeCore` is the synchronous, thread-safe state machine behind the gRPC service.  It owns
+the page tables (:class:`~warmserve_agent.memory.MemoryManager`), the weight store and one
+:class:`InstanceEngine` per serving instance, and enforces the worker lifecycle of Figure 5::
+
+    idle ──prewarm──▶ universal ──activate──▶ dedicated ──grace──▶ grace ──end──▶ universal | idle
+      └──────────────── activate (cold start) ──────▶┘               └─prewarm (lent memory)─┘
+
+Every call validates everything before it changes anything, so a refused call leaves the node as
+it was; refusals raise :class:`Refusal` with a gRPC status name and a message a person can act
+on.  Long work (copying weights) runs in loader threads outside the state lock; the loader only
+touches its own slot's progress fields and the event bus.
+
+Memory rules (§4.2):
+* prewarm: a slot on a GPU group gets its weights (first N layers) at the start of its virtual
+  range; pages come from the free pool (idle/universal GPUs) or from KV pages a grace instance
+  gave back (Eq. 1, via :func:`warmserve.policy.proactive.reservation_target`).
+* activate: every other slot touching the group is evicted, the chosen slot's weight range is
+  mapped in full (the rest of a partial prewarm keeps loading while it serves) and every page
+  left is mapped after the weights as KV cache.
+* grace: the instance keeps its Eq. 1 reservation target; surplus KV pages are unmapped from the
+  tail of its slot and returned to the pool, where prewarms can take them (Fig. 6b).
+* end: KV pages are unmapped; the instance's weights stay as a ready slot (unless evicted), so
+  the GPU becomes universal holding the old model and any model prewarmed during grace.
+* Slot groups must nest (evict-aware placement, §5.2): a new slot's GPU set must contain or be
+  contained in the set of every slot it overlaps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from warmserve.policy.cluster import InstancePhase, WorkerState
+from warmserve.policy.proactive import reservation_target
+from warmserve_agent.loader import LoadCancelled, load_layers
+from warmserve_agent.memory import MemoryManager, pages_for
+from warmserve_agent.store import SlotLayout, StoreError, UnknownModel, WeightStore
+
+log = logging.getLogger("warmserve.agent.node")
+
+ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+SLOT_ID_RE = re.compile(r"^slot-[0-9a-f]{12}$")
+INSTANCE_ID_RE = re.compile(r"^inst-[0-9a-f]{12}$")
+
+# Figure 5 transitions.  "crash" transitions (dedicated/grace -> universal/idle when the worker
+# hosting the engine dies) are applied only by ``worker_died``.
+ALLOWED: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.IDLE: frozenset({WorkerState.UNIVERSAL, WorkerState.DEDICATED}),
+    WorkerState.UNIVERSAL: frozenset(
+        {WorkerState.UNIVERSAL, WorkerState.IDLE, WorkerState.DEDICATED}
+    ),
+    WorkerState.DEDICATED: frozenset({WorkerState.GRACE}),
+    WorkerState.GRACE: frozenset({WorkerState.GRACE, WorkerState.UNIVERSAL, WorkerState.IDLE}),
+}
+CRASH_ALLOWED = frozenset({WorkerState.UNIVERSAL, WorkerState.IDLE})
+
+
+class Refusal(Exception):
+    """A request the node cannot honour; ``code`` is a gRPC status name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class IllegalTransition(RuntimeError):
+    """A bug: the core tried a transition Figure 5 does not have (never half-applied)."""
+
+
+class InstanceEngine(Protocol):
+    """What the core needs from the engine of one instance (see warmserve_agent.engine)."""
+
+    def start(self, spec: dict[str, Any]) -> str: ...
+    def layers_ready(self, n: int) -> None: ...
+    def set_kv_capacity(self, nbytes: int) -> int: ...
+    def stats(self) -> dict[str, Any]: ...
+    def stop(self) -> None: ...
+
+
+EngineFactory = Callable[[Sequence[int]], InstanceEngine]
+
+
+@dataclass
+class SlotRec:
+    slot_id: str
+    model: str
+    gpus: tuple[int, ...]
+    layout: SlotLayout
+    layers_target: int
+    layers_resident: int = 0
+    state: str = "loading"  # loading | ready | active | failed
+    message: str = ""
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0
+    cancel: threading.Event = field(default_factory=threading.Event)
+    loader: threading.Thread | None = None
+
+    @property
+    def layers_total(self) -> int:
+        return self.layout.model.num_layers
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.layout.bytes_for_layers(self.layers_resident)
+
+    @property
+    def bandwidth(self) -> float:
+        return self.bytes_loaded * len(self.gpus) / self.load_seconds if self.load_seconds else 0.0
+
+
+@dataclass
+class InstanceRec:
+    instance_id: str
+    model: str
+    gpus: tuple[int, ...]
+    slot_id: str
+    engine: InstanceEngine
+    max_batch: int
+    weight_pages: int
+    kv_pages_initial: int
+    kv_pages: int
+    phase: InstancePhase = InstancePhase.STARTING
+    endpoint: str = ""
+    prewarm_hit: bool = False
+    started_unix: float = field(default_factory=time.time)
+    activation_seconds: float = 0.0
+    last_stats: dict[str, Any] = field(default_factory=dict)
+    reservation_target: int = 0  # per GPU, bytes (grace only)
+
+
+@dataclass
+class GpuRec:
+    index: int
+    memory_bytes: int
+    state: WorkerState = WorkerState.IDLE
+    instance_id: str = ""
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # gpu | slot | slot_removed | instance | instance_removed | worker_replaced
+    generation: int
+    subject: str
+    message: str = ""
+
+
+class NodeCore:
+    """State machine of one node's GPUs (see module docstring)."""
+
+    def __init__(
+        self,
+        mm: MemoryManager,
+        store: WeightStore,
+        gpu_memory: dict[int, int],
+        engine_factory: EngineFactory,
+        *,
+        node_name: str = "node",
+    ) -> None:
+        self.mm = mm
+        self.store = store
+        self.node_name = node_name
+        self.engine_factory = engine_factory
+        self.page = mm.page_bytes
+        self.gpus: dict[int, GpuRec] = {}
+        for g, mem in sorted(gpu_memory.items()):
+            mm.add_gpu(g, mem)
+            self.gpus[g] = GpuRec(g, mm.num_pages(g) * self.page)
+        self.slots: dict[str, SlotRec] = {}
+        self.instances: dict[str, InstanceRec] = {}
+        self.generation = 0
+        self._lock = threading.RLock()
+        self._listeners: list[Callable[[Event], None]] = []
+        self._emit_lock = threading.Lock()
+        self.activation_log: list[tuple[bool, float]] = []  # (hit, seconds) for metrics
+
+    # ---- events ----------------------------------------------------------------------------
+    def subscribe(self, fn: Callable[[Event], None]) -> Callable[[], None]:
+        self._listeners.append(fn)
+        return lambda: self._listeners.remove(fn) if fn in self._listeners else None
+
+    def _emit(self, kind: str, subject: str, message: str = "") -> None:
+        with self._emit_lock:  # loader threads emit too
+            self.generation += 1
+            ev = Event(kind, self.generation, subject, message)
+        for fn in list(self._listeners):
+            try:
+                fn(ev)
+            except Exception:  # a listener must never break the state machine
+                log.exception("event=listener_failed kind=%s", kind)
+
+    # ---- validation helpers ----------------------------------------------------------------
+    def _model_layout(self, model: str, tp: int) -> SlotLayout:
+        try:
+            return self.store.layout(model, tp)
+        except UnknownModel as exc:
+            raise Refusal("NOT_FOUND", str(exc)) from None
+        except StoreError as exc:
+            raise Refusal("INVALID_ARGUMENT", str(exc)) from None
+
+    def _check_gpus(self, gpus: Iterable[int]) -> tuple[int, ...]:
+        gl = list(gpus)
+        if not gl:
+            raise Refusal("INVALID_ARGUMENT", "name at least one GPU (gpus is empty)")
+        if len(set(gl)) != len(gl):
+            raise Refusal("INVALID_ARGUMENT", f"GPU group {gl} names a GPU twice")
+        missing = [g for g in gl if g not in self.gpus]
+        if missing:
+            raise Refusal(
+                "INVALID_ARGUMENT",
+                f"GPU(s) {missing} are not on node {self.node_name}, which has GPUs "
+                f"{sorted(self.gpus)}; send the request to the node that owns them",
+            )
+        return tuple(sorted(gl))
+
+    def _check_slot_id(self, slot_id: str) -> SlotRec:
+        if not SLOT_ID_RE.match(slot_id or ""):
+            raise Refusal(
+                "INVALID_ARGUMENT",
+                f"malformed slot id {slot_id!r}: slot ids look like slot-0123456789ab "
+                "(take them from Describe or Prewarm)",
+            )
+        slot = self.slots.get(slot_id)
+        if slot is None:
+            raise Refusal("NOT_FOUND", f"no slot {slot_id} on node {self.node_name}")
+        return slot
+
+    def _check_instance_id(self, instance_id: str) -> InstanceRec:
+        if not INSTANCE_ID_RE.match(instance_id or ""):
+            raise Refusal(
+                "INVALID_ARGUMENT",
+                f"malformed instance id {instance_id!r}: instance ids look like "
+                "inst-0123456789ab (take them from Activate or Describe)",
+            )
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            raise Refusal("NOT_FOUND", f"no instance {instance_id} on node {self.node_name}")
+        return inst
+
+    def _transition(self, gpus: Iterable[int], new: WorkerState, *, crash: bool = False) -> None:
+        """Move GPUs to ``new``; all-or-nothing, and only along Figure 5's edges."""
+        recs = [self.gpus[g] for g in gpus]
+        for r in recs:
+            ok = new in (CRASH_ALLOWED if crash else ALLOWED[r.state])
+            if not ok and r.state != new:
+                raise IllegalTransition(f"gpu {r.index}: {r.state.value} -> {new.value}")
+        for r in recs:
+            if r.state != new:
+                r.state = new
+                self._emit("gpu", str(r.index), new.value)
+
+    def _rest_state(self, g: int) -> WorkerState:
+        """Universal if any slot touches the GPU, else idle (after an instance or eviction)."""
+        return (
+            WorkerState.UNIVERSAL
+            if any(g in s.gpus for s in self.slots.values())
+            else WorkerState.IDLE
+        )
+
+    def _check_nesting(self, gpus: tuple[int, ...], ignore: Iterable[str] = ()) -> None:
+        new = set(gpus)
+        skip = set(ignore)
+        for s in self.slots.values():
+            if s.slot_id in skip:
+                continue
+            other = set(s.gpus)
+            if new & other and not (new <= other or other <= new):
+                raise Refusal(
+                    "FAILED_PRECONDITION",
+                    f"GPU group {list(gpus)} overlaps slot {s.slot_id} ({s.model} on GPUs "
+                    f"{list(s.gpus)}) without containing it or being contained in it; groups "
+                    "on a node must nest (evict-aware placement) — evict that slot or choose "
+                    "a nested group",
+                )
+
+    # ---- grace lending (Eq. 1) -------------------------------------------------------------
+    def _refresh_grace(self, inst: InstanceRec) -> None:
+        """Shrink (or regrow) a grace instance's KV cache to its Eq. 1 reservation target.
+
+        Called on a timer (the paper checks when each request completes), before prewarming
+        into a grace GPU and when lendable memory is queried.  The engine has the last word on
+        how far it can shrink (admitted requests keep their KV); only pages beyond what it
+        accepted are unmapped.
+        """
+        if inst.phase != InstancePhase.GRACE:
+            return
+        st = inst.engine.stats()
+        inst.last_stats = st
+        tp = len(inst.gpus)
+        m_gpu = inst.kv_pages_initial * self.page
+        k_gpu = min(math.ceil(st["kv_used_bytes"] / tp), m_gpu)
+        target = reservation_target(st["running"], inst.max_batch, m_gpu, k_gpu)
+        inst.reservation_target = target
+        want = pages_for(target, self.page)
+        cur = inst.kv_pages
+        if want < cur:
+            accepted = inst.engine.set_kv_capacity(want * self.page * tp)
+            keep = max(want, pages_for(math.ceil(accepted / tp), self.page))
+            if keep < cur:
+                self.mm.unmap_range(inst.slot_id, inst.weight_pages + keep, cur - keep)
+                inst.kv_pages = keep
+                self._emit("instance", inst.instance_id, f"lent {cur - keep} KV pages")
+        elif want > cur:
+            grow = min(want - cur, min(self.mm.available_pages(g) for g in inst.gpus))
+            if grow > 0:
+                self.mm.map_range(inst.slot_id, inst.weight_pages + cur, grow)
+                inst.kv_pages = cur + grow
+                inst.engine.set_kv_capacity(inst.kv_pages * self.page * tp)
+                self._emit("instance", inst.instance_id, f"took back {grow} KV pages")
+
+    def refresh_grace_all(self) -> None:
+        with self._lock:
+            for inst in list(self.instances.values()):
+                try:
+                    self._refresh_grace(inst)
+                except Exception as exc:  # engine gone: worker_died handles it
+                    log.warning(
+                        "event=grace_refresh_failed instance=%s err=%s", inst.instance_id, exc
+                    )
+
+    def lendable(self, instance_ids: Sequence[str] = ()) -> list[dict[str, Any]]:
+        with self._lock:
+            ids = list(instance_ids) or [
+                i.instance_id for i in self.instances.values() if i.phase == InstancePhase.GRACE
+            ]
+            out = []
+            for iid in ids:
+                inst = self._check_instance_id(iid)
+                if inst.phase != InstancePhase.GRACE:
+                    raise Refusal(
+                        "FAILED_PRECONDITION",
+                        f"instance {iid} is {inst.phase.value}, not in a grace period; only grace "
+                        "instances lend memory (call BeginGrace first)",
+                    )
+                self._refresh_grace(inst)
+                st = inst.last_stats
+                tp = len(inst.gpus)
+                out.append(
+                    {
+                        "instance_id": iid,
+                        "model": inst.model,
+                        "gpus": inst.gpus,
+                        "running": st.get("running", 0),
+                        "max_batch": inst.max_batch,
+                        "kv_capacity_bytes": inst.kv_pages_initial * self.page,
+                        "kv_used_bytes": math.ceil(st.get("kv_used_bytes", 0) / tp),
+                        "reservation_target_bytes": inst.reservation_target,
+                        "lendable_bytes": min(self.mm.available_pages(g) for g in inst.gpus)
+                        * self.page,
+                        "lent_bytes": (inst.kv_pages_initial - inst.kv_pages) * self.page,
+                    }
+                )
+            return out
+
+    # ---- prewarm ---------------------------------------------------------------------------
+    def prewarm(self, model: str, gpus: Iterable[int], layers: int = 0) -> SlotRec:
+        """Admit a prewarm and start its loader; returns the (loading) slot."""
+        with self._lock:
+            group = self._check_gpus(gpus)
+            layout = self._model_layout(model, len(group))
+            n = layout.model.num_layers
+            if layers < 0 or layers > n:
+                raise Refusal(
+                    "INVALID_ARGUMENT",
+                    f"layers must be 0 (all) or 1..{n} for {model}, which has {n} layers; "
+                    f"got {layers}",
+                )
+            target = layers or n
+            for g in group:
+                rec = self.gpus[g]
+                if rec.state == WorkerState.DEDICATED:
+                    raise Refusal(
+                        "FAILED_PRECONDITION",
+                        f"GPU {g} is dedicated to instance {rec.instance_id}; a serving GPU "
+                        "cannot prewarm until its instance enters a grace period (BeginGrace)",
+                    )
+            self._check_nesting(group)
+            for s in self.slots.values():
+                if s.model == model and set(s.gpus) & set(group):
+                    raise Refusal(
+                        "FAILED_PRECONDITION",
+                        f"{model} is already resident in slot {s.slot_id} on GPUs "
+                        f"{list(s.gpus)}; activate that slot or evict it first",
+                    )
+            need = pages_for(layout.bytes_for_layers(target), self.page)
+            for g in group:
+                inst = self.instances.get(self.gpus[g].instance_id)
+                if inst is not None:
+                    self._refresh_grace(inst)
+            short = [
+                (g, self.mm.available_pages(g)) for g in group if self.mm.available_pages(g) < need
+            ]
+            if short:
+                g, have = short[0]
+                raise Refusal(
+                    "RESOURCE_EXHAUSTED",
+                    f"{model} ({target} of {n} layers) needs {need} pages "
+                    f"({need * self.page} bytes) per GPU; GPU {g} has {have} free "
+                    f"({have * self.page} bytes). Evict slots on it, prewarm fewer layers, "
+                    "or use a larger GPU group",
+                )
+            slot_id = f"slot-{uuid.uuid4().hex[:12]}"
+            self.mm.create_slot(slot_id, group)
+            self.mm.promise(slot_id, need)
+            slot = SlotRec(slot_id, model, group, layout, target)
+            self.slots[slot_id] = slot
+            self._transition(
+                [g for g in group if self.gpus[g].state == WorkerState.IDLE],
+                WorkerState.UNIVERSAL,
+            )
+            self._emit("slot", slot_id, "prewarm admitted")
+            self._start_loader(slot)
+            return slot
+
+    def _start_loader(self, slot: SlotRec) -> None:
+        if slot.loader is not None and slot.loader.is_alive():
+            return
+        if slot.layers_resident >= slot.layers_target:
+            return
+        t = threading.Thread(target=self._load, args=(slot,), daemon=True, name=slot.slot_id)
+        slot.loader = t
+        t.start()
+
+    def _load(self, slot: SlotRec) -> None:
+        """Loader thread: copy layers until the target is resident (target may grow)."""
+        base_bytes = slot.bytes_loaded
+        base_s = slot.load_seconds
+
+        def on_layer(n: int, nbytes: int, secs: float) -> None:
+            slot.layers_resident = n
+            slot.bytes_loaded = base_bytes + nbytes
+            slot.load_seconds = base_s + secs
+            inst = self._instance_of_slot(slot.slot_id)
+            if inst is not None and inst.phase != InstancePhase.STARTING:
+                inst.engine.layers_ready(n)
+            self._emit("slot", slot.slot_id, f"{n}/{slot.layers_total} layers")
+
+        try:
+            while slot.layers_resident < slot.layers_target and not slot.cancel.is_set():
+                load_layers(
+                    self.mm,
+                    self.store,
+                    slot.slot_id,
+                    slot.layout,
+                    slot.gpus,
+                    slot.layers_resident,
+                    slot.layers_target,
+                    cancel=slot.cancel,
+                    on_layer=on_layer,
+                )
+                base_bytes, base_s = slot.bytes_loaded, slot.load_seconds
+        except LoadCancelled:
+            return
+        except Exception as exc:
+            if slot.cancel.is_set():
+                return
+            slot.state = "failed"
+            slot.message = f"loading failed: {exc}"
+            log.error("event=load_failed slot=%s err=%s", slot.slot_id, exc)
+            self._emit("slot", slot.slot_id, slot.message)
+            return
+        if slot.state == "loading":
+            slot.state = "ready"
+            if self.mm.has_slot(slot.slot_id):
+                self.mm.release_promise(slot.slot_id)
+            self._emit("slot", slot.slot_id, "ready")
+
+    def _instance_of_slot(self, slot_id: str) -> InstanceRec | None:
+        for inst in self.instances.values():
+            if inst.slot_id == slot_id:
+                return inst
+        return None
+
+    def _destroy_slot(self, slot: SlotRec) -> None:
+        slot.cancel.set()
+        if slot.loader is not None and slot.loader is not threading.current_thread():
+            slot.loader.join()
+        self.mm.destroy_slot(slot.slot_id)
+        del self.slots[slot.slot_id]
+        self._emit("slot_removed", slot.slot_id)
+
+    # ---- evict -----------------------------------------------------------------------------
+    def evict(self, slot_id: str) -> tuple[SlotRec, int]:
+        with self._lock:
+            slot = self._check_slot_id(slot_id)
+            inst = self._instance_of_slot(slot_id)
+            if inst is not None:
+                raise Refusal(
+                    "FAILED_PRECONDITION",
+                    f"slot {slot_id} is serving instance {inst.instance_id}; end the instance "
+                    "first (BeginGrace, then EndInstance with evict_weights)",
+                )
+            freed = self.mm.mapped_count(slot_id, slot.gpus[0])
+            self._destroy_slot(slot)
+            for g in slot.gpus:
+                if self.gpus[g].state == WorkerState.UNIVERSAL:
+                    self._transition([g], self._rest_state(g))
+            return slot, freed
+
+    # ---- activate --------------------------------------------------------------------------
+    def activate(
+        self, model: str, gpus: Iterable[int], slot_id: str = ""
+    ) -> tuple[InstanceRec, list[str]]:
+        """Start an instance of ``model`` on ``gpus`` (prewarm hit if a slot holds it)."""
+        t0 = time.perf_counter()
+        with self._lock:
+            group = self._check_gpus(gpus)
+            layout = self._model_layout(model, len(group))
+            for g in group:
+                rec = self.gpus[g]
+                if rec.state in (WorkerState.DEDICATED, WorkerState.GRACE):
+                    what = "serving" if rec.state == WorkerState.DEDICATED else "draining (grace)"
+                    raise Refusal(
+                        "FAILED_PRECONDITION",
+                        f"GPU {g} is {what} instance {rec.instance_id}; end it before activating "
+                        "another instance on this GPU",
+                    )
+            chosen: SlotRec | None = None
+            if slot_id:
+                chosen = self._check_slot_id(slot_id)
+                if chosen.model != model or chosen.gpus != group:
+                    raise Refusal(
+                        "FAILED_PRECONDITION",
+                        f"slot {slot_id} holds {chosen.model} on GPUs {list(chosen.gpus)}, not "
+                        f"{model} on {list(group)}; omit slot_id to let the agent choose",
+                    )
+            else:
+                chosen = next(
+                    (
+                        s
+                        for s in self.slots.values()
+                        if s.model == model and s.gpus == group and s.state != "failed"
+                    ),
+                    None,
+                )
+            if chosen is not None and chosen.state == "failed":
+                raise Refusal(
+                    "FAILED_PRECONDITION",
+                    f"slot {chosen.slot_id} failed ({chosen.message}); evict it and retry",
+                )
+            weight_pages = pages_for(layout.total_bytes, self.page)
+            pages = min(self.mm.num_pages(g) for g in group)
+            if weight_pages + 1 > pages:
+                raise Refusal(
+                    "RESOURCE_EXHAUSTED",
+                    f"{model} needs {weight_pages} pages ({weight_pages * self.page} bytes) per "
+                    f"GPU for weights plus KV cache on a group of {len(group)}, but a GPU has "
+                    f"{pages} pages; use a larger tensor-parallel group",
+                )
+            # Validated: apply.
+            evict = [s for s in self.slots.values() if s is not chosen and set(s.gpus) & set(group)]
+            for s in evict:
+                self._destroy_slot(s)
+            for s in evict:  # GPUs outside the group that lost their last slot
+                for g in s.gpus:
+                    if g not in group and self.gpus[g].state == WorkerState.UNIVERSAL:
+                        self._transition([g], self._rest_state(g))
+            hit = chosen is not None
+            if chosen is None:
+                sid = f"slot-{uuid.uuid4().hex[:12]}"
+                self.mm.create_slot(sid, group)
+                chosen = SlotRec(sid, model, group, layout, layout.model.num_layers)
+                self.slots[sid] = chosen
+            chosen.layers_target = layout.model.num_layers
+            self.mm.promise(
+                chosen.slot_id, weight_pages - self.mm.mapped_prefix(chosen.slot_id, group[0])
+            )
+            self.mm.ensure_mapped(chosen.slot_id, weight_pages)
+            self.mm.release_promise(chosen.slot_id)
+            kv_pages = self.mm.map_all_free(chosen.slot_id, weight_pages)
+            chosen.state = "active"
+            iid = f"inst-{uuid.uuid4().hex[:12]}"
+            engine = self.engine_factory(group)
+            inst = InstanceRec(
+                iid,
+                model,
+                group,
+                chosen.slot_id,
+                engine,
+                layout.model.profile.max_batch,
+                weight_pages,
+                kv_pages,
+                kv_pages,
+                prewarm_hit=hit,
+            )
+            self.instances[iid] = inst
+            for g in group:
+                self.gpus[g].instance_id = iid
+            self._transition(group, WorkerState.DEDICATED)
+            self._emit("instance", iid, "starting")
+            self._start_loader(chosen)  # cold start, or the rest of a partial prewarm
+            try:
+                inst.endpoint = engine.start(self._engine_spec(inst, chosen))
+            except Exception as exc:
+                self._abort_instance(inst, f"engine failed to start: {exc}")
+                raise Refusal(
+                    "UNAVAILABLE", f"instance of {model} on GPUs {list(group)} failed: {exc}"
+                ) from None
+            inst.phase = InstancePhase.SERVING
+            if chosen.layers_resident > 0:
+                engine.layers_ready(chosen.layers_resident)
+            inst.activation_seconds = time.perf_counter() - t0
+            self.activation_log.append((hit, inst.activation_seconds))
+            self._emit("instance", iid, "serving")
+            log.info(
+                "event=activated instance=%s model=%s gpus=%s hit=%s seconds=%.4f evicted=%d",
+                iid,
+                model,
+                list(group),
+                hit,
+                inst.activation_seconds,
+                len(evict),
+            )
+            return inst, [s.slot_id for s in evict]
+
+    def _engine_spec(self, inst: InstanceRec, slot: SlotRec) -> dict[str, Any]:
+        """What the engine needs to serve from the slot (weights by physical page here)."""
+        path = getattr(self.mm.backend, "path", None)
+        if path is None:
+            raise Refusal(
+                "UNIMPLEMENTED",
+                f"engine hosting on the {self.mm.backend.name} backend is not wired yet "
+                "(the engine must map the slot by virtual address in the worker process)",
+            )
+        layout = slot.layout
+        digests = [self.store.digests(layout, r) for r in range(len(inst.gpus))]
+        prof = layout.model.profile
+        return {
+            "model": inst.model,
+            "instance_id": inst.instance_id,
+            "page_bytes": self.page,
+            "layers_total": layout.model.num_layers,
+            "layers_resident": slot.layers_resident,
+            "kv_capacity_bytes": inst.kv_pages * self.page * len(inst.gpus),
+            "profile": {
+                "max_batch": prof.max_batch,
+                "prefill_tok_s": prof.prefill_tok_s,
+                "decode_tok_s": prof.decode_tok_s,
+                "kv_bytes_per_token": prof.kv_bytes_per_token,
+            },
+            "weights": [
+                {
+                    "path": str(path(g)),
+                    "ppages": self.mm.physical_pages(slot.slot_id, g, 0, inst.weight_pages),
+                }
+                for g in inst.gpus
+            ],
+            "tensors": [
+                {
+                    "name": p.tensor.name,
+                    "layer": p.tensor.layer,
+                    "offset": p.slot_offset,
+                    "shard_len": [p.shard(r)[1] for r in range(len(inst.gpus))],
+                }
+                for p in layout.placements
+            ],
+            "digests": [[d.hex() for d in ds] for ds in digests],
+        }
+
+    def _abort_instance(self, inst: InstanceRec, why: str) -> None:
+        """Tear an instance down after its engine failed or died (crash transition)."""
+        with contextlib.suppress(Exception):
+            inst.engine.stop()
+        self.instances.pop(inst.instance_id, None)
+        slot = self.slots.get(inst.slot_id)
+        if slot is not None and self.mm.has_slot(slot.slot_id):
+            self.mm.unmap_range(slot.slot_id, inst.weight_pages, self.mm.num_pages(inst.gpus[0]))
+            slot.state = "ready" if slot.layers_resident >= slot.layers_target else "loading"
+        for g in inst.gpus:
+            self.gpus[g].instance_id = ""
+        for g in inst.gpus:
+            self._transition([g], self._rest_state(g), crash=True)
+        self._emit("instance_removed", inst.instance_id, why)
+        log.warning("event=instance_aborted instance=%s why=%s", inst.instance_id, why)
+
+    # ---- grace / end -----------------------------------------------------------------------
+    def begin_grace(self, instance_id: str) -> InstanceRec:
+        with self._lock:
+            inst = self._check_instance_id(instance_id)
+            if inst.phase != InstancePhase.SERVING:
+                raise Refusal(
+                    "FAILED_PRECONDITION",
+                    f"instance {instance_id} is {inst.phase.value}; only a serving instance "
+                    "can begin a grace period",
+                )
+            self._transition(inst.gpus, WorkerState.GRACE)
+            inst.phase = InstancePhase.GRACE
+            self._emit("instance", instance_id, "grace")
+            self._refresh_grace(inst)
+            return inst
+
+    def end_instance(self, instance_id: str, evict_weights: bool = False) -> InstanceRec:
+        with self._lock:
+            inst = self._check_instance_id(instance_id)
+            if inst.phase != InstancePhase.GRACE:
+                raise Refusal(
+                    "FAILED_PRECONDITION",
+                    f"instance {instance_id} is {inst.phase.value}; begin its grace period "
+                    "first (BeginGrace) so in-flight requests drain",
+                )
+            inst.engine.stop()
+            slot = self.slots[inst.slot_id]
+            self.mm.unmap_range(slot.slot_id, inst.weight_pages, self.mm.num_pages(inst.gpus[0]))
+            del self.instances[instance_id]
+            for g in inst.gpus:
+                self.gpus[g].instance_id = ""
+            if evict_weights:
+                self._destroy_slot(slot)
+            else:
+                slot.state = "ready" if slot.layers_resident >= slot.layers_target else "loading"
+                self._emit("slot", slot.slot_id, "kept after instance ended")
+            for g in inst.gpus:
+                self._transition([g], self._rest_state(g))
+            self._emit("instance_removed", instance_id, "ended")
+            return inst
+
+    # ---- failures --------------------------------------------------------------------------
+    def worker_died(self, gpu: int) -> str | None:
+        """The worker process of ``gpu`` died: drop the instance it hosted (if any)."""
+        with self._lock:
+            iid = self.gpus[gpu].instance_id
+            inst = self.instances.get(iid)
+            if inst is None:
+                return None
+            self._abort_instance(inst, f"worker process of GPU {gpu} died")
+            return iid
+
+    # ---- introspection ---------------------------------------------------------------------
+    def check(self) -> None:
+        """Invariants beyond the page tables (tests call this after every step)."""
+        with self._lock:
+            self.mm.check()
+            for g, rec in self.gpus.items():
+                slots = [s for s in self.slots.values() if g in s.gpus]
+                inst = self.instances.get(rec.instance_id)
+                if rec.state == WorkerState.IDLE:
+                    assert not slots and inst is None, f"gpu {g} idle but holds something"
+                elif rec.state == WorkerState.UNIVERSAL:
+                    assert slots and inst is None, f"gpu {g} universal without slots"
+                elif rec.state == WorkerState.DEDICATED:
+                    assert inst is not None and inst.phase != InstancePhase.GRACE
+                    assert [s.slot_id for s in slots] == [inst.slot_id], f"gpu {g}: extra slots"
+                else:
+                    assert inst is not None and inst.phase == InstancePhase.GRACE
+            for inst in self.instances.values():
+                slot = self.slots[inst.slot_id]
+                for g in inst.gpus:
+                    assert (
+                        self.mm.mapped_prefix(slot.slot_id, g) >= inst.weight_pages + inst.kv_pages
+                    )
+                    assert (
+                        self.mm.mapped_count(slot.slot_id, g) == inst.weight_pages + inst.kv_pages
+                    )
+
+    def shutdown(self) -> None:
+        with self._lock:
+            for inst in list(self.instances.values()):
+                with contextlib.suppress(Exception):
+                    inst.engine.stop()
+            for slot in self.slots.values():
+                slot.cancel.set()
+            for slot in self.slots.values():
+                if slot.loader is not None:
+                    slot.loader.join(10)

@@ -1,0 +1,227 @@
+"""GPU worker processes and their supervisor (WarmServe §3-4: one long-lived actor per GPU).
+
+Each GPU has one long-lived worker process that hosts the engine while the GPU is dedicated
+(or in grace).  The agent talks to it over a ``multiprocessing`` pipe with a tiny request/answer
+protocol: ``(command, kwargs)`` -> ``("ok", result)`` or ``("err", message)``.  Commands:
+``ping``, ``bind`` (attach to a GPU), ``start_engine``, ``layers_ready``, ``set_kv_capacity``,
+``stats``, ``stop_engine``, ``exit``.
+
+Why pooled processes: starting a Python process and importing the engine's libraries takes far
+longer than activating a slot, so the :class:`WorkerPool` keeps ``spares`` processes started and
+imported.  A crashed worker (or one recycled after an instance ends) is replaced from the spares
+at once and a new spare starts in the background.  ``bench/agent_bench.py`` measures the
+difference (pooled activation vs a freshly started process).
+
+A worker exits on its own when the agent's end of the pipe closes (agent crash or restart), so
+no orphan engines keep serving after the agent is gone (see docs/agent.md, "Agent restart").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+log = logging.getLogger("warmserve.agent.worker")
+
+_CTX = mp.get_context("spawn")
+
+
+class WorkerError(RuntimeError):
+    """A worker refused a command or died; the message says which and why."""
+
+
+# ---- the worker process -------------------------------------------------------------------
+def worker_main(conn: Connection, preload: bool = True) -> None:
+    """Entry point of a worker process (spawned)."""
+    t0 = time.perf_counter()
+    if preload:  # what makes a pooled worker faster than a fresh one: libraries already in
+        import aiohttp.web  # noqa: F401
+        import prometheus_client  # noqa: F401
+
+        import warmserve_agent.backends.simulated
+        import warmserve_agent.engine  # noqa: F401
+    state: dict[str, Any] = {"gpu": None, "engine": None, "import_s": time.perf_counter() - t0}
+
+    def engine() -> Any:
+        if state["engine"] is None:
+            raise WorkerError("no engine is running on this worker")
+        return state["engine"]
+
+    def start_engine(spec: dict[str, Any]) -> dict[str, Any]:
+        from warmserve_agent.engine import SimulatedEngine
+
+        if state["engine"] is not None:
+            raise WorkerError("an engine is already running on this worker")
+        eng = SimulatedEngine()
+        out = eng.start(spec)
+        state["engine"] = eng
+        return out
+
+    def stop_engine() -> None:
+        eng, state["engine"] = state["engine"], None
+        if eng is not None:
+            eng.stop()
+
+    handlers: dict[str, Callable[..., Any]] = {
+        "ping": lambda: {"pid": os.getpid(), "gpu": state["gpu"], "import_s": state["import_s"]},
+        "bind": lambda gpu: state.__setitem__("gpu", gpu),
+        "start_engine": start_engine,
+        "layers_ready": lambda n: engine().layers_ready(n),
+        "set_kv_capacity": lambda nbytes: engine().set_kv_capacity(nbytes),
+        "stats": lambda: engine().stats(),
+        "stop_engine": stop_engine,
+        "crash": lambda: os._exit(3),  # tests: simulate a crashed worker
+    }
+    while True:
+        try:
+            cmd, kwargs = conn.recv()
+        except (EOFError, OSError):
+            break  # the agent is gone
+        if cmd == "exit":
+            conn.send(("ok", None))
+            break
+        try:
+            result = handlers[cmd](**kwargs)
+            conn.send(("ok", result))
+        except Exception as exc:
+            conn.send(("err", f"{type(exc).__name__}: {exc}"))
+    stop_engine()
+
+
+# ---- the agent side -----------------------------------------------------------------------
+class WorkerHandle:
+    """The agent's handle on one worker process (thread-safe, blocking calls)."""
+
+    def __init__(self, preload: bool = True) -> None:
+        parent, child = _CTX.Pipe()
+        self.proc = _CTX.Process(target=worker_main, args=(child, preload), daemon=True)
+        self.started = time.perf_counter()
+        self.proc.start()
+        child.close()
+        self.conn = parent
+        self.gpu: int | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid or 0
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def call(self, cmd: str, timeout_s: float = 30.0, **kwargs: Any) -> Any:
+        with self._lock:
+            if not self.alive():
+                raise WorkerError(f"worker pid {self.pid} (gpu {self.gpu}) is not running")
+            try:
+                self.conn.send((cmd, kwargs))
+                if not self.conn.poll(timeout_s):
+                    raise WorkerError(f"worker pid {self.pid}: {cmd} timed out after {timeout_s}s")
+                status, result = self.conn.recv()
+            except (EOFError, OSError, BrokenPipeError) as exc:
+                raise WorkerError(f"worker pid {self.pid} (gpu {self.gpu}) died: {exc}") from None
+        if status != "ok":
+            raise WorkerError(f"worker gpu {self.gpu}: {cmd} failed: {result}")
+        return result
+
+    def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        return self.call("ping", timeout_s=timeout_s)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.alive():
+            with contextlib.suppress(WorkerError):
+                self.call("exit", timeout_s=timeout_s)
+            self.proc.join(timeout_s)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout_s)
+        self.conn.close()
+
+
+class WorkerPool:
+    """One worker per GPU plus ``spares`` pre-started processes to replace them at once."""
+
+    def __init__(self, gpus: list[int], spares: int = 1) -> None:
+        self.gpus = list(gpus)
+        self.spares_target = spares
+        self._spares: deque[WorkerHandle] = deque()
+        self._workers: dict[int, WorkerHandle] = {}
+        self.restarts: dict[int, int] = dict.fromkeys(gpus, 0)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def start(self) -> None:
+        handles = [WorkerHandle() for _ in self.gpus]
+        spares = [WorkerHandle() for _ in range(self.spares_target)]
+        for g, h in zip(self.gpus, handles, strict=True):
+            h.wait_ready()
+            h.call("bind", gpu=g)
+            h.gpu = g
+            self._workers[g] = h
+        for s in spares:
+            s.wait_ready()
+            self._spares.append(s)
+
+    def worker(self, gpu: int) -> WorkerHandle:
+        return self._workers[gpu]
+
+    @property
+    def spare_count(self) -> int:
+        return sum(1 for s in self._spares if s.alive())
+
+    def replace(self, gpu: int) -> WorkerHandle:
+        """Give ``gpu`` a new worker (from the spares if one is alive) and start a new spare."""
+        with self._lock:
+            old = self._workers.get(gpu)
+            new = None
+            while self._spares and new is None:
+                cand = self._spares.popleft()
+                new = cand if cand.alive() else None
+            if new is None:
+                new = WorkerHandle()
+                new.wait_ready()
+            new.call("bind", gpu=gpu)
+            new.gpu = gpu
+            self._workers[gpu] = new
+            self.restarts[gpu] += 1
+        if old is not None:
+            threading.Thread(target=old.stop, daemon=True).start()
+        threading.Thread(target=self._refill, daemon=True).start()
+        log.info(
+            "event=worker_replaced gpu=%d old_pid=%s new_pid=%d", gpu, old and old.pid, new.pid
+        )
+        return new
+
+    def _refill(self) -> None:
+        while not self._closed and len(self._spares) < self.spares_target:
+            h = WorkerHandle()
+            try:
+                h.wait_ready()
+            except WorkerError:
+                h.stop()
+                return
+            with self._lock:
+                if self._closed:
+                    h.stop()
+                    return
+                self._spares.append(h)
+
+    def dead_gpus(self) -> list[int]:
+        return [g for g, h in self._workers.items() if not h.alive()]
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            handles = list(self._workers.values()) + list(self._spares)
+            self._workers.clear()
+            self._spares.clear()
+        for h in handles:
+            h.stop()
