@@ -1,0 +1,272 @@
+"""The operator's Kubernetes I/O outside kopf's handlers, behind a small port.
+
+kopf owns the watch streams and the per-object handlers; the cluster-level window loop needs a
+few direct calls (list the deployments and GPU nodes, patch their status, read/write the load
+history ConfigMaps, post Events, read the peering object).  They go through :class:`KubePort`
+so the reconciler is unit-tested with an in-memory fake; :class:`KubeApi` implements it with the
+official ``kubernetes`` client (synchronous, so every call runs in a worker thread).
+
+Leadership: kopf's peering pauses a replica's handlers while a live peer with a higher priority
+exists (and pauses all replicas with equal priorities).  The window loop is not a kopf handler,
+so :func:`is_leader` applies the same rule to the same ``ClusterKopfPeering`` object; two
+replicas therefore never both act, and a replica acts only when kopf would let it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .spec import API_VERSION, GROUP, MD_KIND, MD_PLURAL, NODE_KIND, NODE_PLURAL, VERSION
+
+log = logging.getLogger("warmserve.operator.kube")
+
+PEERING_GROUP = "kopf.dev"
+PEERING_PLURAL = "clusterkopfpeerings"
+COMPONENT = "warmserve-operator"
+
+
+@dataclass(frozen=True, slots=True)
+class ObjRef:
+    """The object an Event is about."""
+
+    kind: str
+    name: str
+    namespace: str = ""
+    uid: str = ""
+    api_version: str = API_VERSION
+
+
+def md_ref(namespace: str, name: str, uid: str = "") -> ObjRef:
+    return ObjRef(MD_KIND, name, namespace, uid)
+
+
+def node_ref(name: str, uid: str = "") -> ObjRef:
+    return ObjRef(NODE_KIND, name, "", uid)
+
+
+class KubePort(Protocol):
+    async def list_model_deployments(self) -> list[dict[str, Any]]: ...
+    async def list_gpu_nodes(self) -> list[dict[str, Any]]: ...
+    async def patch_md_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
+    async def patch_node_status(self, name: str, status: dict[str, Any]) -> None: ...
+    async def read_history(self, namespace: str, name: str) -> dict[str, str] | None: ...
+    async def write_history(
+        self, namespace: str, name: str, data: dict[str, str], owner_uid: str, owner_name: str
+    ) -> None: ...
+    async def delete_history(self, namespace: str, name: str) -> None: ...
+    async def emit_event(self, ref: ObjRef, type_: str, reason: str, message: str) -> None: ...
+    async def is_leader(self) -> bool: ...
+
+
+def is_leader(
+    peering_status: Mapping[str, Any] | None,
+    identity: str,
+    priority: int,
+    now: dt.datetime | None = None,
+) -> bool:
+    """kopf's peering rule: no live peer with a higher or equal priority (other than us)."""
+    now = now or dt.datetime.now(dt.UTC)
+    for peer_id, info in (peering_status or {}).items():
+        if peer_id == identity or not isinstance(info, Mapping):
+            continue
+        try:
+            last = dt.datetime.fromisoformat(str(info.get("lastseen")))
+            if last.tzinfo is None:
+                last = last.replace(tzinfo=dt.UTC)
+            alive = last + dt.timedelta(seconds=int(info.get("lifetime", 60))) > now
+            prio = int(info.get("priority", 0))
+        except (TypeError, ValueError):
+            continue
+        if alive and prio >= priority:
+            return False
+    return True
+
+
+class KubeApi:
+    """:class:`KubePort` over the ``kubernetes`` client (kubeconfig or in-cluster config)."""
+
+    def __init__(
+        self, *, peering: str | None, identity: str, priority: int, event_namespace: str = "default"
+    ) -> None:
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        self._api = client.ApiClient()
+        self._custom = client.CustomObjectsApi(self._api)
+        self._core = client.CoreV1Api(self._api)
+        self._exc = client.ApiException
+        self.peering = peering
+        self.identity = identity
+        self.priority = priority
+        self.event_namespace = event_namespace
+
+    async def _t(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        return await asyncio.to_thread(fn, *args, **kw)
+
+    async def list_model_deployments(self) -> list[dict[str, Any]]:
+        res = await self._t(self._custom.list_cluster_custom_object, GROUP, VERSION, MD_PLURAL)
+        return list(res.get("items", []))
+
+    async def list_gpu_nodes(self) -> list[dict[str, Any]]:
+        res = await self._t(self._custom.list_cluster_custom_object, GROUP, VERSION, NODE_PLURAL)
+        return list(res.get("items", []))
+
+    async def patch_md_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        try:
+            await self._t(
+                self._custom.patch_namespaced_custom_object_status,
+                GROUP,
+                VERSION,
+                namespace,
+                MD_PLURAL,
+                name,
+                {"status": status},
+            )
+        except self._exc as exc:
+            if exc.status != 404:  # deleted meanwhile: nothing to report on
+                raise
+
+    async def patch_node_status(self, name: str, status: dict[str, Any]) -> None:
+        try:
+            await self._t(
+                self._custom.patch_cluster_custom_object_status,
+                GROUP,
+                VERSION,
+                NODE_PLURAL,
+                name,
+                {"status": status},
+            )
+        except self._exc as exc:
+            if exc.status != 404:
+                raise
+
+    async def read_history(self, namespace: str, name: str) -> dict[str, str] | None:
+        from .history import configmap_name
+
+        try:
+            cm = await self._t(
+                self._core.read_namespaced_config_map, configmap_name(name), namespace
+            )
+        except self._exc as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return dict(cm.data or {})
+
+    async def write_history(
+        self, namespace: str, name: str, data: dict[str, str], owner_uid: str, owner_name: str
+    ) -> None:
+        from .history import configmap_name
+
+        body = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": configmap_name(name),
+                "namespace": namespace,
+                "labels": {
+                    "app.kubernetes.io/managed-by": COMPONENT,
+                    "warmserve.io/model-deployment": name[:63],
+                },
+                "ownerReferences": [
+                    {
+                        "apiVersion": API_VERSION,
+                        "kind": MD_KIND,
+                        "name": owner_name,
+                        "uid": owner_uid,
+                    }
+                ]
+                if owner_uid
+                else [],
+            },
+            "data": data,
+        }
+        try:
+            await self._t(
+                self._core.replace_namespaced_config_map, configmap_name(name), namespace, body
+            )
+        except self._exc as exc:
+            if exc.status != 404:
+                raise
+            await self._t(self._core.create_namespaced_config_map, namespace, body)
+
+    async def delete_history(self, namespace: str, name: str) -> None:
+        from .history import configmap_name
+
+        try:
+            await self._t(self._core.delete_namespaced_config_map, configmap_name(name), namespace)
+        except self._exc as exc:
+            if exc.status != 404:
+                raise
+
+    async def emit_event(self, ref: ObjRef, type_: str, reason: str, message: str) -> None:
+        from kubernetes import client
+
+        now = dt.datetime.now(dt.UTC)
+        ns = ref.namespace or self.event_namespace
+        body = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{ref.name[:200]}."),
+            involved_object=client.V1ObjectReference(
+                api_version=ref.api_version,
+                kind=ref.kind,
+                name=ref.name,
+                namespace=ref.namespace or None,
+                uid=ref.uid or None,
+            ),
+            reason=reason,
+            message=message[:1024],
+            type=type_,
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+            source=client.V1EventSource(component=COMPONENT),
+            reporting_component=COMPONENT,
+            reporting_instance=self.identity[:128],
+            action=reason,
+        )
+        try:
+            await self._t(self._core.create_namespaced_event, ns, body)
+        except self._exc as exc:  # an Event is best effort; never fail a decision on it
+            log.warning("event=post_event_failed reason=%s status=%s", reason, exc.status)
+
+    async def is_leader(self) -> bool:
+        if not self.peering:
+            return True
+        try:
+            obj = await self._t(
+                self._custom.get_cluster_custom_object,
+                PEERING_GROUP,
+                "v1",
+                PEERING_PLURAL,
+                self.peering,
+            )
+        except self._exc as exc:
+            if exc.status == 404:
+                return False  # kopf pauses too while the peering object is missing
+            raise
+        return is_leader(obj.get("status"), self.identity, self.priority)
+
+    async def ensure_peering(self) -> None:
+        """Create the ClusterKopfPeering object kopf's --peering expects, if missing."""
+        if not self.peering:
+            return
+        body = {
+            "apiVersion": f"{PEERING_GROUP}/v1",
+            "kind": "ClusterKopfPeering",
+            "metadata": {"name": self.peering},
+        }
+        try:
+            await self._t(
+                self._custom.create_cluster_custom_object, PEERING_GROUP, "v1", PEERING_PLURAL, body
+            )
+        except self._exc as exc:
+            if exc.status != 409:
+                raise

@@ -1,0 +1,71 @@
+"""Prometheus metrics of the operator (``prometheus-client``).
+
+A private :class:`CollectorRegistry` per :class:`Metrics` object, so tests (and two operators in
+one process) never collide on the global registry.  ``warmserve operator --metrics-port`` serves
+it over HTTP.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+PREFIX = "warmserve_operator"
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.leader = Gauge(
+            f"{PREFIX}_leader", "1 when this replica is the active (leader) operator", registry=r
+        )
+        self.windows = Counter(f"{PREFIX}_windows_total", "Prediction windows closed", registry=r)
+        self.polls = Counter(f"{PREFIX}_polls_total", "Agent poll rounds", registry=r)
+        self.actions = Counter(
+            f"{PREFIX}_actions_total", "Agent calls issued", ["verb", "outcome"], registry=r
+        )
+        self.starts = Counter(
+            f"{PREFIX}_instance_starts_total", "Instances started", ["model", "start"], registry=r
+        )
+        self.predicted = Gauge(
+            f"{PREFIX}_predicted_load",
+            "Predicted load for the current window (requests in flight)",
+            ["model", "stat"],
+            registry=r,
+        )
+        self.observed = Gauge(
+            f"{PREFIX}_observed_load",
+            "Load of the last closed window (requests in flight)",
+            ["model", "stat"],
+            registry=r,
+        )
+        self.inflight = Gauge(f"{PREFIX}_inflight", "Requests in flight now", ["model"], registry=r)
+        self.instances = Gauge(f"{PREFIX}_instances", "Serving instances", ["model"], registry=r)
+        self.replicas = Gauge(
+            f"{PREFIX}_prewarm_replicas", "Resident prewarm replicas", ["model"], registry=r
+        )
+        self.unplaced = Gauge(
+            f"{PREFIX}_unplaced_replicas", "Requested replicas not placed", ["model"], registry=r
+        )
+        self.hit_ratio = Gauge(
+            f"{PREFIX}_prewarm_hit_ratio", "Prewarm hits / starts", ["model"], registry=r
+        )
+        self.agents_up = Gauge(
+            f"{PREFIX}_agents_reachable", "Agents answering Describe", registry=r
+        )
+        self.plan_seconds = Histogram(
+            f"{PREFIX}_plan_seconds",
+            "Time to plan a window (policy core)",
+            registry=r,
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
+        )
+        self.activation_seconds = Histogram(
+            f"{PREFIX}_activation_seconds",
+            "Instance activation time reported by agents",
+            ["start"],
+            registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+        )
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)

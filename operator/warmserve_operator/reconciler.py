@@ -1,0 +1,886 @@
+"""The cluster-level loop: measure load, predict, place, scale, report (WarmServe §5).
+
+Every poll interval (default 5 s) the active operator:
+
+1. lists ModelDeployments and GPUNodes from the API and asks every agent to Describe itself —
+   the agents are the source of truth for slots and instances, so a restarted operator rebuilds
+   its whole view from them and never duplicates an instance (request ids are deterministic,
+   see :mod:`.actions`);
+2. feeds each model's in-flight count (requests running + queued at its instances) into a
+   :class:`~warmserve.policy.load.WindowLoadTracker`;
+3. at each window boundary (wall-clock aligned, default 300 s): closes the window, records its
+   average and peak in the persisted history (:mod:`.history`), forecasts the next window with
+   the policy predictor (§5.1) and runs Algorithm 1 (§5.2) to prewarm/evict replicas;
+4. between windows, reacts to agent events: when free memory appears (an instance ended, a
+   grace instance lent KV memory, §4.1) it re-plans with the current forecasts; a lost agent is
+   dropped after ``agent_lost_after`` failed polls, and its instances are replaced elsewhere;
+5. runs the autoscaler every poll and starts instances where the policy's start choice says
+   (a prewarm hit when possible), drains scale-downs into grace periods and ends them;
+6. writes statuses and Events.
+
+Agent calls run as background tasks (a cold start can take a minute); until an agent reports
+their result, in-flight prewarms and starts are added to the snapshot so the next poll does not
+decide them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from warmserve.policy.autoscaler import AutoscalerConfig, ScaleMemory
+from warmserve.policy.cluster import LoadForecast, ModelSpec, PolicyInputError, Replica
+from warmserve.policy.load import WindowLoadTracker
+from warmserve.policy.placement import PrewarmPlan
+
+from .actions import Action, Activate, BeginGrace, EndInstance, Evict, Prewarm, describe
+from .agents import AgentCallError, AgentPool, NodeSnapshot
+from .history import HistoryError, LoadHistory
+from .kube import KubePort, ObjRef, md_ref, node_ref
+from .metrics import Metrics
+from .planning import (
+    Built,
+    PendingPrewarm,
+    PendingStart,
+    build_state,
+    orphan_actions,
+    scaling_actions,
+    teardown_actions,
+    window_actions,
+)
+from .spec import (
+    DEFAULT_LOAD_BANDWIDTH,
+    GPUNodeSpec,
+    ModelDeploymentSpec,
+    SpecError,
+    dedupe_models,
+    parse_gpu_node,
+    parse_model_deployment,
+    resolve_model,
+)
+from .status import Condition, ModelView, model_status, node_status, now_iso, strip_volatile
+
+log = logging.getLogger("warmserve.operator")
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Tunables of the loop (``warmserve operator`` flags / env)."""
+
+    window_s: float = 300.0
+    poll_s: float = 5.0
+    predictor: str | None = None  # None: the policy core's default predictor
+    load_bandwidth: float = DEFAULT_LOAD_BANDWIDTH
+    agent_lost_after: int = 3
+    evict_aware: bool = True
+    autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
+    node_status_refresh_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        from warmserve.policy.predictor import season_length
+
+        if not (math.isfinite(self.window_s) and self.window_s > 0):
+            raise PolicyInputError(f"window must be > 0 seconds, got {self.window_s}")
+        season_length(self.window_s)  # raises unless the window divides a day
+        if not (math.isfinite(self.poll_s) and 0 < self.poll_s <= self.window_s):
+            raise PolicyInputError(f"poll interval must be in (0, window], got {self.poll_s}")
+        if self.agent_lost_after < 1:
+            raise PolicyInputError("agent_lost_after must be >= 1")
+        if self.load_bandwidth <= 0:
+            raise PolicyInputError("load bandwidth must be > 0")
+
+
+@dataclass
+class ModelRuntime:
+    """What the operator remembers about one model between polls (rebuilt after a restart)."""
+
+    md: ModelDeploymentSpec
+    tracker: WindowLoadTracker
+    history: LoadHistory | None = None
+    forecast: LoadForecast | None = None
+    last_window: tuple[float, float, float] | None = None  # (start, avg, peak)
+    hits: int = 0
+    misses: int = 0
+    counters_loaded: bool = False
+    scale_memory: ScaleMemory | None = None
+    replicas: tuple[Replica, ...] = ()
+    unplaced: int = 0
+    unplaced_reason: str = ""
+    no_capacity: str = ""
+    last_status: Any = None
+    raw_status: Mapping[str, Any] | None = None
+    spec: ModelSpec | None = None
+    desired: int | None = None
+    history_dirty: bool = False
+
+
+@dataclass
+class NodeRuntime:
+    spec: GPUNodeSpec
+    snap: NodeSnapshot | None = None
+    failures: int = 0
+    lost: bool = False
+    last_seen: float | None = None
+    error: str = ""
+    last_status: Any = None
+    last_write: float = 0.0
+    raw_status: Mapping[str, Any] | None = None
+
+
+class Reconciler:
+    """One instance per operator process; :meth:`run` is the loop, :meth:`tick` one poll."""
+
+    def __init__(
+        self,
+        config: OperatorConfig,
+        kube: KubePort,
+        agents: AgentPool,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        from warmserve.policy.predictor import make_predictor, season_length
+
+        self.cfg = config
+        self.kube = kube
+        self.agents = agents
+        self.metrics = metrics or Metrics()
+        self.clock = clock
+        self.windows_per_day = season_length(config.window_s)
+        make_predictor(config.predictor)  # fail fast on an unknown predictor name
+        self.models: dict[str, ModelRuntime] = {}  # by model name (policy key)
+        self.nodes: dict[str, NodeRuntime] = {}
+        self.window_index: int | None = None
+        self.leader = False
+        self.deleting: set[str] = set()  # models whose deployment is being torn down
+        self.pending_prewarms: dict[tuple[str, str, tuple[int, ...]], PendingPrewarm] = {}
+        self.pending_starts: dict[tuple[str, tuple[int, ...]], PendingStart] = {}
+        self.grace_started: dict[str, float] = {}
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.last_built: Built | None = None
+        self.last_free: dict[tuple[str, int], int] = {}
+        self._replan = False
+        self._events_seen: dict[tuple[str, str, str], float] = {}
+        self._known_instances: dict[str, tuple[str, str]] = {}  # id -> (node, model)
+        self._ended_by_us: set[str] = set()
+        self._raw_status: dict[str, Mapping[str, Any]] = {}  # last status read, by deployment uid
+
+    # ------------------------------------------------------------------ loop
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Poll until ``stop`` is set; errors of one poll are logged, never fatal."""
+        while not stop.is_set():
+            started = self.clock()
+            try:
+                await self.tick()
+            except Exception:  # keep the loop alive; the next poll starts from the API again
+                log.exception("event=tick_failed")
+            delay = max(self.cfg.poll_s - (self.clock() - started), 0.05)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+        await self.drain_tasks(timeout=5.0)
+
+    async def drain_tasks(self, timeout: float) -> None:
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=timeout)
+
+    async def tick(self) -> None:
+        """One poll: observe, measure, (window) plan, scale, act, report."""
+        now = self.clock()
+        self.leader = await self.kube.is_leader()
+        self.metrics.leader.set(1 if self.leader else 0)
+        if not self.leader:
+            return
+        self.metrics.polls.inc()
+        mds, invalid = await self._load_deployments()
+        await self._load_nodes()
+        await self._describe_all(now)
+        snaps = self._live_snaps()
+        catalog = {}
+        for snap in snaps.values():
+            catalog.update(snap.models)
+        owners, dups = dedupe_models(mds)
+        specs: dict[str, ModelSpec] = {}
+        problems: dict[str, Condition] = {}
+        for md in dups:
+            problems[md.key] = Condition(
+                "Degraded",
+                True,
+                "DuplicateModel",
+                f"model {md.model!r} is already served by another ModelDeployment",
+            )
+        for model, md in owners.items():
+            rt = self._runtime(md, now)
+            try:
+                rt.spec = resolve_model(md, catalog, self.cfg.load_bandwidth)
+                specs[model] = rt.spec
+            except SpecError as exc:
+                rt.spec = None
+                problems[md.key] = Condition("Degraded", True, "ModelNotFound", str(exc))
+        for model in list(self.models):
+            if model not in owners:
+                self.models.pop(model)
+        await self._load_history_and_counters(specs)
+        loads = self._measure(snaps, specs, now)
+        if self._window_due(now):
+            await self._close_windows(now, specs)
+            self._replan = True
+        if not self._replan and self._free_memory_grew(snaps):
+            self._replan = True
+        bounds = {
+            m: (self.models[m].md.min_instances, self.models[m].md.max_instances) for m in specs
+        }
+        active = {m: s for m, s in specs.items() if m not in self.deleting}
+        forecasts = {
+            m: rt.forecast
+            for m, rt in self.models.items()
+            if m in active and rt.forecast is not None and rt.md.prewarm
+        }
+        built = build_state(
+            active,
+            snaps,
+            forecasts,
+            pending_prewarms=self.pending_prewarms.values(),
+            pending_starts=self.pending_starts.values(),
+        )
+        actions: list[Action] = []
+        scaling = scaling_actions(
+            built,
+            loads,
+            bounds,
+            self.cfg.autoscaler,
+            now,
+            {m: rt.scale_memory for m, rt in self.models.items() if rt.scale_memory},
+            self._grace_clock(built, now),
+        )
+        for m, memory in scaling.memory.items():
+            if m in self.models:
+                self.models[m].scale_memory = memory
+                self.models[m].desired = scaling.decisions[m].desired
+        for m, rt in self.models.items():
+            rt.no_capacity = scaling.no_capacity.get(m, "")
+        actions += scaling.actions
+        if self._replan:
+            t0 = time.perf_counter()
+            after_starts = Built(
+                scaling.state,
+                built.slot_of,
+                built.orphan_slots,
+                built.orphan_instances,
+                built.snaps,
+            )
+            plan, prewarm_actions = window_actions(after_starts, evict_aware=self.cfg.evict_aware)
+            self.metrics.plan_seconds.observe(time.perf_counter() - t0)
+            self._record_plan(plan, specs)
+            actions += prewarm_actions
+            self._replan = False
+            self.last_free = self._free_map(snaps)
+        if not invalid:
+            actions += orphan_actions(built)
+        self.last_built = built
+        self._track_instances(snaps, now)
+        self._launch(actions)
+        await self._write_statuses(built, owners, dups, problems, now)
+
+    # ------------------------------------------------------------------ observe
+
+    async def _load_deployments(self) -> tuple[list[ModelDeploymentSpec], bool]:
+        mds: list[ModelDeploymentSpec] = []
+        invalid = False
+        for body in await self.kube.list_model_deployments():
+            uid = body.get("metadata", {}).get("uid", "")
+            self._raw_status[uid] = body.get("status") or {}
+            try:
+                mds.append(parse_model_deployment(body))
+            except SpecError as exc:
+                invalid = True  # do not treat its model's slots as orphans
+                meta = body.get("metadata", {})
+                cond = Condition("Degraded", True, "InvalidSpec", str(exc))
+                await self.kube.patch_md_status(
+                    meta.get("namespace", ""),
+                    meta.get("name", ""),
+                    {
+                        "conditions": [
+                            {
+                                "type": c.type,
+                                "status": "True",
+                                "reason": c.reason,
+                                "message": c.message,
+                                "lastTransitionTime": now_iso(),
+                            }
+                            for c in [cond]
+                        ]
+                    },
+                )
+        return mds, invalid
+
+    async def _load_nodes(self) -> None:
+        seen: set[str] = set()
+        for body in await self.kube.list_gpu_nodes():
+            try:
+                spec = parse_gpu_node(body)
+            except SpecError as exc:
+                log.warning("event=gpunode_invalid error=%r", str(exc))
+                continue
+            seen.add(spec.name)
+            rt = self.nodes.get(spec.name)
+            if rt is None:
+                rt = self.nodes[spec.name] = NodeRuntime(spec, raw_status=body.get("status"))
+            rt.spec = spec
+        for name in list(self.nodes):
+            if name not in seen:
+                self.nodes.pop(name)
+        self.agents.forget_except(seen)
+
+    async def _describe_one(self, rt: NodeRuntime, now: float) -> None:
+        client = self.agents.get(rt.spec.name, rt.spec.address)
+        try:
+            snap = await asyncio.wait_for(client.describe(), timeout=max(self.cfg.poll_s * 2, 2.0))
+        except (AgentCallError, TimeoutError, OSError) as exc:
+            rt.failures += 1
+            rt.error = str(exc) or type(exc).__name__
+            if rt.failures >= self.cfg.agent_lost_after and not rt.lost:
+                rt.lost = True
+                rt.snap = None
+                log.warning("event=agent_lost node=%s error=%r", rt.spec.name, rt.error)
+                await self._event(
+                    node_ref(rt.spec.name),
+                    "Warning",
+                    "AgentLost",
+                    f"agent at {rt.spec.address} did not answer {rt.failures} polls: {rt.error}",
+                )
+            return
+        if rt.lost:
+            await self._event(
+                node_ref(rt.spec.name),
+                "Normal",
+                "AgentBack",
+                f"agent at {rt.spec.address} answers again (agent id {snap.agent_id})",
+            )
+        rt.snap, rt.failures, rt.lost, rt.last_seen, rt.error = snap, 0, False, now, ""
+
+    async def _describe_all(self, now: float) -> None:
+        await asyncio.gather(*(self._describe_one(rt, now) for rt in self.nodes.values()))
+        self.metrics.agents_up.set(
+            sum(1 for rt in self.nodes.values() if rt.failures == 0 and rt.snap)
+        )
+
+    def _live_snaps(self) -> dict[str, NodeSnapshot]:
+        """Snapshots the policy sees: reachable (or not yet declared lost), not cordoned."""
+        return {
+            name: rt.snap
+            for name, rt in self.nodes.items()
+            if rt.snap is not None and not rt.lost and not rt.spec.cordoned
+        }
+
+    def _runtime(self, md: ModelDeploymentSpec, now: float) -> ModelRuntime:
+        rt = self.models.get(md.model)
+        if rt is None or rt.md.uid != md.uid:
+            start = math.floor(now / self.cfg.window_s) * self.cfg.window_s
+            rt = self.models[md.model] = ModelRuntime(
+                md, WindowLoadTracker(self.cfg.window_s, start_s=start)
+            )
+        rt.md = md
+        return rt
+
+    async def _load_history_and_counters(self, specs: Mapping[str, ModelSpec]) -> None:
+        for model, rt in self.models.items():
+            if rt.history is None:
+                data = await self.kube.read_history(rt.md.namespace, rt.md.name)
+                try:
+                    rt.history = (
+                        LoadHistory.from_data(data, self.cfg.window_s)
+                        if data
+                        else LoadHistory(self.cfg.window_s)
+                    )
+                except HistoryError as exc:
+                    log.warning("event=history_unreadable model=%s error=%r", model, str(exc))
+                    rt.history = LoadHistory(self.cfg.window_s)
+                if model in specs and rt.md.prewarm:
+                    rt.forecast = self._forecast(rt)
+            if not rt.counters_loaded:
+                rt.counters_loaded = True
+                rt.raw_status = self._raw_status.get(rt.md.uid) or {}
+                pre = rt.raw_status.get("prewarm") or {}
+                rt.hits, rt.misses = int(pre.get("hits", 0)), int(pre.get("misses", 0))
+
+    def _measure(
+        self, snaps: Mapping[str, NodeSnapshot], specs: Mapping[str, ModelSpec], now: float
+    ) -> dict[str, float]:
+        loads = {m: 0.0 for m in specs}
+        for snap in snaps.values():
+            for inst in snap.instances:
+                if inst.model in loads:
+                    loads[inst.model] += inst.load
+        for m, load in loads.items():
+            rt = self.models[m]
+            for w in rt.tracker.advance(now):
+                self._record_window(rt, w.start_s, w.avg, w.peak)
+            rt.tracker.update(now, load)
+            self.metrics.inflight.labels(m).set(load)
+        return loads
+
+    # ------------------------------------------------------------------ windows
+
+    def _window_due(self, now: float) -> bool:
+        idx = math.floor(now / self.cfg.window_s)
+        if self.window_index is None:
+            self.window_index = idx
+            return True  # plan right away after a (re)start with the persisted history
+        if idx > self.window_index:
+            self.window_index = idx
+            return True
+        return False
+
+    def _record_window(self, rt: ModelRuntime, start: float, avg: float, peak: float) -> None:
+        assert rt.history is not None
+        index = round(start / self.cfg.window_s)
+        rt.history.record(index, avg, peak)
+        rt.last_window = (start, avg, peak)
+        rt.history_dirty = True
+        self.metrics.observed.labels(rt.md.model, "avg").set(avg)
+        self.metrics.observed.labels(rt.md.model, "peak").set(peak)
+
+    def _forecast(self, rt: ModelRuntime) -> LoadForecast:
+        from warmserve.policy.predictor import forecast
+
+        assert rt.history is not None
+        until = math.floor(self.clock() / self.cfg.window_s)
+        avg, peak = rt.history.series(until, self.windows_per_day)
+        fc = forecast(avg, peak, self.windows_per_day, self.cfg.predictor)
+        self.metrics.predicted.labels(rt.md.model, "avg").set(fc.avg)
+        self.metrics.predicted.labels(rt.md.model, "peak").set(fc.peak)
+        return fc
+
+    async def _close_windows(self, now: float, specs: Mapping[str, ModelSpec]) -> None:
+        """Closed windows were recorded by :meth:`_measure`; persist them and forecast anew."""
+        self.metrics.windows.inc()
+        for model, rt in self.models.items():
+            if rt.history_dirty and rt.history is not None:
+                rt.history_dirty = False
+                try:
+                    await self.kube.write_history(
+                        rt.md.namespace,
+                        rt.md.name,
+                        rt.history.to_data(model),
+                        rt.md.uid,
+                        rt.md.name,
+                    )
+                except Exception as exc:  # history is best effort; the next window retries
+                    log.warning("event=history_write_failed model=%s error=%r", model, str(exc))
+                    rt.history_dirty = True
+            if model in specs and rt.md.prewarm:
+                rt.forecast = self._forecast(rt)
+                log.info(
+                    "event=forecast model=%s avg=%.3f peak=%.3f history=%d",
+                    model,
+                    rt.forecast.avg,
+                    rt.forecast.peak,
+                    len(rt.history or []),
+                )
+            else:
+                rt.forecast = None
+
+    def _free_map(self, snaps: Mapping[str, NodeSnapshot]) -> dict[tuple[str, int], int]:
+        return {
+            (n, g.index): g.free_bytes
+            for n, s in snaps.items()
+            for g in s.gpus
+            if g.state.value != "dedicated"
+        }
+
+    def _free_memory_grew(self, snaps: Mapping[str, NodeSnapshot]) -> bool:
+        """True when some GPU gained free memory since the last plan (ended instance, lent KV)."""
+        cur = self._free_map(snaps)
+        grew = any(v > self.last_free.get(k, 0) + 2**20 for k, v in cur.items())
+        if not grew:
+            self.last_free = {k: min(v, self.last_free.get(k, v)) for k, v in cur.items()}
+        return grew
+
+    def _record_plan(self, plan: PrewarmPlan, specs: Mapping[str, ModelSpec]) -> None:
+        for model, rt in self.models.items():
+            rt.replicas = tuple(r for r in plan.replicas if r.model == model)
+            un = [u for u in plan.unplaced if u.model == model]
+            rt.unplaced = len(un)
+            rt.unplaced_reason = un[0].reason if un else ""
+            self.metrics.unplaced.labels(model).set(len(un))
+
+    def _grace_clock(self, built: Built, now: float) -> dict[str, float]:
+        """When each grace instance's grace began (first seen in grace by this operator)."""
+        seen = set()
+        for inst in built.state.instances:
+            if inst.phase.value == "grace":
+                seen.add(inst.name)
+                self.grace_started.setdefault(inst.name, now)
+        for name in list(self.grace_started):
+            if name not in seen:
+                self.grace_started.pop(name)
+        return dict(self.grace_started)
+
+    # ------------------------------------------------------------------ act
+
+    def _launch(self, actions: list[Action]) -> None:
+        for a in actions:
+            if a.model in self.deleting and not isinstance(a, EndInstance | Evict):
+                continue
+            if isinstance(a, Prewarm):
+                key = (a.node, a.model, a.gpus)
+                if key in self.pending_prewarms:
+                    continue
+                spec = self.models[a.model].spec if a.model in self.models else None
+                self.pending_prewarms[key] = PendingPrewarm(
+                    a.node, a.model, a.gpus, spec.prewarm_bytes_per_gpu if spec else 0
+                )
+            elif isinstance(a, Activate):
+                key2 = (a.node, a.gpus)
+                if key2 in self.pending_starts:
+                    continue
+                self.pending_starts[key2] = PendingStart(a.node, a.model, a.gpus)
+            elif isinstance(a, EndInstance):
+                self._ended_by_us.add(a.instance_id)
+            task = asyncio.get_running_loop().create_task(self._execute(a))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _execute(self, a: Action) -> None:
+        rt = self.nodes.get(a.node)
+        if rt is None:
+            return
+        client = self.agents.get(a.node, rt.spec.address)
+        verb = type(a).__name__.lower()
+        ref = self._md_ref(a.model)
+        log.info(
+            "event=action verb=%s node=%s model=%s request_id=%s detail=%r",
+            verb,
+            a.node,
+            a.model,
+            a.request_id,
+            describe(a),
+        )
+        try:
+            if isinstance(a, Prewarm):
+                await self._event(ref, "Normal", "Prewarm", describe(a))
+                await client.prewarm(a.model, a.gpus, a.layers, a.request_id)
+            elif isinstance(a, Evict):
+                await client.evict(a.slot_id, a.request_id)
+                await self._event(ref, "Normal", "Evicted", describe(a))
+            elif isinstance(a, Activate):
+                res = await client.activate(a.model, a.gpus, a.slot_id, a.request_id)
+                start = "hit" if res.hit else "cold"
+                self.metrics.starts.labels(a.model, start).inc()
+                self.metrics.activation_seconds.labels(start).observe(res.activation_s)
+                m = self.models.get(a.model)
+                if m is not None:
+                    if res.hit:
+                        m.hits += 1
+                    else:
+                        m.misses += 1
+                    self.metrics.hit_ratio.labels(a.model).set(m.hits / max(m.hits + m.misses, 1))
+                what = "PrewarmHit" if res.hit else "ColdStart"
+                await self._event(
+                    ref,
+                    "Normal",
+                    what,
+                    f"started {a.model} instance {res.instance.instance_id} on {a.node} GPUs "
+                    f"{list(a.gpus)} in {res.activation_s:.2f}s "
+                    f"({'prewarm hit' if res.hit else 'cold start'}); "
+                    f"endpoint {res.instance.endpoint}",
+                )
+            elif isinstance(a, BeginGrace):
+                await client.begin_grace(a.instance_id, a.request_id)
+                await self._event(ref, "Normal", "Draining", describe(a))
+            elif isinstance(a, EndInstance):
+                await client.end_instance(a.instance_id, a.evict_weights, a.request_id)
+                await self._event(ref, "Normal", "InstanceEnded", describe(a))
+            self.metrics.actions.labels(verb, "ok").inc()
+        except AgentCallError as exc:
+            self.metrics.actions.labels(verb, exc.code).inc()
+            log.warning(
+                "event=action_failed verb=%s node=%s model=%s code=%s message=%r",
+                verb,
+                a.node,
+                a.model,
+                exc.code,
+                exc.message,
+            )
+            await self._event(ref, "Warning", "AgentRefused", f"{describe(a)}: {exc}")
+        except (TimeoutError, OSError) as exc:
+            self.metrics.actions.labels(verb, "error").inc()
+            log.warning("event=action_error verb=%s node=%s error=%r", verb, a.node, str(exc))
+        finally:
+            try:
+                if rt.spec.name in self.nodes:
+                    snap = await asyncio.wait_for(client.describe(), timeout=5.0)
+                    rt.snap = snap
+            except (AgentCallError, TimeoutError, OSError):
+                pass
+            if isinstance(a, Prewarm):
+                self.pending_prewarms.pop((a.node, a.model, a.gpus), None)
+            elif isinstance(a, Activate):
+                self.pending_starts.pop((a.node, a.gpus), None)
+
+    async def teardown(self, md: ModelDeploymentSpec, timeout_s: float = 30.0) -> list[str]:
+        """Remove every instance and slot of a deleted deployment's model; return what is left.
+
+        Called from the kopf delete handler (the finalizer); the caller retries while the
+        returned list is not empty, so the deployment disappears only once nothing is left.
+        """
+        self.deleting.add(md.model)
+        await self._load_nodes()
+        left: list[str] = []
+        for rt in self.nodes.values():
+            client = self.agents.get(rt.spec.name, rt.spec.address)
+            try:
+                snap = await asyncio.wait_for(client.describe(), timeout=timeout_s)
+            except (AgentCallError, TimeoutError, OSError) as exc:
+                left.append(f"{rt.spec.name}: agent unreachable ({exc})")
+                continue
+            for a in teardown_actions(md.model, {rt.spec.name: snap}):
+                try:
+                    if isinstance(a, EndInstance):
+                        self._ended_by_us.add(a.instance_id)
+                        await client.end_instance(a.instance_id, True, a.request_id)
+                    elif isinstance(a, Evict):
+                        await client.evict(a.slot_id, a.request_id)
+                except AgentCallError as exc:
+                    if exc.code != "NOT_FOUND":
+                        left.append(f"{describe(a)}: {exc}")
+            snap = await client.describe()
+            rt.snap = snap
+            for a in teardown_actions(md.model, {rt.spec.name: snap}):
+                left.append(describe(a))
+        if not left:
+            try:
+                await self.kube.delete_history(md.namespace, md.name)
+            except Exception as exc:
+                log.warning("event=history_delete_failed model=%s error=%r", md.model, str(exc))
+            self.models.pop(md.model, None)
+            self.deleting.discard(md.model)
+        return left
+
+    # ------------------------------------------------------------------ report
+
+    def _md_ref(self, model: str) -> ObjRef | None:
+        rt = self.models.get(model)
+        return md_ref(rt.md.namespace, rt.md.name, rt.md.uid) if rt else None
+
+    async def _event(
+        self, ref: ObjRef | None, type_: str, reason: str, message: str, dedupe_s: float = 0.0
+    ) -> None:
+        if ref is None:
+            return
+        key = (f"{ref.kind}/{ref.namespace}/{ref.name}", reason, message)
+        now = self.clock()
+        if dedupe_s and now - self._events_seen.get(key, -math.inf) < dedupe_s:
+            return
+        self._events_seen[key] = now
+        await self.kube.emit_event(ref, type_, reason, message)
+
+    def _track_instances(self, snaps: Mapping[str, NodeSnapshot], now: float) -> None:
+        """Notice instances that vanished without the operator ending them (crash, agent lost)."""
+        current = {i.instance_id: (n, i.model) for n, s in snaps.items() for i in s.instances}
+        for iid, (node, model) in self._known_instances.items():
+            if iid not in current and iid not in self._ended_by_us:
+                ref = self._md_ref(model)
+                self._launch_event(
+                    ref,
+                    "Warning",
+                    "InstanceLost",
+                    f"instance {iid} of {model} on {node} is gone (agent lost or instance crashed)",
+                )
+                self._replan = True
+        self._ended_by_us &= set(current)
+        self._known_instances = current
+
+    def _launch_event(self, ref: ObjRef | None, type_: str, reason: str, message: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._event(ref, type_, reason, message))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def _conditions(
+        self, rt: ModelRuntime, snaps: Mapping[str, NodeSnapshot], problem: Condition | None
+    ) -> list[Condition]:
+        active = sum(
+            1
+            for s in snaps.values()
+            for i in s.instances
+            if i.model == rt.md.model and i.phase.value == "serving"
+        )
+        desired = rt.desired if rt.desired is not None else rt.md.min_instances
+        max_gpus = max((len(s.gpus) for s in snaps.values()), default=0)
+        if problem is None and not snaps:
+            problem = Condition("Degraded", True, "NoAgents", "no GPUNode agent is reachable")
+        if problem is None and rt.md.tp > max_gpus:
+            problem = Condition(
+                "Degraded",
+                True,
+                "Unplaceable",
+                f"spec.tensorParallel={rt.md.tp} exceeds the GPU count of every node "
+                f"(largest: {max_gpus})",
+            )
+        if problem is None and rt.no_capacity:
+            problem = Condition("Degraded", True, "NoCapacity", rt.no_capacity)
+        degraded = problem or Condition("Degraded", False, "AsExpected", "")
+        if problem is not None and problem.reason in (
+            "Unplaceable",
+            "ModelNotFound",
+            "DuplicateModel",
+            "NoAgents",
+        ):
+            ready = Condition("Ready", False, problem.reason, problem.message)
+        elif active >= desired:
+            ready = Condition(
+                "Ready",
+                True,
+                "ScaledToZero" if desired == 0 and active == 0 else "Serving",
+                f"{active} of {desired} desired instances serving",
+            )
+        else:
+            ready = Condition(
+                "Ready", False, "Starting", f"{active} of {desired} desired instances serving"
+            )
+        if not rt.md.prewarm:
+            pre = Condition("Prewarmed", False, "Disabled", "spec.prewarm.enabled is false")
+        elif rt.unplaced:
+            pre = Condition(
+                "Prewarmed",
+                False,
+                "Unplaced",
+                f"{rt.unplaced} replica(s) not placed: {rt.unplaced_reason}",
+            )
+        elif rt.replicas:
+            loading = self._loading(rt, snaps)
+            pre = Condition(
+                "Prewarmed",
+                not loading,
+                "Loading" if loading else "AllPlaced",
+                f"{len(rt.replicas)} replica(s) planned",
+            )
+        else:
+            pre = Condition(
+                "Prewarmed",
+                False,
+                "NotRequested",
+                "the forecast asks for no prewarm replica this window",
+            )
+        return [ready, pre, degraded]
+
+    def _loading(self, rt: ModelRuntime, snaps: Mapping[str, NodeSnapshot]) -> bool:
+        built = self.last_built
+        for r in rt.replicas:
+            sid = built.slot_of.get((r.node, r.model, r.gpus)) if built else None
+            slot = snaps[r.node].slot(sid) if sid and r.node in snaps else None
+            if slot is None or slot.state != "ready":
+                return True
+        return False
+
+    async def _write_statuses(
+        self,
+        built: Built,
+        owners: Mapping[str, ModelDeploymentSpec],
+        dups: list[ModelDeploymentSpec],
+        problems: Mapping[str, Condition],
+        now: float,
+    ) -> None:
+        snaps = built.snaps
+        stamp = now_iso(now)
+        for model, rt in self.models.items():
+            if model in self.deleting:
+                continue
+            md = rt.md
+            spec = rt.spec
+            fc = rt.forecast
+            view = ModelView(
+                generation=md.generation,
+                window_s=self.cfg.window_s,
+                window_start=(self.window_index or 0) * self.cfg.window_s,
+                predicted_avg=fc.avg if fc else None,
+                predicted_peak=fc.peak if fc else None,
+                observed_avg=rt.last_window[1] if rt.last_window else None,
+                observed_peak=rt.last_window[2] if rt.last_window else None,
+                history_windows=len(rt.history or []),
+                hits=rt.hits,
+                misses=rt.misses,
+                replicas=rt.replicas,
+                unplaced=rt.unplaced,
+                unplaced_reason=rt.unplaced_reason,
+                weight_bytes=spec.weight_bytes if spec else None,
+                num_layers=spec.num_layers if spec else None,
+                cold_start_s=spec.cold_start_s if spec else None,
+            )
+            view.conditions = self._conditions(rt, snaps, problems.get(md.key))
+            status = model_status(model, view, snaps, built.slot_of, rt.raw_status, stamp)
+            self.metrics.instances.labels(model).set(status["instanceCount"])
+            self.metrics.replicas.labels(model).set(status["prewarmedCount"])
+            await self._condition_events(rt, status)
+            key = strip_volatile(status)
+            if key != rt.last_status:
+                await self.kube.patch_md_status(md.namespace, md.name, status)
+                rt.last_status = key
+                rt.raw_status = status
+        for md in dups:
+            cond = problems[md.key]
+            await self.kube.patch_md_status(
+                md.namespace,
+                md.name,
+                {
+                    "observedGeneration": md.generation,
+                    "conditions": [
+                        {
+                            "type": "Degraded",
+                            "status": "True",
+                            "reason": cond.reason,
+                            "message": cond.message,
+                            "lastTransitionTime": stamp,
+                        },
+                        {
+                            "type": "Ready",
+                            "status": "False",
+                            "reason": cond.reason,
+                            "message": cond.message,
+                            "lastTransitionTime": stamp,
+                        },
+                    ],
+                },
+            )
+        for name, nrt in self.nodes.items():
+            reachable = nrt.failures == 0 and nrt.snap is not None
+            msg = f"agent {nrt.spec.address}" + (f": {nrt.error}" if nrt.error else "")
+            status = node_status(
+                nrt.snap if not nrt.lost else None,
+                reachable,
+                msg,
+                nrt.raw_status,
+                stamp,
+                nrt.last_seen,
+            )
+            key = strip_volatile(status)
+            if key != nrt.last_status or now - nrt.last_write >= self.cfg.node_status_refresh_s:
+                await self.kube.patch_node_status(name, status)
+                nrt.last_status, nrt.last_write, nrt.raw_status = key, now, status
+
+    async def _condition_events(self, rt: ModelRuntime, status: Mapping[str, Any]) -> None:
+        """An Event whenever Degraded or Prewarmed changes reason (not every poll)."""
+        old = {c.get("type"): c for c in (rt.raw_status or {}).get("conditions") or []}
+        ref = md_ref(rt.md.namespace, rt.md.name, rt.md.uid)
+        for c in status["conditions"]:
+            before = old.get(c["type"])
+            if (
+                before
+                and before.get("reason") == c["reason"]
+                and before.get("status") == c["status"]
+            ):
+                continue
+            if c["type"] == "Degraded" and c["status"] == "True":
+                await self._event(ref, "Warning", c["reason"], c["message"])
+            elif c["type"] == "Prewarmed" and c["reason"] == "Unplaced":
+                await self._event(ref, "Warning", "Unplaced", c["message"])
+            elif c["type"] == "Prewarmed" and c["reason"] == "AllPlaced":
+                await self._event(
+                    ref, "Normal", "Prewarmed", "every requested prewarm replica is resident"
+                )

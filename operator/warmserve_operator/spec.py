@@ -1,0 +1,226 @@
+"""ModelDeployment and GPUNode custom resources as typed values.
+
+The API server already validates specs against the CRD's OpenAPI schema (ranges, enums, CEL
+rules), so what reaches the operator is well formed.  We still parse defensively here: an
+object stored before a schema change, or a test that bypasses the API server, must yield a
+clear ``SpecError`` naming the field, never a ``KeyError`` deep in the reconciler.
+
+Model identity: the policy core keys models by name, and agents name models by their directory
+in the node's weight cache.  We therefore use ``spec.model.name`` as the policy key and require
+it to be unique across ModelDeployments cluster-wide (two deployments of the same weights would
+otherwise fight over the same slots); the older deployment wins, the newer one is reported with
+a ``Degraded`` condition (reason ``DuplicateModel``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from warmserve.policy.cluster import ModelSpec, PolicyInputError
+
+GROUP = "warmserve.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+MD_PLURAL = "modeldeployments"
+MD_KIND = "ModelDeployment"
+NODE_PLURAL = "gpunodes"
+NODE_KIND = "GPUNode"
+
+DEFAULT_LOAD_BANDWIDTH = 2 * 1024**3  # bytes/s host->GPU, for T_c when the spec gives none
+
+
+class SpecError(ValueError):
+    """A custom resource the operator cannot act on; the message names the field."""
+
+
+def _get(obj: Mapping[str, Any], path: str, default: Any = None) -> Any:
+    cur: Any = obj
+    for part in path.split("."):
+        if not isinstance(cur, Mapping) or part not in cur:
+            return default
+        cur = cur[part]
+    return cur
+
+
+def _int(obj: Mapping[str, Any], path: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = _get(obj, path, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"spec.{path} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise SpecError(f"spec.{path} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _num(
+    obj: Mapping[str, Any], path: str, default: float | None, lo: float, hi: float
+) -> float | None:
+    value = _get(obj, path, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise SpecError(f"spec.{path} must be a number, got {value!r}")
+    if not lo <= value <= hi:
+        raise SpecError(f"spec.{path} must be in [{lo}, {hi}], got {value}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDeploymentSpec:
+    """A parsed ``ModelDeployment`` (defaults as in the CRD)."""
+
+    namespace: str
+    name: str
+    uid: str
+    generation: int
+    created: str
+    model: str
+    weight_bytes: int | None
+    num_layers: int | None
+    cold_start_s: float | None
+    tp: int
+    max_batch: int
+    ttft_s: float
+    min_instances: int
+    max_instances: int
+    prewarm: bool
+    prewarm_layers: int | None
+    engine_args: tuple[str, ...]
+    deleting: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
+    """Parse a ModelDeployment object (as the API returns it) or raise :class:`SpecError`."""
+    meta = body.get("metadata") or {}
+    spec = body.get("spec")
+    if not isinstance(spec, Mapping):
+        raise SpecError("spec is missing")
+    model = _get(spec, "model.name")
+    if not isinstance(model, str) or not model:
+        raise SpecError("spec.model.name is required")
+    min_i = _int(spec, "minInstances", 0, 0, 1000)
+    max_i = _int(spec, "maxInstances", 8, 0, 1000)
+    assert min_i is not None and max_i is not None
+    if min_i > max_i:
+        raise SpecError(f"spec.minInstances ({min_i}) must be <= spec.maxInstances ({max_i})")
+    args = _get(spec, "engine.args", []) or []
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise SpecError("spec.engine.args must be a list of strings")
+    enabled = _get(spec, "prewarm.enabled", True)
+    if not isinstance(enabled, bool):
+        raise SpecError("spec.prewarm.enabled must be a boolean")
+    out = ModelDeploymentSpec(
+        namespace=str(meta.get("namespace") or "default"),
+        name=str(meta.get("name") or ""),
+        uid=str(meta.get("uid") or ""),
+        generation=int(meta.get("generation") or 0),
+        created=str(meta.get("creationTimestamp") or ""),
+        model=model,
+        weight_bytes=_int(spec, "model.weightBytes", None, 1, 2**62),
+        num_layers=_int(spec, "model.numLayers", None, 1, 1024),
+        cold_start_s=_num(spec, "model.coldStartSeconds", None, 0.0, 3600.0),
+        tp=_int(spec, "tensorParallel", 1, 1, 64) or 1,
+        max_batch=_int(spec, "maxBatchSize", 32, 1, 4096) or 32,
+        ttft_s=_num(spec, "ttftObjectiveSeconds", 1.0, 0.01, 600.0) or 1.0,
+        min_instances=min_i,
+        max_instances=max_i,
+        prewarm=enabled,
+        prewarm_layers=_int(spec, "prewarm.layers", None, 1, 1024),
+        engine_args=tuple(args),
+        deleting=bool(meta.get("deletionTimestamp")),
+    )
+    if out.num_layers and out.prewarm_layers and out.prewarm_layers > out.num_layers:
+        raise SpecError("spec.prewarm.layers must be <= spec.model.numLayers")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogEntry:
+    """What a node's weight store reports about a model."""
+
+    name: str
+    weight_bytes: int
+    num_layers: int
+
+
+def resolve_model(
+    md: ModelDeploymentSpec,
+    catalog: Mapping[str, CatalogEntry],
+    load_bandwidth: float = DEFAULT_LOAD_BANDWIDTH,
+) -> ModelSpec:
+    """The policy's :class:`ModelSpec` for a deployment: spec fields, else the weight store.
+
+    ``cold_start_s`` (T_c of Eq. 7-8) should come from offline profiling; without it we estimate
+    weight bytes / ``load_bandwidth`` — a documented approximation, reported in status.
+    Raises :class:`SpecError` when the weights are in no agent's cache and the spec does not
+    give their size.
+    """
+    entry = catalog.get(md.model)
+    weight = md.weight_bytes or (entry.weight_bytes if entry else None)
+    layers = md.num_layers or (entry.num_layers if entry else None)
+    if not weight or not layers:
+        raise SpecError(
+            f"model {md.model!r} is in no node agent's weight cache and spec.model.weightBytes/"
+            "numLayers are not set: copy the weights to the nodes or set them"
+        )
+    if md.prewarm_layers and md.prewarm_layers > layers:
+        raise SpecError(
+            f"spec.prewarm.layers ({md.prewarm_layers}) exceeds the model's {layers} layers"
+        )
+    cold = md.cold_start_s if md.cold_start_s is not None else weight / load_bandwidth
+    try:
+        return ModelSpec(
+            name=md.model,
+            weight_bytes=int(weight),
+            tp=md.tp,
+            max_batch=md.max_batch,
+            cold_start_s=float(cold),
+            num_layers=int(layers),
+            prewarm_layers=md.prewarm_layers,
+        )
+    except PolicyInputError as exc:  # pragma: no cover - ranges are checked above
+        raise SpecError(str(exc)) from exc
+
+
+def dedupe_models(
+    mds: Iterable[ModelDeploymentSpec],
+) -> tuple[dict[str, ModelDeploymentSpec], list[ModelDeploymentSpec]]:
+    """Map model name -> owning deployment; the oldest (then by namespace/name) wins.
+
+    Returns (owners, duplicates).  Deployments being deleted are left out entirely.
+    """
+    owners: dict[str, ModelDeploymentSpec] = {}
+    dups: list[ModelDeploymentSpec] = []
+    for md in sorted((m for m in mds if not m.deleting), key=lambda m: (m.created, m.key)):
+        if md.model in owners:
+            dups.append(md)
+        else:
+            owners[md.model] = md
+    return owners, dups
+
+
+@dataclass(frozen=True, slots=True)
+class GPUNodeSpec:
+    name: str
+    address: str
+    cordoned: bool = False
+
+
+def parse_gpu_node(body: Mapping[str, Any]) -> GPUNodeSpec:
+    name = _get(body, "metadata.name")
+    addr = _get(body, "spec.agentAddress")
+    if not name:
+        raise SpecError("metadata.name is required")
+    if not isinstance(addr, str) or ":" not in addr:
+        raise SpecError(f"GPUNode {name}: spec.agentAddress must be host:port, got {addr!r}")
+    return GPUNodeSpec(
+        name=str(name), address=addr, cordoned=bool(_get(body, "spec.cordoned", False))
+    )

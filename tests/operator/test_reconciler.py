@@ -1,0 +1,230 @@
+"""The operator's window loop against in-memory agents and API (no Kubernetes, no gRPC)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from operator_fakes import Clock, FakeAgent, FakeKube
+from warmserve_operator.agents import AgentPool
+from warmserve_operator.history import LoadHistory
+from warmserve_operator.planning import build_state
+from warmserve_operator.reconciler import OperatorConfig, Reconciler
+
+from warmserve.policy.autoscaler import AutoscalerConfig
+from warmserve.policy.cluster import GiB
+from warmserve.policy.placement import plan_prewarm
+
+W = 2.0
+CATALOG = {"llama-a": (10 * GiB, 32), "llama-b": (20 * GiB, 40), "huge": (8 * GiB, 8)}
+
+
+def seed_history(
+    kube: FakeKube, name: str, model: str, now: float, avg: float, peak: float, windows: int = 20
+) -> None:
+    h = LoadHistory(W)
+    end = math.floor(now / W)
+    for i in range(end - windows, end):
+        h.record(i, avg, peak)
+    kube.configmaps[("default", name)] = h.to_data(model)
+
+
+class Harness:
+    def __init__(self, nodes: int = 2, gpus: int = 4) -> None:
+        self.clock = Clock()
+        self.kube = FakeKube()
+        self.agents = {
+            f"node-{i}": FakeAgent(f"node-{i}", gpus, catalog=CATALOG) for i in range(nodes)
+        }
+        for name in self.agents:
+            self.kube.add_node(name)
+        self.cfg = OperatorConfig(
+            window_s=W,
+            poll_s=0.5,
+            autoscaler=AutoscalerConfig(scale_down_delay_s=1.0, max_grace_s=3.0),
+        )
+        self.rec = self.new_reconciler()
+
+    def new_reconciler(self) -> Reconciler:
+        pool = AgentPool(factory=lambda node, addr: self.agents[node])
+        return Reconciler(self.cfg, self.kube, pool, clock=self.clock)
+
+    async def tick(self, n: int = 1, dt: float = 0.5) -> None:
+        for _ in range(n):
+            await self.rec.tick()
+            await self.rec.drain_tasks(timeout=5)
+            self.clock.t += dt
+
+    def slots(self, model: str) -> list[tuple[str, tuple[int, ...]]]:
+        return sorted(
+            (a.node, s.gpus)
+            for a in self.agents.values()
+            for s in a.slots.values()
+            if s.model == model and not s.active
+        )
+
+    def instances(self, model: str) -> list[tuple[str, tuple[int, ...]]]:
+        return sorted(
+            (a.node, i.gpus)
+            for a in self.agents.values()
+            for i in a.instances.values()
+            if i.model == model
+        )
+
+    def status(self, name: str) -> dict:
+        return self.kube.mds[("default", name)].get("status", {})
+
+    def cond(self, name: str, type_: str) -> dict:
+        return next(c for c in self.status(name)["conditions"] if c["type"] == type_)
+
+
+async def test_prewarm_follows_policy_plan_and_status_reports_it() -> None:
+    h = Harness()
+    h.kube.add_md("a", "llama-a", maxBatchSize=4)
+    h.kube.add_md("b", "llama-b", maxBatchSize=4, tensorParallel=2)
+    seed_history(h.kube, "a", "llama-a", h.clock.t, avg=6.0, peak=10.0)
+    seed_history(h.kube, "b", "llama-b", h.clock.t, avg=3.0, peak=3.0)
+    await h.tick()
+    # What the policy core plans for the same snapshot and forecasts:
+    snaps = {n: await a.describe() for n, a in h.agents.items()}
+    specs = {m: rt.spec for m, rt in h.rec.models.items()}
+    fcs = {m: rt.forecast for m, rt in h.rec.models.items()}
+    assert fcs["llama-a"].avg == pytest.approx(6.0, rel=1e-2)
+    replanned = plan_prewarm(build_state(specs, snaps, fcs).state)
+    assert not replanned.place and not replanned.evict, "the operator placed exactly the plan"
+    assert len(h.slots("llama-a")) == 3  # ceil(6/4)=2 basic + ceil(10/4)-2 = 1 burst
+    assert len(h.slots("llama-b")) == 1
+    assert all(len(g) == 2 for _, g in h.slots("llama-b"))
+    await h.tick()
+    st = h.status("a")
+    assert st["prewarmedCount"] == 3
+    assert [r["kind"] for r in st["prewarmedReplicas"]] == ["basic", "basic", "burst"]
+    assert st["load"]["predictedAverage"] == pytest.approx(6.0, rel=1e-2)
+    assert h.cond("a", "Prewarmed")["status"] == "True"
+    assert h.cond("a", "Ready")["reason"] == "ScaledToZero"
+    assert "Prewarm" in h.kube.reasons("ModelDeployment/a")
+    node_st = h.kube.nodes["node-0"]["status"]
+    assert node_st["gpuCount"] == 4 and node_st["conditions"][0]["status"] == "True"
+
+
+async def test_load_rise_starts_on_prewarmed_group_and_restart_does_not_duplicate() -> None:
+    h = Harness()
+    h.kube.add_md("a", "llama-a", maxBatchSize=4, minInstances=1, maxInstances=4)
+    seed_history(h.kube, "a", "llama-a", h.clock.t, avg=6.0, peak=10.0)
+    await h.tick(2)
+    assert len(h.instances("llama-a")) == 1
+    first = next(i for a in h.agents.values() for i in a.instances.values())
+    assert not first.hit, "nothing was prewarmed before the first poll: a cold start"
+    assert len(h.slots("llama-a")) == 2, "then the forecast's replicas were prewarmed around it"
+    # Raise the load reported by the agent above one instance's batch: a second, warm start.
+    h.agents[h.instances("llama-a")[0][0]].set_load("llama-a", 7)
+    await h.tick(2)
+    assert len(h.instances("llama-a")) == 2
+    st = h.status("a")
+    assert st["prewarm"]["hits"] == 1 and st["prewarm"]["misses"] == 1
+    assert st["prewarm"]["hitRatio"] == 0.5
+    assert h.kube.reasons("ModelDeployment/a").count("PrewarmHit") == 1
+    second = [i for a in h.agents.values() for i in a.instances.values() if i is not first]
+    assert second[0].hit
+    # Operator restart: a fresh reconciler rebuilds from agents + API and starts nothing new.
+    activates = sum(1 for a in h.agents.values() for c in a.calls if c[0] == "activate")
+    h.rec = h.new_reconciler()
+    await h.tick(3)
+    assert len(h.instances("llama-a")) == 2
+    assert sum(1 for a in h.agents.values() for c in a.calls if c[0] == "activate") == activates
+    assert h.status("a")["prewarm"]["hits"] == 1, "hit counters survive the restart via status"
+
+
+async def test_delete_tears_down_everything_of_the_model() -> None:
+    h = Harness()
+    h.kube.add_md("a", "llama-a", maxBatchSize=4, minInstances=1)
+    h.kube.add_md("b", "llama-b", maxBatchSize=4, tensorParallel=2)
+    seed_history(h.kube, "a", "llama-a", h.clock.t, avg=6.0, peak=10.0)
+    seed_history(h.kube, "b", "llama-b", h.clock.t, avg=3.0, peak=3.0)
+    await h.tick(3)
+    assert h.slots("llama-a") and h.instances("llama-a")
+    md = h.rec.models["llama-a"].md
+    left = await h.rec.teardown(md)
+    assert left == []
+    assert not h.slots("llama-a") and not h.instances("llama-a")
+    assert ("default", "a") not in h.kube.configmaps
+    assert h.slots("llama-b"), "other models are untouched"
+    del h.kube.mds[("default", "a")]
+    await h.tick(3)
+    assert not h.slots("llama-a") and not h.instances("llama-a")
+
+
+async def test_orphans_of_deleted_deployments_are_removed() -> None:
+    h = Harness()
+    await h.agents["node-0"].prewarm("llama-a", (0,), 0, "manual-1")
+    await h.tick()
+    assert not h.slots("llama-a")
+
+
+async def test_unplaceable_tp_is_reported_in_condition_and_event() -> None:
+    h = Harness(gpus=4)
+    h.kube.add_md("big", "huge", tensorParallel=8, minInstances=1)
+    await h.tick(2)
+    cond = h.cond("big", "Degraded")
+    assert cond["status"] == "True" and cond["reason"] == "Unplaceable"
+    assert "tensorParallel=8" in cond["message"]
+    assert h.cond("big", "Ready")["status"] == "False"
+    assert h.kube.reasons("ModelDeployment/big").count("Unplaceable") == 1, (
+        "one Event, not one per poll"
+    )
+
+
+async def test_agent_lost_is_reported_and_its_instance_replaced() -> None:
+    h = Harness()
+    h.kube.add_md("a", "llama-a", maxBatchSize=4, minInstances=1)
+    seed_history(h.kube, "a", "llama-a", h.clock.t, avg=2.0, peak=2.0)
+    await h.tick(2)
+    ((node, _),) = h.instances("llama-a")
+    h.agents[node].down = True
+    await h.tick(4)
+    assert "AgentLost" in h.kube.reasons(f"GPUNode/{node}")
+    assert h.kube.nodes[node]["status"]["conditions"][0]["status"] == "False"
+    live = [(n, g) for n, g in h.instances("llama-a") if n != node]
+    assert len(live) == 1, "a replacement instance runs on the other node"
+
+
+async def test_duplicate_model_and_missing_weights_are_degraded() -> None:
+    h = Harness()
+    h.kube.add_md("a", "llama-a", created="2026-01-01T00:00:00Z")
+    h.kube.add_md("a2", "llama-a", created="2026-01-02T00:00:00Z")
+    h.kube.add_md("ghost", "not-in-cache")
+    await h.tick()
+    assert h.cond("a2", "Degraded")["reason"] == "DuplicateModel"
+    assert h.cond("ghost", "Degraded")["reason"] == "ModelNotFound"
+    assert h.cond("a", "Degraded")["status"] == "False"
+
+
+async def test_not_leader_does_nothing() -> None:
+    h = Harness()
+    h.kube.leader = False
+    h.kube.add_md("a", "llama-a", minInstances=1)
+    await h.tick(3)
+    assert not h.instances("llama-a") and h.kube.status_writes == 0
+
+
+async def test_history_is_persisted_each_window() -> None:
+    h = Harness()
+    h.kube.add_md("a", "llama-a", maxBatchSize=4, minInstances=1)
+    await h.tick(2)
+    ((node, _),) = h.instances("llama-a")
+    h.agents[node].set_load("llama-a", 3)
+    await h.tick(10)  # 5 s = 2+ windows
+    data = h.kube.configmaps[("default", "a")]
+    hist = LoadHistory.from_data(data, W)
+    assert len(hist) >= 2
+    assert max(hist.peak) == pytest.approx(3.0)
+    assert h.status("a")["load"]["observedPeak"] == pytest.approx(3.0)
+
+
+def test_config_rejects_bad_window() -> None:
+    from warmserve.policy.cluster import PolicyInputError
+
+    with pytest.raises(PolicyInputError, match="divide a day"):
+        OperatorConfig(window_s=7.0)
+    with pytest.raises(PolicyInputError, match="poll interval"):
+        OperatorConfig(window_s=2.0, poll_s=5.0)
