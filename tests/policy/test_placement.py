@@ -230,6 +230,24 @@ def test_evict_unaware_ablation_first_fit_may_overlap() -> None:
     assert not is_laminar([r.gpus for r in ff.replicas])
 
 
+def test_apply_plan_updates_memory_and_states() -> None:
+    m = spec("m", gb=10)
+    s = state([node("n", 2)], [m], {"m": ONE_BASIC})
+    plan = plan_prewarm(s)
+    after = apply_plan(s, plan)
+    g0, g1 = after.node("n").gpus
+    assert (g0.state, g0.free_bytes) == (WorkerState.UNIVERSAL, 80 * GiB - 10**10)
+    assert (g1.state, g1.free_bytes) == (WorkerState.IDLE, 80 * GiB)
+    assert after.replicas == plan.place
+    gone = apply_plan(after, plan_prewarm(replace_forecasts(after, {})))
+    assert gone.node("n").gpu(0).state == WorkerState.IDLE and gone.replicas == ()
+    assert gone.node("n").gpu(0).free_bytes == 80 * GiB
+
+
+def replace_forecasts(s: ClusterState, fc: dict[str, LoadForecast]) -> ClusterState:
+    return ClusterState(s.nodes, s.models, s.replicas, s.instances, fc)
+
+
 # --------------------------------------------------------------------------- properties
 
 

@@ -32,6 +32,10 @@ finishes or after ``max_grace_s`` (then remaining requests are cut off / migrate
 caller).  :func:`decide` drains the instances with the fewest running requests first (they free
 their GPUs soonest and lend the most KV memory), ties by name, node and GPUs.
 
+Grace instances are not revived on a scale-up: the paper gives them no new requests, and their
+free KV memory may already hold other models' prewarmed weights; a scale-up starts a new instance
+where :func:`~warmserve.policy.placement.choose_start` says.
+
 Everything is pure and deterministic; time is passed in explicitly (``now_s``) and the only
 memory between calls is the small :class:`ScaleMemory` the caller keeps per model.
 """
@@ -142,7 +146,12 @@ class ScaleMemory:
 
 @dataclass(frozen=True, slots=True)
 class ScaleDecision:
-    """One model's decision: start ``scale_up`` instances, drain ``drain`` into grace."""
+    """One model's decision: start ``scale_up`` instances, drain ``drain`` into grace.
+
+    ``desired`` is the count to run now (still ``current`` while a scale-down waits out its
+    delay); ``memory`` must be passed to the next call; ``grace_ended`` lists grace instances to
+    terminate.
+    """
 
     model: str
     current: int
