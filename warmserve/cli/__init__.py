@@ -26,6 +26,8 @@ EXIT_USAGE = 2
 SUBCOMMANDS: tuple[str, ...] = (
     "predict",
     "plan",
+    "operator_cmd",
+    "status",
 )
 
 

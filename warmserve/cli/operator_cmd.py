@@ -1,0 +1,194 @@
+"""``warmserve operator``: run the kopf operator (ModelDeployment reconciliation, window loop).
+
+(The module is not called ``operator.py``: that name would shadow the standard library.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+import uuid
+from typing import Any
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "operator",
+        help="run the Kubernetes operator (kopf)",
+        description=(
+            "Run the warmserve operator: reconciles ModelDeployments, polls the node agents "
+            "registered as GPUNodes, predicts each model's load every window and prewarms / "
+            "starts / drains instances through the agents' gRPC API. Uses the kubeconfig "
+            "($KUBECONFIG or ~/.kube/config) or the in-cluster service account."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--window",
+        type=float,
+        default=_env_float("WARMSERVE_WINDOW_S", 300.0),
+        help="prediction window W in seconds (must divide a day; env WARMSERVE_WINDOW_S)",
+    )
+    p.add_argument(
+        "--poll",
+        type=float,
+        default=_env_float("WARMSERVE_POLL_S", 5.0),
+        help="agent poll / autoscaling interval in seconds (env WARMSERVE_POLL_S)",
+    )
+    p.add_argument(
+        "--predictor",
+        default=os.environ.get("WARMSERVE_PREDICTOR") or None,
+        help="predictor name (default: the policy core's default)",
+    )
+    p.add_argument(
+        "--load-bandwidth-gib",
+        type=float,
+        default=2.0,
+        help="host->GPU GiB/s used to estimate T_c when a spec gives no coldStartSeconds",
+    )
+    p.add_argument(
+        "--agent-lost-after",
+        type=int,
+        default=3,
+        help="failed polls after which an agent counts as lost",
+    )
+    p.add_argument(
+        "--scale-down-delay",
+        type=float,
+        default=60.0,
+        help="seconds the load must stay low before an instance is drained",
+    )
+    p.add_argument(
+        "--max-grace",
+        type=float,
+        default=300.0,
+        help="longest grace period (seconds) of a drained instance",
+    )
+    p.add_argument(
+        "--peering",
+        default=os.environ.get("WARMSERVE_PEERING", "warmserve"),
+        help="kopf ClusterKopfPeering name used for leader election",
+    )
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        help="no leader election (only ever run one replica like this)",
+    )
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority; the live replica with the highest one acts "
+        "(default: random, so equal priorities are unlikely)",
+    )
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port (0: off)")
+    p.add_argument("--metrics-address", default="0.0.0.0", help="Prometheus bind address")
+    p.add_argument(
+        "--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz"
+    )
+    p.add_argument(
+        "--agent-token-file",
+        default=os.environ.get("WARMSERVE_AGENT_TOKEN_FILE"),
+        help="bearer token file for the agents' gRPC API",
+    )
+    p.add_argument("--agent-ca", default=None, help="CA certificate (PEM) of the agents' TLS")
+    p.add_argument("--agent-cert", default=None, help="client certificate (PEM) for mutual TLS")
+    p.add_argument("--agent-key", default=None, help="client key (PEM) for mutual TLS")
+    p.add_argument("--verbose", action="store_true", help="debug logging")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from warmserve.cli import CliError
+    from warmserve.policy.autoscaler import AutoscalerConfig
+    from warmserve.policy.cluster import PolicyInputError
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+    )
+    for path in (args.agent_token_file, args.agent_ca, args.agent_cert, args.agent_key):
+        if path and not os.path.isfile(path):
+            raise CliError(f"file not found: {path}")
+    try:
+        from warmserve_operator.reconciler import OperatorConfig
+
+        config = OperatorConfig(
+            window_s=args.window,
+            poll_s=min(args.poll, args.window),
+            predictor=args.predictor,
+            load_bandwidth=args.load_bandwidth_gib * 1024**3,
+            agent_lost_after=args.agent_lost_after,
+            autoscaler=AutoscalerConfig(
+                scale_down_delay_s=args.scale_down_delay, max_grace_s=args.max_grace
+            ),
+        )
+        from warmserve.policy.predictor import make_predictor
+
+        make_predictor(args.predictor)
+    except (PolicyInputError, KeyError, ValueError) as exc:
+        raise CliError(str(exc).strip("'\"")) from exc
+    _check_cluster()
+
+    import kopf
+    import warmserve_operator.handlers  # noqa: F401  (registers the handlers)
+    from warmserve_operator.agents import AgentAuth
+
+    identity = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+    priority = args.priority if args.priority is not None else random.randint(1, 2**30)
+    peering = None if args.standalone else args.peering
+    memo = kopf.Memo(
+        config=config,
+        identity=identity,
+        priority=priority,
+        peering=peering,
+        metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address,
+        agent_auth=AgentAuth(
+            token_file=args.agent_token_file,
+            ca_cert=args.agent_ca,
+            client_cert=args.agent_cert,
+            client_key=args.agent_key,
+        ),
+    )
+    asyncio.run(
+        kopf.operator(
+            clusterwide=True,
+            standalone=args.standalone,
+            peering_name=peering,
+            priority=priority,
+            identity=identity,  # type: ignore[arg-type]
+            liveness_endpoint=args.liveness,
+            memo=memo,
+        )
+    )
+    return 0
+
+
+def _check_cluster() -> None:
+    """A clear one-line error when there is no kubeconfig and no in-cluster service account."""
+    from kubernetes import config
+
+    from warmserve.cli import CliError
+
+    try:
+        config.load_incluster_config()
+        return
+    except config.ConfigException:
+        pass
+    try:
+        config.load_kube_config()
+    except (config.ConfigException, FileNotFoundError, TypeError) as exc:
+        raise CliError(
+            f"no Kubernetes cluster configured ({exc}); set KUBECONFIG or run in a cluster"
+        ) from exc
