@@ -189,6 +189,10 @@ class NodeCore:
         self._listeners.append(fn)
         return lambda: self._listeners.remove(fn) if fn in self._listeners else None
 
+    def emit(self, kind: str, subject: str, message: str = "") -> None:
+        """Publish an event that happened outside the core (e.g. a worker was replaced)."""
+        self._emit(kind, subject, message)
+
     def _emit(self, kind: str, subject: str, message: str = "") -> None:
         with self._emit_lock:  # loader threads emit too
             self.generation += 1

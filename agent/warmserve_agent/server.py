@@ -1,0 +1,317 @@
+"""Run the node agent: build backend, store, core, worker pool and the gRPC server.
+
+:class:`AgentServer` is what ``warmserve agent`` runs and what the tests start on loopback.
+Security: with ``tls_cert``/``tls_key`` the server speaks TLS; with ``client_ca`` it requires
+client certificates signed by that CA (mutual TLS) — the TLS handshake itself refuses clients
+without one.  With a token file every call except the standard health service must carry
+``authorization: Bearer <token>`` or is refused with UNAUTHENTICATED (health stays open for
+kubelet probes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import re
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
+from warmserve_agent.memory import MemoryManager
+from warmserve_agent.node import NodeCore
+from warmserve_agent.service import AgentService, ServiceInfo
+from warmserve_agent.store import WeightStore
+
+log = logging.getLogger("warmserve.agent")
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_GPUS_RE = re.compile(r"^\s*(\d+)\s*x\s*(.+)$")
+
+
+class ConfigError(ValueError):
+    """A bad agent setting (the CLI prints it as one line)."""
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE_RE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"bad size {text!r}: use e.g. 80GiB, 512MiB, 2MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_simulated_gpus(spec: str) -> list[int]:
+    """``"8x80GiB"`` or ``"2x80GiB,2x40GiB"`` -> per-GPU memory sizes."""
+    out: list[int] = []
+    for part in spec.split(","):
+        m = _GPUS_RE.match(part)
+        if not m:
+            raise ConfigError(f"bad --simulate-gpus {spec!r}: use COUNTxSIZE, e.g. 8x80GiB")
+        n = int(m.group(1))
+        if not 1 <= n <= 64:
+            raise ConfigError(f"bad --simulate-gpus {spec!r}: 1-64 GPUs per part")
+        out += [parse_size(m.group(2))] * n
+    return out
+
+
+@dataclass
+class AgentConfig:
+    model_dir: Path
+    simulate_gpus: list[int] | None = None  # None: real GPUs through the cuda backend
+    listen: str = "127.0.0.1:50051"
+    node_name: str = field(default_factory=socket.gethostname)
+    page_bytes: int = 2 * 1024**2
+    memory_dir: Path | None = None  # simulated GPU memory files (default: /dev/shm/...)
+    keep_memory: bool = False  # keep simulated memory files at exit
+    spare_workers: int = 1
+    use_workers: bool = True  # False: engines in the agent process (tests, debugging)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    client_ca: Path | None = None
+    token_file: Path | None = None
+    metrics_port: int | None = None
+    grace_interval_s: float = 0.25
+    monitor_interval_s: float = 0.5
+    host_cache_bytes: int = 8 * 1024**3
+
+
+class _TokenInterceptor(grpc.aio.ServerInterceptor):
+    _STREAMING = frozenset(
+        {"/warmserve.agent.v1.NodeAgent/Prewarm", "/warmserve.agent.v1.NodeAgent/Watch"}
+    )
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[Any], Awaitable[Any]],
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        md = {k: v for k, v in (details.invocation_metadata or ())}
+        got = md.get("authorization", "")
+        got_b = got.encode() if isinstance(got, str) else bytes(got)
+        if hmac.compare_digest(got_b, self._expected):
+            return await continuation(details)
+        msg = (
+            "missing or wrong bearer token: send metadata 'authorization: Bearer <token>' "
+            "with the token from the agent's --token-file"
+        )
+
+        async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+
+        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+            yield  # pragma: no cover - makes this an async generator
+
+        if details.method in self._STREAMING:
+            return grpc.unary_stream_rpc_method_handler(deny_stream)
+        return grpc.unary_unary_rpc_method_handler(deny_unary)
+
+
+def _make_backend(cfg: AgentConfig) -> Any:
+    if cfg.simulate_gpus is not None:
+        from warmserve_agent.backends.simulated import SimulatedBackend
+
+        mem_dir = (
+            cfg.memory_dir or Path("/dev/shm") / f"warmserve-{cfg.node_name}-{uuid.uuid4().hex[:8]}"
+        )
+        return SimulatedBackend(mem_dir, page_bytes=cfg.page_bytes, keep_files=cfg.keep_memory)
+    from warmserve_agent.backends.cuda import CudaBackend
+
+    return CudaBackend(page_bytes=cfg.page_bytes)
+
+
+def _cuda_gpu_sizes(backend: Any) -> list[int]:
+    drv = backend._drv
+    (count,) = backend._call("cuDeviceGetCount")
+    sizes = []
+    for i in range(count):
+        (dev,) = backend._call("cuDeviceGet", i)
+        (total,) = backend._call("cuDeviceTotalMem", dev)
+        sizes.append(int(total))
+    del drv
+    return sizes
+
+
+class AgentServer:
+    """The running agent (``await AgentServer(cfg).start()``; ``await stop()``)."""
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.agent_id = uuid.uuid4().hex
+        self.pool: Any = None
+        self.core: NodeCore | None = None
+        self.service: AgentService | None = None
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._metrics_server: Any = None
+        self._health: Any = None
+
+    @property
+    def address(self) -> str:
+        host = self.cfg.listen.rsplit(":", 1)[0]
+        return f"{host}:{self.port}"
+
+    async def start(self) -> AgentServer:
+        cfg = self.cfg
+        backend = _make_backend(cfg)
+        sizes = cfg.simulate_gpus if cfg.simulate_gpus is not None else _cuda_gpu_sizes(backend)
+        if not sizes:
+            raise ConfigError("no GPUs found; use --simulate-gpus to run without GPUs")
+        gpu_ids = list(range(len(sizes)))
+        alloc_host = getattr(backend, "alloc_host", None)
+        store = WeightStore(
+            cfg.model_dir, host_cache_bytes=cfg.host_cache_bytes, alloc_host=alloc_host
+        )
+        if cfg.use_workers:
+            from warmserve_agent.engine_host import WorkerEngine
+            from warmserve_agent.worker import WorkerPool
+
+            self.pool = WorkerPool(gpu_ids, spares=cfg.spare_workers)
+            await asyncio.to_thread(self.pool.start)
+            pool = self.pool
+
+            def factory(group: Any) -> Any:
+                return WorkerEngine(pool, group)
+        else:
+            from warmserve_agent.engine_host import InProcessEngine
+
+            def factory(group: Any) -> Any:
+                return InProcessEngine(group)
+
+        self.core = NodeCore(
+            MemoryManager(backend),
+            store,
+            dict(zip(gpu_ids, sizes, strict=True)),
+            factory,
+            node_name=cfg.node_name,
+        )
+        info = ServiceInfo(agent_id=self.agent_id, started_unix=time.time())
+        if self.pool is not None:
+            info.spare_workers = lambda: self.pool.spare_count
+            info.worker_pid = lambda g: self.pool.worker(g).pid
+            info.worker_restarts = lambda g: self.pool.restarts[g]
+        self.service = AgentService(self.core, info)
+        self.service.bind_loop(asyncio.get_running_loop())
+
+        interceptors = []
+        if cfg.token_file is not None:
+            token = Path(cfg.token_file).read_text().strip()
+            if not token:
+                raise ConfigError(f"token file {cfg.token_file} is empty")
+            interceptors.append(_TokenInterceptor(token))
+        self.server = grpc.aio.server(interceptors=interceptors)
+        pb_grpc.add_NodeAgentServicer_to_server(self.service, self.server)
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
+        if cfg.tls_cert is not None or cfg.tls_key is not None:
+            if cfg.tls_cert is None or cfg.tls_key is None:
+                raise ConfigError("--tls-cert and --tls-key go together")
+            creds = grpc.ssl_server_credentials(
+                [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())],
+                root_certificates=Path(cfg.client_ca).read_bytes() if cfg.client_ca else None,
+                require_client_auth=cfg.client_ca is not None,
+            )
+            self.port = self.server.add_secure_port(cfg.listen, creds)
+        else:
+            if cfg.client_ca is not None:
+                raise ConfigError("--client-ca needs --tls-cert and --tls-key")
+            self.port = self.server.add_insecure_port(cfg.listen)
+        if not self.port:
+            raise ConfigError(f"cannot listen on {cfg.listen}")
+        await self.server.start()
+        for svc in ("", "warmserve.agent.v1.NodeAgent"):
+            await self._health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_port is not None:
+            self._start_metrics(cfg.metrics_port)
+        self._tasks.append(asyncio.create_task(self._grace_loop()))
+        if self.pool is not None:
+            self._tasks.append(asyncio.create_task(self._monitor_loop()))
+        log.info(
+            "event=agent_started node=%s listen=%s gpus=%d backend=%s agent_id=%s",
+            cfg.node_name,
+            self.address,
+            len(sizes),
+            backend.name,
+            self.agent_id,
+        )
+        return self
+
+    def _start_metrics(self, port: int) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        from warmserve_agent.metrics import AgentCollector
+
+        assert self.core is not None
+        reg = CollectorRegistry()
+        restarts = (lambda g: self.pool.restarts[g]) if self.pool is not None else (lambda g: 0)
+        reg.register(AgentCollector(self.core, restarts))
+        self._metrics_server, _ = start_http_server(port, addr="127.0.0.1", registry=reg)
+        self.metrics_port = self._metrics_server.server_port
+
+    async def _grace_loop(self) -> None:
+        """Release surplus KV pages of grace instances as their requests finish (§4.1)."""
+        assert self.core is not None
+        while True:
+            await asyncio.sleep(self.cfg.grace_interval_s)
+            await asyncio.to_thread(self.core.refresh_grace_all)
+
+    async def _monitor_loop(self) -> None:
+        """Replace dead worker processes from the spares; drop the instances they hosted."""
+        assert self.core is not None and self.service is not None
+        while True:
+            await asyncio.sleep(self.cfg.monitor_interval_s)
+            for g in self.pool.dead_gpus():
+                iid = await asyncio.to_thread(self.core.worker_died, g)
+                new = await asyncio.to_thread(self.pool.replace, g)
+                msg = f"worker of GPU {g} died; replaced by pid {new.pid}"
+                if iid:
+                    msg += f"; instance {iid} was lost"
+                log.warning("event=worker_died gpu=%d instance=%s new_pid=%d", g, iid, new.pid)
+                self.core.emit("worker_replaced", str(g), msg)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        if self.core is not None:
+            await asyncio.to_thread(self.core.shutdown)
+            self.core.mm.close()
+        if self.pool is not None:
+            await asyncio.to_thread(self.pool.close)

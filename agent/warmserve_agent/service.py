@@ -1,0 +1,424 @@
+"""The gRPC service ``warmserve.agent.v1.NodeAgent`` over :class:`~warmserve_agent.node.NodeCore`.
+
+Responsibilities beyond translating messages:
+
+* **Idempotency.** Every mutating call carries a ``request_id``.  The first call with an id runs;
+  a replay with the same id and the same arguments waits for / returns the first outcome (the
+  same answer, or the same error) without redoing the work; the same id with different
+  arguments is refused with ALREADY_EXISTS.  The last ``max_request_ids`` ids are remembered.
+* **Status codes.** :class:`~warmserve_agent.node.Refusal` carries the gRPC status name and a
+  message a person can act on; it becomes ``context.abort(code, message)``.
+* **Streams.** ``Prewarm`` streams progress of its slot until the requested layers are resident;
+  ``Watch`` streams every state change (the core's event bus) with the changed object.
+* Core calls run in threads (``asyncio.to_thread``): loading and engine start-up block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from warmserve.policy.cluster import InstancePhase, WorkerState
+from warmserve_agent import __version__
+from warmserve_agent.api.v1 import agent_pb2 as pb
+from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
+from warmserve_agent.node import ID_RE, Event, InstanceRec, NodeCore, Refusal, SlotRec
+
+log = logging.getLogger("warmserve.agent.service")
+
+_WS = {
+    WorkerState.IDLE: pb.WORKER_STATE_IDLE,
+    WorkerState.UNIVERSAL: pb.WORKER_STATE_UNIVERSAL,
+    WorkerState.DEDICATED: pb.WORKER_STATE_DEDICATED,
+    WorkerState.GRACE: pb.WORKER_STATE_GRACE,
+}
+_SS = {
+    "loading": pb.SLOT_STATE_LOADING,
+    "ready": pb.SLOT_STATE_READY,
+    "active": pb.SLOT_STATE_ACTIVE,
+    "failed": pb.SLOT_STATE_FAILED,
+}
+_IP = {
+    InstancePhase.STARTING: pb.INSTANCE_PHASE_STARTING,
+    InstancePhase.SERVING: pb.INSTANCE_PHASE_SERVING,
+    InstancePhase.GRACE: pb.INSTANCE_PHASE_GRACE,
+}
+_KIND = {
+    "gpu": pb.WatchEvent.KIND_GPU,
+    "slot": pb.WatchEvent.KIND_SLOT,
+    "slot_removed": pb.WatchEvent.KIND_SLOT_REMOVED,
+    "instance": pb.WatchEvent.KIND_INSTANCE,
+    "instance_removed": pb.WatchEvent.KIND_INSTANCE_REMOVED,
+    "worker_replaced": pb.WatchEvent.KIND_WORKER_REPLACED,
+}
+
+
+@dataclass
+class _Idem:
+    method: str
+    fingerprint: tuple[Any, ...]
+    future: asyncio.Future[Any]
+    final: Any = None  # Prewarm: the last progress message sent
+
+
+@dataclass
+class ServiceInfo:
+    agent_id: str
+    started_unix: float = field(default_factory=time.time)
+    spare_workers: Callable[[], int] = lambda: 0
+    worker_pid: Callable[[int], int] = lambda g: 0
+    worker_restarts: Callable[[int], int] = lambda g: 0
+
+
+class AgentService(pb_grpc.NodeAgentServicer):
+    def __init__(self, core: NodeCore, info: ServiceInfo, *, max_request_ids: int = 10000) -> None:
+        self.core = core
+        self.info = info
+        self.max_request_ids = max_request_ids
+        self._idem: OrderedDict[str, _Idem] = OrderedDict()
+        self._subs: set[asyncio.Queue[Event]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        core.subscribe(self._on_event)
+
+    # ---- event fan-out ---------------------------------------------------------------------
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def _on_event(self, ev: Event) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        for q in list(self._subs):
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+
+    def publish(self, ev: Event) -> None:
+        self._on_event(ev)
+
+    # ---- conversions -----------------------------------------------------------------------
+    def gpu_pb(self, g: int) -> pb.GpuInfo:
+        rec = self.core.gpus[g]
+        mm = self.core.mm
+        page = self.core.page
+        return pb.GpuInfo(
+            index=g,
+            memory_bytes=rec.memory_bytes,
+            page_bytes=page,
+            pages_total=mm.num_pages(g),
+            pages_free=mm.free_pages(g),
+            free_bytes=0 if rec.state == WorkerState.DEDICATED else mm.available_pages(g) * page,
+            state=_WS[rec.state],
+            worker_pid=self.info.worker_pid(g),
+            worker_restarts=self.info.worker_restarts(g),
+            slot_ids=[s.slot_id for s in self.core.slots.values() if g in s.gpus],
+            instance_id=rec.instance_id,
+        )
+
+    @staticmethod
+    def slot_pb(s: SlotRec) -> pb.SlotInfo:
+        return pb.SlotInfo(
+            slot_id=s.slot_id,
+            model=s.model,
+            gpus=list(s.gpus),
+            layers_resident=s.layers_resident,
+            layers_total=s.layers_total,
+            layers_target=s.layers_target,
+            resident_bytes_per_gpu=s.resident_bytes,
+            weight_bytes_per_gpu=s.layout.total_bytes,
+            state=_SS[s.state],
+            message=s.message,
+        )
+
+    def instance_pb(self, i: InstanceRec) -> pb.InstanceInfo:
+        st = i.last_stats
+        slot = self.core.slots.get(i.slot_id)
+        page = self.core.page
+        return pb.InstanceInfo(
+            instance_id=i.instance_id,
+            model=i.model,
+            gpus=list(i.gpus),
+            endpoint=i.endpoint,
+            phase=_IP[i.phase],
+            running=int(st.get("running", 0)),
+            waiting=int(st.get("waiting", 0)),
+            max_batch=i.max_batch,
+            kv_capacity_bytes=i.kv_pages * page * len(i.gpus),
+            kv_used_bytes=int(st.get("kv_used_bytes", 0)),
+            lendable_bytes=(
+                min(self.core.mm.available_pages(g) for g in i.gpus) * page
+                if i.phase == InstancePhase.GRACE
+                else 0
+            ),
+            lent_bytes=(i.kv_pages_initial - i.kv_pages) * page,
+            prewarm_hit=i.prewarm_hit,
+            slot_id=i.slot_id,
+            layers_resident=slot.layers_resident if slot else 0,
+            layers_total=slot.layers_total if slot else 0,
+            started_unix=i.started_unix,
+        )
+
+    def _refresh_stats(self) -> None:
+        for i in list(self.core.instances.values()):
+            if i.phase == InstancePhase.STARTING:
+                continue
+            try:
+                i.last_stats = i.engine.stats()
+            except Exception as exc:  # worker died: the monitor will reconcile
+                log.debug("event=stats_failed instance=%s err=%s", i.instance_id, exc)
+
+    def describe_pb(self, refresh: bool = True) -> pb.NodeDescription:
+        core = self.core
+        with core._lock:
+            if refresh:
+                self._refresh_stats()
+            models = []
+            for name in core.store.list_models():
+                try:
+                    m = core.store.model(name)
+                except Exception:  # a malformed model dir is reported by Prewarm, not here
+                    continue
+                models.append(
+                    pb.ModelInfo(
+                        name=name,
+                        num_layers=m.num_layers,
+                        weight_bytes=m.weight_bytes,
+                        num_tensors=len(m.tensors),
+                        max_batch=m.profile.max_batch,
+                    )
+                )
+            return pb.NodeDescription(
+                node_name=core.node_name,
+                agent_version=__version__,
+                backend=core.mm.backend.name,
+                page_bytes=core.page,
+                gpus=[self.gpu_pb(g) for g in sorted(core.gpus)],
+                slots=[self.slot_pb(s) for s in core.slots.values()],
+                instances=[self.instance_pb(i) for i in core.instances.values()],
+                models=models,
+                generation=core.generation,
+                agent_id=self.info.agent_id,
+                agent_started_unix=self.info.started_unix,
+                spare_workers=self.info.spare_workers(),
+            )
+
+    # ---- idempotency -----------------------------------------------------------------------
+    async def _check_request_id(self, rid: str, context: grpc.aio.ServicerContext) -> None:
+        if not rid:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "request_id is required: send a unique id per intended action and reuse it "
+                "when retrying",
+            )
+        if not ID_RE.match(rid):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"malformed request_id {rid[:40]!r}: use 1-128 characters of [A-Za-z0-9._:-]",
+            )
+
+    async def _once(
+        self,
+        method: str,
+        rid: str,
+        fingerprint: tuple[Any, ...],
+        context: grpc.aio.ServicerContext,
+        fn: Callable[[], Any],
+    ) -> tuple[Any, _Idem]:
+        """Run ``fn`` in a thread once per request id; replays get the first outcome."""
+        await self._check_request_id(rid, context)
+        entry = self._idem.get(rid)
+        if entry is not None:
+            if entry.method != method or entry.fingerprint != fingerprint:
+                await context.abort(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"request_id {rid} was already used for a different request "
+                    f"({entry.method} {entry.fingerprint}); use a new id for a new action",
+                )
+        else:
+            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            entry = _Idem(method, fingerprint, fut)
+            self._idem[rid] = entry
+            while len(self._idem) > self.max_request_ids:
+                self._idem.popitem(last=False)
+            try:
+                fut.set_result(await asyncio.to_thread(fn))
+            except Exception as exc:
+                fut.set_exception(exc)
+        try:
+            return await asyncio.shield(entry.future), entry
+        except Refusal as r:
+            await context.abort(grpc.StatusCode[r.code], r.message)
+        except Exception as exc:
+            log.exception("event=internal_error method=%s", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {exc}")
+        raise AssertionError("unreachable")  # pragma: no cover - abort raises
+
+    # ---- RPCs ------------------------------------------------------------------------------
+    async def Describe(self, request: pb.DescribeRequest, context: Any) -> pb.NodeDescription:
+        return await asyncio.to_thread(self.describe_pb)
+
+    async def Prewarm(
+        self, request: pb.PrewarmRequest, context: Any
+    ) -> AsyncIterator[pb.PrewarmProgress]:
+        fp = (request.model, tuple(sorted(request.gpus)), request.layers)
+        q: asyncio.Queue[Event] = asyncio.Queue()
+        self._subs.add(q)
+        try:
+            slot, entry = await self._once(
+                "Prewarm",
+                request.request_id,
+                fp,
+                context,
+                lambda: self.core.prewarm(request.model, request.gpus, request.layers),
+            )
+            last: tuple[Any, ...] | None = None
+            while True:
+                live = self.core.slots.get(slot.slot_id) is slot
+                if not live:
+                    if entry.final is not None:  # replay after the slot went away
+                        yield entry.final
+                        return
+                    await context.abort(
+                        grpc.StatusCode.ABORTED,
+                        f"slot {slot.slot_id} was evicted before {request.model} finished "
+                        "loading; prewarm again with a new request_id",
+                    )
+                if slot.state == "failed":
+                    await context.abort(
+                        grpc.StatusCode.INTERNAL,
+                        f"slot {slot.slot_id}: {slot.message}; evict it and retry",
+                    )
+                done = slot.layers_resident >= slot.layers_target
+                key = (slot.layers_resident, slot.state, done)
+                if key != last:
+                    last = key
+                    msg = pb.PrewarmProgress(
+                        slot_id=slot.slot_id,
+                        layers_loaded=slot.layers_resident,
+                        layers_target=slot.layers_target,
+                        bytes_loaded=slot.resident_bytes,
+                        bytes_target=slot.layout.bytes_for_layers(slot.layers_target),
+                        bandwidth_bytes_per_s=slot.bandwidth,
+                        done=done,
+                        slot=self.slot_pb(slot),
+                    )
+                    if done:
+                        entry.final = msg
+                    yield msg
+                if done:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(q.get(), timeout=0.5)
+        finally:
+            self._subs.discard(q)
+
+    async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:
+        (slot, freed), _ = await self._once(
+            "Evict",
+            request.request_id,
+            (request.slot_id,),
+            context,
+            lambda: self.core.evict(request.slot_id),
+        )
+        return pb.EvictResponse(
+            slot_id=slot.slot_id,
+            freed_bytes_per_gpu=freed * self.core.page,
+            gpus=[self.gpu_pb(g) for g in slot.gpus],
+        )
+
+    async def Activate(self, request: pb.ActivateRequest, context: Any) -> pb.ActivateResponse:
+        fp = (request.model, tuple(sorted(request.gpus)), request.slot_id)
+        (inst, evicted), _ = await self._once(
+            "Activate",
+            request.request_id,
+            fp,
+            context,
+            lambda: self.core.activate(request.model, request.gpus, request.slot_id),
+        )
+        return pb.ActivateResponse(
+            instance=self.instance_pb(inst),
+            prewarm_hit=inst.prewarm_hit,
+            activation_seconds=inst.activation_seconds,
+            evicted_slot_ids=evicted,
+        )
+
+    async def BeginGrace(
+        self, request: pb.BeginGraceRequest, context: Any
+    ) -> pb.BeginGraceResponse:
+        inst, _ = await self._once(
+            "BeginGrace",
+            request.request_id,
+            (request.instance_id,),
+            context,
+            lambda: self.core.begin_grace(request.instance_id),
+        )
+        return pb.BeginGraceResponse(instance=self.instance_pb(inst))
+
+    async def EndInstance(
+        self, request: pb.EndInstanceRequest, context: Any
+    ) -> pb.EndInstanceResponse:
+        inst, _ = await self._once(
+            "EndInstance",
+            request.request_id,
+            (request.instance_id, request.evict_weights),
+            context,
+            lambda: self.core.end_instance(request.instance_id, request.evict_weights),
+        )
+        gs = set(inst.gpus)
+        return pb.EndInstanceResponse(
+            instance_id=inst.instance_id,
+            gpus=[self.gpu_pb(g) for g in inst.gpus],
+            slots=[self.slot_pb(s) for s in self.core.slots.values() if gs & set(s.gpus)],
+        )
+
+    async def GetLendable(self, request: pb.LendableRequest, context: Any) -> pb.LendableResponse:
+        try:
+            rows = await asyncio.to_thread(self.core.lendable, list(request.instance_ids))
+        except Refusal as r:
+            await context.abort(grpc.StatusCode[r.code], r.message)
+        return pb.LendableResponse(
+            instances=[pb.LendableInfo(**{**r, "gpus": list(r["gpus"])}) for r in rows]
+        )
+
+    async def Watch(self, request: pb.WatchRequest, context: Any) -> AsyncIterator[pb.WatchEvent]:
+        q: asyncio.Queue[Event] = asyncio.Queue()
+        self._subs.add(q)
+        try:
+            if request.include_snapshot:
+                snap = await asyncio.to_thread(self.describe_pb, False)
+                yield pb.WatchEvent(
+                    kind=pb.WatchEvent.KIND_SNAPSHOT,
+                    generation=snap.generation,
+                    time_unix=time.time(),
+                    snapshot=snap,
+                )
+            while True:
+                ev = await q.get()
+                yield self._event_pb(ev)
+        finally:
+            self._subs.discard(q)
+
+    def _event_pb(self, ev: Event) -> pb.WatchEvent:
+        out = pb.WatchEvent(
+            kind=_KIND.get(ev.kind, pb.WatchEvent.KIND_UNSPECIFIED),
+            generation=ev.generation,
+            time_unix=time.time(),
+            subject_id=ev.subject,
+            message=ev.message,
+        )
+        try:
+            if ev.kind in ("gpu", "worker_replaced"):
+                out.gpu.CopyFrom(self.gpu_pb(int(ev.subject)))
+            elif ev.kind == "slot" and ev.subject in self.core.slots:
+                out.slot.CopyFrom(self.slot_pb(self.core.slots[ev.subject]))
+            elif ev.kind == "instance" and ev.subject in self.core.instances:
+                out.instance.CopyFrom(self.instance_pb(self.core.instances[ev.subject]))
+        except Exception:  # object changed under us; subject_id + kind still tell the story
+            log.debug("event=watch_convert_failed kind=%s", ev.kind)
+        return out
