@@ -393,6 +393,16 @@ class EngineModel:
         lens = self._lengths(prompt_tokens)
         return self.arch.num_layers * self.layer_compute_s(lens) + self._head_s(len(lens))
 
+    def prefill_batch_s(self, num_prompts: int, prompt_tokens: int) -> float:
+        """:meth:`prefill_s` of ``num_prompts`` equal prompts in one pass, in O(1) (planners)."""
+        _require(num_prompts >= 1, f"num_prompts must be >= 1, got {num_prompts!r}")
+        _require(prompt_tokens >= 1, f"prompt_tokens must be >= 1, got {prompt_tokens!r}")
+        tokens = num_prompts * prompt_tokens
+        attn = num_prompts * 2.0 * prompt_tokens * prompt_tokens * self.arch.attn_dim
+        kv_write = tokens * self.arch.kv_bytes_per_token_per_layer
+        layer = self._layer_s(tokens, attn, kv_write)
+        return self.arch.num_layers * layer + self._head_s(num_prompts)
+
     def decode_step_s(self, batch: int, kv_tokens: int) -> float:
         """One decode iteration for ``batch`` sequences holding ``kv_tokens`` context in total.
 
@@ -538,3 +548,19 @@ class EngineModel:
         fixed = self.startup_s(pooled_process, engine_ready, comm_group_ready)
         rest = self.first_token_after_start_s(resident_layers, prompt_tokens, streaming=streaming)
         return fixed + rest
+
+
+def scaled_profile(profile: GpuProfile, compute_share: float, hbm_share: float) -> GpuProfile:
+    """The profile as seen by a job holding ``compute_share`` of the SMs (CUDA MPS) and
+    ``hbm_share`` of the HBM bandwidth (jobs running concurrently on one GPU split it).
+
+    Used for GPU sharing (the MuxServe baseline): an :class:`EngineModel` built on the scaled
+    profile times a colocated job.  Shares must be in (0, 1].
+    """
+    _require(0 < compute_share <= 1, f"compute_share must be in (0, 1], got {compute_share!r}")
+    _require(0 < hbm_share <= 1, f"hbm_share must be in (0, 1], got {hbm_share!r}")
+    return replace(
+        profile,
+        bf16_flops=profile.bf16_flops * compute_share,
+        hbm_bw=profile.hbm_bw * hbm_share,
+    )

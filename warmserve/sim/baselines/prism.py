@@ -1,0 +1,322 @@
+"""Prism baseline: KV-pressure-ratio placement, idle eviction, fast activation (prism.txt).
+
+What the paper specifies and this module implements
+---------------------------------------------------
+* **Global placement, Algorithm 1 (§6.2).**  Sort models by SLO-weighted rate ``r/s``
+  (descending); put each on the GPU with the lowest KV pressure ratio
+  ``KVPR = sum(w_req_rate) / shared_kv`` (``w_req_rate = r/s``, ``shared_kv`` = memory left for
+  KV), unless it already sits on a GPU whose KVPR is within the migration threshold ``tau`` of the
+  best; then update the GPU's ``w_req_rate`` and ``shared_kv -= weights``.
+  :func:`kvpr_placement`.
+* **TP models (Appendix A.1.2).**  A TP model becomes ``tp`` entries with ``1/tp`` of its weight
+  and rate; an entry never joins a GPU that already holds another entry of the same model (next
+  lowest KVPR instead).
+* **Eviction (§6.2).**  A model idle longer than an empirical threshold is evicted, only when
+  GPU memory is needed, larger SLOs first.  :func:`idle_evictions`.
+* **Activation (§6.2, §5.2).**  An evicted model that receives a request is reactivated on the
+  GPU(s) with the lowest KVPR (:func:`choose_activation_gpus`); activation takes an engine from
+  the pre-initialised pool (no engine init, no process start) and loads the weights with
+  parallel chunked loading (:func:`activation_s`).
+
+Where the paper is silent (assumptions, and why)
+------------------------------------------------
+* **Memory feasibility.**  Algorithm 1 never checks that ``shared_kv`` stays positive.  Real
+  Prism maps weights into physical GPU memory, so we only consider GPUs where the weights fit
+  with ``min_kv_bytes`` left for KV; a model that fits nowhere is returned in ``unplaced`` (the
+  simulator starts it by activation after evicting idle models).  Without this the placement
+  could over-commit memory.
+* **TP entries on one node.**  A TP group needs NVLink, so all entries of one model go to GPUs of
+  the same node: we pick the node whose ``tp`` lowest-KVPR GPUs (memory permitting) have the
+  lowest sum of KVPR after placement -- A.1.2's "distinct GPUs" rule plus locality.
+* **Idle threshold.**  "Empirical, from the idle-interval distribution": we default to a fixed
+  ``idle_timeout_s`` the caller chooses and offer :func:`idle_threshold_s`, the ``quantile`` of a
+  model's inter-arrival gaps (floored at 10 s, the shortest idle interval Prism's §3.1 counts).
+* **Activation speed.**  §5.2/Figure 9 report, on H100 from pageable host memory, 0.7 s for an
+  8B model, 1.3 s for a 14B model and 1.5 s for a 70B model at TP=8.  Those are ~23 GB/s for one
+  GPU (16.1 GB / 0.7 s, 29.6 GB / 1.3 s) and ~94 GB/s aggregate for the node (141 GB / 1.5 s).
+  ``mode="measured"`` (default) uses ``min(23 GB/s, 94 GB/s / tp)`` per GPU.  ``mode="links"``
+  instead assumes Prism's chunked loading saturates every PCIe link of the node and forwards over
+  NVLink: per target GPU ``min(gpus_per_node * host_to_gpu_bw / tp,
+  host_to_gpu_bw + gpu_to_gpu_bw)`` -- an upper bound with pinned host memory as in WarmServe's
+  testbed; this mode adds the profile's ``activation_s`` (binding an engine to weights), which
+  the measured totals already contain.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from warmserve.policy.cluster import PolicyInputError
+from warmserve.sim.engine import EngineModel
+
+# Prism §5.2 / Figure 9 (H100, pageable host memory); see the module docstring.
+PRISM_SINGLE_GPU_LOAD_BW = 23e9
+PRISM_NODE_LOAD_BW = 94e9
+MIN_IDLE_S = 10.0  # Prism §3.1 counts idle intervals longer than 10 s
+
+
+class PrismError(PolicyInputError):
+    """Bad input to a Prism function; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrismModel:
+    """A model for Prism's global scheduler.
+
+    ``weight_bytes`` is the whole model (split over ``tp`` GPUs); ``rate`` in req/s; ``slo_s``
+    the TTFT SLO.  ``current`` optionally names the GPUs (global indices) it occupies now, for
+    the migration threshold.
+    """
+
+    name: str
+    weight_bytes: int
+    rate: float
+    slo_s: float
+    tp: int = 1
+    current: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise PrismError("a Prism model needs a name")
+        if self.weight_bytes <= 0:
+            raise PrismError(f"model {self.name}: weight_bytes must be > 0")
+        if not (self.rate >= 0 and math.isfinite(self.rate)):
+            raise PrismError(f"model {self.name}: rate must be >= 0, got {self.rate!r}")
+        if not self.slo_s > 0:
+            raise PrismError(f"model {self.name}: slo_s must be > 0, got {self.slo_s!r}")
+        if self.tp < 1:
+            raise PrismError(f"model {self.name}: tp must be >= 1, got {self.tp}")
+        if self.current and len(self.current) != self.tp:
+            raise PrismError(f"model {self.name}: current must name tp={self.tp} GPUs")
+
+    @property
+    def w_req_rate(self) -> float:
+        """SLO-weighted request rate ``r/s`` (memory demand per unit time)."""
+        return self.rate / self.slo_s
+
+
+@dataclass(frozen=True, slots=True)
+class PrismGpu:
+    """State of one GPU after placement: models on it, their weighted rate, KV left."""
+
+    index: int
+    node: int
+    models: tuple[str, ...]
+    w_req_rate: float
+    shared_kv: float
+
+    @property
+    def kvpr(self) -> float:
+        return _kvpr(self.w_req_rate, self.shared_kv)
+
+
+@dataclass(frozen=True, slots=True)
+class PrismPlacement:
+    """Model -> GPUs (global indices ``node * gpus_per_node + local``), per-GPU state, and
+    models that fit nowhere (with the reason)."""
+
+    assignment: Mapping[str, tuple[int, ...]]
+    gpus: tuple[PrismGpu, ...]
+    unplaced: Mapping[str, str]
+    migrated: tuple[str, ...]
+
+    @property
+    def max_kvpr(self) -> float:
+        return max((g.kvpr for g in self.gpus if g.models), default=0.0)
+
+
+def _kvpr(w: float, kv: float) -> float:
+    if kv <= 0:
+        return math.inf
+    return w / kv
+
+
+def kvpr_placement(
+    models: Sequence[PrismModel],
+    num_gpus: int,
+    gpu_capacity_bytes: float,
+    *,
+    gpus_per_node: int = 8,
+    tau: float = 0.0,
+    min_kv_bytes: float = 0.0,
+) -> PrismPlacement:
+    """Prism Algorithm 1 with TP decomposition and a memory-feasibility guard (see module doc).
+
+    ``gpu_capacity_bytes`` is ``C``, the memory a GPU offers to weights + KV.  Deterministic:
+    ties go to the lower GPU index.
+    """
+    if num_gpus < 1:
+        raise PrismError(f"num_gpus must be >= 1, got {num_gpus}")
+    if gpus_per_node < 1 or num_gpus % gpus_per_node:
+        raise PrismError(f"num_gpus {num_gpus} must be a multiple of gpus_per_node {gpus_per_node}")
+    if gpu_capacity_bytes <= 0:
+        raise PrismError("gpu_capacity_bytes must be > 0")
+    if tau < 0 or min_kv_bytes < 0:
+        raise PrismError("tau and min_kv_bytes must be >= 0")
+    names = [m.name for m in models]
+    if len(set(names)) != len(names):
+        raise PrismError(f"duplicate model names in {names}")
+    w = [0.0] * num_gpus
+    kv = [float(gpu_capacity_bytes)] * num_gpus
+    held: list[list[str]] = [[] for _ in range(num_gpus)]
+    assignment: dict[str, tuple[int, ...]] = {}
+    unplaced: dict[str, str] = {}
+    migrated: list[str] = []
+    order = sorted(models, key=lambda m: (-m.w_req_rate, m.name))
+    for m in order:
+        if m.tp > gpus_per_node:
+            unplaced[m.name] = f"tp {m.tp} exceeds {gpus_per_node} GPUs per node"
+            continue
+        part_w = m.w_req_rate / m.tp
+        part_bytes = m.weight_bytes / m.tp
+        fits = [g for g in range(num_gpus) if kv[g] - part_bytes >= min_kv_bytes]
+        best = _best_group(fits, w, kv, m.tp, gpus_per_node)
+        if best is None:
+            unplaced[m.name] = (
+                f"no node has {m.tp} GPU(s) with {part_bytes / 2**30:.1f} GiB free for weights"
+            )
+            continue
+        chosen = best
+        cur = tuple(sorted(m.current))
+        if cur and all(g in fits for g in cur) and _same_node(cur, gpus_per_node):
+            cur_r = max(_kvpr(w[g], kv[g]) for g in cur)
+            best_r = max(_kvpr(w[g], kv[g]) for g in best)
+            if not cur_r - best_r > tau:
+                chosen = cur
+        if cur and chosen != cur:
+            migrated.append(m.name)
+        for g in chosen:
+            w[g] += part_w
+            kv[g] -= part_bytes
+            held[g].append(m.name)
+        assignment[m.name] = chosen
+    gpus = tuple(
+        PrismGpu(g, g // gpus_per_node, tuple(held[g]), w[g], kv[g]) for g in range(num_gpus)
+    )
+    return PrismPlacement(assignment, gpus, unplaced, tuple(migrated))
+
+
+def _same_node(gpus: Sequence[int], per_node: int) -> bool:
+    return len({g // per_node for g in gpus}) == 1
+
+
+def _best_group(
+    fits: Sequence[int], w: Sequence[float], kv: Sequence[float], tp: int, per_node: int
+) -> tuple[int, ...] | None:
+    """Lowest-KVPR GPU (tp=1), or the node whose ``tp`` lowest-KVPR fitting GPUs are best."""
+    by_node: dict[int, list[int]] = {}
+    for g in fits:
+        by_node.setdefault(g // per_node, []).append(g)
+    best: tuple[float, float, tuple[int, ...]] | None = None
+    for node in sorted(by_node):
+        ranked = sorted(by_node[node], key=lambda g: (_kvpr(w[g], kv[g]), g))
+        if len(ranked) < tp:
+            continue
+        group = tuple(sorted(ranked[:tp]))
+        worst = max(_kvpr(w[g], kv[g]) for g in group)
+        total = sum(_kvpr(w[g], kv[g]) for g in group)
+        key = (worst, total, group)
+        if best is None or key < best:
+            best = key
+    return None if best is None else best[2]
+
+
+# ----------------------------------------------------------------------------- eviction
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentModel:
+    """A model resident on GPUs, as the eviction rule sees it."""
+
+    name: str
+    gpus: tuple[int, ...]
+    bytes_per_gpu: int
+    slo_s: float
+    last_request_s: float
+    inflight: int = 0
+
+
+def idle_threshold_s(gaps_s: Sequence[float], quantile: float = 0.9) -> float:
+    """Empirical idle threshold: the ``quantile`` of observed inter-arrival gaps, at least 10 s.
+
+    Assumption (Prism says only "empirical, from the idle interval distribution"): a gap longer
+    than most gaps marks the model idle.
+    """
+    if not 0 < quantile <= 1:
+        raise PrismError(f"quantile must be in (0, 1], got {quantile}")
+    clean = sorted(float(g) for g in gaps_s if g >= 0)
+    if not clean:
+        return MIN_IDLE_S
+    k = min(len(clean) - 1, max(0, math.ceil(quantile * len(clean)) - 1))
+    return max(MIN_IDLE_S, clean[k])
+
+
+def idle_evictions(
+    resident: Sequence[ResidentModel],
+    now_s: float,
+    idle_timeout_s: float,
+    needed_bytes: Mapping[int, float],
+) -> list[str]:
+    """Models to evict so each GPU ``g`` frees ``needed_bytes[g]``; only idle models qualify.
+
+    A model qualifies when it has no request in flight and has been idle longer than
+    ``idle_timeout_s``.  Prism evicts only under memory pressure, larger SLOs first; among equal
+    SLOs we evict the longest-idle first (assumption).  Returns ``[]`` when no GPU needs memory;
+    evicts nothing on a GPU whose need the idle models cannot cover (partial evictions would
+    free memory without enabling the start).
+    """
+    if idle_timeout_s < 0:
+        raise PrismError(f"idle_timeout_s must be >= 0, got {idle_timeout_s}")
+    need = {g: b for g, b in needed_bytes.items() if b > 0}
+    if not need:
+        return []
+    idle = [r for r in resident if r.inflight == 0 and now_s - r.last_request_s > idle_timeout_s]
+    idle.sort(key=lambda r: (-r.slo_s, r.last_request_s, r.name))
+    coverable = {g for g in need if sum(r.bytes_per_gpu for r in idle if g in r.gpus) >= need[g]}
+    if coverable != set(need):
+        return []
+    left = dict(need)
+    out: list[str] = []
+    for r in idle:
+        if not any(left.get(g, 0) > 0 for g in r.gpus):
+            continue
+        out.append(r.name)
+        for g in r.gpus:
+            if g in left:
+                left[g] -= r.bytes_per_gpu
+        if all(v <= 0 for v in left.values()):
+            break
+    return out
+
+
+# ----------------------------------------------------------------------------- activation
+
+
+def choose_activation_gpus(
+    placement_gpus: Sequence[PrismGpu],
+    model: PrismModel,
+    *,
+    gpus_per_node: int = 8,
+    min_kv_bytes: float = 0.0,
+) -> tuple[int, ...] | None:
+    """GPUs for reactivating ``model``: the lowest-KVPR GPU(s) whose free memory holds its
+    weights (one node for TP).  ``None``: nothing fits, evict first (:func:`idle_evictions`)."""
+    part = model.weight_bytes / model.tp
+    w = [g.w_req_rate for g in placement_gpus]
+    kv = [g.shared_kv for g in placement_gpus]
+    fits = [g.index for g in placement_gpus if g.shared_kv - part >= min_kv_bytes]
+    return _best_group(fits, w, kv, model.tp, gpus_per_node)
+
+
+def activation_s(engine: EngineModel, mode: str = "measured") -> float:
+    """Seconds to activate an evicted model on a pooled engine (Prism §5.2), see module doc."""
+    p = engine.profile
+    per_gpu_bytes = engine.weight_bytes_per_gpu
+    if mode == "measured":  # Figure 9 totals already include binding the pooled engine
+        return per_gpu_bytes / min(PRISM_SINGLE_GPU_LOAD_BW, PRISM_NODE_LOAD_BW / engine.tp)
+    if mode == "links":
+        bw = min(p.gpus_per_node * p.host_to_gpu_bw / engine.tp, p.host_to_gpu_bw + p.gpu_to_gpu_bw)
+        return p.startup.activation_s + per_gpu_bytes / bw
+    raise PrismError(f"activation mode must be 'measured' or 'links', got {mode!r}")
