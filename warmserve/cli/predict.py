@@ -100,6 +100,9 @@ def windowed(args: argparse.Namespace) -> WindowedTrace:
     if not math.isfinite(window) or window <= 0:
         raise CliError(f"--window must be a positive number of seconds (got {args.window})")
     per_day = season_length(window)
+    for flag, rate in (("--prefill-rate", args.prefill_rate), ("--decode-rate", args.decode_rate)):
+        if rate is not None and not (math.isfinite(rate) and rate > 0):
+            raise CliError(f"{flag} must be a positive number of tokens/s (got {rate:g})")
     trace = load_trace(args.trace)
     notes: list[str] = []
     if isinstance(trace, CountSeries):
