@@ -26,6 +26,7 @@ EXIT_USAGE = 2
 SUBCOMMANDS: tuple[str, ...] = (
     "predict",
     "plan",
+    "simulate",
     "operator_cmd",
     "status",
 )

@@ -1,0 +1,121 @@
+"""Scenario validation and the ``warmserve simulate`` command: table, JSON, plot, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from tests.sim.conftest import make_doc
+from warmserve.cli import main
+from warmserve.sim import runner
+from warmserve.sim.scenario import ScenarioError, parse
+from warmserve.sim.systems import parse_systems
+from warmserve.sim.workload import power_law_shares
+
+
+def _write(tmp_path, doc, name="s.yaml"):
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(doc))
+    return str(p)
+
+
+def _err(capsys, argv):
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    return rc, err
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"models": [{"name": "x", "arch": "gpt-9", "tp": 1}]}, "unknown model architecture"),
+        ({"models": [{"name": "x", "arch": "llama2-70b", "tp": 16}]}, "larger than a node"),
+        ({"workload.arrivals": "nope.csv.gz"}, "nope.csv.gz"),
+        ({"workload.lengths": "missing-lengths.csv"}, "missing-lengths.csv"),
+        ({"workload.total_rps": -3}, "total_rps"),
+        ({"workload.alpha": -1}, "alpha"),
+        ({"policy.window_s": 0}, "window_s"),
+        ({"policy.bogus": 1}, "unknown field"),
+        ({"models": [{"name": "x", "arch": "llama2-7b", "trace_day": 9}]}, "trace_day"),
+        ({"workload.start": "25:00"}, "workload.start"),
+    ],
+)
+def test_bad_scenarios_fail_with_one_line_and_status_2(tmp_path, capsys, changes, needle):
+    path = _write(tmp_path, make_doc(**changes))
+    rc, err = _err(capsys, ["simulate", path, "--systems", "reactive"])
+    assert rc == 2
+    assert len(err.splitlines()) == 1, err
+    assert needle in err
+    assert "Traceback" not in err
+
+
+def test_missing_scenario_file_and_bad_yaml(tmp_path, capsys):
+    rc, err = _err(capsys, ["simulate", str(tmp_path / "none.yaml")])
+    assert rc == 2 and "not found" in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster: [unclosed\n")
+    rc, err = _err(capsys, ["simulate", str(bad)])
+    assert rc == 2 and "not valid YAML" in err
+
+
+def test_unknown_system_is_a_usage_error(tmp_path, capsys):
+    rc, err = _err(capsys, ["simulate", _write(tmp_path, make_doc()), "--systems", "magic"])
+    assert rc == 2 and "unknown system 'magic'" in err
+
+
+def test_simulate_prints_table_and_writes_json_and_plot(tmp_path, capsys):
+    path = _write(tmp_path, make_doc())
+    out_json = tmp_path / "r.json"
+    out_png = tmp_path / "r.png"
+    rc = main(["simulate", path, "--systems", "warmserve,reactive", "--json", str(out_json),
+               "--plot", str(out_png), "--seed", "3"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "TTFT p99" in text and "warmserve" in text and "reactive" in text
+    assert "requests per wall second" in text
+    data = json.loads(out_json.read_text())
+    assert [r["system"] for r in data["rows"]] == ["warmserve", "reactive"]
+    assert set(data["rows"][0]["per_model"]) == {"a", "b"}
+    assert data["facts"]["seed"] == 3
+    assert out_png.stat().st_size > 1000
+
+
+def test_power_law_shares_match_the_paper():
+    # §7.3: with alpha = 2.0 the most popular of four models gets 70.2 % of the requests.
+    s = power_law_shares(4, 2.0)
+    assert s[0] == pytest.approx(0.702, abs=5e-4)
+    assert s.sum() == pytest.approx(1.0)
+    assert list(power_law_shares(3, 0.0)) == pytest.approx([1 / 3] * 3)
+
+
+def test_workload_hits_target_rate_and_shares():
+    doc = make_doc(**{"workload.total_rps": 10, "workload.duration_s": 1800, "workload.alpha": 2})
+    prep = runner.prepare(parse(doc))
+    n = len(prep.requests)
+    assert n / 1800 == pytest.approx(10, rel=0.05)
+    first = (prep.requests.model == 0).mean()
+    assert first == pytest.approx(0.8, abs=0.03)  # 1 / (1 + 1/4)
+    assert (prep.requests.arrival >= 0).all() and (prep.requests.arrival < 1800).all()
+    assert (prep.requests.input_tokens > 0).all()
+    # the predictor has history from before the period
+    assert all(len(m.avg_history) == 288 for m in prep.models)
+
+
+def test_parse_systems_and_scenario_errors():
+    assert parse_systems("warmserve, reactive") == ["warmserve", "reactive"]
+    with pytest.raises(ScenarioError, match="cluster"):
+        parse({"models": []})
+    with pytest.raises(ValueError, match="twice"):
+        parse_systems("reactive,reactive")
+
+
+def test_paper_testbed_scenario_is_valid():
+    from warmserve.sim.scenario import load_scenario
+
+    sc = load_scenario("bench/scenarios/paper-testbed.yaml")
+    assert (sc.nodes, sc.gpus_per_node) == (2, 8)
+    assert [m.tp for m in sc.models] == [1, 1, 2, 4]
+    assert sc.grid["total_rps"] == (10, 15, 20, 25)
+    assert sc.window_s == 300 and sc.duration_s == 7200

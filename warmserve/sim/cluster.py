@@ -1,0 +1,262 @@
+"""Mutable simulator state: GPUs, prewarm replicas and serving instances with their engines.
+
+The policy works on immutable snapshots (:class:`warmserve.policy.cluster.ClusterState`); the
+simulator keeps the mutable truth here and builds a snapshot whenever it asks the policy
+something (:meth:`SimCluster.snapshot`).
+
+Continuous batching without per-token events
+--------------------------------------------
+An instance's decode progress is a *virtual step counter* ``V``: it advances at ``1/step_s`` per
+second while the instance decodes and stands still while it runs a prefill (vLLM's default
+scheduler runs a prefill iteration ahead of the decode iteration and the decoding requests wait).
+A request that joins the decode batch at ``V0`` with ``n`` output tokens (the first comes from
+the prefill) finishes when ``V`` reaches ``V0 + n - 1``.  ``step_s`` is
+``engine.decode_step_s(batch, kv_tokens)`` re-evaluated at every membership change (a join or a
+finish), so between two changes the batch advances analytically and the simulator needs one
+event per change, not per token.  The error is that KV growth between two changes does not
+lengthen the steps (KV reads are a small part of a step at these sizes; see docs/simulator.md).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from warmserve.policy.cluster import (
+    GPU,
+    ClusterState,
+    Instance,
+    InstancePhase,
+    LoadForecast,
+    ModelSpec,
+    Node,
+    Replica,
+    ReplicaKind,
+    WorkerState,
+)
+from warmserve.policy.proactive import lendable_bytes
+
+STARTING, SERVING, GRACE, STOPPED = "starting", "serving", "grace", "stopped"
+_PHASE = {
+    STARTING: InstancePhase.STARTING,
+    SERVING: InstancePhase.SERVING,
+    GRACE: InstancePhase.GRACE,
+}
+
+
+@dataclass(eq=False)
+class SimReplica:
+    """Prewarmed (or cached) weights of one model on a GPU group, possibly still loading.
+
+    Loading runs at the host→GPU link rate from ``t_begin``; ``layers_at(t)`` is how many leading
+    layers are resident then (whole layers only: a layer is usable once all of it is in).
+    """
+
+    model: str
+    kind: ReplicaKind
+    rank: int
+    score: float
+    node: str
+    gpus: tuple[int, ...]
+    bytes_per_gpu: int
+    layers_target: int
+    t_begin: float
+    per_layer_s: float
+    lender: SimInstance | None = None  # grace instance whose KV memory holds it (§4.1)
+
+    def layers_at(self, t: float) -> int:
+        if t < self.t_begin:
+            return 0
+        if self.per_layer_s <= 0:
+            return self.layers_target
+        return min(self.layers_target, int((t - self.t_begin) / self.per_layer_s + 1e-9))
+
+    @property
+    def t_done(self) -> float:
+        return self.t_begin + self.layers_target * self.per_layer_s
+
+    def as_policy(self, t: float) -> Replica:
+        return Replica(
+            self.model, self.kind, self.rank, self.score, self.node, self.gpus,
+            self.bytes_per_gpu, self.layers_at(t),
+        )
+
+
+@dataclass(eq=False)
+class SimInstance:
+    """A serving instance and its continuous-batching engine state (module docstring)."""
+
+    iid: int
+    model: str
+    midx: int
+    node: str
+    gpus: tuple[int, ...]
+    engine: object  # H3b's EngineModel
+    max_batch: int
+    kv_cap_tokens: int
+    kv_bytes_per_token: float
+    t_start: float
+    ready_at: float
+    full_at: float  # all layers resident (decode needs them all)
+    hit: bool
+    slowdown: float = 1.0  # >1 when sharing compute (MuxServe colocation)
+    phase: str = STARTING
+    grace_since: float = 0.0
+    # engine state
+    v: float = 0.0
+    t_last: float = 0.0
+    step_s: float = 0.0  # 0: not decoding
+    prefill_end: float = -1.0  # >= 0 while a prefill runs
+    prefill_batch: list[int] = field(default_factory=list)
+    pending: deque[int] = field(default_factory=deque)
+    running: list[tuple[float, int]] = field(default_factory=list)  # heap (target V, rid)
+    n_assigned: int = 0
+    kv_reserved: int = 0  # prompt + output tokens of every assigned request (admission)
+    sum_in_running: int = 0
+    sum_v0_running: float = 0.0
+    version: int = 0
+    lent: list[SimReplica] = field(default_factory=list)
+    served: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-{self.iid}"
+
+    def free_slot(self, need_tokens: int) -> bool:
+        return (
+            self.n_assigned < self.max_batch
+            and self.kv_reserved + need_tokens <= self.kv_usable_tokens
+        )
+
+    @property
+    def kv_usable_tokens(self) -> int:
+        lent_bytes = sum(r.bytes_per_gpu for r in self.lent) * len(self.gpus)
+        return self.kv_cap_tokens - int(lent_bytes / self.kv_bytes_per_token)
+
+    def kv_tokens_now(self) -> float:
+        """Tokens held in the KV cache now (prompts plus tokens generated so far)."""
+        decoding = self.sum_in_running + len(self.running) * self.v - self.sum_v0_running
+        return max(decoding, 0.0)
+
+    def settle(self, t: float) -> None:
+        """Advance the decode counter to ``t``."""
+        if self.step_s > 0 and t > self.t_last:
+            self.v += (t - self.t_last) / self.step_s
+        self.t_last = max(self.t_last, t)
+
+    def as_policy(self) -> Instance:
+        kv_cap = int(self.kv_cap_tokens * self.kv_bytes_per_token)
+        used = min(int(self.kv_tokens_now() * self.kv_bytes_per_token), kv_cap)
+        return Instance(
+            self.model, self.node, self.gpus, self.n_assigned, kv_cap, used,
+            _PHASE[self.phase], self.name,
+        )
+
+
+class SimCluster:
+    """GPUs (per node), the replicas on them and the instances holding them."""
+
+    def __init__(self, nodes: int, gpus_per_node: int, hbm_bytes: int) -> None:
+        self.node_names = [f"node-{i}" for i in range(nodes)]
+        self.gpus_per_node = gpus_per_node
+        self.hbm_bytes = hbm_bytes
+        self.holder: dict[tuple[str, int], SimInstance] = {}
+        self.replicas: list[SimReplica] = []
+        self.link_free: dict[tuple[str, int], float] = {
+            (n, g): 0.0 for n in self.node_names for g in range(gpus_per_node)
+        }
+
+    @property
+    def total_gpus(self) -> int:
+        return len(self.node_names) * self.gpus_per_node
+
+    def replica_bytes(self) -> dict[tuple[str, int], int]:
+        used: dict[tuple[str, int], int] = {}
+        for r in self.replicas:
+            for g in r.gpus:
+                used[(r.node, g)] = used.get((r.node, g), 0) + r.bytes_per_gpu
+        return used
+
+    def gpu_state(self, node: str, g: int, has_replica: bool) -> WorkerState:
+        inst = self.holder.get((node, g))
+        if inst is not None:
+            return WorkerState.GRACE if inst.phase == GRACE else WorkerState.DEDICATED
+        return WorkerState.UNIVERSAL if has_replica else WorkerState.IDLE
+
+    def counts(self) -> dict[str, int]:
+        """GPUs per worker state (for the timeline)."""
+        used = self.replica_bytes()
+        out = {s.value: 0 for s in WorkerState}
+        for n in self.node_names:
+            for g in range(self.gpus_per_node):
+                out[self.gpu_state(n, g, (n, g) in used).value] += 1
+        return out
+
+    def snapshot(
+        self,
+        t: float,
+        models: dict[str, ModelSpec],
+        instances: list[SimInstance],
+        forecasts: dict[str, LoadForecast],
+        proactive: bool,
+    ) -> ClusterState:
+        """The policy's view now.  Grace GPUs offer their Eq. 1 lendable memory only when
+        proactive prewarming is on (minus what they already lent)."""
+        used = self.replica_bytes()
+        lend_per_gpu: dict[tuple[str, int], int] = {}
+        if proactive:
+            for inst in instances:
+                if inst.phase != GRACE:
+                    continue
+                pol = inst.as_policy()
+                spec = models[inst.model]
+                total = lendable_bytes(
+                    pol.running, spec.max_batch, pol.kv_capacity_bytes, pol.kv_used_bytes
+                )
+                per = total // len(inst.gpus)
+                for g in inst.gpus:
+                    lend_per_gpu[(inst.node, g)] = per
+        nodes = []
+        for n in self.node_names:
+            gpus = []
+            for g in range(self.gpus_per_node):
+                key = (n, g)
+                state = self.gpu_state(n, g, key in used)
+                if state in (WorkerState.IDLE, WorkerState.UNIVERSAL):
+                    free = max(self.hbm_bytes - used.get(key, 0), 0)
+                elif state == WorkerState.GRACE:
+                    free = max(lend_per_gpu.get(key, 0) - used.get(key, 0), 0)
+                else:
+                    free = 0
+                gpus.append(GPU(g, self.hbm_bytes, min(free, self.hbm_bytes), state))
+            nodes.append(Node(n, tuple(gpus)))
+        return ClusterState(
+            tuple(nodes),
+            models,
+            tuple(r.as_policy(t) for r in self.replicas),
+            tuple(i.as_policy() for i in instances if i.phase != STOPPED),
+            dict(forecasts),
+        )
+
+    def find_replica(self, rep: Replica) -> SimReplica | None:
+        for r in self.replicas:
+            if r.model == rep.model and r.node == rep.node and r.gpus == rep.gpus:
+                return r
+        return None
+
+    def remove_replica(self, r: SimReplica, t: float) -> None:
+        """Drop a replica; a load still in flight gives its remaining link time back."""
+        self.replicas.remove(r)
+        if r.lender is not None and r in r.lender.lent:
+            r.lender.lent.remove(r)
+        if t < r.t_done:
+            for g in r.gpus:
+                key = (r.node, g)
+                if self.link_free[key] <= r.t_done + 1e-9:
+                    freed = r.t_done - max(t, r.t_begin)
+                    self.link_free[key] = max(t, self.link_free[key] - freed)
+
+
+def heap_push_running(inst: SimInstance, target: float, rid: int) -> None:
+    heapq.heappush(inst.running, (target, rid))

@@ -1,0 +1,372 @@
+"""Build a run from a scenario (physics, workload, history, static layouts) and run systems.
+
+:func:`prepare` does everything that is the same for every system — load the GPU profile, build
+each model's engine model and policy :class:`~warmserve.policy.cluster.ModelSpec`, draw the
+workload and the predictor's history from the seed — and :func:`run_system` runs one system on
+it.  All systems of one scenario therefore see exactly the same requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from warmserve.policy.autoscaler import AutoscalerConfig, desired_instances
+from warmserve.policy.cluster import (
+    GPU,
+    ClusterState,
+    GiB,
+    Instance,
+    InstancePhase,
+    ModelSpec,
+    Node,
+    WorkerState,
+)
+from warmserve.policy.load import inflight_load, request_durations
+from warmserve.policy.placement import NoCapacity, choose_start
+from warmserve.policy.scoring import instances_for
+from warmserve.sim import workload as wl
+from warmserve.sim.cluster import SimCluster
+from warmserve.sim.core import ModelRuntime, SimOutput, Simulation, StaticInstance
+from warmserve.sim.engine import EngineModel, ModelArch
+from warmserve.sim.hardware import GpuProfile, load_profile
+from warmserve.sim.scenario import Scenario, ScenarioError, start_minute_of
+from warmserve.sim.systems import get_system
+
+log = logging.getLogger("warmserve.sim")
+
+
+@dataclass
+class Prepared:
+    """Everything shared by the systems of one scenario run."""
+
+    scenario: Scenario
+    profile: GpuProfile
+    models: list[ModelRuntime]
+    requests: wl.Requests
+    start_minute: int
+    shares: np.ndarray
+    peak_inflight: list[float]  # oracle peak of the simulated period, per model (dedicated)
+    initial: dict[str, int]
+    prep_s: float
+
+
+def _engine_speeds(engine: EngineModel, spec: ModelSpec, lengths) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s per request) at a typical operating point.
+
+    Used only to turn history arrivals into in-flight load (§2.2: "the running time of a request
+    is computed based on its input and output lengths"): the median prompt prefilled alone, and a
+    half-full batch decoding with median contexts.
+    """
+    p = max(1, int(np.median(lengths[0])))
+    ctx = int(np.median(lengths[0]) + np.median(lengths[1]) / 2)
+    b = max(1, spec.max_batch // 2)
+    return p / engine.prefill_s(p), 1.0 / engine.decode_step_s(b, b * ctx)
+
+
+def build_models(sc: Scenario, profile: GpuProfile, lengths) -> list[tuple[ModelSpec, EngineModel]]:
+    out = []
+    median_prompt = max(1, int(np.median(lengths[0])))
+    for cfg in sc.models:
+        try:
+            arch = ModelArch.named(cfg.arch)
+        except ValueError as exc:
+            raise ScenarioError(f"model {cfg.name}: {exc}") from None
+        if cfg.weight_gib is not None:
+            arch = arch.with_weight_bytes(int(cfg.weight_gib * GiB))
+        if cfg.tp > profile.gpus_per_node:
+            raise ScenarioError(
+                f"model {cfg.name}: tp {cfg.tp} exceeds the {profile.gpus_per_node} GPUs of a "
+                f"{profile.name} node"
+            )
+        engine = EngineModel(profile, arch, cfg.tp)
+        layers = cfg.prewarm_layers
+        if layers is None:  # the paper's offline profiling pass (§4)
+            layers = max(
+                1,
+                engine.min_resident_layers(
+                    median_prompt, head_start_s=profile.startup.activation_s
+                ),
+            )
+        if not 1 <= layers <= arch.num_layers:
+            raise ScenarioError(
+                f"model {cfg.name}: prewarm_layers must be in [1, {arch.num_layers}]"
+            )
+        spec = ModelSpec(
+            name=cfg.name,
+            weight_bytes=arch.weight_bytes,
+            tp=cfg.tp,
+            max_batch=cfg.max_batch,
+            cold_start_s=engine.load_s(),  # T_c of Eq. 7-8: loading the whole weights
+            num_layers=arch.num_layers,
+            prewarm_layers=layers,
+        )
+        out.append((spec, engine))
+    return out
+
+
+def prepare(sc: Scenario) -> Prepared:
+    """Physics, workload and history for ``sc`` (deterministic for ``sc.seed``)."""
+    t0 = time.perf_counter()
+    profile = load_profile(sc.profile)
+    counts = wl.read_minute_series(sc.arrivals)
+    lengths = wl.read_lengths(sc.lengths)
+    days = [m.trace_day for m in sc.models]
+    n_days = counts.size // wl.MINUTES_PER_DAY
+    for m in sc.models:
+        if m.trace_day >= n_days:
+            raise ScenarioError(
+                f"model {m.name}: trace_day {m.trace_day} is beyond the {n_days} days of "
+                f"{sc.arrivals}"
+            )
+    duration_min = int(sc.duration_s // 60)
+    start = start_minute_of(sc.start)
+    if start is None:
+        start = wl.busiest_start_minute(counts, days, duration_min)
+    win_min = int(sc.window_s // 60)
+    start -= start % win_min  # windows stay aligned with the day (the predictor's seasons)
+    shares = wl.power_law_shares(len(sc.models), sc.alpha)
+    shapes = wl.model_shapes(
+        counts, days, start, duration_min, shares, sc.total_rps, sc.history_days
+    )
+    rng = np.random.default_rng(sc.seed)
+    reqs = wl.generate(rng, shapes, lengths)
+    built = build_models(sc, profile, lengths)
+    models: list[ModelRuntime] = []
+    peaks: list[float] = []
+    initial: dict[str, int] = {}
+    asc = autoscaler_config(sc)
+    for idx, ((spec, engine), shape) in enumerate(zip(built, shapes, strict=True)):
+        pre, dec = _engine_speeds(engine, spec, lengths)
+        h_t, h_in, h_out = wl.generate_history(rng, shape, lengths)
+        avg_h: list[float] = []
+        peak_h: list[float] = []
+        hist_len = shape.history_rate_per_minute.size * wl.MINUTE_S
+        if hist_len >= sc.window_s:
+            loads = inflight_load(
+                h_t, request_durations(h_in, h_out, pre, dec), sc.window_s,
+                start_s=-hist_len, end_s=0.0,
+            )
+            avg_h = [w.avg for w in loads]
+            peak_h = [w.peak for w in loads]
+        mine = reqs.model == idx
+        period = inflight_load(
+            reqs.arrival[mine],
+            request_durations(reqs.input_tokens[mine], reqs.output_tokens[mine], pre, dec),
+            sc.window_s, start_s=0.0, end_s=sc.duration_s,
+        ) if mine.any() else []
+        peaks.append(max((w.peak for w in period), default=0.0))
+        placeable = engine.free_kv_bytes_per_gpu() > 0
+        models.append(
+            ModelRuntime(
+                idx=idx,
+                spec=spec,
+                engine=engine,
+                kv_bytes_per_token=engine.kv_bytes_per_token_per_gpu * spec.tp,
+                kv_cap_tokens=engine.kv_capacity_tokens(),
+                per_layer_load_s=engine.layer_load_s,
+                avg_history=avg_h,
+                peak_history=peak_h,
+                placeable=placeable,
+            )
+        )
+        last = avg_h[-1] if avg_h else 0.0
+        initial[spec.name] = desired_instances(last, spec.max_batch, 0, asc) if placeable else 0
+    return Prepared(
+        sc, profile, models, reqs, start, shares, peaks, initial, time.perf_counter() - t0
+    )
+
+
+def autoscaler_config(sc: Scenario) -> AutoscalerConfig:
+    return AutoscalerConfig(
+        scale_up_utilization=sc.scale_up_utilization,
+        scale_down_utilization=sc.scale_down_utilization,
+        scale_down_delay_s=sc.scale_down_delay_s,
+        max_grace_s=sc.grace_s,
+    )
+
+
+def _empty_state(sc: Scenario, profile: GpuProfile, models: list[ModelRuntime],
+                 placed: list[StaticInstance]) -> ClusterState:
+    held = {(s.node, g) for s in placed for g in s.gpus}
+    nodes = tuple(
+        Node(
+            f"node-{n}",
+            tuple(
+                GPU(g, profile.hbm_bytes, 0 if (f"node-{n}", g) in held else profile.hbm_bytes,
+                    WorkerState.DEDICATED if (f"node-{n}", g) in held else WorkerState.IDLE)
+                for g in range(sc.gpus_per_node)
+            ),
+        )
+        for n in range(sc.nodes)
+    )
+    specs = {m.spec.name: m.spec for m in models}
+    insts = tuple(
+        Instance(s.model, s.node, s.gpus, phase=InstancePhase.SERVING) for s in placed
+    )
+    return ClusterState(nodes, specs, (), insts, {})
+
+
+def dedicated_layout(prep: Prepared) -> list[StaticInstance]:
+    """Enough always-on instances per model for its peak in-flight load (the oracle peak of the
+    simulated period), placed one instance per model per round (largest TP first) with
+    ``choose_start``; when the cluster is too small, the rounds stop where they stop and the
+    shortfall shows as queueing."""
+    sc = prep.scenario
+    need = {
+        m.spec.name: max(1, instances_for(prep.peak_inflight[m.idx], m.spec.max_batch))
+        for m in prep.models if m.placeable
+    }
+    order = sorted((m for m in prep.models if m.placeable), key=lambda m: (-m.spec.tp, m.idx))
+    placed: list[StaticInstance] = []
+    progress = True
+    while progress:
+        progress = False
+        for m in order:
+            if need[m.spec.name] <= 0:
+                continue
+            state = _empty_state(sc, prep.profile, prep.models, placed)
+            choice = choose_start(state, m.spec.name)
+            if isinstance(choice, NoCapacity):
+                continue
+            placed.append(StaticInstance(m.spec.name, choice.node, choice.gpus))
+            need[m.spec.name] -= 1
+            progress = True
+    return placed
+
+
+def static_layout(prep: Prepared, system: str) -> list[StaticInstance]:
+    if system == "dedicated":
+        return dedicated_layout(prep)
+    if system == "muxserve":
+        from warmserve.sim.baselines import muxserve
+
+        return muxserve.static_instances(prep)
+    if system == "prism":
+        from warmserve.sim.baselines import prism
+
+        return prism.static_instances(prep)
+    return []
+
+
+def run_system(
+    prep: Prepared, system: str, progress: Callable[[float], None] | None = None
+) -> tuple[SimOutput, float]:
+    """Run one system; returns its output and the wall seconds it took."""
+    sc = prep.scenario
+    cfg = get_system(system)
+    t0 = time.perf_counter()
+    profile = prep.profile
+    cluster = SimCluster(sc.nodes, sc.gpus_per_node, profile.hbm_bytes)
+    # Fresh copies of mutable per-run model state (history lists are extended during a run).
+    models = [
+        ModelRuntime(
+            m.idx, m.spec, m.engine, m.kv_bytes_per_token, m.kv_cap_tokens, m.per_layer_load_s,
+            list(m.avg_history), list(m.peak_history), m.placeable,
+        )
+        for m in prep.models
+    ]
+    static = static_layout(prep, system) if cfg.mode != "autoscale" else []
+    predictor = None
+    if sc.predictor:
+        from warmserve.policy.predictor import make_predictor
+
+        predictor = make_predictor(sc.predictor)
+    if cfg.mode != "autoscale":
+        have = {s.model for s in static}
+        for m in models:
+            if m.spec.name not in have:
+                m.placeable = False
+    sim = Simulation(
+        system=cfg,
+        models=models,
+        cluster=cluster,
+        arrival=prep.requests.arrival,
+        model_of=prep.requests.model,
+        input_tokens=prep.requests.input_tokens,
+        output_tokens=prep.requests.output_tokens,
+        duration_s=sc.duration_s,
+        window_s=sc.window_s,
+        autoscaler=autoscaler_config(sc),
+        scale_interval_s=sc.scale_interval_s,
+        queue_timeout_s=sc.queue_timeout_s,
+        drain_s=sc.drain_s,
+        predictor=predictor,
+        static_instances=static,
+        initial_instances=prep.initial,
+        progress=progress,
+    )
+    out = sim.run()
+    wall = time.perf_counter() - t0
+    log.info(
+        "event=sim_done system=%s requests=%d events=%d wall_s=%.2f",
+        system, len(prep.requests), out.events, wall,
+    )
+    return out, wall
+
+
+def describe(prep: Prepared) -> dict[str, object]:
+    """Facts about the run worth printing above the table."""
+    sc = prep.scenario
+    return {
+        "scenario": sc.name,
+        "cluster": f"{sc.nodes}x{sc.gpus_per_node} {prep.profile.name}",
+        "requests": len(prep.requests),
+        "total_rps": sc.total_rps,
+        "alpha": sc.alpha,
+        "duration_s": sc.duration_s,
+        "start": f"{prep.start_minute // 60:02d}:{prep.start_minute % 60:02d}",
+        "shares": {m.spec.name: round(float(s), 4) for m, s in zip(prep.models, prep.shares,
+                                                                     strict=True)},
+        "prewarm_layers": {m.spec.name: m.spec.prewarm_layers for m in prep.models},
+        "cold_start_s": {
+            m.spec.name: round(float(m.engine.cold_start_s()), 3) for m in prep.models
+        },
+        "seed": sc.seed,
+        "prep_s": round(prep.prep_s, 3),
+        "placeable": {m.spec.name: m.placeable for m in prep.models},
+        "peak_inflight": {
+            m.spec.name: round(p, 1) for m, p in zip(prep.models, prep.peak_inflight, strict=True)
+        },
+        "initial_instances": dict(prep.initial),
+    }
+
+
+def run_scenario(
+    sc: Scenario,
+    systems: list[str],
+    progress: Callable[[str, float], None] | None = None,
+    keep_raw: bool = False,
+) -> dict[str, object]:
+    """Run ``systems`` on ``sc``; returns ``{"facts", "rows", "raw"?}`` (rows: metrics.summarize).
+
+    Every row passes the conservation check (served + dropped == requests).
+    """
+    from warmserve.sim import metrics
+
+    for s in systems:
+        get_system(s)
+    prep = prepare(sc)
+    names = [m.spec.name for m in prep.models]
+    rows = []
+    raw = []
+    for s in systems:
+        cb = (lambda t, _s=s: progress(_s, t)) if progress is not None else None
+        out, wall = run_system(prep, s, cb)
+        row = metrics.summarize(
+            out, prep.requests.arrival, prep.requests.model, prep.requests.output_tokens, names,
+            wall,
+        )
+        metrics.check_conservation(row)
+        rows.append(row)
+        if keep_raw:
+            served = ~np.isnan(out.finish)
+            raw.append((s, (out.first_token - prep.requests.arrival)[served], out.timeline))
+    result: dict[str, object] = {"facts": describe(prep), "rows": rows}
+    if keep_raw:
+        result["raw"] = raw
+    return result

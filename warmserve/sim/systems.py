@@ -1,0 +1,116 @@
+"""The systems compared, each a configuration of the one simulator (issue 3 §2).
+
+Every system runs the same event loop, engine model, workload and metrics; they differ only in
+the switches below.  ``docs/simulator.md`` says, per system, what the paper states, what we
+assumed where it is silent, and why.
+
+============================  ======================================================================
+system                        what it is
+============================  ======================================================================
+``warmserve``                 prediction every window, basic/burst replicas (Eq. 5-8), evict-aware
+                              placement (Alg. 1), prewarm-hit starts, proactive prewarming into lent
+                              KV memory (Eq. 1), partially prewarmed starts streaming the rest
+``warmserve-no-proactive``    §7.5 ablation: grace instances lend nothing; released GPUs go idle
+``warmserve-no-evict-aware``  §7.5 ablation: first-fit placement
+                              (``plan_prewarm(evict_aware=False)``)
+``reactive``                  Kubernetes HPA in front of vLLM: same autoscaler, every start cold
+                              from host memory (process, import, device, engine, comm group,
+                              all weights)
+``sllm-gpu``                  ServerlessLLM with a GPU cache (§7.1): stopped instances' weights stay
+                              on their GPUs and a start of the same model there skips the load
+``muxserve``                  static colocation from average rates, MuxServe placement (H3b)
+``prism``                     KV-pressure placement, idle eviction, fast activation (H3b)
+``dedicated``                 every model always on enough GPUs for its peak: the cost reference
+============================  ======================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from warmserve.policy.cluster import PolicyInputError
+
+
+@dataclass(frozen=True)
+class SystemConfig:
+    """Switches of one system.
+
+    ``mode``: ``autoscale`` (instances come and go with the autoscaler), ``dedicated`` or
+    ``muxserve`` (a fixed set of instances created before the run), ``prism``.
+    Start-up: which non-weight stages are already done at a start (``pooled_process``,
+    ``engine_ready``; the communication group is ready only on a prewarm hit when
+    ``comm_group_on_hit``), and whether serving may begin after the first layers
+    (``stream_layers``) or waits for all weights.
+    ``on_stop``: what a stopped instance leaves on its GPUs — ``none`` (idle), ``replica``
+    (WarmServe: the old model stays as a prewarm slot, §4.1) or ``cache`` (SLLM-GPU).
+    """
+
+    name: str
+    mode: str = "autoscale"
+    prewarm: bool = False
+    evict_aware: bool = True
+    proactive: bool = False
+    pooled_process: bool = False
+    engine_ready: bool = False
+    comm_group_on_hit: bool = False
+    stream_layers: bool = False
+    on_stop: str = "none"
+    description: str = ""
+
+
+SYSTEMS: dict[str, SystemConfig] = {
+    s.name: s
+    for s in (
+        SystemConfig(
+            "warmserve", prewarm=True, proactive=True, pooled_process=True, engine_ready=True,
+            comm_group_on_hit=True, stream_layers=True, on_stop="replica",
+            description="WarmServe (full)",
+        ),
+        SystemConfig(
+            "warmserve-no-proactive", prewarm=True, proactive=False, pooled_process=True,
+            engine_ready=True, comm_group_on_hit=True, stream_layers=True, on_stop="none",
+            description="WarmServe without proactive prewarming (§7.5)",
+        ),
+        SystemConfig(
+            "warmserve-no-evict-aware", prewarm=True, evict_aware=False, proactive=True,
+            pooled_process=True, engine_ready=True, comm_group_on_hit=True, stream_layers=True,
+            on_stop="replica", description="WarmServe with first-fit placement (§7.5)",
+        ),
+        SystemConfig(
+            "reactive", description="HPA-style autoscaling, vLLM cold starts from host memory"
+        ),
+        SystemConfig(
+            "sllm-gpu", pooled_process=True, engine_ready=True, on_stop="cache",
+            description="ServerlessLLM with weights cached on GPUs (§7.1 SLLM-GPU)",
+        ),
+        SystemConfig("muxserve", mode="muxserve", description="MuxServe static colocation"),
+        SystemConfig("prism", mode="prism", description="Prism KV-pressure sharing"),
+        SystemConfig(
+            "dedicated", mode="dedicated",
+            description="every model on enough GPUs for its peak, always on",
+        ),
+    )
+}
+
+DEFAULT_SYSTEMS: tuple[str, ...] = tuple(SYSTEMS)
+
+
+def get_system(name: str) -> SystemConfig:
+    try:
+        return SYSTEMS[name]
+    except KeyError:
+        raise PolicyInputError(
+            f"unknown system {name!r} (known: {', '.join(SYSTEMS)})"
+        ) from None
+
+
+def parse_systems(spec: str | None, default: tuple[str, ...] = DEFAULT_SYSTEMS) -> list[str]:
+    """``"a,b"`` → validated names (``None``/empty: ``default``)."""
+    names = [s.strip() for s in spec.split(",") if s.strip()] if spec else list(default)
+    if not names:
+        raise PolicyInputError("no system selected")
+    for n in names:
+        get_system(n)
+    if len(set(names)) != len(names):
+        raise PolicyInputError("a system is listed twice")
+    return names
