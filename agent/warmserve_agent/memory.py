@@ -381,6 +381,10 @@ class MemoryManager:
                         raise PageTableError(f"gpu {g}: backend mapping differs from page tables")
 
     def close(self) -> None:
+        """Unmap every slot, then release the backend (handles must not be freed mapped)."""
+        with self._lock:
+            for slot_id in list(self._slots):
+                self.destroy_slot(slot_id)
         self.backend.close()
 
 
