@@ -289,3 +289,90 @@ def test_prism_activation_times():
     assert activation_s(e7, "links") == pytest.approx(links)
     with pytest.raises(PrismError, match="activation mode"):
         activation_s(e7, "magic")
+
+
+# ----------------------------------------------------------------------------- simulator glue
+
+
+def _fake_prep(rates: dict[str, float], tps: dict[str, int], duration: float = 100.0):
+    """A minimal stand-in for warmserve.sim.runner.Prepared (only the fields the glue reads)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from warmserve.policy.cluster import ModelSpec
+
+    models, arrival, model, inp, out = [], [], [], [], []
+    for idx, (name, rate) in enumerate(rates.items()):
+        arch = ModelArch.named(f"llama2-{ARCHS[name]}")
+        eng = EngineModel(H800, arch, tps[name])
+        spec = ModelSpec(name, arch.weight_bytes, tps[name], 32, 1.0, arch.num_layers)
+        models.append(SimpleNamespace(idx=idx, spec=spec, engine=eng, placeable=True))
+        n = round(rate * duration)
+        arrival += list(np.linspace(0, duration, n, endpoint=False))
+        model += [idx] * n
+        inp += [PROMPT] * n
+        out += [OUTPUT] * n
+    reqs = SimpleNamespace(
+        arrival=np.array(arrival),
+        model=np.array(model),
+        input_tokens=np.array(inp),
+        output_tokens=np.array(out),
+    )
+    sc = SimpleNamespace(nodes=2, gpus_per_node=8, duration_s=duration)
+    return SimpleNamespace(scenario=sc, profile=H800, models=models, requests=reqs)
+
+
+TPS = {"7b-0": 1, "7b-1": 1, "13b": 2, "70b": 4}
+
+
+def test_muxserve_static_instances_follow_the_plan():
+    from warmserve.sim.baselines import muxserve
+
+    rates = dict(zip(ARCHS, power_law_rates(25, 2.0, 4), strict=True))
+    prep = _fake_prep(rates, TPS)
+    insts = muxserve.static_instances(prep)
+    assert sorted(i.model for i in insts) == sorted(ARCHS)
+    loads = muxserve.average_loads(prep)
+    assert loads["7b-0"].rate == pytest.approx(rates["7b-0"], rel=0.01)
+    plan = plan_muxserve(
+        [MuxModel(n, ModelArch.llama2(ARCHS[n]), loads[n].rate, PROMPT, OUTPUT) for n in ARCHS],
+        H800,
+        2,
+    )
+    for inst in insts:
+        unit = plan.unit_of(inst.model)
+        assert (inst.node, inst.gpus) == (unit.node, unit.gpus)
+        assert inst.kv_cap_tokens == unit.member(inst.model).kv_tokens
+        assert inst.slowdown > 0
+    # colocated models are slowed by their neighbours' load relative to running alone
+    shared = [i for i in insts if len(plan.unit_of(i.model).members) > 1]
+    assert shared
+
+
+def test_prism_static_instances_respect_memory():
+    from warmserve.sim.baselines import prism
+
+    rates = dict(zip(ARCHS, power_law_rates(25, 0.5, 4), strict=True))
+    insts = prism.static_instances(_fake_prep(rates, TPS))
+    assert sorted(i.model for i in insts) == sorted(ARCHS)
+    used: dict[tuple[str, int], float] = {}
+    for i in insts:
+        assert len(i.gpus) == TPS[i.model] and i.kv_cap_tokens > 0
+        w = ModelArch.llama2(ARCHS[i.model]).weight_bytes / TPS[i.model]
+        for g in i.gpus:
+            used[(i.node, g)] = used.get((i.node, g), 0.0) + w
+    assert max(used.values()) <= H800.usable_bytes
+    # 4 models on 16 GPUs: Prism gives each its own GPUs (lowest KVPR = empty GPUs)
+    assert all(i.slowdown == pytest.approx(1.0) for i in insts)
+
+
+def test_sharing_slowdown_grows_with_neighbour_load():
+    from warmserve.sim.baselines.sharing import Load, busy_fraction, sharing_slowdown
+
+    e = EngineModel(H800, ModelArch.llama2("7b"), 1)
+    light, heavy = Load(0.5, PROMPT, OUTPUT), Load(20.0, PROMPT, OUTPUT)
+    assert 0 < busy_fraction(e, light, 32) < busy_fraction(e, heavy, 32) <= 1
+    assert busy_fraction(e, Load(0.0, 1, 1), 32) == 0.0
+    assert sharing_slowdown(e, e, light, 32, []) == pytest.approx(1.0)
+    assert sharing_slowdown(e, e, light, 32, [0.5, 0.25]) == pytest.approx(1.75)

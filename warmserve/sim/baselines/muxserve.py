@@ -55,11 +55,17 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from warmserve.policy.cluster import PolicyInputError
+from warmserve.sim.baselines.sharing import Load, busy_fraction, sharing_slowdown
 from warmserve.sim.engine import EngineModel, ModelArch, scaled_profile
 from warmserve.sim.hardware import GpuProfile
+
+if TYPE_CHECKING:
+    from warmserve.sim.core import StaticInstance
+    from warmserve.sim.runner import Prepared
 
 DECODE_SM_SHARES = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 PREFILL_SM_SHARE = 1.0
@@ -558,3 +564,70 @@ def power_law_rates(total_rate: float, alpha: float, count: int) -> list[float]:
     weights = [(i + 1) ** -alpha for i in range(count)]
     s = sum(weights)
     return [total_rate * w / s for w in weights]
+
+
+# ----------------------------------------------------------------------------- simulator glue
+
+
+def average_loads(prep: Prepared) -> dict[str, Load]:
+    """Average rate and lengths of each model over the simulated period (an oracle average:
+    MuxServe plans from average rates "estimated from history traffic", §3.1 footnote; using
+    the period itself is the most favourable estimate for the baseline)."""
+    reqs, dur = prep.requests, prep.scenario.duration_s
+    out: dict[str, Load] = {}
+    for m in prep.models:
+        mine = reqs.model == m.idx
+        n = int(mine.sum())
+        if n == 0:
+            out[m.spec.name] = Load(0.0, 1.0, 1.0)
+            continue
+        out[m.spec.name] = Load(
+            n / dur,
+            max(1.0, float(reqs.input_tokens[mine].mean())),
+            max(1.0, float(reqs.output_tokens[mine].mean())),
+        )
+    return out
+
+
+def static_instances(prep: Prepared) -> list[StaticInstance]:
+    """MuxServe's always-on instances for a simulator run: one per model, on its unit's GPUs,
+    with the unit's KV quota and a sharing slowdown (:mod:`warmserve.sim.baselines.sharing`)."""
+    from warmserve.sim.core import StaticInstance
+
+    sc = prep.scenario
+    profile = replace(prep.profile, gpus_per_node=sc.gpus_per_node)
+    loads = average_loads(prep)
+    runtimes = {m.spec.name: m for m in prep.models if m.placeable}
+    models = [
+        MuxModel(
+            name,
+            rt.engine.arch,
+            loads[name].rate,
+            loads[name].prompt_tokens,
+            loads[name].output_tokens,
+        )
+        for name, rt in runtimes.items()
+    ]
+    placement = plan_muxserve(models, profile, [f"node-{n}" for n in range(sc.nodes)])
+    out: list[StaticInstance] = []
+    for unit in placement.units:
+        busy = {}
+        for mem in unit.members:
+            rt = runtimes[mem.model]
+            eng = EngineModel(scaled_profile(profile, mem.sm_share, 1.0), rt.engine.arch, mem.tp)
+            busy[mem.model] = (eng, busy_fraction(eng, loads[mem.model], rt.spec.max_batch))
+        for mem in unit.members:
+            rt = runtimes[mem.model]
+            eng, _ = busy[mem.model]
+            others = [u for name, (_, u) in busy.items() if name != mem.model]
+            slow = sharing_slowdown(rt.engine, eng, loads[mem.model], rt.spec.max_batch, others)
+            out.append(
+                StaticInstance(
+                    model=mem.model,
+                    node=unit.node,
+                    gpus=unit.gpus,
+                    slowdown=slow,
+                    kv_cap_tokens=mem.kv_tokens,
+                )
+            )
+    return out

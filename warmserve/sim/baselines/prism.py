@@ -47,9 +47,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from warmserve.policy.cluster import PolicyInputError
+from warmserve.sim.baselines.sharing import busy_fraction, sharing_slowdown
 from warmserve.sim.engine import EngineModel
+
+if TYPE_CHECKING:
+    from warmserve.sim.core import StaticInstance
+    from warmserve.sim.runner import Prepared
 
 # Prism §5.2 / Figure 9 (H100, pageable host memory); see the module docstring.
 PRISM_SINGLE_GPU_LOAD_BW = 23e9
@@ -320,3 +326,76 @@ def activation_s(engine: EngineModel, mode: str = "measured") -> float:
         bw = min(p.gpus_per_node * p.host_to_gpu_bw / engine.tp, p.host_to_gpu_bw + p.gpu_to_gpu_bw)
         return p.startup.activation_s + per_gpu_bytes / bw
     raise PrismError(f"activation mode must be 'measured' or 'links', got {mode!r}")
+
+
+# ----------------------------------------------------------------------------- simulator glue
+
+DEFAULT_SLO_S = 1.0  # the scenario carries no per-model SLOs: equal SLOs, so r/s orders by rate
+
+
+def static_instances(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> list[StaticInstance]:
+    """Prism's initial placement as always-on instances for a simulator run.
+
+    Placement: :func:`kvpr_placement` from average rates (oracle period averages, see
+    ``muxserve.average_loads``) with every model at its scenario TP, at least one average
+    request's KV left per GPU.  Each instance's KV capacity is its share of the GPU's leftover
+    memory in proportion to its ``r/s`` (kvcached shares the pool on demand; the static share is
+    its demand-weighted expectation), and a sharing slowdown for time-shared GPUs
+    (:mod:`warmserve.sim.baselines.sharing`).  Idle eviction and on-demand activation
+    (:func:`idle_evictions`, :func:`choose_activation_gpus`, :func:`activation_s`) need the
+    simulator's event loop and are not represented by this static layout.
+    """
+    from warmserve.sim.baselines.muxserve import average_loads
+    from warmserve.sim.core import StaticInstance
+
+    sc = prep.scenario
+    loads = average_loads(prep)
+    runtimes = {m.spec.name: m for m in prep.models if m.placeable}
+    per_gpu = prep.profile.usable_bytes
+    models = [
+        PrismModel(name, rt.spec.weight_bytes, loads[name].rate, slo_s, tp=rt.spec.tp)
+        for name, rt in runtimes.items()
+    ]
+    min_kv = max(
+        rt.engine.kv_bytes_per_token_per_gpu
+        * (loads[name].prompt_tokens + loads[name].output_tokens)
+        for name, rt in runtimes.items()
+    )
+    placement = kvpr_placement(
+        models,
+        sc.nodes * sc.gpus_per_node,
+        per_gpu,
+        gpus_per_node=sc.gpus_per_node,
+        min_kv_bytes=min_kv,
+    )
+    by_name = {m.name: m for m in models}
+    busy = {
+        name: busy_fraction(runtimes[name].engine, loads[name], runtimes[name].spec.max_batch)
+        for name in placement.assignment
+    }
+    out: list[StaticInstance] = []
+    for name, gpus in sorted(placement.assignment.items()):
+        rt = runtimes[name]
+        share = min(
+            by_name[name].w_req_rate / placement.gpus[g].w_req_rate
+            if placement.gpus[g].w_req_rate > 0
+            else 1.0 / len(placement.gpus[g].models)
+            for g in gpus
+        )
+        free = min(placement.gpus[g].shared_kv for g in gpus) * share
+        kv_tokens = int(free // rt.engine.kv_bytes_per_token_per_gpu)
+        others = {o for g in gpus for o in placement.gpus[g].models if o != name}
+        slow = sharing_slowdown(
+            rt.engine, rt.engine, loads[name], rt.spec.max_batch, [busy[o] for o in sorted(others)]
+        )
+        node = gpus[0] // sc.gpus_per_node
+        out.append(
+            StaticInstance(
+                model=name,
+                node=f"node-{node}",
+                gpus=tuple(g % sc.gpus_per_node for g in gpus),
+                slowdown=slow,
+                kv_cap_tokens=max(0, kv_tokens),
+            )
+        )
+    return out
