@@ -334,3 +334,23 @@ def test_engine_argument_errors():
     with pytest.raises(EngineInputError, match="head_start_s"):
         e.first_token_after_start_s(3, 10, head_start_s=-1)
     assert math.isfinite(e.prefill_s(1))
+
+
+def test_physics_table_rows():
+    from warmserve.sim.engine import physics_table
+
+    rows = physics_table(H800)
+    assert [r["model"] for r in rows] == ["llama2-7b (TP1)", "llama2-13b (TP2)", "llama2-70b (TP4)"]
+    for r in rows:
+        stages = [
+            r[k]
+            for k in (
+                "ttft_no_prewarm_s",
+                "ttft_device_s",
+                "ttft_engine_s",
+                "ttft_weights_s",
+                "ttft_commgroup_s",
+            )
+        ]
+        assert stages == sorted(stages, reverse=True)  # each prewarmed stage only helps
+        assert r["total_reduction"] == pytest.approx(stages[0] / stages[-1])

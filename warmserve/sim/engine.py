@@ -564,3 +564,64 @@ def scaled_profile(profile: GpuProfile, compute_share: float, hbm_share: float) 
         bf16_flops=profile.bf16_flops * compute_share,
         hbm_bw=profile.hbm_bw * hbm_share,
     )
+
+
+def physics_table(
+    profile: GpuProfile, prompt_tokens: int = 1155, output_tokens: int = 211
+) -> list[dict[str, float | str]]:
+    """Headline numbers of the paper's three models (TP 1/2/4) on ``profile``: step times, KV
+    capacity, load and start-up times, and the §7.2 Figure 8 stage-by-stage first-token times.
+    ``python -m warmserve.sim.engine [profile]`` prints it as the table in docs/simulator.md."""
+    rows: list[dict[str, float | str]] = []
+    ctx = 32 * (prompt_tokens + output_tokens // 2)
+    for size, tp in (("7b", 1), ("13b", 2), ("70b", 4)):
+        e = EngineModel(profile, ModelArch.llama2(size), tp)
+        full = e.arch.num_layers
+        stages = [
+            e.ttft_s(prompt_tokens),
+            e.ttft_s(prompt_tokens, pooled_process=True),
+            e.ttft_s(prompt_tokens, pooled_process=True, engine_ready=True),
+            e.ttft_s(prompt_tokens, resident_layers=full, pooled_process=True, engine_ready=True),
+            e.ttft_s(
+                prompt_tokens,
+                resident_layers=full,
+                pooled_process=True,
+                engine_ready=True,
+                comm_group_ready=True,
+            ),
+        ]
+        rows.append(
+            {
+                "model": f"llama2-{size} (TP{tp})",
+                "decode_b1_ms": e.decode_step_s(1, prompt_tokens) * 1e3,
+                "decode_b32_ms": e.decode_step_s(32, ctx) * 1e3,
+                "prefill_ms": e.prefill_s(prompt_tokens) * 1e3,
+                "kv_tokens": e.kv_capacity_tokens(),
+                "load_s": e.load_s(),
+                "cold_start_s": e.cold_start_s(),
+                "ttft_no_prewarm_s": stages[0],
+                "ttft_device_s": stages[1],
+                "ttft_engine_s": stages[2],
+                "ttft_weights_s": stages[3],
+                "ttft_commgroup_s": stages[4],
+                "total_reduction": stages[0] / stages[4],
+            }
+        )
+    return rows
+
+
+if __name__ == "__main__":  # pragma: no cover - a documentation helper
+    import sys
+
+    from warmserve.sim.hardware import load_profile
+
+    prof = load_profile(sys.argv[1] if len(sys.argv) > 1 else "h800")
+    table = physics_table(prof)
+    print("| " + " | ".join(table[0]) + " |")
+    print("|" + "---|" * len(table[0]))
+    for row in table:
+        cells = [
+            f"{v:,.3f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
+            for v in row.values()
+        ]
+        print("| " + " | ".join(cells) + " |")
