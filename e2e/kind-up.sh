@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Bring up warmserve in a local kind cluster (for people with Docker; not run in CI, which has no
+# container engine — CI tests the chart against a real kube-apiserver instead, see tests/helm).
+#
+#   e2e/kind-up.sh            create cluster "warmserve" (1 control plane + 2 "GPU" workers),
+#                             build and load the image, helm install, apply the examples
+#   CLUSTER=x e2e/kind-up.sh  another cluster name;  KEEP_CLUSTER=1 reuses an existing cluster
+#   e2e/kind-down.sh          delete it
+#
+# kind nodes have no GPUs, so the agents run with simulated GPUs (--simulate-gpus) and request no
+# nvidia.com/gpu; the workers are labelled nvidia.com/gpu.present=true so the DaemonSet's default
+# node selector applies unchanged. Requires: docker (or podman), kind, kubectl, helm.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CLUSTER=${CLUSTER:-warmserve}
+NAMESPACE=${NAMESPACE:-warmserve}
+IMAGE=${IMAGE:-warmserve:dev}
+SIM_GPUS=${SIM_GPUS:-8x80GiB}
+
+for tool in kind kubectl helm docker; do
+  command -v "$tool" >/dev/null || { echo "kind-up.sh: '$tool' is required but not on PATH" >&2; exit 1; }
+done
+step() { printf '\n== %s\n' "$*"; }
+
+if kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
+  [ "${KEEP_CLUSTER:-0}" = 1 ] || { echo "kind-up.sh: cluster '$CLUSTER' exists (KEEP_CLUSTER=1 to reuse, or e2e/kind-down.sh)" >&2; exit 1; }
+  step "reusing kind cluster $CLUSTER"
+else
+  step "creating kind cluster $CLUSTER"
+  kind create cluster --name "$CLUSTER" --wait 120s --config - <<'KIND'
+kind: Cluster
+apiVersion: kind.x-k8s.io/v1alpha4
+nodes:
+  - role: control-plane
+  - role: worker
+    labels: {nvidia.com/gpu.present: "true"}
+  - role: worker
+    labels: {nvidia.com/gpu.present: "true"}
+KIND
+fi
+CTX="kind-$CLUSTER"
+
+step "building $IMAGE and loading it into the nodes"
+docker build -f e2e/Dockerfile -t "$IMAGE" .
+kind load docker-image "$IMAGE" --name "$CLUSTER"
+
+step "helm upgrade --install warmserve (namespace $NAMESPACE)"
+helm upgrade --install warmserve helm/warmserve --kube-context "$CTX" \
+  --namespace "$NAMESPACE" --create-namespace \
+  --set image.repository="${IMAGE%:*}" --set image.tag="${IMAGE##*:}" --set image.pullPolicy=Never \
+  --set agent.simulateGpus="$SIM_GPUS" --set agent.gpuResource.count=0 \
+  --set agent.resources.requests.cpu=100m --set agent.resources.requests.memory=256Mi \
+  --set agent.shmSizeLimit=1Gi \
+  --wait --timeout 5m
+kubectl --context "$CTX" -n "$NAMESPACE" rollout status deploy -l app.kubernetes.io/component=operator --timeout=120s
+kubectl --context "$CTX" -n "$NAMESPACE" rollout status ds -l app.kubernetes.io/component=agent --timeout=120s
+
+step "applying the example ModelDeployments"
+EXAMPLES=()
+for d in examples crds/examples warmserve/data/examples; do
+  [ -d "$d" ] || continue
+  while IFS= read -r f; do EXAMPLES+=("$f"); done < <(grep -l '^kind: ModelDeployment' "$d"/*.yaml 2>/dev/null || true)
+done
+if [ ${#EXAMPLES[@]} -eq 0 ]; then
+  echo "kind-up.sh: no ModelDeployment examples found" >&2; exit 1
+fi
+for f in "${EXAMPLES[@]}"; do kubectl --context "$CTX" -n "$NAMESPACE" apply -f "$f"; done
+
+step "state"
+kubectl --context "$CTX" get gpunodes,modeldeployments -A -o wide || true
+kubectl --context "$CTX" -n "$NAMESPACE" get pods -o wide
+echo
+echo "warmserve is up in kind cluster '$CLUSTER' (context $CTX). Try:"
+echo "  kubectl --context $CTX -n $NAMESPACE logs deploy/warmserve-operator -f"
+echo "  kubectl config use-context $CTX && warmserve status"
+echo "Tear down with: CLUSTER=$CLUSTER e2e/kind-down.sh"

@@ -1,0 +1,95 @@
+{{/*
+Names and labels shared by every template. templates/rbac.yaml (the operator's RBAC) uses
+warmserve.operatorServiceAccountName and warmserve.agentServiceAccountName from here.
+*/}}
+
+{{- define "warmserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-derived prefix, at most 45 characters so "<prefix>-operator-client-tls" fits 63. */}}
+{{- define "warmserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 45 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "warmserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "warmserve.labels" -}}
+helm.sh/chart: {{ include "warmserve.chart" . }}
+app.kubernetes.io/name: {{ include "warmserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: warmserve
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Selector labels; call with (dict "ctx" $ "component" "operator"). */}}
+{{- define "warmserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "warmserve.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "warmserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "warmserve.operatorServiceAccountName" -}}
+{{- if .Values.operator.serviceAccount.create }}
+{{- default (printf "%s-operator" (include "warmserve.fullname" .)) .Values.operator.serviceAccount.name }}
+{{- else }}
+{{- required "operator.serviceAccount.name is required when operator.serviceAccount.create is false" .Values.operator.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "warmserve.agentServiceAccountName" -}}
+{{- if .Values.agent.serviceAccount.create }}
+{{- default (printf "%s-agent" (include "warmserve.fullname" .)) .Values.agent.serviceAccount.name }}
+{{- else }}
+{{- required "agent.serviceAccount.name is required when agent.serviceAccount.create is false" .Values.agent.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Secret holding the agents' server certificate (keys ca.crt, tls.crt, tls.key). */}}
+{{- define "warmserve.tlsServerSecret" -}}
+{{- if eq .Values.tls.mode "existingSecret" }}
+{{- required "tls.mode=existingSecret needs tls.existingSecret (or both tls.serverSecret and tls.clientSecret)" (coalesce .Values.tls.serverSecret .Values.tls.existingSecret) }}
+{{- else }}
+{{- printf "%s-agent-server-tls" (include "warmserve.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* Secret holding the operator's client certificate (keys ca.crt, tls.crt, tls.key). */}}
+{{- define "warmserve.tlsClientSecret" -}}
+{{- if eq .Values.tls.mode "existingSecret" }}
+{{- required "tls.mode=existingSecret needs tls.existingSecret (or both tls.serverSecret and tls.clientSecret)" (coalesce .Values.tls.clientSecret .Values.tls.existingSecret) }}
+{{- else }}
+{{- printf "%s-operator-client-tls" (include "warmserve.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* Fail early on a TLS mode the chart does not know. */}}
+{{- define "warmserve.validateTLS" -}}
+{{- if .Values.tls.enabled }}
+{{- if not (has .Values.tls.mode (list "generate" "existingSecret" "certManager")) }}
+{{- fail (printf "tls.mode must be one of generate, existingSecret, certManager (got %q)" .Values.tls.mode) }}
+{{- end }}
+{{- if and (eq .Values.tls.mode "certManager") (not .Values.tls.certManager.issuerRef.name) }}
+{{- fail "tls.certManager.issuerRef.name is required when tls.mode is certManager" }}
+{{- end }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,336 @@
+"""The Helm chart: lint, render, server-side validation and a real install on the test API server.
+
+The API server (tests/k8s_support.py) has no kubelet and no controllers, so Pods never run: the
+install test checks the release status and the objects, not running workloads.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from k8s_support import REPO_ROOT, ControlPlane
+
+CHART = REPO_ROOT / "helm" / "warmserve"
+REPO_CRDS = REPO_ROOT / "crds"
+
+
+def _helm(bin_dir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    # Offline helm (lint/template) needs no cluster; keep it away from $HOME and any kubeconfig.
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "KUBECONFIG": "/nonexistent"}
+    proc = subprocess.run(
+        [str(bin_dir / "helm"), *args], capture_output=True, text=True, env=env, timeout=120
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stderr}")
+    return proc
+
+
+def _render(bin_dir: Path, *set_args: str, namespace: str = "warmserve") -> list[dict[str, Any]]:
+    out = _helm(bin_dir, "template", "ws", str(CHART), "--namespace", namespace, *set_args).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def _find(docs: list[dict[str, Any]], kind: str, name_suffix: str = "") -> dict[str, Any]:
+    hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(name_suffix)]
+    assert len(hits) == 1, (
+        f"expected one {kind} *{name_suffix}, got {[h['metadata']['name'] for h in hits]}"
+    )
+    return hits[0]
+
+
+def test_chart_crds_are_identical_to_the_repository_crds() -> None:
+    repo = {p.name: p.read_bytes() for p in sorted(REPO_CRDS.glob("*.yaml"))}
+    chart = {p.name: p.read_bytes() for p in sorted((CHART / "crds").glob("*.yaml"))}
+    assert repo, "crds/ has no CRDs"
+    assert chart == repo, "helm/warmserve/crds differs from crds/: run hack/k8s/sync-chart-crds.sh"
+    # kopf peering (leader election) must ship with the chart.
+    assert "kopf.dev_clusterkopfpeerings.yaml" in chart
+
+
+def test_helm_lint_strict_is_clean(k8s_bin_dir: Path) -> None:
+    proc = _helm(k8s_bin_dir, "lint", "--strict", str(CHART))
+    assert "1 chart(s) linted, 0 chart(s) failed" in proc.stdout
+    assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout
+
+
+def test_defaults_render_the_documented_objects(k8s_bin_dir: Path) -> None:
+    docs = _render(k8s_bin_dir)
+    kinds = sorted({d["kind"] for d in docs})
+    for kind in ("ClusterKopfPeering", "DaemonSet", "Deployment", "Secret", "ServiceAccount"):
+        assert kind in kinds
+    op = _find(docs, "Deployment", "-operator")
+    pod = op["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "ws-warmserve-operator"
+    container = pod["containers"][0]
+    assert container["command"] == ["warmserve"] and container["args"][0] == "operator"
+    assert "--peering=warmserve" in container["args"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    agent = _find(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
+    assert agent["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    args = agent["containers"][0]["args"]
+    assert args[:2] == ["agent", "--gpus=auto"]
+    assert "--client-ca=/etc/warmserve/tls/ca.crt" in args  # mTLS on by default
+    assert agent["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert agent["hostIPC"] is False
+    # Both TLS secrets come from one generated CA.
+    server = _find(docs, "Secret", "-agent-server-tls")["data"]
+    client = _find(docs, "Secret", "-operator-client-tls")["data"]
+    assert server["ca.crt"] == client["ca.crt"] and server["tls.crt"] != client["tls.crt"]
+
+
+def test_values_change_gpu_requests_node_selector_and_tls(k8s_bin_dir: Path) -> None:
+    docs = _render(
+        k8s_bin_dir,
+        "--set",
+        "agent.gpuResource.name=amd.com/gpu",
+        "--set",
+        "agent.gpuResource.count=4",
+        "--set-json",
+        # helm merges maps: the default label is dropped by setting it to null (as documented)
+        'agent.nodeSelector={"pool":"gpu-a100","nvidia.com/gpu.present":null}',
+        "--set",
+        "agent.simulateGpus=2x16GiB",
+        "--set",
+        "tls.enabled=false",
+    )
+    agent = _find(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
+    assert agent["nodeSelector"] == {"pool": "gpu-a100"}
+    assert agent["containers"][0]["resources"]["limits"] == {"amd.com/gpu": 4}
+    args = agent["containers"][0]["args"]
+    assert "--simulate-gpus=2x16GiB" in args and not any(a.startswith("--gpus") for a in args)
+    assert not any(a.startswith("--tls") for a in args)
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    none = _render(k8s_bin_dir, "--set", "agent.gpuResource.count=0")
+    limits = _find(none, "DaemonSet", "-agent")["spec"]["template"]["spec"]["containers"][0][
+        "resources"
+    ].get("limits", {})
+    assert "nvidia.com/gpu" not in limits
+
+
+def test_existing_secret_and_cert_manager_modes(k8s_bin_dir: Path) -> None:
+    docs = _render(
+        k8s_bin_dir, "--set", "tls.mode=existingSecret", "--set", "tls.existingSecret=my-tls"
+    )
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    for kind, suffix in (("Deployment", "-operator"), ("DaemonSet", "-agent")):
+        volumes = _find(docs, kind, suffix)["spec"]["template"]["spec"]["volumes"]
+        assert {"secretName": "my-tls", "defaultMode": 0o440} in [v.get("secret") for v in volumes]
+    cm = _render(
+        k8s_bin_dir, "--set", "tls.mode=certManager", "--set", "tls.certManager.issuerRef.name=ca"
+    )
+    certs = [d for d in cm if d["kind"] == "Certificate"]
+    assert sorted(c["spec"]["secretName"] for c in certs) == [
+        "ws-warmserve-agent-server-tls",
+        "ws-warmserve-operator-client-tls",
+    ]
+    server = next(c for c in certs if "server" in c["metadata"]["name"])
+    assert server["spec"]["dnsNames"] == ["warmserve-agent"]
+    assert server["spec"]["issuerRef"]["name"] == "ca"
+
+
+@pytest.mark.parametrize(
+    ("set_args", "message"),
+    [
+        (
+            ["--set", "tls.mode=selfsigned"],
+            "tls.mode must be one of generate, existingSecret, certManager",
+        ),
+        (["--set", "tls.mode=certManager"], "tls.certManager.issuerRef.name is required"),
+        (
+            ["--set", "tls.mode=existingSecret"],
+            "tls.mode=existingSecret needs tls.existingSecret",
+        ),
+        (
+            ["--set", "operator.serviceAccount.create=false"],
+            "operator.serviceAccount.name is required",
+        ),
+    ],
+)
+def test_bad_values_fail_with_a_message(
+    k8s_bin_dir: Path, set_args: list[str], message: str
+) -> None:
+    proc = _helm(k8s_bin_dir, "template", "ws", str(CHART), *set_args, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+
+
+def _parse_cli(args: list[str]) -> None:
+    """Parse ``args`` with the real ``warmserve`` argument parser (fails on unknown flags)."""
+    import argparse
+
+    from warmserve.cli import build_parser
+
+    try:
+        build_parser().parse_args(args)
+    except (SystemExit, argparse.ArgumentError) as exc:  # unknown or invalid flags
+        raise AssertionError(f"warmserve rejects the chart's arguments {args}") from exc
+
+
+@pytest.mark.parametrize(
+    "set_args",
+    [
+        [],
+        ["--set", "tls.enabled=false", "--set", "operator.logLevel=debug"],
+        ["--set", "agent.simulateGpus=8x80GiB", "--set", "operator.predictor=seasonal"],
+    ],
+    ids=["defaults", "no-tls", "simulated"],
+)
+def test_container_args_are_accepted_by_the_warmserve_cli(
+    k8s_bin_dir: Path, set_args: list[str]
+) -> None:
+    # The chart and the CLI are written separately; a renamed flag would crash-loop the pods.
+    docs = _render(k8s_bin_dir, *set_args)
+    for kind, suffix in (("Deployment", "-operator"), ("DaemonSet", "-agent")):
+        container = _find(docs, kind, suffix)["spec"]["template"]["spec"]["containers"][0]
+        assert container["command"] == ["warmserve"]
+        _parse_cli(container["args"])
+
+
+def test_no_binding_grants_cluster_admin(k8s_bin_dir: Path) -> None:
+    for doc in _render(k8s_bin_dir):
+        if doc["kind"] in ("ClusterRoleBinding", "RoleBinding"):
+            assert doc["roleRef"]["name"] not in ("cluster-admin", "admin", "edit"), doc
+
+
+# -- against the real API server ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def crds_installed(k8s_control_plane: ControlPlane) -> None:
+    """Install the CRDs (server-side dry-run of custom objects needs their CRDs to exist)."""
+    k8s_control_plane.kubectl(
+        "apply", "--server-side", "--force-conflicts", "-f", str(CHART / "crds")
+    )
+    k8s_control_plane.kubectl(
+        "wait", "--for=condition=Established", "crd", "--all", "--timeout=60s"
+    )
+
+
+@pytest.mark.parametrize(
+    "set_args",
+    [
+        [],
+        [
+            "--set",
+            "tls.enabled=false",
+            "--set",
+            "agent.enabled=false",
+            "--set",
+            "createPeering=false",
+        ],
+        [
+            "--set",
+            "tls.mode=existingSecret",
+            "--set",
+            "tls.existingSecret=mine",
+            "--set",
+            "operator.replicas=2",
+            "--set",
+            "agent.simulateGpus=8x80GiB",
+        ],
+    ],
+    ids=["defaults", "minimal", "existing-secret-ha"],
+)
+def test_rendered_manifests_pass_server_side_dry_run(
+    k8s_control_plane: ControlPlane,
+    k8s_namespace: str,
+    crds_installed: None,
+    set_args: list[str],
+) -> None:
+    rendered = k8s_control_plane.helm(
+        "template", "ws", str(CHART), "--namespace", k8s_namespace, "--include-crds", *set_args
+    ).stdout
+    proc = k8s_control_plane.kubectl(
+        "apply",
+        "--dry-run=server",
+        "--validate=strict",
+        "-n",
+        k8s_namespace,
+        "-f",
+        "-",
+        input=rendered,
+    )
+    assert "(server dry run)" in proc.stdout
+    assert "deployment.apps/ws-warmserve-operator" in proc.stdout
+
+
+@pytest.fixture
+def release(k8s_control_plane: ControlPlane, k8s_namespace: str) -> Iterator[Callable[..., Any]]:
+    """``release(*helm_args)`` runs helm with this test's namespace; uninstalls at the end."""
+
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return k8s_control_plane.helm(*args, "--namespace", k8s_namespace, check=check)
+
+    yield run
+    run("uninstall", "ws", "--wait=false", check=False)
+
+
+def test_helm_install_upgrade_uninstall(
+    k8s_control_plane: ControlPlane, k8s_namespace: str, release: Callable[..., Any]
+) -> None:
+    kc = k8s_control_plane.kubectl
+    # No --wait: without kubelet the Deployment and DaemonSet never become ready. The peering
+    # object is cluster-scoped, so each test release gets its own name.
+    peering = f"{k8s_namespace}-peering"
+    release("install", "ws", str(CHART), "--set", f"operator.peering={peering}")
+    status = json.loads(release("status", "ws", "-o", "json").stdout)
+    assert status["info"]["status"] == "deployed"
+    for obj in (
+        "deployment/ws-warmserve-operator",
+        "daemonset/ws-warmserve-agent",
+        "serviceaccount/ws-warmserve-operator",
+        "serviceaccount/ws-warmserve-agent",
+        "secret/ws-warmserve-agent-server-tls",
+        "secret/ws-warmserve-operator-client-tls",
+    ):
+        kc("get", obj, "-n", k8s_namespace)
+    for crd in (
+        "modeldeployments.warmserve.io",
+        "gpunodes.warmserve.io",
+        "clusterkopfpeerings.kopf.dev",
+    ):
+        kc("get", "crd", crd)
+    kc("get", "clusterkopfpeering", peering)
+
+    def cert() -> str:
+        return kc(
+            "get",
+            "secret",
+            "ws-warmserve-agent-server-tls",
+            "-n",
+            k8s_namespace,
+            "-o",
+            "jsonpath={.data.tls\\.crt}",
+        ).stdout
+
+    before = cert()
+    # An upgrade reuses the generated certificates (lookup), so pods are not restarted for nothing.
+    release("upgrade", "ws", str(CHART), "--reuse-values", "--set", "operator.windowSeconds=60")
+    assert cert() == before
+    args = json.loads(
+        kc("get", "deployment", "ws-warmserve-operator", "-n", k8s_namespace, "-o", "json").stdout
+    )["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--window=60" in args
+    assert json.loads(release("status", "ws", "-o", "json").stdout)["version"] == 2
+
+    release("uninstall", "ws")
+    assert kc("get", "clusterkopfpeering", peering, "--ignore-not-found", "-o", "name").stdout == ""
+    gone = kc(
+        "get",
+        "deployment",
+        "ws-warmserve-operator",
+        "-n",
+        k8s_namespace,
+        "--ignore-not-found",
+        "-o",
+        "name",
+    )
+    assert gone.stdout.strip() == ""
+    # CRDs stay (helm never deletes crds/ content), so ModelDeployments survive an uninstall.
+    kc("get", "crd", "modeldeployments.warmserve.io")
