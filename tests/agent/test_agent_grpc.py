@@ -1,0 +1,429 @@
+"""The agent over gRPC on loopback: the end-to-end flow, bad requests, idempotency, streams,
+auth, worker replacement and restart behaviour."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import PAGE, MiB, write_model
+from warmserve_agent.client import AgentError, SyncAgentClient, pb
+from warmserve_agent.server import AgentConfig
+from warmserve_agent.testing import AgentThread
+
+
+def cfg_for(tmp_path: Path, model_root: Path, **kw) -> AgentConfig:
+    base = dict(
+        model_dir=model_root,
+        simulate_gpus=[4 * MiB] * 2,
+        listen="127.0.0.1:0",
+        page_bytes=PAGE,
+        memory_dir=tmp_path / f"gpus-{time.monotonic_ns()}",
+        node_name="node-a",
+        spare_workers=1,
+        use_workers=False,
+        grace_interval_s=0.05,
+        monitor_interval_s=0.1,
+    )
+    base.update(kw)
+    return AgentConfig(**base)
+
+
+def http(url: str, body: dict | None = None) -> bytes:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=20) as r:
+        return r.read()
+
+
+def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def fast_agent(tmp_path: Path, model_root: Path) -> Iterator[tuple[AgentThread, SyncAgentClient]]:
+    """Agent with engines in-process (no worker processes): for the refusal tests."""
+    with AgentThread(cfg_for(tmp_path, model_root)) as a:
+        c = SyncAgentClient(a.address)
+        yield a, c
+        c.close()
+
+
+def code_of(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(AgentError) as ei:
+        fn()
+    return ei.value.code, ei.value.message
+
+
+# ---- the done-criterion flow, with real worker processes --------------------------------------
+def test_loopback_prewarm_activate_stream_grace_lend_end(tmp_path: Path, model_root: Path) -> None:
+    with AgentThread(cfg_for(tmp_path, model_root, use_workers=True)) as a:
+        c = SyncAgentClient(a.address)
+        assert c.health() == "SERVING"
+        d = c.describe()
+        assert [g.state for g in d.gpus] == [pb.WORKER_STATE_IDLE] * 2
+        assert d.spare_workers == 1 and all(g.worker_pid > 0 for g in d.gpus)
+        assert {m.name for m in d.models} == {"alpha", "beta", "gamma"}
+
+        msgs = list(c.prewarm("alpha", [0], 2, request_id="pw-alpha"))
+        assert msgs[-1].done and msgs[-1].layers_loaded == 2 and msgs[-1].layers_target == 2
+        assert msgs[-1].slot.layers_total == 4 and msgs[-1].bandwidth_bytes_per_s > 0
+        slot_alpha = msgs[-1].slot_id
+
+        act = c.activate("alpha", [0], request_id="act-alpha")
+        assert act.prewarm_hit and act.instance.slot_id == slot_alpha
+        ep = act.instance.endpoint
+        assert ep.startswith("http://127.0.0.1:")
+        # The engine runs in GPU 0's worker process, not in the agent.
+        assert json.loads(http(ep + "/v1/models"))["data"][0]["id"] == "alpha"
+        body = {"model": "alpha", "prompt": "hello warm world", "max_tokens": 6, "stream": True}
+        raw = http(ep + "/v1/completions", body).decode()
+        events = [ln[6:] for ln in raw.splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        pieces = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
+        assert len([p for p in pieces if p]) == 6
+        chat = json.loads(
+            http(ep + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        )
+        assert chat["choices"][0]["message"]["role"] == "assistant"
+        metrics = http(ep + "/metrics").decode()
+        assert 'vllm:num_requests_running{model_name="alpha"}' in metrics
+        assert "vllm:generation_tokens_total" in metrics
+        # The remaining layers of the partial prewarm load while the instance serves.
+        wait_for(
+            lambda: c.describe().instances[0].layers_resident == 4, what="rest of alpha's layers"
+        )
+
+        g = c.begin_grace(act.instance.instance_id, request_id="grace-alpha")
+        assert g.instance.phase == pb.INSTANCE_PHASE_GRACE
+        lend = c.lendable()
+        row = lend.instances[0]
+        assert row.reservation_target_bytes < row.kv_capacity_bytes
+        assert row.lendable_bytes > 0 and row.lent_bytes > 0
+        d = c.describe()
+        assert d.gpus[0].state == pb.WORKER_STATE_GRACE and d.gpus[0].free_bytes > 0
+
+        # Prewarm a second model into the lent KV memory (Figure 6b).
+        beta = c.prewarm_wait("beta", [0], request_id="pw-beta")
+        assert beta.slot.state == pb.SLOT_STATE_READY
+        end = c.end_instance(act.instance.instance_id, request_id="end-alpha")
+        assert [x.state for x in end.gpus] == [pb.WORKER_STATE_UNIVERSAL]
+        assert {s.model for s in end.slots} == {"alpha", "beta"}
+        d = c.describe()
+        assert d.gpus[0].state == pb.WORKER_STATE_UNIVERSAL and not d.instances
+        assert {(s.model, s.layers_resident) for s in d.slots} == {("alpha", 4), ("beta", 3)}
+        with pytest.raises(urllib.error.URLError):
+            http(ep + "/v1/models")
+
+        # The weights prewarmed into lent memory serve: the worker's engine verifies them.
+        act2 = c.activate("beta", [0], request_id="act-beta")
+        assert act2.prewarm_hit and act2.evicted_slot_ids == [slot_alpha]
+        out = json.loads(http(act2.instance.endpoint + "/v1/completions", {"prompt": "x"}))
+        assert out["usage"]["completion_tokens"] == 16
+        c.close()
+
+
+# ---- bad requests ----------------------------------------------------------------------
+def test_bad_requests_get_clear_status(fast_agent) -> None:
+    a, c = fast_agent
+    code, msg = code_of(lambda: c.prewarm_wait("nope", [0]))
+    assert code == grpc.StatusCode.NOT_FOUND and "models here: alpha, beta, gamma" in msg
+    code, msg = code_of(lambda: c.prewarm_wait("alpha", [0, 7]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "not on node node-a" in msg
+    code, msg = code_of(lambda: c.prewarm_wait("alpha", []))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "at least one GPU" in msg
+    code, msg = code_of(lambda: c.prewarm_wait("alpha", [0], layers=9))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "1..4" in msg
+    code, msg = code_of(lambda: c.prewarm_wait("../x", [0]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed model name" in msg
+    code, msg = code_of(lambda: c.evict("slot-zz"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed slot id" in msg
+    code, msg = code_of(lambda: c.evict("slot-0123456789ab"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, msg = code_of(lambda: c.begin_grace("i-1"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed instance id" in msg
+    code, msg = code_of(lambda: c.end_instance("inst-0123456789ab"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, msg = code_of(lambda: c.evict("slot-0123456789ab", request_id="bad id!"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "malformed request_id" in msg
+
+    # Not enough memory: a model larger than one GPU ...
+    write_model(Path(a.cfg.model_dir), "big", layers=2, hidden=320, seed=8)
+    write_model(Path(a.cfg.model_dir), "big2", layers=2, hidden=320, seed=9)
+    code, msg = code_of(lambda: c.prewarm_wait("big", [0]))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "per GPU" in msg and "free" in msg
+    code, msg = code_of(lambda: c.activate("big", [0]))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger tensor-parallel group" in msg
+    # ... and a prewarm that would fit an empty GPU but not next to what is resident.
+    big = c.prewarm_wait("big", [0], layers=1)
+    code, msg = code_of(lambda: c.prewarm_wait("big2", [0], layers=1))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Evict slots" in msg
+    c.evict(big.slot_id)
+    assert c.describe().gpus[0].state == pb.WORKER_STATE_IDLE
+    # Same model twice on overlapping GPUs.
+    c.prewarm_wait("gamma", [1])
+    code, msg = code_of(lambda: c.prewarm_wait("gamma", [0, 1]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "already resident" in msg
+    d = c.describe()
+    code, msg = code_of(lambda: c.activate("beta", [1], slot_id=d.slots[0].slot_id))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "omit slot_id" in msg
+
+    # Illegal transitions.
+    act = c.activate("gamma", [1])
+    iid = act.instance.instance_id
+    code, msg = code_of(lambda: c.end_instance(iid))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "BeginGrace" in msg
+    code, msg = code_of(lambda: c.activate("beta", [1]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "serving" in msg
+    code, msg = code_of(lambda: c.prewarm_wait("beta", [1]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "grace period" in msg
+    code, msg = code_of(lambda: c.evict(act.instance.slot_id))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "end the instance first" in msg
+    code, msg = code_of(lambda: c.lendable([iid]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    c.begin_grace(iid)
+    code, msg = code_of(lambda: c.begin_grace(iid))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    c.end_instance(iid, evict_weights=True)
+    assert all(s.model != "gamma" for s in c.describe().slots)
+
+
+def test_overlapping_groups_refused(tmp_path: Path, model_root: Path) -> None:
+    with AgentThread(cfg_for(tmp_path, model_root, simulate_gpus=[4 * MiB] * 3)) as a:
+        c = SyncAgentClient(a.address)
+        c.prewarm_wait("gamma", [0, 1])
+        c.prewarm_wait("beta", [1])  # nested: fine
+        code, msg = code_of(lambda: c.prewarm_wait("alpha", [1, 2]))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "must nest" in msg
+        # Activation is different: it takes the group exclusively and evicts every slot that
+        # touches it (Fig. 6a), including gamma's on {0,1}; GPU 0 loses its last slot.
+        before = {x.model: x.slot_id for x in c.describe().slots}
+        act = c.activate("alpha", [1, 2])
+        assert sorted(act.evicted_slot_ids) == sorted([before["gamma"], before["beta"]])
+        states = [g.state for g in c.describe().gpus]
+        assert states == [
+            pb.WORKER_STATE_IDLE,
+            pb.WORKER_STATE_DEDICATED,
+            pb.WORKER_STATE_DEDICATED,
+        ]
+        c.close()
+
+
+def test_requests_are_idempotent(fast_agent) -> None:
+    _, c = fast_agent
+    first = c.prewarm_wait("alpha", [0], request_id="same-1")
+    again = c.prewarm_wait("alpha", [0], request_id="same-1")
+    assert again.slot_id == first.slot_id and again.done
+    assert len(c.describe().slots) == 1
+    code, msg = code_of(lambda: c.prewarm_wait("beta", [0], request_id="same-1"))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "new id" in msg
+    a1 = c.activate("alpha", [0], request_id="act-1")
+    a2 = c.activate("alpha", [0], request_id="act-1")
+    assert a1.instance.instance_id == a2.instance.instance_id
+    assert len(c.describe().instances) == 1
+    # A refusal replays as the same refusal.
+    e1 = code_of(lambda: c.end_instance(a1.instance.instance_id, request_id="end-1"))
+    c.begin_grace(a1.instance.instance_id, request_id="grace-1")
+    e2 = code_of(lambda: c.end_instance(a1.instance.instance_id, request_id="end-1"))
+    assert e1 == e2 and e1[0] == grpc.StatusCode.FAILED_PRECONDITION
+    c.end_instance(a1.instance.instance_id, request_id="end-2")
+    assert c.end_instance(a1.instance.instance_id, request_id="end-2").instance_id
+
+
+def test_watch_streams_changes(fast_agent) -> None:
+    a, c = fast_agent
+    from warmserve_agent.client import AgentClient
+
+    async def watch_some() -> list[pb.WatchEvent]:
+        out: list[pb.WatchEvent] = []
+        async with AgentClient(a.address) as ac:
+            async for ev in ac.watch():
+                out.append(ev)
+                if ev.kind == pb.WatchEvent.KIND_SLOT and ev.slot.state == pb.SLOT_STATE_READY:
+                    break
+        return out
+
+    import asyncio
+    import threading
+
+    box: dict[str, list[pb.WatchEvent]] = {}
+    t = threading.Thread(target=lambda: box.setdefault("ev", asyncio.run(watch_some())))
+    t.start()
+    time.sleep(0.5)
+    c.prewarm_wait("gamma", [1])
+    t.join(20)
+    evs = box["ev"]
+    assert evs[0].kind == pb.WatchEvent.KIND_SNAPSHOT and len(evs[0].snapshot.gpus) == 2
+    kinds = {e.kind for e in evs}
+    assert pb.WatchEvent.KIND_GPU in kinds and pb.WatchEvent.KIND_SLOT in kinds
+    gens = [e.generation for e in evs[1:]]
+    assert gens == sorted(gens)
+
+
+# ---- security -----------------------------------------------------------------------------------
+def test_token_auth(tmp_path: Path, model_root: Path) -> None:
+    tok = tmp_path / "token"
+    tok.write_text("s3cret\n")
+    with AgentThread(cfg_for(tmp_path, model_root, token_file=tok)) as a:
+        with SyncAgentClient(a.address) as anon:
+            assert anon.health() == "SERVING"  # probes stay open
+            code, msg = code_of(anon.describe)
+            assert code == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in msg
+            code, _ = code_of(lambda: anon.prewarm_wait("alpha", [0]))
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+        with SyncAgentClient(a.address, token="wrong") as bad:
+            assert code_of(bad.describe)[0] == grpc.StatusCode.UNAUTHENTICATED
+        with SyncAgentClient(a.address, token_file=tok) as good:
+            assert good.describe().node_name == "node-a"
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def make_pki(d: Path) -> dict[str, Path]:
+    d.mkdir()
+    p = {k: d / k for k in ("ca.key", "ca.pem", "srv.key", "srv.pem", "cli.key", "cli.pem")}
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(p["ca.key"]),
+        "-out",
+        str(p["ca.pem"]),
+        "-days",
+        "1",
+        "-subj",
+        "/CN=warmserve-test-ca",
+    )
+    ext = d / "san.cnf"
+    ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for who in ("srv", "cli"):
+        csr = d / f"{who}.csr"
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(p[f"{who}.key"]),
+            "-out",
+            str(csr),
+            "-subj",
+            f"/CN={who}",
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            str(csr),
+            "-CA",
+            str(p["ca.pem"]),
+            "-CAkey",
+            str(p["ca.key"]),
+            "-CAcreateserial",
+            "-out",
+            str(p[f"{who}.pem"]),
+            "-days",
+            "1",
+            "-extfile",
+            str(ext),
+        )
+    return p
+
+
+def test_mutual_tls(tmp_path: Path, model_root: Path) -> None:
+    pki = make_pki(tmp_path / "pki")
+    cfg = cfg_for(
+        tmp_path,
+        model_root,
+        tls_cert=pki["srv.pem"],
+        tls_key=pki["srv.key"],
+        client_ca=pki["ca.pem"],
+    )
+    with AgentThread(cfg) as a:
+        with SyncAgentClient(a.address, ca_cert=pki["ca.pem"], timeout_s=3) as nocert:
+            assert code_of(nocert.describe)[0] == grpc.StatusCode.UNAVAILABLE
+        with SyncAgentClient(a.address) as plain:
+            assert code_of(plain.describe)[0] == grpc.StatusCode.UNAVAILABLE
+        with SyncAgentClient(
+            a.address,
+            ca_cert=pki["ca.pem"],
+            client_cert=pki["cli.pem"],
+            client_key=pki["cli.key"],
+        ) as ok:
+            assert ok.describe().gpus[0].index == 0
+
+
+# ---- failures and restarts ------------------------------------------------------------
+def test_crashed_worker_is_replaced(tmp_path: Path, model_root: Path) -> None:
+    with AgentThread(cfg_for(tmp_path, model_root, use_workers=True)) as a:
+        c = SyncAgentClient(a.address)
+        act = c.activate("gamma", [0])
+        assert not act.prewarm_hit
+        pid = c.describe().gpus[0].worker_pid
+        os.kill(pid, 9)
+        d = wait_for(
+            lambda: (x := c.describe()).gpus[0].worker_restarts == 1 and not x.instances and x,
+            what="worker replacement",
+        )
+        assert d.gpus[0].worker_pid not in (0, pid)
+        assert d.gpus[0].state == pb.WORKER_STATE_UNIVERSAL  # gamma's weights stay resident
+        assert [s.model for s in d.slots] == ["gamma"]
+        wait_for(lambda: c.describe().spare_workers == 1, what="spare refilled")
+        act2 = c.activate("gamma", [0])  # served by the replacement worker
+        assert act2.prewarm_hit
+        assert json.loads(http(act2.instance.endpoint + "/v1/models"))["data"][0]["id"] == "gamma"
+        c.close()
+
+
+def test_restart_reports_a_fresh_node(tmp_path: Path, model_root: Path) -> None:
+    """Documented restart semantics: workers and simulated memory go with the agent; the new
+    agent reports a new agent_id and an empty node, which the operator reconciles against."""
+    cfg = cfg_for(tmp_path, model_root, use_workers=True)
+    with AgentThread(cfg) as a:
+        with SyncAgentClient(a.address) as c:
+            act = c.activate("gamma", [0])
+            d1 = c.describe()
+        pids = [g.worker_pid for g in d1.gpus]
+        port = a.server.port
+    for pid in pids:
+        wait_for(lambda pid=pid: not _alive(pid), what=f"worker {pid} to exit")
+    with pytest.raises(urllib.error.URLError):
+        http(act.instance.endpoint + "/v1/models")
+    assert not list(Path(cfg.memory_dir).glob("*.mem"))
+    cfg2 = cfg_for(tmp_path, model_root, listen=f"127.0.0.1:{port}")
+    with AgentThread(cfg2) as b, SyncAgentClient(b.address) as c:
+        d2 = c.describe()
+        assert d2.agent_id != d1.agent_id
+        assert not d2.slots and not d2.instances
+        assert all(g.state == pb.WORKER_STATE_IDLE for g in d2.gpus)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie child counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
