@@ -354,3 +354,17 @@ def test_physics_table_rows():
         ]
         assert stages == sorted(stages, reverse=True)  # each prewarmed stage only helps
         assert r["total_reduction"] == pytest.approx(stages[0] / stages[-1])
+
+
+def test_numpy_integers_are_accepted():
+    import numpy as np
+
+    e = EngineModel(H800, L7, 1)
+    assert e.prefill_s(np.int64(500)) == e.prefill_s(500)
+    assert e.prefill_s(np.array([100, 200])) == e.prefill_s([100, 200])
+    assert e.decode_step_s(np.int64(4), np.int64(4000)) == e.decode_step_s(4, 4000)
+    assert e.load_s(np.int32(3)) == e.load_s(3)
+    with pytest.raises(EngineInputError, match="prompt_tokens must be integers"):
+        e.prefill_s(3.5)
+    with pytest.raises(EngineInputError, match="prompt_tokens must be integers"):
+        e.prefill_s([True])

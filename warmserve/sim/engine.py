@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from numbers import Integral
 
 from warmserve.policy.cluster import PolicyInputError
 from warmserve.sim.hardware import GpuProfile
@@ -49,6 +50,11 @@ class EngineInputError(PolicyInputError):
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise EngineInputError(message)
+
+
+def _is_int(value: object) -> bool:
+    """An integer count (Python or NumPy), not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,14 +377,19 @@ class EngineModel:
 
     @staticmethod
     def _lengths(prompt_tokens: int | Sequence[int]) -> list[int]:
-        lens = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
+        if isinstance(prompt_tokens, Integral):
+            lens = [prompt_tokens]
+        elif isinstance(prompt_tokens, Sequence) or hasattr(prompt_tokens, "__array__"):
+            lens = list(prompt_tokens)
+        else:
+            raise EngineInputError(f"prompt_tokens must be integers >= 1, got {prompt_tokens!r}")
         _require(len(lens) > 0, "prompt_tokens must name at least one prompt")
         for n in lens:
             _require(
-                isinstance(n, int) and not isinstance(n, bool) and n >= 1,
+                _is_int(n) and n >= 1,
                 f"prompt_tokens must be integers >= 1, got {n!r}",
             )
-        return lens
+        return [int(n) for n in lens]
 
     def layer_compute_s(self, prompt_tokens: int | Sequence[int]) -> float:
         """Prefill time of one transformer block for the given prompt(s) (streaming unit)."""
@@ -410,7 +421,7 @@ class EngineModel:
         (``kv_tokens x kv_bytes_per_token_per_layer``); attention FLOPs are ``4 x kv_tokens x d``.
         """
         _require(
-            isinstance(batch, int) and batch >= 1,
+            _is_int(batch) and batch >= 1,
             f"decode batch must be an integer >= 1: {batch!r}",
         )
         _require(kv_tokens >= 0, f"decode kv_tokens must be >= 0, got {kv_tokens!r}")
@@ -430,7 +441,7 @@ class EngineModel:
         """Time to copy the first ``layers`` layers (default: all weights) from host memory."""
         n = self.arch.num_layers if layers is None else layers
         _require(
-            isinstance(n, int) and 0 <= n <= self.arch.num_layers,
+            _is_int(n) and 0 <= n <= self.arch.num_layers,
             f"{self.arch.name}: layers must be an integer in [0, {self.arch.num_layers}]: {n!r}",
         )
         return n * self.layer_load_s
@@ -490,7 +501,7 @@ class EngineModel:
         L = self.arch.num_layers
         r = resident_layers
         _require(
-            isinstance(r, int) and 0 <= r <= L,
+            _is_int(r) and 0 <= r <= L,
             f"{self.arch.name}: resident_layers must be an integer in [0, {L}], got {r!r}",
         )
         _require(head_start_s >= 0, f"head_start_s must be >= 0, got {head_start_s!r}")
