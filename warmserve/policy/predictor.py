@@ -217,74 +217,55 @@ def _seasonal_delta(h: np.ndarray, t: int, period: int, max_days: int) -> float:
     return last * float(h[idx].mean()) / before if before > 0 else last
 
 
-class _LogARStream:
-    """Online ridge regression of log-load changes on lagged log-load changes.
+def _log_ar_forecasts(
+    h: np.ndarray, lags: Sequence[int], fill_gaps: bool, ts: Sequence[int], ridge: float = 1.0
+) -> np.ndarray:
+    """Online log-AR forecasts for the window indices ``ts`` (each from ``h[:t]`` only).
 
-    Target: ``d[t] = log L[t] - log L[t-1]``; features: ``d[t-l]`` for ``l`` in ``lags`` (short
-    lags capture mean reversion after spikes, lags around one period capture the daily shape).
-    Recursive least squares with a ridge prior of 1 pulls the coefficients to 0, i.e. to
-    persistence, until the data says otherwise.  Windows with load 0 carry no log and are
-    skipped as targets and features; with ``fill_gaps`` the level after a zero run is the last
-    non-zero window (a zero window is treated as a gap in the data), without it the forecast
-    after a zero is 0.
+    Target: ``d[i] = log L[i] - log L[i-1]``; features: ``d[i-l]`` for ``l`` in ``lags`` (short
+    lags capture mean reversion after spikes, lags around one period the daily shape).  The
+    coefficients are ridge regression (prior 1, i.e. pulled towards 0 = persistence until the
+    data says otherwise) on every target before ``t``: recursive least squares, computed in one
+    vectorised pass with cumulative sums.  Windows with load 0 have no log: they are never
+    targets.  With ``fill_gaps`` the level after a zero run is the last non-zero window (a zero
+    window is treated as a gap in the data); without it the forecast after a zero is 0.
     """
-
-    def __init__(self, lags: Sequence[int], fill_gaps: bool, ridge: float = 1.0) -> None:
-        self.lags = tuple(sorted({lag for lag in lags if lag >= 1}))
-        self.fill_gaps = fill_gaps
-        k = len(self.lags)
-        self._ata = ridge * np.eye(k)
-        self._aty = np.zeros(k)
-        self._d: list[float] = [0.0]  # d[0] is undefined: 0
-        self._prev_log: float | None = None  # log of the last (filled) level
-        self._last_raw = 0.0
-        self._t = 0
-
-    def _features(self) -> np.ndarray:
-        t = self._t
-        return np.array([self._d[t - lag] if t - lag >= 1 else 0.0 for lag in self.lags])
-
-    def forecast(self) -> float:
-        if self._prev_log is None or (not self.fill_gaps and self._last_raw <= 0):
-            return 0.0
-        coef = np.linalg.solve(self._ata, self._aty)
-        step = float(np.clip(self._features() @ coef, -3.0, 3.0))
-        return math.exp(self._prev_log + step)
-
-    def observe(self, value: float) -> None:
-        x = self._features()
-        valid_prev = self._prev_log is not None and (self.fill_gaps or self._last_raw > 0)
-        if value > 0:
-            z = math.log(value)
-            if self._t >= 1 and valid_prev:
-                assert self._prev_log is not None
-                d = z - self._prev_log
-                self._ata += np.outer(x, x)
-                self._aty += x * d
-            else:
-                d = 0.0
-            self._prev_log = z
-        else:
-            d = 0.0
-            if not self.fill_gaps:
-                self._prev_log = None
-        if self._t >= 1:
-            self._d.append(d)
-        self._last_raw = value
-        self._t += 1
+    lags = tuple(sorted({lag for lag in lags if lag >= 1}))
+    n, k = h.size, len(lags)
+    pos = h > 0
+    idx = np.arange(n)
+    last_pos = np.maximum.accumulate(np.where(pos, idx, -1)) if n else idx
+    # level[i]: the log level a forecast made after window i starts from (nan: none)
+    if fill_gaps:
+        level = np.where(last_pos >= 0, np.log(np.where(last_pos >= 0, h[last_pos], 1.0)), np.nan)
+    else:
+        level = np.where(pos, np.log(np.where(pos, h, 1.0)), np.nan)
+    d = np.zeros(n)
+    valid = np.zeros(n, dtype=bool)
+    if n > 1:
+        valid[1:] = pos[1:] & ~np.isnan(level[:-1])
+        log_h = np.log(np.where(pos[1:], h[1:], 1.0))
+        d[1:] = np.where(valid[1:], log_h - np.nan_to_num(level[:-1]), 0.0)
+    # x[i]: features for target i, i = 0..n (row n is the forecast after the last window)
+    x = np.zeros((n + 1, k))
+    for c, lag in enumerate(lags):
+        src = np.arange(n + 1) - lag
+        ok = src >= 1
+        x[ok, c] = d[src[ok]]
+    w = valid.astype(float)
+    outer = (x[:n, :, None] * x[:n, None, :]) * w[:, None, None]
+    ata = np.concatenate([np.zeros((1, k, k)), np.cumsum(outer, axis=0)])  # rows before t
+    aty = np.concatenate([np.zeros((1, k)), np.cumsum(x[:n] * (d * w)[:, None], axis=0)])
+    t_idx = np.asarray(list(ts), dtype=int)
+    coef = np.linalg.solve(ata[t_idx] + ridge * np.eye(k), aty[t_idx][..., None])[..., 0]
+    step = np.clip(np.einsum("ij,ij->i", x[t_idx], coef), -3.0, 3.0)
+    prev = np.array([level[t - 1] if t >= 1 else np.nan for t in t_idx])
+    return np.where(np.isnan(prev), 0.0, np.exp(np.nan_to_num(prev) + step))
 
 
 def _ar_lags(windows_per_day: int) -> tuple[int, ...]:
     period = windows_per_day if windows_per_day > 1 else 7
     return (1, 2, 3, 4, 5, 6, period - 1, period, period + 1)
-
-
-def _stream_all(stream: _LogARStream, h: np.ndarray) -> np.ndarray:
-    out = np.zeros(h.size)
-    for t, value in enumerate(h):
-        out[t] = stream.forecast()
-        stream.observe(float(value))
-    return out
 
 
 def predict_series(
@@ -334,9 +315,8 @@ class WarmPredictor:
             [_geometric_recent(h, t) for t in ts],
             [_seasonal_delta(h, t, period, self.max_days) for t in ts],
         ]
-        ext = np.append(h, 0.0)  # the value after the end is never used for a forecast
         for fill in (False, True):
-            cols.append(list(_stream_all(_LogARStream(_ar_lags(p), fill), ext)[list(ts)]))
+            cols.append(list(_log_ar_forecasts(h, _ar_lags(p), fill, ts)))
         return np.array(cols, dtype=float)
 
     def predict_all(self, series: Sequence[float], windows_per_day: int) -> np.ndarray:
