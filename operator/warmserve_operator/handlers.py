@@ -50,6 +50,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         peering=memo.get("peering"),
         identity=memo["identity"],
         priority=int(memo.get("priority", 0)),
+        discovery=memo.get("discovery"),
     )
     await kube.ensure_peering()
     metrics = Metrics()

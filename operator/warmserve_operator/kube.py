@@ -49,6 +49,20 @@ def node_ref(name: str, uid: str = "") -> ObjRef:
     return ObjRef(NODE_KIND, name, "", uid)
 
 
+@dataclass(frozen=True, slots=True)
+class AgentDiscovery:
+    """Find agent DaemonSet pods (label selector in a namespace) and register them as GPUNodes.
+
+    In a cluster the chart's agent pods are discovered this way (GPUNode name = the pod's node,
+    address = pod IP : gRPC port); outside one (tests, hand-run agents) GPUNodes are created
+    by hand and discovery is off.
+    """
+
+    namespace: str
+    selector: str = "app.kubernetes.io/part-of=warmserve,app.kubernetes.io/component=agent"
+    port: int = 50051
+
+
 class KubePort(Protocol):
     async def list_model_deployments(self) -> list[dict[str, Any]]: ...
     async def list_gpu_nodes(self) -> list[dict[str, Any]]: ...
@@ -61,6 +75,7 @@ class KubePort(Protocol):
     async def delete_history(self, namespace: str, name: str) -> None: ...
     async def emit_event(self, ref: ObjRef, type_: str, reason: str, message: str) -> None: ...
     async def is_leader(self) -> bool: ...
+    async def sync_agent_nodes(self) -> None: ...
 
 
 def is_leader(
@@ -91,7 +106,13 @@ class KubeApi:
     """:class:`KubePort` over the ``kubernetes`` client (kubeconfig or in-cluster config)."""
 
     def __init__(
-        self, *, peering: str | None, identity: str, priority: int, event_namespace: str = "default"
+        self,
+        *,
+        peering: str | None,
+        identity: str,
+        priority: int,
+        event_namespace: str = "default",
+        discovery: AgentDiscovery | None = None,
     ) -> None:
         from kubernetes import client, config
 
@@ -107,6 +128,7 @@ class KubeApi:
         self.identity = identity
         self.priority = priority
         self.event_namespace = event_namespace
+        self.discovery = discovery
 
     async def _t(self, fn: Any, *args: Any, **kw: Any) -> Any:
         return await asyncio.to_thread(fn, *args, **kw)
@@ -253,6 +275,44 @@ class KubeApi:
                 return False  # kopf pauses too while the peering object is missing
             raise
         return is_leader(obj.get("status"), self.identity, self.priority)
+
+    async def sync_agent_nodes(self) -> None:
+        """Create/update a GPUNode for every running agent pod (see :class:`AgentDiscovery`)."""
+        d = self.discovery
+        if d is None:
+            return
+        pods = await self._t(self._core.list_namespaced_pod, d.namespace, label_selector=d.selector)
+        for pod in pods.items:
+            node, ip = pod.spec.node_name, pod.status.pod_ip
+            if not node or not ip or pod.status.phase != "Running":
+                continue
+            address = f"[{ip}]:{d.port}" if ":" in ip else f"{ip}:{d.port}"
+            body = {
+                "apiVersion": API_VERSION,
+                "kind": NODE_KIND,
+                "metadata": {"name": node, "labels": {"warmserve.io/discovered": "true"}},
+                "spec": {"agentAddress": address, "nodeName": node},
+            }
+            try:
+                cur = await self._t(
+                    self._custom.get_cluster_custom_object, GROUP, VERSION, NODE_PLURAL, node
+                )
+            except self._exc as exc:
+                if exc.status != 404:
+                    raise
+                await self._t(
+                    self._custom.create_cluster_custom_object, GROUP, VERSION, NODE_PLURAL, body
+                )
+                continue
+            if (cur.get("spec") or {}).get("agentAddress") != address:
+                await self._t(
+                    self._custom.patch_cluster_custom_object,
+                    GROUP,
+                    VERSION,
+                    NODE_PLURAL,
+                    node,
+                    {"spec": {"agentAddress": address}},
+                )
 
     async def ensure_peering(self) -> None:
         """Create the ClusterKopfPeering object kopf's --peering expects, if missing."""

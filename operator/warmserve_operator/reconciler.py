@@ -198,6 +198,10 @@ class Reconciler:
             return
         self.metrics.polls.inc()
         mds, invalid = await self._load_deployments()
+        try:
+            await self.kube.sync_agent_nodes()
+        except Exception as exc:  # discovery is best effort; registered GPUNodes still work
+            log.warning("event=agent_discovery_failed error=%r", str(exc))
         await self._load_nodes()
         await self._describe_all(now)
         snaps = self._live_snaps()

@@ -331,6 +331,9 @@ class FakeKube:
     async def is_leader(self) -> bool:
         return self.leader
 
+    async def sync_agent_nodes(self) -> None:
+        return None
+
 
 class Clock:
     def __init__(self, t: float = 1_000_000.0) -> None:

@@ -31,13 +31,17 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
+        "--window-seconds",
         "--window",
+        dest="window",
         type=float,
         default=_env_float("WARMSERVE_WINDOW_S", 300.0),
         help="prediction window W in seconds (must divide a day; env WARMSERVE_WINDOW_S)",
     )
     p.add_argument(
+        "--poll-seconds",
         "--poll",
+        dest="poll",
         type=float,
         default=_env_float("WARMSERVE_POLL_S", 5.0),
         help="agent poll / autoscaling interval in seconds (env WARMSERVE_POLL_S)",
@@ -88,6 +92,8 @@ def register(subparsers: Any) -> None:
         help="peering priority; the live replica with the highest one acts "
         "(default: random, so equal priorities are unlikely)",
     )
+    p.add_argument("--peering-lifetime", type=int, default=60,
+                   help="seconds a replica that stopped heart-beating still counts as alive")
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port (0: off)")
     p.add_argument("--metrics-address", default="0.0.0.0", help="Prometheus bind address")
     p.add_argument(
@@ -101,7 +107,30 @@ def register(subparsers: Any) -> None:
     p.add_argument("--agent-ca", default=None, help="CA certificate (PEM) of the agents' TLS")
     p.add_argument("--agent-cert", default=None, help="client certificate (PEM) for mutual TLS")
     p.add_argument("--agent-key", default=None, help="client key (PEM) for mutual TLS")
-    p.add_argument("--verbose", action="store_true", help="debug logging")
+    p.add_argument(
+        "--agent-server-name",
+        default=None,
+        help="DNS name expected in the agents' TLS certificates",
+    )
+    p.add_argument(
+        "--agent-namespace",
+        default=os.environ.get("POD_NAMESPACE") or None,
+        help="discover agent pods in this namespace and register them as GPUNodes "
+        "(default: $POD_NAMESPACE; unset: discovery off, GPUNodes are made by hand)",
+    )
+    p.add_argument(
+        "--agent-pod-selector",
+        default="app.kubernetes.io/part-of=warmserve,app.kubernetes.io/component=agent",
+        help="label selector of the agent pods",
+    )
+    p.add_argument("--agent-port", type=int, default=50051, help="agents' gRPC port")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level",
+    )
+    p.add_argument("--verbose", action="store_true", help="debug logging (= --log-level debug)")
     p.set_defaults(func=run)
 
 
@@ -114,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     from warmserve.policy.cluster import PolicyInputError
 
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else getattr(logging, args.log_level.upper()),
         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
     )
     for path in (args.agent_token_file, args.agent_ca, args.agent_cert, args.agent_key):
@@ -143,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     import kopf
     import warmserve_operator.handlers  # noqa: F401  (registers the handlers)
     from warmserve_operator.agents import AgentAuth
+    from warmserve_operator.kube import AgentDiscovery
 
     identity = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
     priority = args.priority if args.priority is not None else random.randint(1, 2**30)
@@ -152,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         identity=identity,
         priority=priority,
         peering=peering,
+        peering_lifetime=args.peering_lifetime,
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
         agent_auth=AgentAuth(
@@ -159,6 +190,12 @@ def run(args: argparse.Namespace) -> int:
             ca_cert=args.agent_ca,
             client_cert=args.agent_cert,
             client_key=args.agent_key,
+            server_name=args.agent_server_name,
+        ),
+        discovery=(
+            AgentDiscovery(args.agent_namespace, args.agent_pod_selector, args.agent_port)
+            if args.agent_namespace
+            else None
         ),
     )
     asyncio.run(

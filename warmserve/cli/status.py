@@ -81,7 +81,10 @@ def fetch(api: Any, namespace: str | None) -> dict[str, list[dict[str, Any]]]:
 
 
 def _gib(n: Any) -> str:
-    return "-" if n is None else f"{int(n) / 1024**3:.1f}Gi"
+    if n is None:
+        return "-"
+    n = int(n)
+    return f"{n / 1024**3:.1f}Gi" if n >= 1024**3 or n == 0 else f"{n / 1024**2:.0f}Mi"
 
 
 def _num(x: Any) -> str:

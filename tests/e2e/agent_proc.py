@@ -1,0 +1,55 @@
+"""Run one node agent with simulated GPUs as a separate process (a stand-in for a GPU node).
+
+``python tests/e2e/agent_proc.py --models DIR --gpus 4x256MiB --node node-a --address-file F``
+starts the agent on a free loopback port, writes ``host:port`` to ``F`` once it serves, and runs
+until SIGTERM/SIGINT.  Engines run inside the agent process (no per-GPU worker processes) to keep
+the e2e test light on a small CI machine; the worker-process path is covered by the agent's own
+tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from warmserve_agent.server import AgentConfig, AgentServer, parse_simulated_gpus
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", required=True, type=Path)
+    ap.add_argument("--gpus", required=True)
+    ap.add_argument("--node", required=True)
+    ap.add_argument("--address-file", required=True, type=Path)
+    ap.add_argument("--memory-dir", required=True, type=Path)
+    args = ap.parse_args()
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s agent=" + args.node + " %(message)s"
+    )
+    cfg = AgentConfig(
+        model_dir=args.models,
+        simulate_gpus=parse_simulated_gpus(args.gpus),
+        listen="127.0.0.1:0",
+        node_name=args.node,
+        memory_dir=args.memory_dir,
+        use_workers=False,
+        spare_workers=0,
+        host_cache_bytes=64 * 1024**2,
+    )
+    server = await AgentServer(cfg).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tmp = args.address_file.with_suffix(".tmp")
+    tmp.write_text(server.address)
+    tmp.rename(args.address_file)
+    await stop.wait()
+    await server.stop(0.2)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
