@@ -254,7 +254,9 @@ def _plot(path: str, data: WindowedTrace, start: int, predictions: dict[str, Any
     import matplotlib.pyplot as plt
     import numpy as np
 
-    hours = np.arange(len(data.avg)) * data.window_s / 3600.0
+    span_days = len(data.avg) * data.window_s / 86400.0
+    scale, unit = (86400.0, "days") if span_days > 3 else (3600.0, "hours")
+    hours = np.arange(len(data.avg)) * data.window_s / scale
     fig, axes = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
     for ax, actual, idx, title in (
         (axes[0], data.avg, 0, "average"),
@@ -265,7 +267,7 @@ def _plot(path: str, data: WindowedTrace, start: int, predictions: dict[str, Any
             ax.plot(hours[start:], preds[idx][start:], lw=0.8, alpha=0.8, label=name)
         ax.set_ylabel(f"{title} ({data.unit})")
         ax.legend(loc="upper right", fontsize=8)
-    axes[1].set_xlabel("hours since trace start")
+    axes[1].set_xlabel(f"{unit} since trace start")
     fig.suptitle(f"{data.label}: window {data.window_s:g} s")
     fig.tight_layout()
     try:
