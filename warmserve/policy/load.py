@@ -92,11 +92,12 @@ def inflight_load(
 ) -> list[WindowLoad]:
     """Exact per-window time-average and peak of requests in flight (event sweep).
 
-    Windows are ``[start_s + k*W, start_s + (k+1)*W)`` for as many ``k`` as needed to reach
-    ``end_s`` (default: the last arrival); every window is averaged over its full length ``W``,
-    so a last window that ``end_s`` cuts short counts its uncovered tail as in-flight
-    requests continuing (they do: the sweep includes departures after ``end_s``).  Callers that
-    want only complete windows pass an ``end_s`` on a window boundary.
+    Windows are ``[start_s + k*W, start_s + (k+1)*W)`` for as many ``k`` as needed to cover
+    ``[start_s, end_s)`` (``end_s`` default: the last arrival), each averaged over its full
+    length ``W``.  Every request counts wherever it overlaps a window (requests that arrived
+    before ``start_s`` carry in).  With the default ``end_s`` the last window may extend past
+    the last arrival and so under-state the load; callers that want only complete windows pass
+    an ``end_s`` on a window boundary (``warmserve predict`` does).
     """
     w = _positive(window_s, "window_s")
     arr = np.asarray(arrivals, dtype=float)
