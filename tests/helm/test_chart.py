@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -260,77 +261,83 @@ def test_rendered_manifests_pass_server_side_dry_run(
     assert "deployment.apps/ws-warmserve-operator" in proc.stdout
 
 
+@dataclass
+class Release:
+    """A helm release in the test's namespace; cluster-scoped names (ClusterRole, peering) are
+    derived from the unique namespace so tests and other suites sharing the API server never clash.
+    """
+
+    plane: ControlPlane
+    namespace: str
+    name: str
+
+    @property
+    def fullname(self) -> str:
+        return f"{self.name}-warmserve"
+
+    @property
+    def peering(self) -> str:
+        return f"{self.namespace}-peering"
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.plane.helm(*args, "--namespace", self.namespace, check=check)
+
+    def get(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return self.plane.kubectl("get", *args, "-n", self.namespace)
+
+
 @pytest.fixture
-def release(k8s_control_plane: ControlPlane, k8s_namespace: str) -> Iterator[Callable[..., Any]]:
-    """``release(*helm_args)`` runs helm with this test's namespace; uninstalls at the end."""
-
-    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return k8s_control_plane.helm(*args, "--namespace", k8s_namespace, check=check)
-
-    yield run
-    run("uninstall", "ws", "--wait=false", check=False)
+def release(k8s_control_plane: ControlPlane, k8s_namespace: str) -> Iterator[Release]:
+    """A release named after the namespace's random suffix; uninstalled at the end."""
+    rel = Release(k8s_control_plane, k8s_namespace, "ws" + k8s_namespace.rsplit("-", 1)[1])
+    yield rel
+    rel.helm("uninstall", rel.name, "--wait=false", check=False)
 
 
-def test_helm_install_upgrade_uninstall(
-    k8s_control_plane: ControlPlane, k8s_namespace: str, release: Callable[..., Any]
-) -> None:
-    kc = k8s_control_plane.kubectl
-    # No --wait: without kubelet the Deployment and DaemonSet never become ready. The peering
-    # object is cluster-scoped, so each test release gets its own name.
-    peering = f"{k8s_namespace}-peering"
-    release("install", "ws", str(CHART), "--set", f"operator.peering={peering}")
-    status = json.loads(release("status", "ws", "-o", "json").stdout)
+def test_helm_install_upgrade_uninstall(release: Release) -> None:
+    # No --wait: without kubelet the Deployment and DaemonSet never become ready.
+    name, full = release.name, release.fullname
+    release.helm("install", name, str(CHART), "--set", f"operator.peering={release.peering}")
+    status = json.loads(release.helm("status", name, "-o", "json").stdout)
     assert status["info"]["status"] == "deployed"
     for obj in (
-        "deployment/ws-warmserve-operator",
-        "daemonset/ws-warmserve-agent",
-        "serviceaccount/ws-warmserve-operator",
-        "serviceaccount/ws-warmserve-agent",
-        "secret/ws-warmserve-agent-server-tls",
-        "secret/ws-warmserve-operator-client-tls",
+        f"deployment/{full}-operator",
+        f"daemonset/{full}-agent",
+        f"serviceaccount/{full}-operator",
+        f"serviceaccount/{full}-agent",
+        f"secret/{full}-agent-server-tls",
+        f"secret/{full}-operator-client-tls",
     ):
-        kc("get", obj, "-n", k8s_namespace)
+        release.get(obj)
     for crd in (
         "modeldeployments.warmserve.io",
         "gpunodes.warmserve.io",
         "clusterkopfpeerings.kopf.dev",
     ):
-        kc("get", "crd", crd)
-    kc("get", "clusterkopfpeering", peering)
+        release.get("crd", crd)
+    release.get("clusterkopfpeering", release.peering)
 
     def cert() -> str:
-        return kc(
-            "get",
-            "secret",
-            "ws-warmserve-agent-server-tls",
-            "-n",
-            k8s_namespace,
-            "-o",
-            "jsonpath={.data.tls\\.crt}",
-        ).stdout
+        jsonpath = "jsonpath={.data.tls\\.crt}"
+        return release.get("secret", f"{full}-agent-server-tls", "-o", jsonpath).stdout
 
     before = cert()
+    assert before
     # An upgrade reuses the generated certificates (lookup), so pods are not restarted for nothing.
-    release("upgrade", "ws", str(CHART), "--reuse-values", "--set", "operator.windowSeconds=60")
-    assert cert() == before
-    args = json.loads(
-        kc("get", "deployment", "ws-warmserve-operator", "-n", k8s_namespace, "-o", "json").stdout
-    )["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert "--window=60" in args
-    assert json.loads(release("status", "ws", "-o", "json").stdout)["version"] == 2
-
-    release("uninstall", "ws")
-    assert kc("get", "clusterkopfpeering", peering, "--ignore-not-found", "-o", "name").stdout == ""
-    gone = kc(
-        "get",
-        "deployment",
-        "ws-warmserve-operator",
-        "-n",
-        k8s_namespace,
-        "--ignore-not-found",
-        "-o",
-        "name",
+    release.helm(
+        "upgrade", name, str(CHART), "--reuse-values", "--set", "operator.windowSeconds=60"
     )
+    assert cert() == before
+    deployment = json.loads(release.get("deployment", f"{full}-operator", "-o", "json").stdout)
+    assert "--window=60" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert json.loads(release.helm("status", name, "-o", "json").stdout)["version"] == 2
+
+    release.helm("uninstall", name)
+    leftover = release.get(
+        "clusterkopfpeering", release.peering, "--ignore-not-found", "-o", "name"
+    )
+    assert leftover.stdout == ""
+    gone = release.get("deployment", f"{full}-operator", "--ignore-not-found", "-o", "name")
     assert gone.stdout.strip() == ""
     # CRDs stay (helm never deletes crds/ content), so ModelDeployments survive an uninstall.
-    kc("get", "crd", "modeldeployments.warmserve.io")
+    release.get("crd", "modeldeployments.warmserve.io")
