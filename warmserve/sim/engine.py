@@ -22,7 +22,8 @@ FLOPs are ``2 * layer_params * tokens / tp`` (the GEMMs) plus attention
 ``d = heads * head_dim``, split over TP).  Bytes are the layer's weight shard plus the KV cache
 read (decode) or written (prefill).  Two all-reduces per layer (after attention and after the
 MLP) move ``tokens * hidden * dtype`` bytes over NVLink with a ring:
-``2 (tp-1)/tp * bytes / gpu_to_gpu_bw + allreduce_latency_s``.
+``2 (tp-1)/tp * bytes / gpu_to_gpu_bw + allreduce_latency_s``.  Each forward pass also pays a
+fixed ``step_overhead_s`` (kernel launches, scheduling, sampling).
 
 The efficiency factors and every constant come from the profile YAML, each with a citation;
 nothing here is fitted to the WarmServe paper's results.  Byte accounting for partial residency
@@ -370,10 +371,12 @@ class EngineModel:
         return self._roofline(flops, nbytes) + 2 * self.allreduce_s(tokens)
 
     def _head_s(self, seqs: int) -> float:
-        """LM head for the ``seqs`` positions that emit a token (vLLM computes only those)."""
+        """LM head for the ``seqs`` positions that emit a token (vLLM computes only those),
+        plus the fixed per-forward-pass overhead (``step_overhead_s``): both are paid once per
+        pass, after the last block."""
         flops = 2.0 * self.arch.head_params * seqs / self.tp
         nbytes = self._bytes_per_param * self.arch.head_params / self.tp
-        return self._roofline(flops, nbytes)
+        return self._roofline(flops, nbytes) + self.profile.step_overhead_s
 
     @staticmethod
     def _lengths(prompt_tokens: int | Sequence[int]) -> list[int]:

@@ -65,8 +65,11 @@ class GpuProfile:
 
     ``gpu_to_gpu_bw`` is the per-direction NCCL bus bandwidth inside a node;
     ``host_to_gpu_bw`` the pinned host->GPU copy rate of *one* GPU's link (GPUs of a TP group
-    load in parallel over their own links).  ``prefill_efficiency`` scales the tensor peak for
-    GEMM-bound work, ``decode_efficiency`` the HBM peak for bandwidth-bound work.
+    load in parallel over their own links).  ``step_overhead_s`` is the fixed cost of one
+    forward pass (kernel launches, scheduling, sampling) and ``allreduce_latency_s`` the fixed
+    cost of one TP all-reduce; both matter for small batches and high TP.
+    ``prefill_efficiency`` scales the tensor peak for GEMM-bound work, ``decode_efficiency`` the
+    HBM peak for bandwidth-bound work.
     """
 
     name: str
@@ -79,6 +82,7 @@ class GpuProfile:
     decode_efficiency: float
     startup: StartupStages
     allreduce_latency_s: float = 1.0e-5
+    step_overhead_s: float = 0.0
     gpu_memory_utilization: float = 0.9
     runtime_reserve_bytes: int = 0
     gpus_per_node: int = 8
@@ -103,6 +107,7 @@ _FLOAT_FIELDS = (
     "gpu_memory_utilization",
 )
 _INT_FIELDS = ("hbm_bytes", "runtime_reserve_bytes", "gpus_per_node")
+_NON_NEGATIVE_FIELDS = ("step_overhead_s",)
 _FRACTIONS = ("prefill_efficiency", "decode_efficiency", "gpu_memory_utilization")
 _STAGE_FIELDS = tuple(f.name for f in fields(StartupStages))
 _REQUIRED = (
@@ -117,7 +122,13 @@ _REQUIRED = (
     "startup",
     "sources",
 )
-_KNOWN = set(_REQUIRED) | set(_FLOAT_FIELDS) | set(_INT_FIELDS) | {"description", "nominal"}
+_KNOWN = (
+    set(_REQUIRED)
+    | set(_FLOAT_FIELDS)
+    | set(_INT_FIELDS)
+    | set(_NON_NEGATIVE_FIELDS)
+    | {"description", "nominal"}
+)
 
 
 def _number(where: str, value: Any) -> float:
@@ -165,7 +176,8 @@ def _check_sources(origin: str, data: dict[str, Any]) -> dict[str, str]:
     sources = data["sources"]
     if not isinstance(sources, dict):
         raise ProfileError(f"{origin}: sources: expected a mapping of field -> citation")
-    needed = [k for k in data if k in _FLOAT_FIELDS or k in _INT_FIELDS]
+    numeric = set(_FLOAT_FIELDS) | set(_INT_FIELDS) | set(_NON_NEGATIVE_FIELDS)
+    needed = [k for k in data if k in numeric]
     needed += [f"startup.{k}" for k in data["startup"]]
     needed += [f"nominal.{k}" for k in (data.get("nominal") or {})]
     uncited = [k for k in needed if not str(sources.get(k, "")).strip()]
@@ -193,6 +205,9 @@ def parse_profile(data: Any, origin: str = "<profile>") -> GpuProfile:
     for key in _FLOAT_FIELDS:
         if key in data:
             values[key] = _positive(f"{origin}: {key}", data[key])
+    for key in _NON_NEGATIVE_FIELDS:
+        if key in data:
+            values[key] = _non_negative(f"{origin}: {key}", data[key])
     for key in _INT_FIELDS:
         if key in data:
             num = _non_negative(f"{origin}: {key}", data[key])
