@@ -114,6 +114,7 @@ class SimOutput:
     plans: int = 0
     unplaced: int = 0
     lent_evictions: int = 0
+    lent_placements: int = 0
     events: int = 0
     assigned: np.ndarray | None = None
     start_failures: int = 0
@@ -190,6 +191,7 @@ class Simulation:
         self.plans = 0
         self.unplaced = 0
         self.lent_evictions = 0
+        self.lent_placements = 0
         self.events = 0
         self.done = 0
         self.windows_per_day = max(1, round(86400.0 / window_s))
@@ -253,6 +255,7 @@ class Simulation:
             plans=self.plans,
             unplaced=self.unplaced,
             lent_evictions=self.lent_evictions,
+            lent_placements=self.lent_placements,
             events=self.events,
             assigned=np.array(self.assigned),
             start_failures=self.start_failures,
@@ -298,14 +301,16 @@ class Simulation:
         self.instances.append(inst)
         self._account(t)
         for g in inst.gpus:
+            if (node, g) not in self.cl.holder:  # colocated static instances share GPUs
+                self.held += 1
             self.cl.holder[(node, g)] = inst
-        self.held += len(inst.gpus)
         return inst
 
     # ------------------------------------------------------------------ accounting
 
     def _account(self, t: float) -> None:
         """Integrate GPU-seconds held by instances and held only by replicas (universal)."""
+        t = min(t, self.duration)  # GPU-hours of the simulated period only (not the drain)
         if t > self.t_held:
             dt = t - self.t_held
             self.gpu_seconds += self.held * dt
@@ -375,8 +380,7 @@ class Simulation:
     def _start_prefill(self, inst: SimInstance, t: float) -> None:
         batch = list(inst.pending)
         inst.pending.clear()
-        tokens = sum(self.inp[r] for r in batch)
-        p = inst.engine.prefill_s(tokens) * inst.slowdown
+        p = inst.engine.prefill_s([self.inp[r] for r in batch]) * inst.slowdown
         layers = self.by_name[inst.model].spec.num_layers
         # The last layer's compute cannot finish before that layer is resident (streaming).
         inst.prefill_end = max(t + p, inst.full_at + p / layers)
@@ -395,7 +399,7 @@ class Simulation:
             inst.step_s = 0.0
             self.push(inst.full_at, EV_INST, inst, inst.version)
             return
-        kv = int(inst.kv_tokens_now())
+        kv = round(inst.kv_tokens_now())
         inst.step_s = inst.engine.decode_step_s(len(inst.running), kv) * inst.slowdown
         target = inst.running[0][0]
         self.push(t + max(target - inst.v, 0.0) * inst.step_s, EV_INST, inst, inst.version)
@@ -481,10 +485,19 @@ class Simulation:
             )
             link = max(self.cl.link_free[(choice.node, g)] for g in choice.gpus)
             wait = max(link - t, 0.0)
-            before = m.spec.resident_layers if self.sys.stream_layers else layers
-            need = max(before - resident, 0)
-            ready = t + stages + wait + need * m.per_layer_load_s
-            full = ready + max(layers - max(resident, before), 0) * m.per_layer_load_s
+            per_layer = m.per_layer_load_s
+            if self.sys.stream_layers:
+                # WarmServe's worker copies the missing layers from the moment of the start,
+                # overlapping the remaining stages (H3b's min_resident_layers assumes the same
+                # head start); serving may begin once the first prewarm_layers are resident.
+                load_start = t + wait
+                need = max(m.spec.resident_layers - resident, 0)
+                ready = max(t + stages, load_start + need * per_layer)
+                full = load_start + (layers - resident) * per_layer
+            else:
+                # Stock vLLM: process, import, device, engine ... and all weights, in sequence.
+                ready = t + stages + wait + (layers - resident) * per_layer
+                full = ready
             for g in choice.gpus:
                 self.cl.link_free[(choice.node, g)] = max(full, t)
             latency = ready - t
@@ -536,8 +549,9 @@ class Simulation:
         inst.phase = STOPPED
         inst.version += 1
         for g in inst.gpus:
-            self.cl.holder.pop((inst.node, g), None)
-        self.held -= len(inst.gpus)
+            if self.cl.holder.get((inst.node, g)) is inst:
+                del self.cl.holder[(inst.node, g)]
+                self.held -= 1
         for rep in list(inst.lent):
             rep.lender = None
         inst.lent.clear()
@@ -661,3 +675,4 @@ class Simulation:
             self.cl.replicas.append(rep)
             if lender is not None:
                 lender.lent.append(rep)
+                self.lent_placements += 1

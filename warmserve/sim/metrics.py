@@ -64,6 +64,7 @@ def summarize(
         "requests": int(arrival.size),
         "start_failures": out.start_failures,
         "plans": out.plans,
+        "lent_placements": out.lent_placements,
         "lent_evictions": out.lent_evictions,
         "events": out.events,
     }
