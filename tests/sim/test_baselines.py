@@ -377,3 +377,24 @@ def test_sharing_slowdown_grows_with_neighbour_load():
     assert busy_fraction(e, Load(0.0, 1, 1), 32) == 0.0
     assert sharing_slowdown(e, e, light, 32, []) == pytest.approx(1.0)
     assert sharing_slowdown(e, e, light, 32, [0.5, 0.25]) == pytest.approx(1.75)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rates=st.lists(st.floats(0, 120), min_size=4, max_size=4),
+    prompt=st.integers(16, 4000),
+    output=st.integers(1, 1000),
+)
+def test_muxserve_valid_for_any_rates(rates, prompt, output):
+    models = [
+        MuxModel(name, ModelArch.llama2(arch), r, prompt, output)
+        for (name, arch), r in zip(ARCHS.items(), rates, strict=True)
+    ]
+    placement = plan_muxserve(models, H800, 2)
+    assert_valid(placement, models, H800, {"node-0", "node-1"})
+    assert placement.total_throughput <= sum(rates) + 1e-6
+
+
+def test_prefill_batch_equals_list_prefill():
+    e = EngineModel(H800, ModelArch.llama2("13b"), 2)
+    assert e.prefill_batch_s(7, 321) == pytest.approx(e.prefill_s([321] * 7), rel=1e-12)

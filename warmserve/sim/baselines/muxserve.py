@@ -312,9 +312,15 @@ def estimate_unit(
     per_seq = [_kv_per_seq_per_gpu(m, size) for m in models]
     if pool < sum(per_seq):
         return None
+    # Quotas proportional to rate x KV bytes/token (public code), after a floor of one average
+    # request per model so that a model with no expected traffic can still serve one.
     demand = [m.rate * m.arch.kv_bytes_per_token for m in models]
     total = sum(demand)
-    shares = [d / total if total > 0 else 1.0 / len(models) for d in demand]
+    spare = pool - sum(per_seq)
+    shares = [
+        (ps + spare * (d / total if total > 0 else 1.0 / len(models))) / pool
+        for ps, d in zip(per_seq, demand, strict=True)
+    ]
     caps = [
         max(1, min(MAX_NUM_SEQS, int(pool * s // ps)))
         for s, ps in zip(shares, per_seq, strict=True)
