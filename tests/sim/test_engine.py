@@ -57,6 +57,10 @@ def test_h800_matches_the_paper_testbed():
     assert H800.hbm_bw == 3.35e12
 
 
+def test_profile_names_are_case_insensitive():
+    assert load_profile("H800") == H800
+
+
 def test_unknown_profile_names_the_known_ones():
     with pytest.raises(ProfileError, match=r"unknown GPU profile 'b300'.*h800"):
         load_profile("b300")

@@ -258,6 +258,7 @@ def _read_text(name: str) -> tuple[str, str]:
             raise ProfileError(f"GPU profile file {name!r} does not exist")
         return str(path), path.read_text(encoding="utf-8")
     known = list_profiles()
+    name = name.lower()
     if name not in known:
         raise ProfileError(f"unknown GPU profile {name!r}; known profiles: {', '.join(known)}")
     return f"{name}.yaml", (PROFILE_DIR / f"{name}.yaml").read_text(encoding="utf-8")
