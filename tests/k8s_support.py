@@ -9,7 +9,11 @@ test folder gets these fixtures without importing anything:
     A :class:`ControlPlane`: etcd and kube-apiserver built from the Go module proxy at the
     versions pinned in ``hack/k8s/versions.env`` (``hack/k8s/build.sh``), started once per test
     session by ``hack/k8s/start.sh`` on free loopback ports with a fresh PKI, stopped at the end
-    (also when pytest itself is killed: a watchdog follows the pytest PID).
+    (also when pytest itself is killed: a watchdog follows the pytest PID). While it runs,
+    ``$KUBECONFIG`` points at its admin kubeconfig, so in-process clients (kopf's KopfRunner,
+    ``kubernetes.config.load_kube_config()``) talk to it by default. Cluster-scoped objects
+    (CRDs, ClusterRoles, ClusterKopfPeerings) are shared by every test of the session: derive
+    their names (and helm release names) from the test's namespace.
 ``k8s_namespace`` (function)
     A fresh namespace with a unique name; deleted afterwards without waiting.
 ``kube_client`` (session)
@@ -342,9 +346,17 @@ def k8s_control_plane(
     # Inside pytest's basetemp, so logs of a failed run stay around for inspection.
     workdir = Path(tempfile.mkdtemp(prefix="k8s-", dir=tmp_path_factory.getbasetemp()))
     plane = ControlPlane.start(workdir, bin_dir=k8s_bin_dir)
+    # Point in-process clients (kubernetes.config.load_kube_config(), kopf's KopfRunner) at this
+    # cluster, and never at a developer's real one, for the whole session.
+    saved = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(plane.kubeconfig)
     try:
         yield plane
     finally:
+        if saved is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = saved
         plane.stop()
         shutil.rmtree(workdir / "helm-home", ignore_errors=True)
 

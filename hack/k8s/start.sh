@@ -79,7 +79,7 @@ for _ in $(seq 300); do
 done
 [ "$ok" = 1 ] || { tail -20 "$W/etcd.log" >&2; "$HERE/stop.sh" "$W"; die "etcd did not become healthy on port $EP"; }
 
-# Flags follow controller-runtime's envtest (see docs/k8s-testing.md): loopback advertise address
+# Flags follow controller-runtime's envtest (see hack/k8s/README.md): loopback advertise address
 # (no default route needed), no endpoint reconciler (it rejects loopback endpoints), RBAC on, and
 # a ServiceAccount signing key so TokenRequest works without kube-controller-manager.
 "$B/kube-apiserver" --etcd-servers="http://127.0.0.1:$EP" \

@@ -295,3 +295,13 @@ def test_start_then_stop_leaves_no_process_and_no_etcd_data(
     assert not list(plane.workdir.glob("*.pid")) or list(plane.workdir.glob("*.pid")) == [
         plane.workdir / "watchdog.pid"
     ]
+
+
+def test_kubeconfig_env_points_at_the_test_cluster(k8s_control_plane: ControlPlane) -> None:
+    import os
+
+    from kubernetes import client, config
+
+    assert os.environ["KUBECONFIG"] == str(k8s_control_plane.kubeconfig)
+    api = client.VersionApi(config.new_client_from_config())
+    assert api.get_code().git_version == k8s_control_plane.version()["gitVersion"]
