@@ -105,6 +105,8 @@ class SlotRec:
     load_seconds: float = 0.0
     cancel: threading.Event = field(default_factory=threading.Event)
     loader: threading.Thread | None = None
+    loader_active: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)  # state/target vs the loader
 
     @property
     def layers_total(self) -> int:
@@ -427,13 +429,15 @@ class NodeCore:
             return slot
 
     def _start_loader(self, slot: SlotRec) -> None:
-        if slot.loader is not None and slot.loader.is_alive():
-            return
-        if slot.layers_resident >= slot.layers_target:
-            return
-        t = threading.Thread(target=self._load, args=(slot,), daemon=True, name=slot.slot_id)
-        slot.loader = t
-        t.start()
+        """Start the slot's loader unless one is running; a running loader picks up a raised
+        target itself (it re-checks the target under ``slot.lock`` before it exits)."""
+        with slot.lock:
+            if slot.loader_active or slot.layers_resident >= slot.layers_target:
+                return
+            slot.loader_active = True
+            t = threading.Thread(target=self._load, args=(slot,), daemon=True, name=slot.slot_id)
+            slot.loader = t
+            t.start()
 
     def _load(self, slot: SlotRec) -> None:
         """Loader thread: copy layers until the target is resident (target may grow)."""
@@ -450,33 +454,42 @@ class NodeCore:
             self._emit("slot", slot.slot_id, f"{n}/{slot.layers_total} layers")
 
         try:
-            while slot.layers_resident < slot.layers_target and not slot.cancel.is_set():
+            while True:
+                with slot.lock:
+                    if slot.cancel.is_set() or slot.layers_resident >= slot.layers_target:
+                        slot.loader_active = False
+                        if slot.state == "loading" and not slot.cancel.is_set():
+                            slot.state = "ready"
+                            if self.mm.has_slot(slot.slot_id):
+                                self.mm.release_promise(slot.slot_id)
+                            ready = True
+                        else:
+                            ready = False
+                        break
+                    start, end = slot.layers_resident, slot.layers_target
                 load_layers(
                     self.mm,
                     self.store,
                     slot.slot_id,
                     slot.layout,
                     slot.gpus,
-                    slot.layers_resident,
-                    slot.layers_target,
+                    start,
+                    end,
                     cancel=slot.cancel,
                     on_layer=on_layer,
                 )
                 base_bytes, base_s = slot.bytes_loaded, slot.load_seconds
-        except LoadCancelled:
-            return
         except Exception as exc:
-            if slot.cancel.is_set():
-                return
-            slot.state = "failed"
-            slot.message = f"loading failed: {exc}"
+            with slot.lock:
+                slot.loader_active = False
+                if isinstance(exc, LoadCancelled) or slot.cancel.is_set():
+                    return
+                slot.state = "failed"
+                slot.message = f"loading failed: {exc}"
             log.error("event=load_failed slot=%s err=%s", slot.slot_id, exc)
             self._emit("slot", slot.slot_id, slot.message)
             return
-        if slot.state == "loading":
-            slot.state = "ready"
-            if self.mm.has_slot(slot.slot_id):
-                self.mm.release_promise(slot.slot_id)
+        if ready:
             self._emit("slot", slot.slot_id, "ready")
 
     def _instance_of_slot(self, slot_id: str) -> InstanceRec | None:
@@ -575,14 +588,15 @@ class NodeCore:
                 self.mm.create_slot(sid, group)
                 chosen = SlotRec(sid, model, group, layout, layout.model.num_layers)
                 self.slots[sid] = chosen
-            chosen.layers_target = layout.model.num_layers
+            with chosen.lock:
+                chosen.layers_target = layout.model.num_layers
+                chosen.state = "active"
             self.mm.promise(
                 chosen.slot_id, weight_pages - self.mm.mapped_prefix(chosen.slot_id, group[0])
             )
             self.mm.ensure_mapped(chosen.slot_id, weight_pages)
             self.mm.release_promise(chosen.slot_id)
             kv_pages = self.mm.map_all_free(chosen.slot_id, weight_pages)
-            chosen.state = "active"
             iid = f"inst-{uuid.uuid4().hex[:12]}"
             engine = self.engine_factory(group)
             inst = InstanceRec(
@@ -679,7 +693,8 @@ class NodeCore:
         slot = self.slots.get(inst.slot_id)
         if slot is not None and self.mm.has_slot(slot.slot_id):
             self.mm.unmap_range(slot.slot_id, inst.weight_pages, self.mm.num_pages(inst.gpus[0]))
-            slot.state = "ready" if slot.layers_resident >= slot.layers_target else "loading"
+            with slot.lock:
+                slot.state = "ready" if not slot.loader_active else "loading"
         for g in inst.gpus:
             self.gpus[g].instance_id = ""
         for g in inst.gpus:
@@ -721,7 +736,8 @@ class NodeCore:
             if evict_weights:
                 self._destroy_slot(slot)
             else:
-                slot.state = "ready" if slot.layers_resident >= slot.layers_target else "loading"
+                with slot.lock:
+                    slot.state = "ready" if not slot.loader_active else "loading"
                 self._emit("slot", slot.slot_id, "kept after instance ended")
             for g in inst.gpus:
                 self._transition([g], self._rest_state(g))

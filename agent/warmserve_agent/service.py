@@ -294,7 +294,9 @@ class AgentService(pb_grpc.NodeAgentServicer):
                         grpc.StatusCode.INTERNAL,
                         f"slot {slot.slot_id}: {slot.message}; evict it and retry",
                     )
-                done = slot.layers_resident >= slot.layers_target
+                # "ready" is set by the loader after the last layer lands (and the promise is
+                # released); an active slot keeps loading while it serves.
+                done = slot.layers_resident >= slot.layers_target and slot.state != "loading"
                 key = (slot.layers_resident, slot.state, done)
                 if key != last:
                     last = key

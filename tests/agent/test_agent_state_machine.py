@@ -122,7 +122,7 @@ class NodeMachine(RuleBasedStateMachine):
     @rule(data=st.data(), running=st.integers(0, 4), frac=st.floats(0, 1))
     def load_changes(self, data: st.DataObject, running: int, frac: float) -> None:
         """Requests arrive/finish: set R and K, and write junk into the live KV cache."""
-        iid = data.draw(st.sampled_from(sorted(self.core.instances)))
+        iid = data.draw(st.sampled_from(list(self.core.instances)))
         inst = self.core.instances[iid]
         eng: ScriptedEngine = inst.engine  # type: ignore[assignment]
         tp = len(inst.gpus)
@@ -138,7 +138,7 @@ class NodeMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.core.instances))
     @rule(data=st.data())
     def begin_grace(self, data: st.DataObject) -> None:
-        iid = data.draw(st.sampled_from(sorted(self.core.instances)))
+        iid = data.draw(st.sampled_from(list(self.core.instances)))
         try:
             self.core.begin_grace(iid)
         except Refusal as r:
@@ -157,7 +157,7 @@ class NodeMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.core.instances))
     @rule(data=st.data(), evict=st.booleans())
     def end(self, data: st.DataObject, evict: bool) -> None:
-        iid = data.draw(st.sampled_from(sorted(self.core.instances)))
+        iid = data.draw(st.sampled_from(list(self.core.instances)))
         try:
             self.core.end_instance(iid, evict_weights=evict)
         except Refusal as r:
@@ -167,7 +167,7 @@ class NodeMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.core.slots))
     @rule(data=st.data())
     def evict(self, data: st.DataObject) -> None:
-        sid = data.draw(st.sampled_from(sorted(self.core.slots)))
+        sid = data.draw(st.sampled_from(list(self.core.slots)))
         try:
             self.core.evict(sid)
         except Refusal as r:
