@@ -29,6 +29,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "simulate",
     "operator_cmd",
     "status",
+    "agent",
 )
 
 

@@ -1,0 +1,90 @@
+"""`warmserve agent` runs the agent; `warmserve agent inspect` shows it to a person."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from warmserve.cli import main
+
+
+def test_agent_cli_runs_and_inspects(model_root: Path, tmp_path: Path, capsys) -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "warmserve",
+            "agent",
+            "--simulate-gpus",
+            "2x4MiB",
+            "--page-size",
+            "64KiB",
+            "--model-dir",
+            str(model_root),
+            "--listen",
+            "127.0.0.1:0",
+            "--memory-dir",
+            str(tmp_path / "mem"),
+            "--node-name",
+            "cli-node",
+            "--spare-workers",
+            "0",
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"serving on (\S+) \(2 GPUs\)", line)
+        assert m, f"unexpected first line {line!r}; stderr: {proc.stderr.read()}"
+        addr = m.group(1)
+        from warmserve_agent.client import SyncAgentClient
+
+        with SyncAgentClient(addr) as c:
+            c.prewarm_wait("alpha", [0, 1], layers=2)
+        assert main(["agent", "inspect", addr]) == 0
+        out = capsys.readouterr().out
+        assert "node cli-node" in out and "universal" in out
+        assert re.search(r"slot-[0-9a-f]{12}\s+alpha\s+0,1\s+2/4", out), out
+        assert main(["agent", "inspect", addr, "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["slots"][0]["layers_resident"] == 2 and d["slots"][0]["layers_total"] == 4
+        assert [g["state"] for g in d["gpus"]] == ["WORKER_STATE_UNIVERSAL"] * 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert not list((tmp_path / "mem").glob("*.mem"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["agent", "--model-dir", "."], "choose --gpus auto"),
+        (["agent", "--simulate-gpus", "8xlots", "--model-dir", "."], "bad size"),
+        (["agent", "--simulate-gpus", "eight", "--model-dir", "."], "COUNTxSIZE"),
+        (["agent", "--simulate-gpus", "1x1GiB", "--model-dir", "/nonexistent"], "not a directory"),
+        (
+            ["agent", "--simulate-gpus", "1x1GiB", "--model-dir", ".", "--page-size", "3MiB"],
+            "power of two",
+        ),
+        (
+            ["agent", "--simulate-gpus", "1x1GiB", "--model-dir", ".", "--tls-cert", "/no/such"],
+            "no such file",
+        ),
+        (["agent", "inspect", "127.0.0.1:9", "--timeout", "1"], "UNAVAILABLE"),
+    ],
+)
+def test_agent_cli_errors(argv: list[str], needle: str, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1

@@ -1,0 +1,260 @@
+"""``warmserve agent``: run the node agent; ``warmserve agent inspect ADDR``: show what it holds.
+
+The agent owns one node's GPUs (a worker process per GPU, prewarm slots, engines) and serves the
+gRPC API ``warmserve.agent.v1`` that the operator drives.  See docs/agent.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from warmserve.cli import CliError
+
+DEFAULT_LISTEN = "127.0.0.1:50051"
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "agent",
+        help="run the node agent (or inspect a running one)",
+        description=(
+            "Run the WarmServe node agent: one worker process per GPU, prewarm slots over a "
+            "page pool, engines, and the gRPC API the operator drives. "
+            "`warmserve agent inspect ADDR` shows a running agent's GPUs, slots and instances."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  warmserve agent --simulate-gpus 8x80GiB --model-dir ./models\n"
+            "  warmserve agent --gpus auto --listen 0.0.0.0:50051 --tls-cert tls.crt \\\n"
+            "      --tls-key tls.key --client-ca ca.crt --token-file /etc/warmserve/token\n"
+            "  warmserve agent inspect 127.0.0.1:50051 --json"
+        ),
+    )
+    gpus = p.add_mutually_exclusive_group()
+    gpus.add_argument(
+        "--gpus", choices=["auto"], help="use this node's real GPUs (CUDA VMM; needs cuda-python)"
+    )
+    gpus.add_argument(
+        "--simulate-gpus",
+        metavar="NxSIZE",
+        help="simulated GPUs, e.g. 8x80GiB (memory is a sparse shared file per GPU)",
+    )
+    p.add_argument(
+        "--listen", default=DEFAULT_LISTEN, help=f"gRPC address (default {DEFAULT_LISTEN})"
+    )
+    p.add_argument(
+        "--model-dir",
+        default=os.environ.get("WARMSERVE_MODEL_DIR", "models"),
+        help="weight store: <dir>/<model>/config.json + *.safetensors "
+        "(default $WARMSERVE_MODEL_DIR or ./models)",
+    )
+    p.add_argument("--node-name", help="node name reported to the operator (default: hostname)")
+    p.add_argument("--page-size", default="2MiB", help="page size of the GPU page pool (2MiB)")
+    p.add_argument(
+        "--spare-workers", type=int, default=1, help="pre-started spare worker processes (1)"
+    )
+    p.add_argument("--memory-dir", help="directory for simulated GPU memory (default /dev/shm)")
+    p.add_argument("--tls-cert", help="server certificate (PEM); enables TLS")
+    p.add_argument("--tls-key", help="server private key (PEM)")
+    p.add_argument("--client-ca", help="CA (PEM) that client certificates must chain to (mTLS)")
+    p.add_argument("--token-file", help="file holding the bearer token every call must carry")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.set_defaults(func=run_agent)
+
+    sub = p.add_subparsers(dest="agent_command", metavar="SUBCOMMAND")
+    i = sub.add_parser(
+        "inspect",
+        help="show a running agent's GPUs, slots and instances",
+        description="Show a running agent's GPUs (state, memory), prewarm slots (model, layers "
+        "resident/total, bytes) and instances (endpoint, load).",
+    )
+    i.add_argument("address", metavar="ADDR", help="agent address, e.g. 127.0.0.1:50051")
+    i.add_argument("--json", action="store_true", help="print the full description as JSON")
+    i.add_argument("--token-file", dest="client_token_file", help="bearer token file")
+    i.add_argument("--ca-cert", help="CA (PEM) of the agent's TLS certificate; enables TLS")
+    i.add_argument("--client-cert", help="client certificate (PEM) for mTLS")
+    i.add_argument("--client-key", help="client key (PEM) for mTLS")
+    i.add_argument("--timeout", type=float, default=10.0, help="seconds (10)")
+    i.set_defaults(func=inspect_agent)
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from pathlib import Path
+
+    from warmserve_agent.server import AgentConfig, ConfigError, parse_simulated_gpus, parse_size
+
+    try:
+        sim = None
+        if args.simulate_gpus:
+            sim = parse_simulated_gpus(args.simulate_gpus)
+        elif args.gpus != "auto":
+            raise CliError("choose --gpus auto (real GPUs) or --simulate-gpus NxSIZE")
+        page = parse_size(args.page_size)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    if page < 4096 or page & (page - 1):
+        raise CliError(f"--page-size must be a power of two >= 4KiB, got {args.page_size}")
+    model_dir = Path(args.model_dir)
+    if not model_dir.is_dir():
+        raise CliError(f"--model-dir {model_dir} is not a directory (the weight store)")
+    for flag in ("tls_cert", "tls_key", "client_ca", "token_file"):
+        val = getattr(args, flag)
+        if val and not Path(val).is_file():
+            raise CliError(f"--{flag.replace('_', '-')} {val}: no such file")
+    if args.spare_workers < 0:
+        raise CliError("--spare-workers must be >= 0")
+    kw: dict[str, Any] = {}
+    if args.node_name:
+        kw["node_name"] = args.node_name
+    return AgentConfig(
+        model_dir=model_dir,
+        simulate_gpus=sim,
+        listen=args.listen,
+        page_bytes=page,
+        memory_dir=Path(args.memory_dir) if args.memory_dir else None,
+        spare_workers=args.spare_workers,
+        tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+        tls_key=Path(args.tls_key) if args.tls_key else None,
+        client_ca=Path(args.client_ca) if args.client_ca else None,
+        token_file=Path(args.token_file) if args.token_file else None,
+        metrics_port=args.metrics_port,
+        **kw,
+    )
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+
+    from warmserve_agent.server import AgentServer, ConfigError
+
+    cfg = _config(args)
+    logging.basicConfig(
+        level=args.log_level,
+        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+    )
+
+    async def main() -> None:
+        server = AgentServer(cfg)
+        try:
+            await server.start()
+        except ConfigError as exc:
+            await server.stop(0)
+            raise CliError(str(exc)) from None
+        print(f"warmserve agent: serving on {server.address} ({len(server.core.gpus)} GPUs)")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+# ---- inspect ----------------------------------------------------------------------------------
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.2f}GiB" if n >= 1024**3 else f"{n / 1024**2:.1f}MiB"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def render(d: Any) -> str:
+    """Human-readable view of a NodeDescription."""
+    from warmserve_agent.client import pb
+
+    state = {v: k.removeprefix("WORKER_STATE_").lower() for k, v in pb.WorkerState.items()}
+    sstate = {v: k.removeprefix("SLOT_STATE_").lower() for k, v in pb.SlotState.items()}
+    phase = {v: k.removeprefix("INSTANCE_PHASE_").lower() for k, v in pb.InstancePhase.items()}
+    out = [
+        f"node {d.node_name}  backend {d.backend}  agent {d.agent_version} ({d.agent_id[:8]})  "
+        f"page {_gib(d.page_bytes)}  spare workers {d.spare_workers}  generation {d.generation}",
+        "",
+        "GPUS",
+    ]
+    rows = [["GPU", "STATE", "MEMORY", "FREE", "PAGES FREE/TOTAL", "WORKER", "RESTARTS", "SLOTS"]]
+    for g in d.gpus:
+        rows.append(
+            [
+                str(g.index),
+                state[g.state],
+                _gib(g.memory_bytes),
+                _gib(g.free_bytes),
+                f"{g.pages_free}/{g.pages_total}",
+                str(g.worker_pid or "-"),
+                str(g.worker_restarts),
+                str(len(g.slot_ids)),
+            ]
+        )
+    out += [_table(rows), "", "SLOTS"]
+    if d.slots:
+        rows = [["SLOT", "MODEL", "GPUS", "LAYERS", "BYTES/GPU", "STATE"]]
+        for s in d.slots:
+            rows.append(
+                [
+                    s.slot_id,
+                    s.model,
+                    ",".join(map(str, s.gpus)),
+                    f"{s.layers_resident}/{s.layers_total}",
+                    f"{_gib(s.resident_bytes_per_gpu)}/{_gib(s.weight_bytes_per_gpu)}",
+                    sstate[s.state] + (f" ({s.message})" if s.message else ""),
+                ]
+            )
+        out.append(_table(rows))
+    else:
+        out.append("(none)")
+    out += ["", "INSTANCES"]
+    if d.instances:
+        rows = [
+            ["INSTANCE", "MODEL", "GPUS", "PHASE", "ENDPOINT", "RUN/WAIT", "KV USED/CAP", "LEND"]
+        ]
+        for i in d.instances:
+            rows.append(
+                [
+                    i.instance_id,
+                    i.model,
+                    ",".join(map(str, i.gpus)),
+                    phase[i.phase] + (" (hit)" if i.prewarm_hit else ""),
+                    i.endpoint,
+                    f"{i.running}/{i.waiting}",
+                    f"{_gib(i.kv_used_bytes)}/{_gib(i.kv_capacity_bytes)}",
+                    _gib(i.lendable_bytes) if i.phase == pb.INSTANCE_PHASE_GRACE else "-",
+                ]
+            )
+        out.append(_table(rows))
+    else:
+        out.append("(none)")
+    return "\n".join(out)
+
+
+def inspect_agent(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+    from warmserve_agent.client import AgentError, SyncAgentClient
+
+    try:
+        with SyncAgentClient(
+            args.address,
+            token_file=args.client_token_file,
+            ca_cert=args.ca_cert,
+            client_cert=args.client_cert,
+            client_key=args.client_key,
+            timeout_s=args.timeout,
+        ) as c:
+            d = c.describe()
+    except AgentError as exc:
+        raise CliError(f"agent at {args.address}: {exc}") from None
+    if args.json:
+        print(json.dumps(MessageToDict(d, preserving_proto_field_name=True), indent=2))
+    else:
+        print(render(d))
+    return 0
