@@ -66,3 +66,26 @@ class WorkerEngine:
     def stop(self) -> None:
         if self.worker.alive():
             self.worker.call("stop_engine")
+
+
+class FreshWorkerEngine(WorkerEngine):
+    """Baseline without pooling: start a new worker process for each instance (what a system
+    without pre-started per-GPU workers pays).  Used by ``bench/agent_bench.py``."""
+
+    def __init__(self, gpus: Sequence[int]) -> None:
+        from warmserve_agent.worker import WorkerHandle
+
+        self.gpus = tuple(gpus)
+        self._handle_cls = WorkerHandle
+        self.worker = None  # type: ignore[assignment]
+
+    def start(self, spec: dict[str, Any]) -> str:
+        self.worker = self._handle_cls()
+        self.worker.wait_ready(timeout_s=120)
+        self.worker.call("bind", gpu=self.gpus[0])
+        return super().start(spec)
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            super().stop()
+            self.worker.stop()
