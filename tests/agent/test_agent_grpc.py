@@ -427,3 +427,18 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_prometheus_metrics(tmp_path: Path, model_root: Path) -> None:
+    with AgentThread(cfg_for(tmp_path, model_root, metrics_port=0)) as a:
+        with SyncAgentClient(a.address) as c:
+            c.prewarm_wait("alpha", [0])
+            act = c.activate("alpha", [0])
+            c.activate("gamma", [1])
+        text = http(f"http://127.0.0.1:{a.server.metrics_port}/metrics").decode()
+    assert 'warmserve_agent_worker_state{gpu="0",node="node-a",state="dedicated"} 1.0' in text
+    assert 'warmserve_agent_worker_state{gpu="0",node="node-a",state="idle"} 0.0' in text
+    assert f'slot="{act.instance.slot_id}"' in text and "warmserve_agent_slot_bytes" in text
+    assert "warmserve_agent_load_bandwidth_bytes_per_second" in text
+    assert 'warmserve_agent_activation_seconds_count{node="node-a",prewarm_hit="true"} 1.0' in text
+    assert 'warmserve_agent_activation_seconds_count{node="node-a",prewarm_hit="false"} 1.0' in text
