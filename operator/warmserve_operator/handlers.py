@@ -44,6 +44,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     )
     settings.posting.level = logging.WARNING
     settings.peering.lifetime = int(memo.get("peering_lifetime", 60))
+    # One leader for the whole cluster, also when serving a few namespaces only: the window
+    # loop places every model on the shared GPUs, so the peering object is the cluster one.
+    settings.peering.clusterwide = True
     settings.watching.server_timeout = 60
     config: OperatorConfig = memo["config"]
     kube = KubeApi(
@@ -51,6 +54,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         identity=memo["identity"],
         priority=int(memo.get("priority", 0)),
         discovery=memo.get("discovery"),
+        namespaces=tuple(memo.get("namespaces") or ()),
     )
     await kube.ensure_peering()
     metrics = Metrics()

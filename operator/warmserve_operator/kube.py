@@ -113,6 +113,7 @@ class KubeApi:
         priority: int,
         event_namespace: str = "default",
         discovery: AgentDiscovery | None = None,
+        namespaces: tuple[str, ...] = (),
     ) -> None:
         from kubernetes import client, config
 
@@ -129,13 +130,22 @@ class KubeApi:
         self.priority = priority
         self.event_namespace = event_namespace
         self.discovery = discovery
+        self.namespaces = namespaces  # empty: every namespace
 
     async def _t(self, fn: Any, *args: Any, **kw: Any) -> Any:
         return await asyncio.to_thread(fn, *args, **kw)
 
     async def list_model_deployments(self) -> list[dict[str, Any]]:
-        res = await self._t(self._custom.list_cluster_custom_object, GROUP, VERSION, MD_PLURAL)
-        return list(res.get("items", []))
+        if not self.namespaces:
+            res = await self._t(self._custom.list_cluster_custom_object, GROUP, VERSION, MD_PLURAL)
+            return list(res.get("items", []))
+        items: list[dict[str, Any]] = []
+        for ns in self.namespaces:
+            res = await self._t(
+                self._custom.list_namespaced_custom_object, GROUP, VERSION, ns, MD_PLURAL
+            )
+            items += res.get("items", [])
+        return items
 
     async def list_gpu_nodes(self) -> list[dict[str, Any]]:
         res = await self._t(self._custom.list_cluster_custom_object, GROUP, VERSION, NODE_PLURAL)

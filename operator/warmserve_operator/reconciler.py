@@ -157,7 +157,11 @@ class Reconciler:
         self.nodes: dict[str, NodeRuntime] = {}
         self.window_index: int | None = None
         self.leader = False
-        self.deleting: set[str] = set()  # models whose deployment is being torn down
+        # Models whose deployment is (or was just) torn down -> when teardown finished (inf while
+        # it runs).  Nothing but evictions is issued for them until a listing of deployments
+        # that started after the teardown finished, so a poll that listed the deployment just
+        # before its deletion cannot prewarm it again.
+        self.deleting: dict[str, float] = {}
         self.pending_prewarms: dict[tuple[str, str, tuple[int, ...]], PendingPrewarm] = {}
         self.pending_starts: dict[tuple[str, tuple[int, ...]], PendingStart] = {}
         self.grace_started: dict[str, float] = {}
@@ -197,7 +201,11 @@ class Reconciler:
         if not self.leader:
             return
         self.metrics.polls.inc()
+        listed_at = self.clock()
         mds, invalid = await self._load_deployments()
+        for model, done in list(self.deleting.items()):
+            if listed_at > done:
+                self.deleting.pop(model)
         try:
             await self.kube.sync_agent_nodes()
         except Exception as exc:  # discovery is best effort; registered GPUNodes still work
@@ -634,7 +642,15 @@ class Reconciler:
         Called from the kopf delete handler (the finalizer); the caller retries while the
         returned list is not empty, so the deployment disappears only once nothing is left.
         """
-        self.deleting.add(md.model)
+        self.deleting[md.model] = math.inf
+        # Let prewarms/starts of this model already in flight land first, so none finishes
+        # after the teardown and leaves a slot behind.
+        deadline = self.clock() + timeout_s
+        while self.clock() < deadline and any(
+            p.model == md.model
+            for p in (*self.pending_prewarms.values(), *self.pending_starts.values())
+        ):
+            await asyncio.sleep(0.1)
         await self._load_nodes()
         left: list[str] = []
         for rt in self.nodes.values():
@@ -664,7 +680,7 @@ class Reconciler:
             except Exception as exc:
                 log.warning("event=history_delete_failed model=%s error=%r", md.model, str(exc))
             self.models.pop(md.model, None)
-            self.deleting.discard(md.model)
+            self.deleting[md.model] = self.clock()
         return left
 
     # ------------------------------------------------------------------ report

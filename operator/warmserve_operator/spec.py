@@ -129,7 +129,7 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         cold_start_s=_num(spec, "model.coldStartSeconds", None, 0.0, 3600.0),
         tp=_int(spec, "tensorParallel", 1, 1, 64) or 1,
         max_batch=_int(spec, "maxBatchSize", 32, 1, 4096) or 32,
-        ttft_s=_num(spec, "ttftObjectiveSeconds", 1.0, 0.01, 600.0) or 1.0,
+        ttft_s=_num(spec, "ttftObjectiveSeconds", 1.0, 1e-6, 600.0) or 1.0,
         min_instances=min_i,
         max_instances=max_i,
         prewarm=enabled,

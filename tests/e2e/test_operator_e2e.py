@@ -349,6 +349,8 @@ def test_operator_end_to_end(
                 "0",
                 "--scale-down-delay",
                 "600",
+                "--namespace",
+                ns,
             ],
             {**env, "KUBECONFIG": str(op_kubeconfig)},
         )

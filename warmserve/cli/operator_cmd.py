@@ -92,8 +92,20 @@ def register(subparsers: Any) -> None:
         help="peering priority; the live replica with the highest one acts "
         "(default: random, so equal priorities are unlikely)",
     )
-    p.add_argument("--peering-lifetime", type=int, default=60,
-                   help="seconds a replica that stopped heart-beating still counts as alive")
+    p.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        default=[],
+        dest="namespaces",
+        help="serve ModelDeployments of this namespace only (repeatable; default: all)",
+    )
+    p.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=60,
+        help="seconds a replica that stopped heart-beating still counts as alive",
+    )
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port (0: off)")
     p.add_argument("--metrics-address", default="0.0.0.0", help="Prometheus bind address")
     p.add_argument(
@@ -183,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         priority=priority,
         peering=peering,
         peering_lifetime=args.peering_lifetime,
+        namespaces=tuple(args.namespaces),
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
         agent_auth=AgentAuth(
@@ -200,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
     )
     asyncio.run(
         kopf.operator(
-            clusterwide=True,
+            clusterwide=not args.namespaces,
+            namespaces=args.namespaces,
             standalone=args.standalone,
             peering_name=peering,
             priority=priority,

@@ -1,0 +1,248 @@
+"""The CRDs and the chart's RBAC on a real kube-apiserver.
+
+* Invalid ModelDeployments are refused by the API server itself (OpenAPI ranges, enums,
+  patterns, CEL rules) with a message naming the field; defaults are filled in.
+* The chart's ClusterRole/Role grant exactly the calls the operator makes (a table checked with
+  ``kubectl auth can-i`` as the operator's ServiceAccount), and agent discovery works under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def crds(kubectl: Any) -> None:
+    kubectl("apply", "-f", str(REPO / "crds"))
+    kubectl(
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/modeldeployments.warmserve.io",
+        "crd/gpunodes.warmserve.io",
+    )
+
+
+def md(name: str, **spec: Any) -> dict[str, Any]:
+    body = {"model": {"name": "tiny-chat"}, **spec}
+    return {
+        "apiVersion": "warmserve.io/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name},
+        "spec": body,
+    }
+
+
+BAD = [
+    (md("tp0", tensorParallel=0), "spec.tensorParallel"),
+    (md("tp-big", tensorParallel=65), "spec.tensorParallel"),
+    (md("batch0", maxBatchSize=0), "spec.maxBatchSize"),
+    (
+        md("minmax", minInstances=5, maxInstances=2),
+        "spec.minInstances must be <= spec.maxInstances",
+    ),
+    (md("neg", minInstances=-1), "spec.minInstances"),
+    (md("ttft", ttftObjectiveSeconds=0), "spec.ttftObjectiveSeconds"),
+    (
+        md("layers", model={"name": "m", "numLayers": 4}, prewarm={"layers": 10}),
+        "spec.prewarm.layers must be <= spec.model.numLayers",
+    ),
+    (md("badname", model={"name": "Bad Name!"}), "spec.model.name"),
+    (md("args", engine={"args": [1, 2]}), "spec.engine.args"),
+    (md("prewarm-type", prewarm={"enabled": "yes"}), "spec.prewarm.enabled"),
+    (
+        {
+            "apiVersion": "warmserve.io/v1alpha1",
+            "kind": "ModelDeployment",
+            "metadata": {"name": "nomodel"},
+            "spec": {"tensorParallel": 1},
+        },
+        "spec.model",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), BAD, ids=[b["metadata"]["name"] for b, _ in BAD])
+def test_api_server_refuses_invalid_model_deployments(
+    crds: None, kubectl: Any, k8s_namespace: str, body: dict[str, Any], field: str
+) -> None:
+    proc = kubectl("create", "-n", k8s_namespace, "-f", "-", input=json.dumps(body), check=False)
+    assert proc.returncode != 0, f"{body['metadata']['name']} was accepted"
+    assert field in proc.stderr, proc.stderr
+    assert "is invalid" in proc.stderr
+
+
+def test_defaults_and_printer_columns(crds: None, kubectl: Any, k8s_namespace: str) -> None:
+    kubectl("apply", "-n", k8s_namespace, "-f", str(REPO / "examples/modeldeployment-chat.yaml"))
+    kubectl("create", "-n", k8s_namespace, "-f", "-", input=json.dumps(md("minimal")))
+    got = json.loads(kubectl("get", "wsmd", "minimal", "-n", k8s_namespace, "-o", "json").stdout)
+    spec = got["spec"]
+    assert spec["tensorParallel"] == 1 and spec["maxBatchSize"] == 32
+    assert spec["minInstances"] == 0 and spec["maxInstances"] == 8
+    assert spec["prewarm"] == {"enabled": True} and spec["ttftObjectiveSeconds"] == 1.0
+    header = kubectl("get", "warmserve", "-n", k8s_namespace).stdout.splitlines()[0].split()
+    assert header == [
+        "NAME",
+        "MODEL",
+        "TP",
+        "INSTANCES",
+        "PREWARMED",
+        "PRED-PEAK",
+        "LOAD",
+        "READY",
+        "AGE",
+    ]
+    # No namespace controller here: delete what this test made so no operator sees it later.
+    kubectl("delete", "wsmd", "--all", "-n", k8s_namespace, "--wait=false")
+
+
+def test_gpunode_address_is_validated(crds: None, kubectl: Any) -> None:
+    bad = {
+        "apiVersion": "warmserve.io/v1alpha1",
+        "kind": "GPUNode",
+        "metadata": {"name": "bad-node"},
+        "spec": {"agentAddress": "no port here"},
+    }
+    proc = kubectl("create", "-f", "-", input=json.dumps(bad), check=False)
+    assert proc.returncode != 0 and "spec.agentAddress" in proc.stderr
+
+
+def _chart_rbac(helm: Any, kubectl: Any, ns: str) -> str:
+    release = f"rbac{ns[-8:]}"
+    rendered = helm(
+        "template",
+        release,
+        str(REPO / "helm" / "warmserve"),
+        "-n",
+        ns,
+        "--show-only",
+        "templates/serviceaccount.yaml",
+        "--show-only",
+        "templates/rbac.yaml",
+    ).stdout
+    kubectl("apply", "-n", ns, "-f", "-", input=rendered)
+    return next(
+        d["metadata"]["name"]
+        for d in yaml.safe_load_all(rendered)
+        if d
+        and d["kind"] == "ServiceAccount"
+        and d["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+    )
+
+
+# Every call the operator makes (kopf + window loop + discovery), and what must stay forbidden.
+ALLOWED = [
+    ("list", "customresourcedefinitions.apiextensions.k8s.io", None),
+    ("watch", "namespaces", None),
+    ("patch", "clusterkopfpeerings.kopf.dev", None),
+    ("create", "clusterkopfpeerings.kopf.dev", None),
+    ("watch", "modeldeployments.warmserve.io", None),
+    ("patch", "modeldeployments.warmserve.io", "other"),
+    ("patch", "modeldeployments.warmserve.io/status", "other"),
+    ("list", "gpunodes.warmserve.io", None),
+    ("create", "gpunodes.warmserve.io", None),
+    ("patch", "gpunodes.warmserve.io/status", None),
+    ("get", "configmaps", "other"),
+    ("create", "configmaps", "other"),
+    ("update", "configmaps", "other"),
+    ("delete", "configmaps", "other"),
+    ("create", "events", "other"),
+    ("create", "events.events.k8s.io", "other"),
+    ("list", "pods", "self"),
+]
+FORBIDDEN = [
+    ("list", "secrets", "other"),
+    ("delete", "modeldeployments.warmserve.io", "other"),
+    ("list", "pods", "other"),
+    ("create", "pods", "self"),
+    ("delete", "gpunodes.warmserve.io", None),
+    ("*", "*", None),
+]
+
+
+def test_chart_rbac_grants_exactly_what_the_operator_uses(
+    crds: None, kubectl: Any, helm: Any, k8s_namespace: str
+) -> None:
+    ns = k8s_namespace
+    sa = _chart_rbac(helm, kubectl, ns)
+    who = f"system:serviceaccount:{ns}:{sa}"
+
+    def can(verb: str, resource: str, where: str | None) -> bool:
+        scope = ["-A"] if where is None else ["-n", ns if where == "self" else "default"]
+        proc = kubectl("auth", "can-i", verb, resource, "--as", who, *scope, check=False)
+        return proc.stdout.strip() == "yes"
+
+    missing = [r for r in ALLOWED if not can(*r)]
+    extra = [r for r in FORBIDDEN if can(*r)]
+    assert not missing, f"the chart's RBAC lacks {missing}"
+    assert not extra, f"the chart's RBAC grants more than needed: {extra}"
+
+
+def test_agent_pods_are_discovered_as_gpunodes_under_chart_rbac(
+    crds: None,
+    kubectl: Any,
+    helm: Any,
+    k8s_namespace: str,
+    sa_kubeconfig: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ns = k8s_namespace
+    sa = _chart_rbac(helm, kubectl, ns)
+    node = f"{ns}-gpu"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "agent-x",
+            "labels": {
+                "app.kubernetes.io/part-of": "warmserve",
+                "app.kubernetes.io/component": "agent",
+            },
+        },
+        "spec": {"nodeName": node, "containers": [{"name": "a", "image": "x"}]},
+    }
+    kubectl("create", "-n", ns, "-f", "-", input=json.dumps(pod))
+    kubectl(
+        "patch",
+        "pod",
+        "agent-x",
+        "-n",
+        ns,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": {"phase": "Running", "podIP": "10.1.2.3"}}),
+    )
+    monkeypatch.setenv("KUBECONFIG", str(sa_kubeconfig(ns, sa)))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    from warmserve_operator.kube import AgentDiscovery, KubeApi
+
+    api = KubeApi(peering=None, identity="t", priority=1, discovery=AgentDiscovery(ns, port=7000))
+    try:
+        asyncio.run(api.sync_agent_nodes())
+        got = json.loads(kubectl("get", "gpunode", node, "-o", "json").stdout)
+        assert got["spec"]["agentAddress"] == "10.1.2.3:7000"
+        kubectl(
+            "patch",
+            "pod",
+            "agent-x",
+            "-n",
+            ns,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps({"status": {"podIP": "10.1.2.4"}}),
+        )
+        asyncio.run(api.sync_agent_nodes())
+        got = json.loads(kubectl("get", "gpunode", node, "-o", "json").stdout)
+        assert got["spec"]["agentAddress"] == "10.1.2.4:7000", "a moved agent is followed"
+    finally:
+        kubectl("delete", "gpunode", node, "--ignore-not-found", "--wait=false", check=False)
