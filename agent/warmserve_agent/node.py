@@ -185,6 +185,9 @@ class NodeCore:
         self._listeners: list[Callable[[Event], None]] = []
         self._emit_lock = threading.Lock()
         self.activation_log: list[tuple[bool, float]] = []  # (hit, seconds) for metrics
+        # Called with the GPUs of an instance that ended normally (the server recycles their
+        # worker processes here when configured to).
+        self.on_instance_ended: Callable[[tuple[int, ...]], None] | None = None
 
     # ---- events ----------------------------------------------------------------------------
     def subscribe(self, fn: Callable[[Event], None]) -> Callable[[], None]:
@@ -742,6 +745,8 @@ class NodeCore:
             for g in inst.gpus:
                 self._transition([g], self._rest_state(g))
             self._emit("instance_removed", instance_id, "ended")
+            if self.on_instance_ended is not None:
+                self.on_instance_ended(inst.gpus)
             return inst
 
     # ---- failures --------------------------------------------------------------------------

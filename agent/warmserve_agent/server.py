@@ -86,6 +86,7 @@ class AgentConfig:
     memory_dir: Path | None = None  # simulated GPU memory files (default: /dev/shm/...)
     keep_memory: bool = False  # keep simulated memory files at exit
     spare_workers: int = 1
+    recycle_workers: bool = False  # replace a GPU's worker process after each instance ends
     use_workers: bool = True  # False: engines in the agent process (tests, debugging)
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -218,6 +219,16 @@ class AgentServer:
             info.spare_workers = lambda: self.pool.spare_count
             info.worker_pid = lambda g: self.pool.worker(g).pid
             info.worker_restarts = lambda g: self.pool.restarts[g]
+        if cfg.recycle_workers and self.pool is not None:
+            pool = self.pool
+
+            def recycle(gpus: tuple[int, ...]) -> None:
+                # A fresh process per instance: no engine state leaks into the next one; a
+                # pre-started spare takes over at once.
+                for g in gpus:
+                    pool.replace(g)
+
+            self.core.on_instance_ended = recycle
         self.service = AgentService(self.core, info)
         self.service.bind_loop(asyncio.get_running_loop())
 

@@ -394,6 +394,23 @@ def test_crashed_worker_is_replaced(tmp_path: Path, model_root: Path) -> None:
         c.close()
 
 
+def test_recycled_worker_is_replaced_from_spares(tmp_path: Path, model_root: Path) -> None:
+    cfg = cfg_for(tmp_path, model_root, use_workers=True, recycle_workers=True)
+    with AgentThread(cfg) as a, SyncAgentClient(a.address) as c:
+        act = c.activate("gamma", [1])
+        before = c.describe().gpus[1].worker_pid
+        spare_pid = a.server.pool._spares[0].pid
+        c.begin_grace(act.instance.instance_id)
+        c.end_instance(act.instance.instance_id)
+        d = c.describe()
+        assert d.gpus[1].worker_pid == spare_pid != before  # the spare took over at once
+        assert d.gpus[1].worker_restarts == 1 and d.gpus[0].worker_restarts == 0
+        wait_for(lambda: not _alive(before), what="old worker to exit")
+        again = c.activate("gamma", [1])
+        assert again.prewarm_hit
+        assert json.loads(http(again.instance.endpoint + "/v1/models"))["data"][0]["id"] == "gamma"
+
+
 def test_restart_reports_a_fresh_node(tmp_path: Path, model_root: Path) -> None:
     """Documented restart semantics: workers and simulated memory go with the agent; the new
     agent reports a new agent_id and an empty node, which the operator reconciles against."""

@@ -57,6 +57,11 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--spare-workers", type=int, default=1, help="pre-started spare worker processes (1)"
     )
+    p.add_argument(
+        "--recycle-workers",
+        action="store_true",
+        help="replace a GPU's worker process (from the spares) after each instance ends",
+    )
     p.add_argument("--memory-dir", help="directory for simulated GPU memory (default /dev/shm)")
     p.add_argument("--tls-cert", help="server certificate (PEM); enables TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
@@ -118,6 +123,7 @@ def _config(args: argparse.Namespace) -> Any:
         page_bytes=page,
         memory_dir=Path(args.memory_dir) if args.memory_dir else None,
         spare_workers=args.spare_workers,
+        recycle_workers=args.recycle_workers,
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
         client_ca=Path(args.client_ca) if args.client_ca else None,
