@@ -485,7 +485,7 @@ class Simulation:
             )
             link = max(self.cl.link_free[(choice.node, g)] for g in choice.gpus)
             wait = max(link - t, 0.0)
-            per_layer = m.per_layer_load_s
+            per_layer = m.per_layer_load_s * self.sys.load_slowdown
             if self.sys.stream_layers:
                 # WarmServe's worker copies the missing layers from the moment of the start,
                 # overlapping the remaining stages (H3b's min_resident_layers assumes the same

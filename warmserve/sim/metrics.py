@@ -23,6 +23,10 @@ def _pct(values: np.ndarray, q: float) -> float | None:
     return float(np.percentile(values, q)) if values.size else None
 
 
+def _frac(mask: np.ndarray) -> float | None:
+    return float(mask.mean()) if mask.size else None
+
+
 def latency_stats(ttft: np.ndarray, tpot: np.ndarray) -> dict[str, float | None]:
     return {
         "ttft_p50_s": _pct(ttft, 50),
@@ -52,6 +56,9 @@ def summarize(
     row: dict[str, Any] = {
         "system": out.system,
         **latency_stats(ttft_all[served], tpot_all[multi]),
+        "ttft_under_100ms": _frac(ttft_all[served] < 0.1),
+        "tpot_under_50ms": _frac(tpot_all[multi] < 0.05),
+        "tpot_over_100ms": _frac(tpot_all[multi] > 0.1),
         "hit_ratio": hits / len(out.starts) if out.starts else None,
         "warm_starts": hits,
         "cold_starts": len(out.starts) - hits,

@@ -1,0 +1,450 @@
+"""Run the WarmServe §7.1 testbed grid in the simulator and write ``docs/evaluation.md``.
+
+    python bench/paper_eval.py                      # full grid, all systems, ~2 min per point
+    python bench/paper_eval.py --jobs 2             # grid points in parallel processes
+    python bench/paper_eval.py --duration 600 --out /tmp/eval.md   # a quick look
+
+The scenario is ``bench/scenarios/paper-testbed.yaml``; its ``grid`` (alpha x total_rps) is swept,
+every point running every system on the same requests.  Results also go to
+``bench/results/paper_eval.json``.  Nothing here is tuned to the paper: the physics constants
+come from the cited GPU profile (``warmserve/sim/profiles/h800.yaml``) and the policies are the
+project's policy modules; the paper's numbers are printed beside ours for comparison only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from warmserve.sim.report import fmt_seconds, table  # noqa: E402
+from warmserve.sim.runner import run_scenario  # noqa: E402
+from warmserve.sim.scenario import Scenario, load_scenario  # noqa: E402
+
+PAPER = {
+    "p95_vs_sllm": (1.07, 10.06),
+    "p99_vs_sllm": (1.53, 50.79),
+    "proactive_tail": (1.03, 32.87),
+    "hit_light": 1.00,
+    "hit_rps25_avg": 0.82,
+    "mux_rps15_a05": (34.5, 134.03),
+    "ablation_100ms": {"warmserve-no-evict-aware": 0.29, "warmserve-no-proactive": 0.88},
+}
+
+
+def _point(args: tuple[str, dict[str, Any], list[str]]) -> dict[str, Any]:
+    path, overrides, systems = args
+    sc = load_scenario(path).with_overrides(**overrides)
+    t0 = time.perf_counter()
+    res = run_scenario(sc, systems)
+    res["wall_s"] = time.perf_counter() - t0
+    res["overrides"] = overrides
+    return res
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.0f}%"
+
+
+def _rows_by(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["system"]: r for r in res["rows"]}
+
+
+def _main_table(points: list[dict[str, Any]]) -> str:
+    head = (
+        "| alpha | RPS | WarmServe P95 | WarmServe P99 | SLLM-GPU P95 | SLLM-GPU P99 | "
+        "P95 gain | P99 gain | P99 gain vs SLLM-GPU-pooled | hit ratio | MuxServe P95 | "
+        "MuxServe P99 | no-proactive P99 |"
+    )
+    lines = [head, "|" + "---|" * 13]
+    for p in points:
+        r = _rows_by(p)
+        w, s = r.get("warmserve", {}), r.get("sllm-gpu", {})
+        mx, npv = r.get("muxserve", {}), r.get("warmserve-no-proactive", {})
+        lines.append(
+            f"| {p['overrides']['alpha']:g} | {p['overrides']['total_rps']:g} "
+            f"| {fmt_seconds(w.get('ttft_p95_s'))} | {fmt_seconds(w.get('ttft_p99_s'))} "
+            f"| {fmt_seconds(s.get('ttft_p95_s'))} | {fmt_seconds(s.get('ttft_p99_s'))} "
+            f"| {_x(_ratio(s.get('ttft_p95_s'), w.get('ttft_p95_s')))} "
+            f"| {_x(_ratio(s.get('ttft_p99_s'), w.get('ttft_p99_s')))} "
+            f"| {_x(_ratio(r.get('sllm-gpu-pooled', {}).get('ttft_p99_s'), w.get('ttft_p99_s')))} "
+            f"| {_pct(w.get('hit_ratio'))} "
+            f"| {fmt_seconds(mx.get('ttft_p95_s'))} | {fmt_seconds(mx.get('ttft_p99_s'))} "
+            f"| {fmt_seconds(npv.get('ttft_p99_s'))} |"
+        )
+    return "\n".join(lines)
+
+
+def _range(vals: list[float]) -> str:
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return "-"
+    return f"{min(vals):.2f}x-{max(vals):.2f}x"
+
+
+def _comparison(points: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    p95 = [_ratio(_rows_by(p).get("sllm-gpu", {}).get("ttft_p95_s"),
+                  _rows_by(p).get("warmserve", {}).get("ttft_p95_s")) for p in points]
+    p99 = [_ratio(_rows_by(p).get("sllm-gpu", {}).get("ttft_p99_s"),
+                  _rows_by(p).get("warmserve", {}).get("ttft_p99_s")) for p in points]
+    pro = []
+    for p in points:
+        r = _rows_by(p)
+        for q in ("ttft_p95_s", "ttft_p99_s"):
+            pro.append(_ratio(r.get("warmserve-no-proactive", {}).get(q),
+                              r.get("warmserve", {}).get(q)))
+    light = [
+        _rows_by(p).get("warmserve", {}).get("hit_ratio")
+        for p in points if p["overrides"]["total_rps"] == min(
+            q["overrides"]["total_rps"] for q in points)
+    ]
+    heavy = [
+        _rows_by(p).get("warmserve", {}).get("hit_ratio")
+        for p in points if p["overrides"]["total_rps"] == max(
+            q["overrides"]["total_rps"] for q in points)
+    ]
+    light = [v for v in light if v is not None]
+    heavy = [v for v in heavy if v is not None]
+    mux15 = next(
+        (p for p in points if p["overrides"]["total_rps"] == 15 and p["overrides"]["alpha"] == 0.5),
+        None,
+    )
+    mux = ("-", "-")
+    if mux15 is not None:
+        r = _rows_by(mux15)
+        mux = (
+            _x(_ratio(r.get("muxserve", {}).get("ttft_p95_s"),
+                      r.get("warmserve", {}).get("ttft_p95_s"))),
+            _x(_ratio(r.get("muxserve", {}).get("ttft_p99_s"),
+                      r.get("warmserve", {}).get("ttft_p99_s"))),
+        )
+    ours = {
+        "p95_vs_sllm": _range(p95),
+        "p99_vs_sllm": _range(p99),
+        "proactive_tail": _range(pro),
+        "hit_light": _pct(sum(light) / len(light)) if light else "-",
+        "hit_heavy": _pct(sum(heavy) / len(heavy)) if heavy else "-",
+        "mux15": mux,
+    }
+    lines = [
+        "| claim (paper §7.3) | paper | this simulator |",
+        "|---|---|---|",
+        f"| P95 TTFT, SLLM-GPU / WarmServe | {PAPER['p95_vs_sllm'][0]}x-"
+        f"{PAPER['p95_vs_sllm'][1]}x | {ours['p95_vs_sllm']} |",
+        f"| P99 TTFT, SLLM-GPU / WarmServe | {PAPER['p99_vs_sllm'][0]}x-"
+        f"{PAPER['p99_vs_sllm'][1]}x | {ours['p99_vs_sllm']} |",
+        f"| tail TTFT, no-proactive / WarmServe | {PAPER['proactive_tail'][0]}x-"
+        f"{PAPER['proactive_tail'][1]}x | {ours['proactive_tail']} |",
+        f"| prewarm hit ratio, lightest load | 100% | {ours['hit_light']} |",
+        f"| prewarm hit ratio, RPS 25 (mean over alpha) | 82% | {ours['hit_heavy']} |",
+        f"| MuxServe / WarmServe at RPS 15, alpha 0.5 (P95, P99) | 34.5x, 134.03x "
+        f"| {mux[0]}, {mux[1]} |",
+    ]
+    return "\n".join(lines), ours
+
+
+def _tpot_table(points: list[dict[str, Any]]) -> str:
+    lines = [
+        "| alpha | RPS | system | TPOT p50 | TPOT p99 | TPOT < 50 ms | TPOT > 100 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        for name in ("warmserve", "sllm-gpu", "muxserve", "prism"):
+            r = _rows_by(p).get(name)
+            if r is None:
+                continue
+            lines.append(
+                f"| {p['overrides']['alpha']:g} | {p['overrides']['total_rps']:g} | {name} "
+                f"| {fmt_seconds(r['tpot_p50_s'])} | {fmt_seconds(r['tpot_p99_s'])} "
+                f"| {_pct(r['tpot_under_50ms'])} | {_pct(r['tpot_over_100ms'])} |"
+            )
+    return "\n".join(lines)
+
+
+def _ablation_table(points: list[dict[str, Any]]) -> str:
+    lines = [
+        "| alpha | RPS | WarmServe TTFT<100ms | no-evict-aware (ratio) | no-proactive (ratio) |",
+        "|---|---|---|---|---|",
+    ]
+    for p in points:
+        r = _rows_by(p)
+        base = r.get("warmserve", {}).get("ttft_under_100ms")
+        cells = []
+        for name in ("warmserve-no-evict-aware", "warmserve-no-proactive"):
+            v = r.get(name, {}).get("ttft_under_100ms")
+            cells.append(f"{_pct(v)} ({_x(_ratio(v, base))})")
+        lines.append(
+            f"| {p['overrides']['alpha']:g} | {p['overrides']['total_rps']:g} | {_pct(base)} | "
+            + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines)
+
+
+def _per_model(point: dict[str, Any]) -> str:
+    r = _rows_by(point)
+    systems = [s for s in ("warmserve", "sllm-gpu", "reactive", "muxserve", "prism", "dedicated")
+               if s in r]
+    models = list(r[systems[0]]["per_model"])
+    lines = ["| model | share | " + " | ".join(f"{s} P99" for s in systems) + " |",
+             "|" + "---|" * (len(systems) + 2)]
+    shares = point["facts"]["shares"]
+    for m in models:
+        cells = [fmt_seconds(r[s]["per_model"][m]["ttft_p99_s"]) for s in systems]
+        lines.append(f"| {m} | {shares[m] * 100:.1f}% | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _diagnostics(points: list[dict[str, Any]]) -> str:
+    lines = [
+        "| alpha | RPS | system | starts (warm/cold) | median start latency | failed start "
+        "attempts (no free GPU group) | GPU-h | prewarm-only GPU-h | lent replicas |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        for r in p["rows"]:
+            if r["system"] in ("muxserve", "prism", "dedicated"):
+                continue
+            lines.append(
+                f"| {p['overrides']['alpha']:g} | {p['overrides']['total_rps']:g} | "
+                f"{r['system']} | {r['warm_starts']}/{r['cold_starts']} | "
+                f"{fmt_seconds(r['start_latency_p50_s'])} | {r['start_failures']} | "
+                f"{r['gpu_hours']:.2f} | {r['prewarm_gpu_hours']:.2f} | {r['lent_placements']} |"
+            )
+    return "\n".join(lines)
+
+
+NARRATIVE = """\
+## Reading the results: where and why we differ from the paper
+
+The numbers above come from the simulation alone; this section explains them from the
+simulation's own state (the diagnostics table below), not from the paper.
+
+1. **What a start costs here.**  With the H800 profile, a cold start of stock vLLM (process,
+   import, device, engine init with CUDA-graph capture, NCCL group, weights) costs
+   {cold_starts}.  A WarmServe prewarm hit costs only the activation stage
+   ({activation:.2f} s): the process pool and the pre-initialised engine are model-agnostic and
+   the weights stream behind the first layer.  But WarmServe's *cold* start also skips the
+   process and engine stages (they are model-agnostic, §7.2) and the profile's host link
+   ({h2d:.0f} GB/s per GPU, a measured pinned-copy rate) moves a 7B shard in
+   {load7:.2f} s.  So for TP-1 models a miss costs WarmServe only a fraction of a second more
+   than a hit, and SLLM-GPU, which we build on the same runtime (see docs/simulator.md), is
+   close behind.  The paper's Figure 8 implies a much slower weight path (weights + NCCL group
+   worth a 7.0-7.8x TTFT reduction); our cited bandwidth makes loading cheap, which compresses
+   every gain that comes from having weights resident.  This is the main reason our P95 gains
+   over SLLM-GPU sit at the low end of the paper's range.
+2. **Tail latency is capacity, not start-up.**  Under heavy load the tails of all autoscaling
+   systems are set by requests that wait for a *free GPU group*, not for a start: the
+   diagnostics show thousands of failed start attempts (every GPU held by an instance) at the
+   highest rates, and the dedicated reference (each model always on enough GPUs for its oracle
+   peak, which on this cluster means two instances per model, all 16 GPUs) queues too.  A
+   prewarmed replica cannot help a model whose next instance has nowhere to go, so P99 gains
+   shrink where the paper's grow.  Our arrival shape (the busiest two hours of the Azure
+   multimodal week, scaled) is burstier than the AzureConv days the paper replayed, which
+   pushes peaks past the 16-GPU capacity more often.
+3. **Hit ratio.**  Hits need idle or universal GPUs at the moment of a scale-up.  At light
+   load most GPUs are free and nearly every start hits; at RPS 25 the cluster runs almost
+   full, so replicas are placed less often (and grace lending, Eq. 1, adds only a few replicas),
+   which lowers the hit ratio as in the paper.
+4. **MuxServe.**  Its static placement (computed once from average rates) packs models onto
+   shared meshes with a sharing slowdown; under heavy load the colocated models' queues grow
+   without bound because the placement cannot follow the bursts, as the paper observes.  Its
+   TPOT is better than the paper's because our MuxServe meshes run larger TP degrees on an
+   idle-ish node (see the TPOT table); the slowdown model is H3b's (docs/simulator.md).
+"""
+
+
+def write_markdown(
+    path: Path, points: list[dict[str, Any]], sc: Scenario, total_wall: float, cmd: str
+) -> None:
+    comparison, _ours = _comparison(points)
+    heavy = [p for p in points if p["overrides"]["total_rps"] == max(
+        q["overrides"]["total_rps"] for q in points)]
+    speed_point = next((p for p in heavy if p["overrides"]["alpha"] == 0.5), heavy[0])
+    sp_rows = speed_point["rows"]
+    sp_req = sum(r["requests"] for r in sp_rows)
+    sp_wall = sum(r["wall_s"] for r in sp_rows)
+    facts = points[0]["facts"]
+    from warmserve.sim.engine import EngineModel, ModelArch
+    from warmserve.sim.hardware import load_profile
+
+    prof = load_profile(sc.profile)
+    e7 = EngineModel(prof, ModelArch.named("llama2-7b"), 1)
+    cold = ", ".join(f"{k} {v:.1f} s" for k, v in facts["cold_start_s"].items())
+    parts = [
+        "# Evaluation: the WarmServe §7.1 testbed in the simulator",
+        "",
+        f"Generated by `{cmd}` on {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC "
+        f"({platform.processor() or platform.machine()}, Python {platform.python_version()}); "
+        f"{len(points)} grid points x {len(points[0]['rows'])} systems in {total_wall:.0f} s "
+        "wall.  Do not edit by hand: rerun the command.",
+        "",
+        f"Setup (`bench/scenarios/paper-testbed.yaml`): {facts['cluster']} GPUs, models "
+        f"{', '.join(facts['shares'])} (TP 1, 1, 2, 4; batch 32), {sc.window_s / 60:g}-minute "
+        f"windows, {sc.duration_s / 3600:g} h from {facts['start']} (the busiest 2 h of the "
+        "models' trace days), arrival shape from the Azure multimodal week (a different day per "
+        f"model), lengths from `{sc.lengths}`, predictor history {sc.history_days} days, seed "
+        f"{sc.seed}.  Cold start (stock vLLM, all stages + all weights): {cold}.",
+        "",
+        "## Main table: tail TTFT, WarmServe vs SLLM-GPU and MuxServe",
+        "",
+        "Gain = SLLM-GPU / WarmServe (the paper's \"x reduction\").",
+        "",
+        _main_table(points),
+        "",
+        "## Our numbers next to the paper's",
+        "",
+        comparison,
+        "",
+        NARRATIVE.format(
+            cold_starts=cold,
+            activation=prof.startup.activation_s,
+            h2d=prof.host_to_gpu_bw / 1e9,
+            load7=e7.load_s(),
+        ),
+        "## Inference performance (TPOT)",
+        "",
+        "Paper (§7.3, RPS 25, alpha 0.5): over 60% of autoscaling systems' requests have TPOT < "
+        "50 ms; over 40% of MuxServe's exceed 100 ms.",
+        "",
+        _tpot_table(points),
+        "",
+        "## Ablation (§7.5): requests with TTFT under 100 ms",
+        "",
+        "Paper: disabling evict-aware placement or proactive prewarming leaves 0.29x and 0.88x "
+        "as many requests under 100 ms.",
+        "",
+        _ablation_table(points),
+        "",
+    ]
+    for p in heavy:
+        parts += [
+            f"## Per model at RPS {p['overrides']['total_rps']:g}, alpha "
+            f"{p['overrides']['alpha']:g} (P99 TTFT; paper Figure 10)",
+            "",
+            _per_model(p),
+            "",
+        ]
+    parts += [
+        "## Diagnostics (autoscaling systems)",
+        "",
+        _diagnostics(points),
+        "",
+        "## All systems, every grid point",
+        "",
+    ]
+    for p in points:
+        parts += [
+            f"### alpha {p['overrides']['alpha']:g}, RPS {p['overrides']['total_rps']:g} "
+            f"({p['facts']['requests']} requests)",
+            "",
+            table(p["rows"], markdown=True),
+            "",
+        ]
+    parts += [
+        "## Simulator speed",
+        "",
+        f"alpha {speed_point['overrides']['alpha']:g}, RPS "
+        f"{speed_point['overrides']['total_rps']:g}, all {len(sp_rows)} systems: "
+        f"{sp_req} simulated requests in {sp_wall:.1f} s of wall time on one core = "
+        f"**{sp_req / sp_wall:,.0f} simulated requests per wall second** "
+        f"(+ {speed_point['facts']['prep_s']:.1f} s to build the workload and the "
+        "predictor's history).",
+        "",
+        "| system | wall s | requests / wall s | events |",
+        "|---|---|---|---|",
+        *[
+            f"| {r['system']} | {r['wall_s']:.1f} | {r['sim_requests_per_wall_s']:,.0f} "
+            f"| {r['events']} |"
+            for r in sp_rows
+        ],
+        "",
+    ]
+    path.write_text("\n".join(parts))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", default=str(ROOT / "bench/scenarios/paper-testbed.yaml"))
+    ap.add_argument("--out", default=str(ROOT / "docs/evaluation.md"))
+    ap.add_argument("--json", default=str(ROOT / "bench/results/paper_eval.json"))
+    ap.add_argument("--jobs", type=int, default=1, help="grid points run in parallel")
+    ap.add_argument("--duration", type=float, help="override duration_s (quick looks)")
+    ap.add_argument("--systems", help="comma-separated systems (default: the scenario's)")
+    ap.add_argument(
+        "--from-json", metavar="RESULTS.json",
+        help="re-render the markdown from a previous run's JSON instead of simulating",
+    )
+    args = ap.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        sc = load_scenario(saved["scenario"])
+        if saved.get("duration_s"):
+            sc = sc.with_overrides(duration_s=saved["duration_s"])
+        write_markdown(Path(args.out), saved["points"], sc, saved["wall_s"], saved["command"])
+        print(f"wrote {args.out} from {args.from_json}", file=sys.stderr)
+        return 0
+
+    from warmserve.sim.systems import parse_systems
+
+    sc = load_scenario(args.scenario)
+    systems = parse_systems(args.systems, sc.systems)
+    base: dict[str, Any] = {}
+    if args.duration:
+        base["duration_s"] = args.duration
+    grid = [
+        {**base, "alpha": float(a), "total_rps": float(r)}
+        for a in sc.grid.get("alpha", (sc.alpha,))
+        for r in sc.grid.get("total_rps", (sc.total_rps,))
+    ]
+    t0 = time.perf_counter()
+    jobs = [(args.scenario, g, systems) for g in grid]
+    if args.jobs > 1:
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            points = list(pool.map(_point, jobs))
+    else:
+        points = []
+        for j in jobs:
+            points.append(_point(j))
+            print(f"alpha {j[1]['alpha']:g} rps {j[1]['total_rps']:g}: "
+                  f"{points[-1]['wall_s']:.0f} s", file=sys.stderr)
+    total = time.perf_counter() - t0
+    cmd = "python bench/paper_eval.py" + (
+        " " + " ".join(argv if argv is not None else sys.argv[1:])
+        if (argv if argv is not None else sys.argv[1:]) else ""
+    )
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(
+        {"scenario": args.scenario, "systems": systems, "wall_s": total, "command": cmd,
+         "duration_s": args.duration,
+         "points": [{k: v for k, v in p.items() if k != "raw"} for p in points]},
+        indent=1, default=float) + "\n")
+    scp = sc if not args.duration else sc.with_overrides(duration_s=args.duration)
+    write_markdown(Path(args.out), points, scp, total, cmd)
+    print(f"wrote {args.out} and {args.json} in {total:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    sys.exit(main())
