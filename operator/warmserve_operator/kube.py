@@ -284,7 +284,10 @@ class KubeApi:
             if exc.status == 404:
                 return False  # kopf pauses too while the peering object is missing
             raise
-        return is_leader(obj.get("status"), self.identity, self.priority)
+        status = obj.get("status") or {}
+        if self.identity not in status:
+            return False  # kopf has not announced us yet: we cannot know who else is there
+        return is_leader(status, self.identity, self.priority)
 
     async def sync_agent_nodes(self) -> None:
         """Create/update a GPUNode for every running agent pod (see :class:`AgentDiscovery`)."""

@@ -81,6 +81,9 @@ class OperatorConfig:
     evict_aware: bool = True
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
     node_status_refresh_s: float = 30.0
+    # Consecutive polls this replica must see itself as leader before acting: a replica that
+    # just started may not see a peer that registered a moment later (see docs/operator.md).
+    leader_settle_polls: int = 2
 
     def __post_init__(self) -> None:
         from warmserve.policy.predictor import season_length
@@ -157,6 +160,7 @@ class Reconciler:
         self.nodes: dict[str, NodeRuntime] = {}
         self.window_index: int | None = None
         self.leader = False
+        self._leader_streak = 0
         # Models whose deployment is (or was just) torn down -> when teardown finished (inf while
         # it runs).  Nothing but evictions is issued for them until a listing of deployments
         # that started after the teardown finished, so a poll that listed the deployment just
@@ -196,7 +200,8 @@ class Reconciler:
     async def tick(self) -> None:
         """One poll: observe, measure, (window) plan, scale, act, report."""
         now = self.clock()
-        self.leader = await self.kube.is_leader()
+        self._leader_streak = self._leader_streak + 1 if await self.kube.is_leader() else 0
+        self.leader = self._leader_streak >= self.cfg.leader_settle_polls
         self.metrics.leader.set(1 if self.leader else 0)
         if not self.leader:
             return

@@ -359,6 +359,9 @@ def test_operator_end_to_end(
         return "\n".join(procs.log(n) for n in list(procs.procs) if n.startswith("operator"))
 
     try:
+        # Two replicas from the start: kopf peering + the loop's leader check let only the one
+        # with the higher priority act; the standby (priority 50) must never touch an agent.
+        start_operator("operator-standby", 50)
         start_operator("operator-1", 100)
         kubectl(
             "apply",
@@ -512,6 +515,11 @@ def test_operator_end_to_end(
         ).stdout
         assert "tiny-code" in text and "Unplaceable" in text
         print(text)
+        standby = (tmp_path / "operator-standby.log").read_text()
+        assert "event=operator_started" in standby
+        assert "event=action" not in standby, "the standby replica acted"
+        for leader in ("operator-1", "operator-2"):
+            assert "event=action" in (tmp_path / f"{leader}.log").read_text(), leader
         print(f"e2e wall time: {time.monotonic() - t_start:.1f}s")
     finally:
         kubectl("delete", "gpunode", *addresses, "--ignore-not-found", "--wait=false", check=False)

@@ -40,6 +40,7 @@ class Harness:
             self.kube.add_node(name)
         self.cfg = OperatorConfig(
             window_s=W,
+            leader_settle_polls=1,
             poll_s=0.5,
             autoscaler=AutoscalerConfig(scale_down_delay_s=1.0, max_grace_s=3.0),
         )
@@ -205,6 +206,22 @@ async def test_not_leader_does_nothing() -> None:
     h.kube.add_md("a", "llama-a", minInstances=1)
     await h.tick(3)
     assert not h.instances("llama-a") and h.kube.status_writes == 0
+
+
+async def test_a_new_leader_waits_for_settle_polls() -> None:
+    from dataclasses import replace
+
+    h = Harness()
+    h.cfg = replace(h.cfg, leader_settle_polls=3)
+    h.rec = h.new_reconciler()
+    h.kube.add_md("a", "llama-a", minInstances=1)
+    await h.tick(2)
+    assert not h.instances("llama-a")
+    await h.tick(1)
+    assert h.instances("llama-a")
+    h.kube.leader = False
+    await h.tick(1)
+    assert not h.rec.leader
 
 
 async def test_history_is_persisted_each_window() -> None:
