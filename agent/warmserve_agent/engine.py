@@ -85,6 +85,10 @@ class WeightVerificationError(RuntimeError):
     pass
 
 
+class WeightsMismatch(RuntimeError):
+    """Layers announced as resident do not match the store (raised by engine hosts)."""
+
+
 @dataclass
 class _State:
     running: int = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from warmserve_agent.engine import SimulatedEngine
+from warmserve_agent.engine import SimulatedEngine, WeightsMismatch
 from warmserve_agent.worker import WorkerPool
 
 
@@ -29,7 +29,7 @@ class InProcessEngine:
     def layers_ready(self, n: int) -> None:
         bad = self.engine.layers_ready(n)
         if bad:
-            raise RuntimeError(f"weights differ from the store: {bad[:3]}")
+            raise WeightsMismatch(f"weights differ from the store: {bad[:3]}")
 
     def set_kv_capacity(self, nbytes: int) -> int:
         return self.engine.set_kv_capacity(nbytes)
@@ -55,7 +55,7 @@ class WorkerEngine:
     def layers_ready(self, n: int) -> None:
         bad = self.worker.call("layers_ready", n=n)
         if bad:
-            raise RuntimeError(f"weights differ from the store: {bad[:3]}")
+            raise WeightsMismatch(f"weights differ from the store: {bad[:3]}")
 
     def set_kv_capacity(self, nbytes: int) -> int:
         return int(self.worker.call("set_kv_capacity", nbytes=nbytes))

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve.policy.proactive import reservation_target
+from warmserve_agent.engine import WeightsMismatch
 from warmserve_agent.loader import LoadCancelled, load_layers
 from warmserve_agent.memory import MemoryManager, pages_for
 from warmserve_agent.store import SlotLayout, StoreError, UnknownModel, WeightStore
@@ -453,7 +454,12 @@ class NodeCore:
             slot.load_seconds = base_s + secs
             inst = self._instance_of_slot(slot.slot_id)
             if inst is not None and inst.phase != InstancePhase.STARTING:
-                inst.engine.layers_ready(n)
+                try:
+                    inst.engine.layers_ready(n)
+                except WeightsMismatch:
+                    raise  # the slot's bytes are wrong: fail the slot
+                except Exception as exc:  # engine ended or died meanwhile; the bytes are fine
+                    log.warning("event=layers_ready_failed slot=%s err=%s", slot.slot_id, exc)
             self._emit("slot", slot.slot_id, f"{n}/{slot.layers_total} layers")
 
         try:
@@ -690,9 +696,9 @@ class NodeCore:
 
     def _abort_instance(self, inst: InstanceRec, why: str) -> None:
         """Tear an instance down after its engine failed or died (crash transition)."""
+        self.instances.pop(inst.instance_id, None)  # first: loaders stop notifying it
         with contextlib.suppress(Exception):
             inst.engine.stop()
-        self.instances.pop(inst.instance_id, None)
         slot = self.slots.get(inst.slot_id)
         if slot is not None and self.mm.has_slot(slot.slot_id):
             self.mm.unmap_range(slot.slot_id, inst.weight_pages, self.mm.num_pages(inst.gpus[0]))
@@ -730,10 +736,13 @@ class NodeCore:
                     f"instance {instance_id} is {inst.phase.value}; begin its grace period "
                     "first (BeginGrace) so in-flight requests drain",
                 )
-            inst.engine.stop()
+            del self.instances[instance_id]  # first: loaders stop notifying it
+            try:
+                inst.engine.stop()
+            except Exception as exc:  # its worker died meanwhile: nothing left to stop
+                log.warning("event=engine_stop_failed instance=%s err=%s", instance_id, exc)
             slot = self.slots[inst.slot_id]
             self.mm.unmap_range(slot.slot_id, inst.weight_pages, self.mm.num_pages(inst.gpus[0]))
-            del self.instances[instance_id]
             for g in inst.gpus:
                 self.gpus[g].instance_id = ""
             if evict_weights:
