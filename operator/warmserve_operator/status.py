@@ -197,14 +197,13 @@ def node_status(
     counts = {s.value: 0 for s in WorkerState}
     for g in snap.gpus:
         counts[g.state.value] += 1
-    slots_by_id = {s.slot_id: s for s in snap.slots}
     gpus = []
     for g in sorted(snap.gpus, key=lambda g: g.index):
         slots = []
-        for sid in g.slot_ids:
-            s = slots_by_id.get(sid)
-            if s is None:
+        for s in snap.slots:
+            if g.index not in s.gpus:
                 continue
+            sid = s.slot_id
             slots.append(
                 {
                     "slotId": sid,

@@ -1,0 +1,299 @@
+"""Pure pieces of the operator: history encoding, spec parsing, leader rule, request ids,
+status documents and the ``warmserve status`` view."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from warmserve_operator.actions import MAX_ID, request_id
+from warmserve_operator.agents import GpuView, InstanceView, NodeSnapshot, SlotView
+from warmserve_operator.history import F16_MAX, HistoryError, LoadHistory
+from warmserve_operator.kube import is_leader
+from warmserve_operator.planning import build_state, orphan_actions, teardown_actions
+from warmserve_operator.spec import (
+    CatalogEntry,
+    SpecError,
+    dedupe_models,
+    parse_gpu_node,
+    parse_model_deployment,
+    resolve_model,
+)
+from warmserve_operator.status import Condition, merge_conditions, node_status
+
+from warmserve.policy.cluster import GiB, InstancePhase, WorkerState
+
+# ---------------------------------------------------------------------------- history
+
+loads = st.floats(min_value=0, max_value=1000, allow_nan=False)
+
+
+@given(st.lists(st.tuples(loads, loads), min_size=1, max_size=60), st.integers(0, 10**7))
+@settings(max_examples=60, deadline=None)
+def test_history_roundtrip_is_float16_exact(windows: list[tuple[float, float]], start: int) -> None:
+    h = LoadHistory(300.0)
+    for i, (a, p) in enumerate(windows):
+        h.record(start + i, a, p)
+    back = LoadHistory.from_data(h.to_data("m"), 300.0)
+    assert back.end == start + len(windows) and len(back) == len(windows)
+    want = np.array([a for a, _ in windows], dtype=np.float16).astype(float)
+    assert np.array_equal(back.avg, want)
+    assert np.allclose(back.avg, [a for a, _ in windows], rtol=1e-3, atol=1e-3)
+
+
+def test_history_gaps_are_imputed_and_series_is_contiguous() -> None:
+    h = LoadHistory(43200.0)  # 2 windows a day
+    h.record(0, 1.0, 2.0)
+    h.record(1, 3.0, 4.0)
+    h.record(4, 5.0, 6.0)  # windows 2, 3 missed (operator down)
+    avg, peak = h.series(until=6, windows_per_day=2)
+    # 2 <- same window a day earlier (0), 3 <- (1), 5 <- (3, imputed = 3.0)
+    assert avg == [1.0, 3.0, 1.0, 3.0, 5.0, 3.0]
+    assert peak == [2.0, 4.0, 2.0, 4.0, 6.0, 4.0]
+    h.record(4, 7.0, 8.0)  # re-closing a window overwrites it (idempotent)
+    assert h.series()[0][-1] == 7.0
+
+
+def test_history_is_bounded_and_saturates() -> None:
+    h = LoadHistory(300.0, max_windows=10)
+    for i in range(25):
+        h.record(i, float(i), float(i))
+    assert len(h) == 10 and h.start == 15
+    h.record(10**6, 1e9, 1e9)  # a gap longer than the history restarts it
+    assert len(h) == 1
+    back = LoadHistory.from_data(h.to_data("m"), 300.0)
+    assert back.peak[-1] == F16_MAX
+
+
+def test_history_bad_data_is_a_clear_error() -> None:
+    with pytest.raises(HistoryError, match="format"):
+        LoadHistory.from_data({"format": "x"}, 300.0)
+    data = LoadHistory(300.0).to_data("m")
+    data["avg"] = "not base64!"
+    with pytest.raises(HistoryError, match="'avg' is not base64"):
+        LoadHistory.from_data(data, 300.0)
+    with pytest.raises(HistoryError, match="finite"):
+        LoadHistory(300.0).record(0, -1.0, 1.0)
+    other = LoadHistory(300.0)
+    other.record(5, 1.0, 1.0)
+    assert len(LoadHistory.from_data(other.to_data("m"), 60.0)) == 0, "other window: fresh start"
+
+
+# ---------------------------------------------------------------------------- spec
+
+
+def body(**spec: object) -> dict:
+    return {
+        "metadata": {"name": "x", "namespace": "ns", "uid": "u", "generation": 2},
+        "spec": {"model": {"name": "m"}, **spec},
+    }
+
+
+def test_spec_defaults_and_resolution() -> None:
+    md = parse_model_deployment(body())
+    assert (md.tp, md.max_batch, md.min_instances, md.max_instances, md.prewarm) == (
+        1,
+        32,
+        0,
+        8,
+        True,
+    )
+    spec = resolve_model(md, {"m": CatalogEntry("m", 4 * GiB, 32)}, load_bandwidth=2 * GiB)
+    assert spec.cold_start_s == 2.0 and spec.num_layers == 32
+    md2 = parse_model_deployment(
+        body(model={"name": "m", "coldStartSeconds": 9, "weightBytes": 10}, tensorParallel=2)
+    )
+    spec2 = resolve_model(md2, {"m": CatalogEntry("m", 4 * GiB, 32)})
+    assert spec2.cold_start_s == 9 and spec2.weight_bytes == 10 and spec2.tp == 2
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ({"tensorParallel": 0}, r"spec.tensorParallel must be in \[1, 64\]"),
+        ({"minInstances": 3, "maxInstances": 1}, "spec.minInstances"),
+        ({"maxBatchSize": "4"}, "spec.maxBatchSize must be an integer"),
+        ({"engine": {"args": [1]}}, "spec.engine.args"),
+        ({"prewarm": {"enabled": 1}}, "spec.prewarm.enabled"),
+        ({"model": {"name": "m", "numLayers": 2}, "prewarm": {"layers": 3}}, "spec.prewarm.layers"),
+        ({"model": {}}, "spec.model.name is required"),
+    ],
+)
+def test_spec_errors_name_the_field(spec: dict, match: str) -> None:
+    with pytest.raises(SpecError, match=match):
+        parse_model_deployment(body(**spec))
+
+
+def test_missing_weights_and_duplicates() -> None:
+    md = parse_model_deployment(body())
+    with pytest.raises(SpecError, match="in no node agent's weight cache"):
+        resolve_model(md, {})
+    a = parse_model_deployment(
+        {
+            **body(),
+            "metadata": {
+                "name": "a",
+                "namespace": "n",
+                "creationTimestamp": "2026-01-02T00:00:00Z",
+            },
+        }
+    )
+    b = parse_model_deployment(
+        {
+            **body(),
+            "metadata": {
+                "name": "b",
+                "namespace": "n",
+                "creationTimestamp": "2026-01-01T00:00:00Z",
+            },
+        }
+    )
+    owners, dups = dedupe_models([a, b])
+    assert owners["m"].name == "b" and [d.name for d in dups] == ["a"]
+    with pytest.raises(SpecError, match="host:port"):
+        parse_gpu_node({"metadata": {"name": "n"}, "spec": {"agentAddress": "nohost"}})
+
+
+# ---------------------------------------------------------------------------- leader rule
+
+
+def test_leader_rule_matches_kopf_peering() -> None:
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    fresh = (now - dt.timedelta(seconds=5)).isoformat()
+    stale = (now - dt.timedelta(seconds=120)).isoformat()
+    me = {"me": {"priority": 10, "lifetime": 60, "lastseen": fresh}}
+    assert is_leader(me, "me", 10, now)
+    assert not is_leader(
+        {**me, "hi": {"priority": 11, "lifetime": 60, "lastseen": fresh}}, "me", 10, now
+    )
+    assert not is_leader(
+        {**me, "eq": {"priority": 10, "lifetime": 60, "lastseen": fresh}}, "me", 10, now
+    )
+    assert is_leader(
+        {**me, "lo": {"priority": 9, "lifetime": 60, "lastseen": fresh}}, "me", 10, now
+    )
+    assert is_leader(
+        {**me, "dead": {"priority": 99, "lifetime": 60, "lastseen": stale}}, "me", 10, now
+    )
+
+
+# ---------------------------------------------------------------------------- request ids
+
+
+@given(st.text(min_size=1, max_size=300), st.text(max_size=80), st.integers(0, 2**63))
+@settings(max_examples=80, deadline=None)
+def test_request_ids_are_valid_and_deterministic(model: str, node: str, gen: int) -> None:
+    rid = request_id("prewarm", model, node, "g0.1", "agent", gen)
+    assert 1 <= len(rid) <= MAX_ID and re.fullmatch(r"[A-Za-z0-9._:-]+", rid)
+    assert rid == request_id("prewarm", model, node, "g0.1", "agent", gen)
+    assert rid != request_id("prewarm", model, node, "g0.1", "agent", gen + 1)
+
+
+# ---------------------------------------------------------------------------- planning
+
+
+def snap(node: str, slots: tuple = (), instances: tuple = ()) -> NodeSnapshot:
+    gpus = tuple(
+        GpuView(i, 80 * GiB, 70 * GiB, WorkerState.UNIVERSAL if slots else WorkerState.IDLE)
+        for i in range(2)
+    )
+    return NodeSnapshot(node, "agent", 7, gpus, slots, instances, {})
+
+
+def test_orphans_and_teardown_actions() -> None:
+    slot = SlotView("s1", "gone", (0,), 4, 4, 4, GiB, GiB, "ready")
+    failed = SlotView("s2", "m", (1,), 1, 4, 4, GiB, 4 * GiB, "failed")
+    inst = InstanceView("i1", "gone", (1,), "http://x", InstancePhase.SERVING)
+    from warmserve.policy.cluster import ModelSpec
+
+    built = build_state({"m": ModelSpec("m", GiB)}, {"n": snap("n", (slot, failed), (inst,))}, {})
+    acts = orphan_actions(built)
+    assert sorted(type(a).__name__ for a in acts) == ["EndInstance", "Evict", "Evict"]
+    assert {getattr(a, "reason", "") for a in acts} >= {"loading failed"}
+    td = teardown_actions("gone", {"n": snap("n", (slot,), (inst,))})
+    assert [type(a).__name__ for a in td] == ["EndInstance", "Evict"]
+    assert td[0].evict_weights is True
+
+
+# ---------------------------------------------------------------------------- status
+
+
+def test_conditions_keep_transition_time_until_status_changes() -> None:
+    first = merge_conditions(None, [Condition("Ready", True, "Serving")], 1, "t1")
+    same = merge_conditions(first, [Condition("Ready", True, "Serving", "m")], 2, "t2")
+    flip = merge_conditions(same, [Condition("Ready", False, "Starting")], 2, "t3")
+    assert same[0]["lastTransitionTime"] == "t1" and flip[0]["lastTransitionTime"] == "t3"
+    assert flip[0]["status"] == "False" and same[0]["observedGeneration"] == 2
+
+
+def test_node_status_mirrors_the_agent() -> None:
+    slot = SlotView("s1", "m", (0,), 2, 4, 2, GiB, 2 * GiB, "ready")
+    st_ = node_status(snap("n", (slot,)), True, "ok", None, "now", 5.0)
+    assert st_["gpuCount"] == 2 and st_["workers"]["universal"] == 2
+    assert st_["gpus"][0]["slots"][0]["model"] == "m"
+    lost = node_status(None, False, "agent down", st_, "later", 5.0)
+    assert lost["conditions"][0]["status"] == "False" and "gpus" not in lost
+
+
+def test_status_cli_view_and_table() -> None:
+    from warmserve.cli.status import render, summarize
+
+    node = {
+        "metadata": {"name": "gpu-a"},
+        "spec": {"agentAddress": "1.2.3.4:5"},
+        "status": {
+            "conditions": [{"type": "Reachable", "status": "True"}],
+            "gpus": [
+                {
+                    "index": 0,
+                    "state": "dedicated",
+                    "freeBytes": 0,
+                    "slots": [{"model": "m", "state": "active"}],
+                },
+                {
+                    "index": 1,
+                    "state": "universal",
+                    "freeBytes": 70 * GiB,
+                    "slots": [
+                        {"model": "m", "layersResident": 2, "layersTotal": 4, "state": "ready"}
+                    ],
+                },
+            ],
+            "instances": [
+                {"model": "m", "gpus": [0], "phase": "serving", "running": 3, "prewarmHit": True}
+            ],
+        },
+    }
+    md = {
+        "metadata": {"name": "chat", "namespace": "ns"},
+        "spec": {"model": {"name": "m"}, "tensorParallel": 1},
+        "status": {
+            "load": {"predictedAverage": 2.5, "predictedPeak": 4, "observedAverage": 3},
+            "instances": [{"node": "gpu-a", "gpus": [0], "phase": "serving", "running": 3}],
+            "prewarmedReplicas": [
+                {
+                    "node": "gpu-a",
+                    "gpus": [1],
+                    "kind": "basic",
+                    "state": "ready",
+                    "layersResident": 2,
+                }
+            ],
+            "prewarm": {"hits": 1, "misses": 1, "hitRatio": 0.5},
+            "conditions": [
+                {"type": "Ready", "status": "True"},
+                {"type": "Degraded", "status": "True", "reason": "NoCapacity", "message": "full"},
+            ],
+        },
+    }
+    view = summarize({"nodes": [node], "models": [md]})
+    assert view["models"][0]["hitRatio"] == 0.5 and view["nodes"][0]["gpus"][1]["resident"]
+    text = render(view)
+    assert "m[2/4]" in text and "m (serving, 3 in flight, hit)" in text
+    assert "2.5/4.0" in text and "50% (1/2)" in text and "NoCapacity: full" in text
+    assert math.isfinite(len(text))
