@@ -181,6 +181,14 @@ class AgentServer:
         return f"{host}:{self.port}"
 
     async def start(self) -> AgentServer:
+        """Start everything; on failure, undo what was started (workers, files) and re-raise."""
+        try:
+            return await self._start()
+        except BaseException:
+            await self.stop(0)
+            raise
+
+    async def _start(self) -> AgentServer:
         cfg = self.cfg
         backend = _make_backend(cfg)
         sizes = cfg.simulate_gpus if cfg.simulate_gpus is not None else _cuda_gpu_sizes(backend)

@@ -88,3 +88,15 @@ def test_agent_cli_errors(argv: list[str], needle: str, capsys) -> None:
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_agent_cli_without_cuda_python(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from warmserve_agent.backends import cuda
+
+    def missing() -> None:
+        raise cuda.CudaError("the cuda backend needs cuda-python: pip install 'warmserve[cuda]'")
+
+    monkeypatch.setattr(cuda, "import_driver", missing)
+    assert main(["agent", "--gpus", "auto", "--model-dir", "."]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'warmserve[cuda]'" in err and "Traceback" not in err

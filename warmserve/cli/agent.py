@@ -138,6 +138,7 @@ def run_agent(args: argparse.Namespace) -> int:
     import logging
     import signal
 
+    from warmserve_agent.backends.cuda import CudaError
     from warmserve_agent.server import AgentServer, ConfigError
 
     cfg = _config(args)
@@ -149,9 +150,8 @@ def run_agent(args: argparse.Namespace) -> int:
     async def main() -> None:
         server = AgentServer(cfg)
         try:
-            await server.start()
-        except ConfigError as exc:
-            await server.stop(0)
+            await server.start()  # cleans up after itself on failure
+        except (ConfigError, CudaError) as exc:
             raise CliError(str(exc)) from None
         print(f"warmserve agent: serving on {server.address} ({len(server.core.gpus)} GPUs)")
         stop = asyncio.Event()
