@@ -245,3 +245,44 @@ def test_config_rejects_bad_window() -> None:
         OperatorConfig(window_s=7.0)
     with pytest.raises(PolicyInputError, match="poll interval"):
         OperatorConfig(window_s=2.0, poll_s=5.0)
+
+
+async def test_scale_down_drains_through_grace_and_keeps_weights() -> None:
+    h = Harness()
+    h.kube.add_md("a", "llama-a", maxBatchSize=4, minInstances=0, maxInstances=4)
+    await h.tick()
+    h.kube.mds[("default", "a")]["spec"]["minInstances"] = 2
+    await h.tick(2)
+    assert len(h.instances("llama-a")) == 2
+    h.kube.mds[("default", "a")]["spec"]["minInstances"] = 0
+    await h.tick(4)  # load 0 for longer than scale_down_delay_s=1: drain, grace ends at once
+    assert not h.instances("llama-a")
+    reasons = h.kube.reasons("ModelDeployment/a")
+    assert reasons.count("Draining") == 2 and reasons.count("InstanceEnded") == 2
+    ends = [c for a in h.agents.values() for c in a.calls if c[0] == "end"]
+    assert len(ends) == 2
+    assert h.cond("a", "Ready")["reason"] == "ScaledToZero"
+
+
+async def test_metrics_follow_the_decisions() -> None:
+    h = Harness()
+    h.kube.add_md("a", "llama-a", maxBatchSize=4, minInstances=1, maxInstances=4)
+    seed_history(h.kube, "a", "llama-a", h.clock.t, avg=6.0, peak=10.0)
+    await h.tick(2)
+    h.agents[h.instances("llama-a")[0][0]].set_load("llama-a", 7)
+    await h.tick(2)
+    reg = h.rec.metrics.registry
+    value = reg.get_sample_value
+    assert (
+        value("warmserve_operator_instance_starts_total", {"model": "llama-a", "start": "hit"}) == 1
+    )
+    assert (
+        value("warmserve_operator_instance_starts_total", {"model": "llama-a", "start": "cold"})
+        == 1
+    )
+    assert value(
+        "warmserve_operator_predicted_load", {"model": "llama-a", "stat": "peak"}
+    ) == pytest.approx(10, rel=1e-2)
+    assert value("warmserve_operator_inflight", {"model": "llama-a"}) == 7
+    assert value("warmserve_operator_leader") == 1
+    assert value("warmserve_operator_actions_total", {"verb": "prewarm", "outcome": "ok"}) >= 2
