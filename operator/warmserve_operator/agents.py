@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -285,6 +285,13 @@ class GrpcAgent:
                 instance_id, evict_weights=evict_weights, request_id=request_id
             )
         )
+
+    async def watch(self) -> AsyncIterator[str]:
+        """The agent's state-change stream, as event kind names (``KIND_INSTANCE_REMOVED``...)."""
+        from warmserve_agent.client import pb
+
+        async for ev in self._client.watch(include_snapshot=False):
+            yield pb.WatchEvent.Kind.Name(ev.kind)
 
     async def close(self) -> None:
         await self._client.close()

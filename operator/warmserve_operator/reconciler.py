@@ -26,7 +26,6 @@ decide them again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -67,6 +66,21 @@ from .spec import (
 from .status import Condition, ModelView, model_status, node_status, now_iso, strip_volatile
 
 log = logging.getLogger("warmserve.operator")
+
+MIN_TICK_S = 0.25
+# Agent Watch events that may change a decision before the next poll: an instance ended or
+# appeared (GPUs freed/taken), a slot removed or changed (memory freed, a load finished), a
+# worker replaced (an instance may be lost).  GPU events cover lent KV memory (§4.1).
+WAKE_EVENTS = frozenset(
+    {
+        "KIND_INSTANCE_REMOVED",
+        "KIND_INSTANCE",
+        "KIND_SLOT_REMOVED",
+        "KIND_SLOT",
+        "KIND_GPU",
+        "KIND_WORKER_REPLACED",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -161,6 +175,9 @@ class Reconciler:
         self.window_index: int | None = None
         self.leader = False
         self._leader_streak = 0
+        self._wake = asyncio.Event()
+        self._watching = False  # only inside run(): unit tests drive tick() directly
+        self._watchers: dict[str, tuple[str, asyncio.Task[None]]] = {}
         # Models whose deployment is (or was just) torn down -> when teardown finished (inf while
         # it runs).  Nothing but evictions is issued for them until a listing of deployments
         # that started after the teardown finished, so a poll that listed the deployment just
@@ -182,16 +199,67 @@ class Reconciler:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Poll until ``stop`` is set; errors of one poll are logged, never fatal."""
-        while not stop.is_set():
-            started = self.clock()
+        self._watching = True
+        try:
+            while not stop.is_set():
+                started = self.clock()
+                self._wake.clear()
+                try:
+                    await self.tick()
+                except Exception:  # keep the loop alive; the next poll starts from the API again
+                    log.exception("event=tick_failed")
+                await self._sleep(stop, started)
+        finally:
+            self._stop_watchers()
+            await self.drain_tasks(timeout=5.0)
+
+    async def _sleep(self, stop: asyncio.Event, started: float) -> None:
+        """Until the next poll, or earlier when an agent reports a change (not sooner than
+        ``MIN_TICK_S`` after the last poll, so a burst of agent events costs one poll)."""
+        await asyncio.sleep(max(MIN_TICK_S - (self.clock() - started), 0))
+        delay = max(self.cfg.poll_s - (self.clock() - started), 0.0)
+        waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
+        try:
+            await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+
+    def _sync_watchers(self) -> None:
+        """One Watch stream per agent while this replica leads; agent events wake the loop."""
+        if not self._watching:
+            return
+        want = {name: rt.spec.address for name, rt in self.nodes.items()} if self.leader else {}
+        for name in list(self._watchers):
+            addr, task = self._watchers[name]
+            if want.get(name) != addr or task.done():
+                task.cancel()
+                del self._watchers[name]
+        for name, addr in want.items():
+            if name not in self._watchers:
+                task = asyncio.get_running_loop().create_task(self._watch(name, addr))
+                self._watchers[name] = (addr, task)
+
+    def _stop_watchers(self) -> None:
+        for _, task in self._watchers.values():
+            task.cancel()
+        self._watchers.clear()
+
+    async def _watch(self, node: str, address: str) -> None:
+        client = self.agents.get(node, address)
+        watch = getattr(client, "watch", None)
+        if watch is None:
+            return
+        while True:
             try:
-                await self.tick()
-            except Exception:  # keep the loop alive; the next poll starts from the API again
-                log.exception("event=tick_failed")
-            delay = max(self.cfg.poll_s - (self.clock() - started), 0.05)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=delay)
-        await self.drain_tasks(timeout=5.0)
+                async for kind in watch():
+                    if kind in WAKE_EVENTS:
+                        self._wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the poll still covers this agent; retry the stream
+                log.debug("event=watch_failed node=%s error=%r", node, str(exc))
+            await asyncio.sleep(self.cfg.poll_s)
 
     async def drain_tasks(self, timeout: float) -> None:
         if self.tasks:
@@ -204,6 +272,7 @@ class Reconciler:
         self.leader = self._leader_streak >= self.cfg.leader_settle_polls
         self.metrics.leader.set(1 if self.leader else 0)
         if not self.leader:
+            self._sync_watchers()
             return
         self.metrics.polls.inc()
         listed_at = self.clock()
@@ -353,6 +422,7 @@ class Reconciler:
             if name not in seen:
                 self.nodes.pop(name)
         self.agents.forget_except(seen)
+        self._sync_watchers()
 
     async def _describe_one(self, rt: NodeRuntime, now: float) -> None:
         client = self.agents.get(rt.spec.name, rt.spec.address)

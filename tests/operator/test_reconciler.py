@@ -286,3 +286,29 @@ async def test_metrics_follow_the_decisions() -> None:
     assert value("warmserve_operator_inflight", {"model": "llama-a"}) == 7
     assert value("warmserve_operator_leader") == 1
     assert value("warmserve_operator_actions_total", {"verb": "prewarm", "outcome": "ok"}) >= 2
+
+
+async def test_agent_events_wake_the_loop_before_the_next_poll() -> None:
+    import asyncio
+    from dataclasses import replace
+
+    class WatchingAgent(FakeAgent):
+        async def watch(self):  # type: ignore[no-untyped-def]
+            await asyncio.sleep(0.3)
+            yield "KIND_INSTANCE_REMOVED"
+            await asyncio.sleep(30)
+
+    h = Harness()
+    h.agents = {"node-0": WatchingAgent("node-0", 4, catalog=CATALOG)}
+    h.kube.nodes.clear()
+    h.kube.add_node("node-0")
+    h.cfg = replace(h.cfg, window_s=60.0, poll_s=30.0)
+    h.rec = h.new_reconciler()
+    stop = asyncio.Event()
+    task = asyncio.get_running_loop().create_task(h.rec.run(stop))
+    await asyncio.sleep(1.0)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    polls = h.rec.metrics.registry.get_sample_value("warmserve_operator_polls_total")
+    assert polls == 2, "one poll at start, one woken by the agent's event (poll interval 30 s)"
+    assert not h.rec._watchers, "watch streams are stopped with the loop"
