@@ -307,6 +307,40 @@ class MemoryManager:
             del self._slots[slot_id]
             return freed
 
+    def drop_gpu(self, gpu: int) -> list[str]:
+        """The memory of ``gpu`` is gone (its owning worker died): forget every slot touching
+        it.  Their pages on *other* GPUs are unmapped and freed normally; nothing is asked of
+        ``gpu``'s backend.  Returns the dropped slot ids.  Call :meth:`reopen_gpu` once a new
+        owner is in place."""
+        with self._lock:
+            pool = self._pool(gpu)
+            dropped = [sid for sid, slot in self._slots.items() if gpu in slot]
+            for sid in dropped:
+                slot = self._slots[sid]
+                slot.pop(gpu)
+                self._quota.pop(sid, None)
+                for g, sp in slot.items():
+                    other = self._gpus[g]
+                    run = sorted(sp.table)
+                    for v in run:
+                        self.backend.unmap(g, sp.va_base + v * self.page_bytes, 1)
+                        p = sp.table.pop(v)
+                        del other.owner[p]
+                        other.free.append(p)
+                    self.backend.free_reservation(g, sp.va_base, sp.num_vpages * self.page_bytes)
+                del self._slots[sid]
+            pool.owner.clear()
+            pool.free = []
+            pool.num_pages = 0  # unusable until reopened
+            return dropped
+
+    def reopen_gpu(self, gpu: int) -> None:
+        """Give a dropped GPU a fresh, empty page pool through its (new) backend owner."""
+        with self._lock:
+            pool = self._pool(gpu)
+            n = self.backend.open_gpu(gpu, pool.memory_bytes)
+            self._gpus[gpu] = GpuPool(gpu, pool.memory_bytes, n, list(range(n - 1, -1, -1)))
+
     # ---- data ----------------------------------------------------------------------------
     def write(self, slot_id: str, gpu: int, offset: int, data: memoryview | bytes) -> None:
         with self._lock:

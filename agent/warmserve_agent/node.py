@@ -148,6 +148,7 @@ class GpuRec:
     memory_bytes: int
     state: WorkerState = WorkerState.IDLE
     instance_id: str = ""
+    available: bool = True  # False while a memory-owning worker is being replaced
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,12 @@ class NodeCore:
                 "INVALID_ARGUMENT",
                 f"GPU(s) {missing} are not on node {self.node_name}, which has GPUs "
                 f"{sorted(self.gpus)}; send the request to the node that owns them",
+            )
+        down = [g for g in gl if not self.gpus[g].available]
+        if down:
+            raise Refusal(
+                "UNAVAILABLE",
+                f"GPU(s) {down} lost their worker process and are being reset; retry shortly",
             )
         return tuple(sorted(gl))
 
@@ -768,6 +775,52 @@ class NodeCore:
                 return None
             self._abort_instance(inst, f"worker process of GPU {gpu} died")
             return iid
+
+    def gpu_lost(self, gpu: int) -> tuple[list[str], list[str]]:
+        """The memory of ``gpu`` died with its worker (memory owned by workers): drop every
+        instance and slot touching it.  Returns (instance ids, slot ids) dropped.  The GPU
+        refuses requests (UNAVAILABLE) until :meth:`gpu_restored`."""
+        with self._lock:
+            self.gpus[gpu].available = False
+            lost_insts = []
+            for inst in list(self.instances.values()):
+                if gpu not in inst.gpus:
+                    continue
+                self.instances.pop(inst.instance_id)
+                for g in inst.gpus:
+                    self.gpus[g].instance_id = ""
+                with contextlib.suppress(Exception):  # its engine may live on the dead worker
+                    inst.engine.stop()
+                lost_insts.append(inst.instance_id)
+                self._emit("instance_removed", inst.instance_id, f"GPU {gpu}'s worker died")
+            touched = [s for s in self.slots.values() if gpu in s.gpus]
+            for s in touched:
+                s.cancel.set()
+            for s in touched:
+                if s.loader is not None:
+                    s.loader.join()
+            dropped = self.mm.drop_gpu(gpu)
+            affected = {gpu}
+            for sid in dropped:
+                slot = self.slots.pop(sid)
+                affected.update(slot.gpus)
+                self._emit("slot_removed", sid, f"GPU {gpu}'s memory was lost with its worker")
+            # A lost instance's slot touched ``gpu``, so its GPUs are all in ``affected``.
+            for g in sorted(affected):
+                if not self.gpus[g].instance_id:  # GPUs still serving keep their state
+                    self._transition([g], self._rest_state(g), crash=True)
+            log.warning(
+                "event=gpu_memory_lost gpu=%d instances=%s slots=%s", gpu, lost_insts, dropped
+            )
+            return lost_insts, dropped
+
+    def gpu_restored(self, gpu: int) -> None:
+        """A new worker owns ``gpu``: open an empty page pool and accept requests again."""
+        with self._lock:
+            self.mm.reopen_gpu(gpu)
+            self.gpus[gpu].memory_bytes = self.mm.num_pages(gpu) * self.page
+            self.gpus[gpu].available = True
+            self._emit("gpu", str(gpu), "worker replaced; memory reset")
 
     # ---- introspection ---------------------------------------------------------------------
     def check(self) -> None:

@@ -87,6 +87,8 @@ class AgentConfig:
     keep_memory: bool = False  # keep simulated memory files at exit
     spare_workers: int = 1
     recycle_workers: bool = False  # replace a GPU's worker process after each instance ends
+    # Whether each GPU's worker process owns its memory (None: yes for CUDA, no for simulated).
+    memory_in_workers: bool | None = None
     use_workers: bool = True  # False: engines in the agent process (tests, debugging)
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -135,29 +137,58 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny_unary)
 
 
-def _make_backend(cfg: AgentConfig) -> Any:
+def _memory_dir(cfg: AgentConfig) -> Path:
+    return cfg.memory_dir or Path("/dev/shm") / f"warmserve-{cfg.node_name}-{uuid.uuid4().hex[:8]}"
+
+
+def memory_in_workers(cfg: AgentConfig) -> bool:
+    """Whether the GPU worker processes own the memory (auto: yes for CUDA with workers)."""
+    if cfg.memory_in_workers is None:
+        return cfg.simulate_gpus is None and cfg.use_workers
+    return cfg.memory_in_workers
+
+
+def _make_backend(cfg: AgentConfig, pool: Any = None) -> Any:
+    if memory_in_workers(cfg):
+        from warmserve_agent.backends.workers import WorkerMemoryBackend
+
+        if cfg.simulate_gpus is not None:
+            return WorkerMemoryBackend(
+                pool,
+                "simulated",
+                cfg.page_bytes,
+                directory=str(_memory_dir(cfg)),
+                keep_files=cfg.keep_memory,
+            )
+        return WorkerMemoryBackend(pool, "cuda", cfg.page_bytes)
     if cfg.simulate_gpus is not None:
         from warmserve_agent.backends.simulated import SimulatedBackend
 
-        mem_dir = (
-            cfg.memory_dir or Path("/dev/shm") / f"warmserve-{cfg.node_name}-{uuid.uuid4().hex[:8]}"
+        return SimulatedBackend(
+            _memory_dir(cfg), page_bytes=cfg.page_bytes, keep_files=cfg.keep_memory
         )
-        return SimulatedBackend(mem_dir, page_bytes=cfg.page_bytes, keep_files=cfg.keep_memory)
     from warmserve_agent.backends.cuda import CudaBackend
 
     return CudaBackend(page_bytes=cfg.page_bytes)
 
 
-def _cuda_gpu_sizes(backend: Any) -> list[int]:
-    drv = backend._drv
-    (count,) = backend._call("cuDeviceGetCount")
-    sizes = []
-    for i in range(count):
-        (dev,) = backend._call("cuDeviceGet", i)
-        (total,) = backend._call("cuDeviceTotalMem", dev)
-        sizes.append(int(total))
-    del drv
-    return sizes
+def _cuda_gpu_sizes() -> list[int]:
+    """GPU count and memory from the driver (no contexts, no allocations)."""
+    from warmserve_agent.backends.cuda import CudaError, import_driver
+
+    drv = import_driver()
+
+    def call(name: str, *args: Any) -> Any:
+        err, *rest = getattr(drv, name)(*args)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise CudaError(f"{name} failed: {err}")
+        return rest[0] if rest else None
+
+    call("cuInit", 0)
+    return [
+        int(call("cuDeviceTotalMem", call("cuDeviceGet", i)))
+        for i in range(call("cuDeviceGetCount"))
+    ]
 
 
 class AgentServer:
@@ -190,15 +221,18 @@ class AgentServer:
 
     async def _start(self) -> AgentServer:
         cfg = self.cfg
-        backend = _make_backend(cfg)
-        sizes = cfg.simulate_gpus if cfg.simulate_gpus is not None else _cuda_gpu_sizes(backend)
+        in_workers = memory_in_workers(cfg)
+        if in_workers and not cfg.use_workers:
+            raise ConfigError("memory owned by workers needs worker processes (use_workers)")
+        if in_workers and cfg.recycle_workers:
+            raise ConfigError(
+                "--recycle-workers cannot be combined with memory owned by the workers: "
+                "recycling a worker would drop the weights it keeps resident"
+            )
+        sizes = cfg.simulate_gpus if cfg.simulate_gpus is not None else _cuda_gpu_sizes()
         if not sizes:
             raise ConfigError("no GPUs found; use --simulate-gpus to run without GPUs")
         gpu_ids = list(range(len(sizes)))
-        alloc_host = getattr(backend, "alloc_host", None)
-        store = WeightStore(
-            cfg.model_dir, host_cache_bytes=cfg.host_cache_bytes, alloc_host=alloc_host
-        )
         if cfg.use_workers:
             from warmserve_agent.engine_host import WorkerEngine
             from warmserve_agent.worker import WorkerPool
@@ -215,6 +249,11 @@ class AgentServer:
             def factory(group: Any) -> Any:
                 return InProcessEngine(group)
 
+        backend = _make_backend(cfg, self.pool)
+        alloc_host = getattr(backend, "alloc_host", None)
+        store = WeightStore(
+            cfg.model_dir, host_cache_bytes=cfg.host_cache_bytes, alloc_host=alloc_host
+        )
         self.core = NodeCore(
             MemoryManager(backend),
             store,
@@ -308,11 +347,21 @@ class AgentServer:
         while True:
             await asyncio.sleep(self.cfg.monitor_interval_s)
             for g in self.pool.dead_gpus():
-                iid = await asyncio.to_thread(self.core.worker_died, g)
-                new = await asyncio.to_thread(self.pool.replace, g)
-                msg = f"worker of GPU {g} died; replaced by pid {new.pid}"
+                if memory_in_workers(self.cfg):
+                    # The GPU's memory died with its owner: drop what it held, then give the
+                    # replacement worker a fresh page pool.
+                    insts, slots = await asyncio.to_thread(self.core.gpu_lost, g)
+                    new = await asyncio.to_thread(self.pool.replace, g)
+                    await asyncio.to_thread(self.core.gpu_restored, g)
+                    iid = ",".join(insts)
+                    msg = f"worker of GPU {g} died with its memory ({len(slots)} slots lost); "
+                    msg += f"replaced by pid {new.pid}"
+                else:
+                    iid = await asyncio.to_thread(self.core.worker_died, g) or ""
+                    new = await asyncio.to_thread(self.pool.replace, g)
+                    msg = f"worker of GPU {g} died; replaced by pid {new.pid}"
                 if iid:
-                    msg += f"; instance {iid} was lost"
+                    msg += f"; instance(s) {iid} lost"
                 log.warning("event=worker_died gpu=%d instance=%s new_pid=%d", g, iid, new.pid)
                 self.core.emit("worker_replaced", str(g), msg)
 

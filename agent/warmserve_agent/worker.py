@@ -70,7 +70,32 @@ def worker_main(conn: Connection, preload: bool = True) -> None:
         if eng is not None:
             eng.stop()
 
+    def mem_init(kind: str, options: dict[str, Any]) -> None:
+        """Create this worker's memory backend: the worker owns its GPU's memory (§3)."""
+        if state.get("mem") is not None:
+            raise WorkerError("memory backend already initialised in this worker")
+        if kind == "simulated":
+            from warmserve_agent.backends.simulated import SimulatedBackend
+
+            state["mem"] = SimulatedBackend(**options)
+        elif kind == "cuda":
+            from warmserve_agent.backends.cuda import CudaBackend
+
+            state["mem"] = CudaBackend(**options)
+        else:
+            raise WorkerError(f"unknown memory backend {kind!r}")
+
+    def mem(op: str, args: tuple[Any, ...]) -> Any:
+        backend = state.get("mem")
+        if backend is None:
+            raise WorkerError("memory backend not initialised (mem_init)")
+        if op not in _MEM_OPS:
+            raise WorkerError(f"unknown memory operation {op!r}")
+        return getattr(backend, op)(*args)
+
     handlers: dict[str, Callable[..., Any]] = {
+        "mem_init": mem_init,
+        "mem": mem,
         "ping": lambda: {"pid": os.getpid(), "gpu": state["gpu"], "import_s": state["import_s"]},
         "bind": lambda gpu: state.__setitem__("gpu", gpu),
         "start_engine": start_engine,
@@ -94,6 +119,24 @@ def worker_main(conn: Connection, preload: bool = True) -> None:
         except Exception as exc:
             conn.send(("err", f"{type(exc).__name__}: {exc}"))
     stop_engine()
+    if state.get("mem") is not None:
+        state["mem"].close()
+
+
+_MEM_OPS = frozenset(
+    {
+        "open_gpu",
+        "reserve",
+        "free_reservation",
+        "map",
+        "unmap",
+        "write",
+        "read",
+        "sync",
+        "translation",
+        "close",
+    }
+)
 
 
 # ---- the agent side -----------------------------------------------------------------------

@@ -3,6 +3,7 @@ auth, worker replacement and restart behaviour."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -70,8 +71,14 @@ def code_of(fn) -> tuple[grpc.StatusCode, str]:
 
 
 # ---- the done-criterion flow, with real worker processes --------------------------------------
-def test_loopback_prewarm_activate_stream_grace_lend_end(tmp_path: Path, model_root: Path) -> None:
-    with AgentThread(cfg_for(tmp_path, model_root, use_workers=True)) as a:
+@pytest.mark.parametrize("memory_in_workers", [False, True], ids=["agent-memory", "worker-memory"])
+def test_loopback_prewarm_activate_stream_grace_lend_end(
+    tmp_path: Path, model_root: Path, memory_in_workers: bool
+) -> None:
+    cfg = cfg_for(tmp_path, model_root, use_workers=True, memory_in_workers=memory_in_workers)
+    with AgentThread(cfg) as a:
+        owner = type(a.server.core.mm.backend).__name__
+        assert owner == ("WorkerMemoryBackend" if memory_in_workers else "SimulatedBackend")
         c = SyncAgentClient(a.address)
         assert c.health() == "SERVING"
         d = c.describe()
@@ -134,6 +141,7 @@ def test_loopback_prewarm_activate_stream_grace_lend_end(tmp_path: Path, model_r
         assert act2.prewarm_hit and act2.evicted_slot_ids == [slot_alpha]
         out = json.loads(http(act2.instance.endpoint + "/v1/completions", {"prompt": "x"}))
         assert out["usage"]["completion_tokens"] == 16
+        a.run(asyncio.to_thread(a.server.core.check))  # page tables == each worker's MMU
         c.close()
 
 
@@ -411,6 +419,36 @@ def test_recycled_worker_is_replaced_from_spares(tmp_path: Path, model_root: Pat
         assert json.loads(http(again.instance.endpoint + "/v1/models"))["data"][0]["id"] == "gamma"
 
 
+def test_worker_owned_memory_dies_with_the_worker(tmp_path: Path, model_root: Path) -> None:
+    cfg = cfg_for(tmp_path, model_root, use_workers=True, memory_in_workers=True)
+    with AgentThread(cfg) as a, SyncAgentClient(a.address) as c:
+        c.prewarm_wait("alpha", [0, 1])
+        c.prewarm_wait("beta", [1])
+        act = c.activate("gamma", [0])  # evicts alpha (touches GPU 0)
+        pid = c.describe().gpus[0].worker_pid
+        os.kill(pid, 9)
+        d = wait_for(
+            lambda: (
+                (x := c.describe()).gpus[0].worker_restarts == 1
+                and x.gpus[0].worker_pid
+                and not x.instances
+                and x
+            ),
+            what="worker replacement",
+        )
+        # GPU 0's memory is gone with its worker: gamma's slot too; GPU 1 keeps beta.
+        assert [(s.model, list(s.gpus)) for s in d.slots] == [("beta", [1])]
+        assert d.gpus[0].state == pb.WORKER_STATE_IDLE
+        assert d.gpus[0].pages_free == d.gpus[0].pages_total > 0
+        assert d.gpus[1].state == pb.WORKER_STATE_UNIVERSAL
+        with pytest.raises(urllib.error.URLError):
+            http(act.instance.endpoint + "/v1/models")
+        again = c.activate("gamma", [0])  # cold start on the fresh pool of the new worker
+        assert not again.prewarm_hit
+        assert json.loads(http(again.instance.endpoint + "/v1/models"))["data"][0]["id"] == "gamma"
+        a.run(asyncio.to_thread(a.server.core.check))
+
+
 def test_restart_reports_a_fresh_node(tmp_path: Path, model_root: Path) -> None:
     """Documented restart semantics: workers and simulated memory go with the agent; the new
     agent reports a new agent_id and an empty node, which the operator reconciles against."""
@@ -459,3 +497,16 @@ def test_prometheus_metrics(tmp_path: Path, model_root: Path) -> None:
     assert "warmserve_agent_load_bandwidth_bytes_per_second" in text
     assert 'warmserve_agent_activation_seconds_count{node="node-a",prewarm_hit="true"} 1.0' in text
     assert 'warmserve_agent_activation_seconds_count{node="node-a",prewarm_hit="false"} 1.0' in text
+
+
+def test_incompatible_settings_are_refused(tmp_path: Path, model_root: Path) -> None:
+    from warmserve_agent.server import ConfigError
+
+    bad = [
+        (dict(memory_in_workers=True, use_workers=False), "needs worker processes"),
+        (dict(memory_in_workers=True, use_workers=True, recycle_workers=True), "recycling"),
+        (dict(token_file=tmp_path / "missing-token"), "missing-token"),
+    ]
+    for kw, needle in bad:
+        with pytest.raises((ConfigError, FileNotFoundError), match=needle):
+            AgentThread(cfg_for(tmp_path, model_root, **kw)).__enter__()

@@ -62,6 +62,13 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="replace a GPU's worker process (from the spares) after each instance ends",
     )
+    p.add_argument(
+        "--memory-in-workers",
+        action="store_true",
+        default=None,
+        help="each GPU's worker process owns its memory (always so with --gpus auto); "
+        "a crashed worker then loses that GPU's slots",
+    )
     p.add_argument("--memory-dir", help="directory for simulated GPU memory (default /dev/shm)")
     p.add_argument("--tls-cert", help="server certificate (PEM); enables TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
@@ -124,6 +131,7 @@ def _config(args: argparse.Namespace) -> Any:
         memory_dir=Path(args.memory_dir) if args.memory_dir else None,
         spare_workers=args.spare_workers,
         recycle_workers=args.recycle_workers,
+        memory_in_workers=args.memory_in_workers,
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
         client_ca=Path(args.client_ca) if args.client_ca else None,

@@ -1,0 +1,84 @@
+"""Memory owned by the GPU worker processes: a MemoryBackend that forwards to them.
+
+The paper's per-GPU actors own their GPU's memory, and with CUDA they must: VMM mappings belong
+to the process (context) that created them, and the engine that uses the slot runs in the GPU's
+worker process.  :class:`WorkerMemoryBackend` keeps the agent's page tables (``MemoryManager``)
+where they are and sends every physical operation (``open_gpu``, ``reserve``, ``map``,
+``unmap``, ``write``, ...) to the worker of that GPU, which runs the real backend (``simulated``
+or ``cuda``) in-process.
+
+Consequence, by design: **a GPU's memory dies with its worker.**  When a worker crashes the agent
+drops every slot touching that GPU (``NodeCore.gpu_lost``) and the replacement worker opens a
+fresh, empty page pool (``MemoryManager.reopen_gpu``).  Recycling workers after each instance
+would throw the kept weights away, so ``recycle_workers`` is refused in this mode.
+
+Weight bytes travel over the worker's pipe (pickled); on a GPU node the host copies would sit in
+shared pinned memory the worker copies from (future work, see docs/agent.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from warmserve_agent.worker import WorkerPool
+
+
+class WorkerMemoryBackend:
+    """:class:`~warmserve_agent.memory.MemoryBackend` executed by each GPU's worker."""
+
+    def __init__(self, pool: WorkerPool, kind: str, page_bytes: int, **options: Any) -> None:
+        if kind not in ("simulated", "cuda"):
+            raise ValueError(f"unknown memory backend {kind!r}")
+        self.pool = pool
+        self.name = kind
+        self.page_bytes = page_bytes
+        self._options = {"page_bytes": page_bytes, **options}
+        self._dir = Path(options["directory"]) if kind == "simulated" else None
+        if kind != "simulated":  # only the simulated MMU can be inspected; no shared file
+            self.translation = None  # type: ignore[assignment]
+            self.path = None  # type: ignore[assignment]
+
+    def _call(self, gpu: int, op: str, *args: Any, timeout_s: float = 120.0) -> Any:
+        return self.pool.worker(gpu).call("mem", timeout_s=timeout_s, op=op, args=args)
+
+    def path(self, gpu: int) -> Path:
+        """Simulated only: the shared file of ``gpu`` (the engine reads it by physical page)."""
+        assert self._dir is not None
+        return self._dir / f"gpu{gpu}.mem"
+
+    def open_gpu(self, gpu: int, memory_bytes: int) -> int:
+        self.pool.worker(gpu).call("mem_init", kind=self.name, options=self._options)
+        return int(self._call(gpu, "open_gpu", gpu, memory_bytes, timeout_s=600.0))
+
+    def reserve(self, gpu: int, size: int) -> int:
+        return int(self._call(gpu, "reserve", gpu, size))
+
+    def free_reservation(self, gpu: int, va: int, size: int) -> None:
+        self._call(gpu, "free_reservation", gpu, va, size)
+
+    def map(self, gpu: int, va: int, ppages: Sequence[int]) -> None:
+        self._call(gpu, "map", gpu, va, list(ppages))
+
+    def unmap(self, gpu: int, va: int, npages: int) -> None:
+        self._call(gpu, "unmap", gpu, va, npages)
+
+    def write(self, gpu: int, va: int, data: memoryview | bytes) -> None:
+        self._call(gpu, "write", gpu, va, bytes(data))
+
+    def read(self, gpu: int, va: int, nbytes: int) -> bytes:
+        return self._call(gpu, "read", gpu, va, nbytes)
+
+    def sync(self, gpu: int) -> None:
+        if self.name == "cuda":
+            self._call(gpu, "sync", gpu)
+
+    def translation(self, gpu: int) -> dict[int, int]:
+        return self._call(gpu, "translation", gpu)
+
+    def close(self) -> None:
+        for gpu in self.pool.gpus:
+            w = self.pool.worker(gpu)
+            if w.alive():
+                w.call("mem", op="close", args=())
