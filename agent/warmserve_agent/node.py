@@ -635,14 +635,22 @@ class NodeCore:
             self._start_loader(chosen)  # cold start, or the rest of a partial prewarm
             try:
                 inst.endpoint = engine.start(self._engine_spec(inst, chosen))
+                inst.phase = InstancePhase.SERVING
+                if chosen.layers_resident > 0:
+                    engine.layers_ready(chosen.layers_resident)
+            except Refusal:
+                self._abort_instance(inst, "engine cannot be hosted")
+                raise
             except Exception as exc:
                 self._abort_instance(inst, f"engine failed to start: {exc}")
+                if "differ from the store" in str(exc):  # the slot's bytes are bad: keep it
+                    with chosen.lock:  # out of service until evicted
+                        chosen.state = "failed"
+                        chosen.message = f"weights failed verification: {exc}"
+                    self._emit("slot", chosen.slot_id, chosen.message)
                 raise Refusal(
                     "UNAVAILABLE", f"instance of {model} on GPUs {list(group)} failed: {exc}"
                 ) from None
-            inst.phase = InstancePhase.SERVING
-            if chosen.layers_resident > 0:
-                engine.layers_ready(chosen.layers_resident)
             inst.activation_seconds = time.perf_counter() - t0
             self.activation_log.append((hit, inst.activation_seconds))
             self._emit("instance", iid, "serving")

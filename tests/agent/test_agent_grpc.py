@@ -510,3 +510,20 @@ def test_incompatible_settings_are_refused(tmp_path: Path, model_root: Path) -> 
     for kw, needle in bad:
         with pytest.raises((ConfigError, FileNotFoundError), match=needle):
             AgentThread(cfg_for(tmp_path, model_root, **kw)).__enter__()
+
+
+def test_corrupted_slot_fails_activation_and_is_quarantined(fast_agent) -> None:
+    a, c = fast_agent
+    slot = c.prewarm_wait("gamma", [1]).slot
+    core = a.server.core
+    lay = core.slots[slot.slot_id].layout
+    core.mm.write(slot.slot_id, 1, lay.placements[0].slot_offset, b"\xde\xad\xbe\xef")
+    code, msg = code_of(lambda: c.activate("gamma", [1]))
+    assert code == grpc.StatusCode.UNAVAILABLE and "evict the slot and prewarm again" in msg
+    d = c.describe()
+    assert d.slots[0].state == pb.SLOT_STATE_FAILED and "verification" in d.slots[0].message
+    assert d.gpus[1].state == pb.WORKER_STATE_UNIVERSAL and not d.instances
+    code, msg = code_of(lambda: c.activate("gamma", [1], slot_id=slot.slot_id))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "evict it" in msg
+    c.evict(slot.slot_id)
+    assert c.activate("gamma", [1]).instance.endpoint  # cold start with good bytes
