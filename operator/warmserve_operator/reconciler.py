@@ -468,9 +468,10 @@ class Reconciler:
     def _runtime(self, md: ModelDeploymentSpec, now: float) -> ModelRuntime:
         rt = self.models.get(md.model)
         if rt is None or rt.md.uid != md.uid:
-            start = math.floor(now / self.cfg.window_s) * self.cfg.window_s
+            # Measured from now, not from the window's start: the first window is partial and
+            # its average covers only the time observed (see _measure).
             rt = self.models[md.model] = ModelRuntime(
-                md, WindowLoadTracker(self.cfg.window_s, start_s=start)
+                md, WindowLoadTracker(self.cfg.window_s, start_s=now)
             )
         rt.md = md
         return rt
@@ -506,8 +507,13 @@ class Reconciler:
                     loads[inst.model] += inst.load
         for m, load in loads.items():
             rt = self.models[m]
-            for w in rt.tracker.advance(now):
+            # Close at wall-clock aligned boundaries (the first window may have started late).
+            w_s = self.cfg.window_s
+            boundary = (math.floor(rt.tracker.window_start / w_s) + 1) * w_s
+            while boundary <= now:
+                w = rt.tracker.close(boundary)
                 self._record_window(rt, w.start_s, w.avg, w.peak)
+                boundary += w_s
             rt.tracker.update(now, load)
             self.metrics.inflight.labels(m).set(load)
         return loads
@@ -526,7 +532,7 @@ class Reconciler:
 
     def _record_window(self, rt: ModelRuntime, start: float, avg: float, peak: float) -> None:
         assert rt.history is not None
-        index = round(start / self.cfg.window_s)
+        index = math.floor(start / self.cfg.window_s + 1e-9)
         rt.history.record(index, avg, peak)
         rt.last_window = (start, avg, peak)
         rt.history_dirty = True

@@ -312,3 +312,18 @@ async def test_agent_events_wake_the_loop_before_the_next_poll() -> None:
     polls = h.rec.metrics.registry.get_sample_value("warmserve_operator_polls_total")
     assert polls == 2, "one poll at start, one woken by the agent's event (poll interval 30 s)"
     assert not h.rec._watchers, "watch streams are stopped with the loop"
+
+
+async def test_windows_are_wall_clock_aligned_and_a_late_start_is_not_diluted() -> None:
+    h = Harness()
+    h.clock.t = 1_000_001.0  # in the middle of window [1_000_000, 1_000_002)
+    h.kube.add_md("a", "llama-a", maxBatchSize=4, minInstances=1)
+    await h.tick(1)  # starts the instance at t=1_000_001.0
+    ((node, _),) = h.instances("llama-a")
+    h.agents[node].set_load("llama-a", 4)
+    await h.tick(8)  # to t=1_000_005.5
+    hist = h.rec.models["llama-a"].history
+    assert hist.end == 1_000_004 // 2  # windows 500000 and 500001 closed (index = t // W)
+    # First window observed for 1 s only: 0 at t=1_000_001.0, 4 from t=1_000_001.5 -> avg 2
+    # (an aligned tracker would have diluted it to 1 with the unobserved half).
+    assert list(hist.avg[-2:]) == [2.0, 4.0] and list(hist.peak[-2:]) == [4.0, 4.0]
