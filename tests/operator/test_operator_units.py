@@ -297,3 +297,23 @@ def test_status_cli_view_and_table() -> None:
     assert "m[2/4]" in text and "m (serving, 3 in flight, hit)" in text
     assert "2.5/4.0" in text and "50% (1/2)" in text and "NoCapacity: full" in text
     assert math.isfinite(len(text))
+
+
+def test_cli_errors_are_one_line_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    from warmserve.cli import main
+
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert main(["status"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("warmserve status: error: no Kubernetes cluster configured")
+    assert main(["operator", "--window-seconds", "7"]) == 2
+    assert "must divide a day" in capsys.readouterr().err
+    assert main(["operator", "--predictor", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert main(["operator", "--agent-token-file", str(tmp_path / "none")]) == 2
+    assert "file not found" in capsys.readouterr().err
+    assert main(["operator"]) == 2
+    assert "no Kubernetes cluster configured" in capsys.readouterr().err
