@@ -5,8 +5,10 @@ and the gRPC round-trip time.
 Activation = ``NodeCore.activate`` of a prewarmed model (a prewarm hit): map the KV cache, hand
 the slot to the engine in a worker process, the engine verifies its weights and starts serving
 HTTP.  "pooled" uses the GPU's long-lived worker (already started, libraries imported); "fresh"
-starts a new worker process for the activation.  Both run in the same process, interleaved, on
-the same simulated GPUs and model; the result is the ratio fresh/pooled of the medians.
+starts a new worker process for the activation; "cold" activates with nothing resident (the
+model loads while the engine waits).  All kinds run in the same process, interleaved, on the same
+simulated GPU and model; reported as medians and ratios, also "Activate + first token" (the
+latency a user's first request sees).
 
 RTT: ``Describe`` and the standard health ``Check`` over loopback gRPC to a running agent.
 
@@ -22,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +59,27 @@ def write_model(root: Path, name: str, layers: int, hidden: int) -> None:
     (d / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
 
 
-def bench_activation(root: Path, tmp: Path, rounds: int) -> dict:
+def first_token(endpoint: str) -> None:
+    """One completion with max_tokens=1: returns when the first token is served."""
+    body = json.dumps({"prompt": "warm", "max_tokens": 1}).encode()
+    req = urllib.request.Request(
+        endpoint + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        r.read()
+
+
+KINDS = ("pooled_hit", "fresh_hit", "pooled_cold")
+
+
+def bench_activation(root: Path, tmp: Path, rounds: int, copy_gbps: float = 0.0) -> dict:
+    """Per kind: Activate latency and Activate + first token (the cold start the user sees).
+
+    pooled_hit: prewarmed slot, the GPU's long-lived worker hosts the engine;
+    fresh_hit: prewarmed slot, a freshly started worker process hosts it;
+    pooled_cold: nothing resident (slot evicted first), pooled worker: the whole model loads
+    while the engine waits for its layers.
+    """
     pool = WorkerPool([0], spares=0)
     pool.start()
     mode = {"fresh": False}
@@ -65,38 +88,56 @@ def bench_activation(root: Path, tmp: Path, rounds: int) -> dict:
         return FreshWorkerEngine(group) if mode["fresh"] else WorkerEngine(pool, group)
 
     core = NodeCore(
-        MemoryManager(SimulatedBackend(tmp / "gpus", page_bytes=2 * MiB)),
+        MemoryManager(
+            SimulatedBackend(
+                tmp / "gpus",
+                page_bytes=2 * MiB,
+                copy_bytes_per_s=copy_gbps * 1e9 if copy_gbps > 0 else None,
+            )
+        ),
         WeightStore(root),
         {0: 256 * MiB},
         factory,
         node_name="bench",
     )
-    times: dict[str, list[float]] = {"pooled": [], "fresh": []}
+    act: dict[str, list[float]] = {k: [] for k in KINDS}
+    ttft: dict[str, list[float]] = {k: [] for k in KINDS}
     try:
-        slot = core.prewarm("m", [0])
-        slot.loader.join()
-        for r in range(2 * rounds + 1):
-            kind = "fresh" if r % 2 else "pooled"
-            mode["fresh"] = kind == "fresh"
+        for r in range(len(KINDS) * rounds + 1):
+            kind = KINDS[r % len(KINDS)]
+            mode["fresh"] = kind == "fresh_hit"
+            for s in list(core.slots.values()):
+                if kind == "pooled_cold":
+                    core.evict(s.slot_id)
+            if kind != "pooled_cold" and not core.slots:
+                slot = core.prewarm("m", [0])
+                slot.loader.join()
+            t0 = time.perf_counter()
             inst, _ = core.activate("m", [0])
-            assert inst.prewarm_hit
-            if r > 0:  # the first activation warms caches (digests, host copies)
-                times[kind].append(inst.activation_seconds)
+            t_act = time.perf_counter() - t0
+            first_token(inst.endpoint)
+            t_tok = time.perf_counter() - t0
+            assert inst.prewarm_hit == (kind != "pooled_cold")
+            if r > 0:  # the first round warms caches (digests, host copies)
+                act[kind].append(t_act)
+                ttft[kind].append(t_tok)
             core.begin_grace(inst.instance_id)
             core.end_instance(inst.instance_id)
     finally:
         core.shutdown()
         core.mm.close()
         pool.close()
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in act.items()}
+    med_tok = {k: statistics.median(v) for k, v in ttft.items()}
     return {
         "model_bytes": core.store.model("m").weight_bytes,
         "rounds": rounds,
-        "pooled_s": times["pooled"],
-        "fresh_s": times["fresh"],
-        "pooled_median_s": med["pooled"],
-        "fresh_median_s": med["fresh"],
-        "fresh_over_pooled": med["fresh"] / med["pooled"],
+        "activate_s": act,
+        "activate_first_token_s": ttft,
+        "activate_median_s": med,
+        "activate_first_token_median_s": med_tok,
+        "fresh_over_pooled": med["fresh_hit"] / med["pooled_hit"],
+        "cold_over_hit_first_token": med_tok["pooled_cold"] / med_tok["pooled_hit"],
     }
 
 
@@ -136,24 +177,38 @@ def main() -> int:
     ap.add_argument("--rtt-calls", type=int, default=200, help="gRPC calls per RPC (200)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument(
+        "--copy-gbps",
+        type=float,
+        default=0.0,
+        help="simulated host-to-GPU copy bandwidth in GB/s (0: no timing model, memcpy speed)",
+    )
     ap.add_argument("--out", default="bench/results/agent_bench.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="agent-bench-") as td:
         tmp = Path(td)
         root = tmp / "models"
         write_model(root, "m", args.layers, args.hidden)
-        act = bench_activation(root, tmp, args.rounds)
+        act = bench_activation(root, tmp, args.rounds, args.copy_gbps)
         rtt = bench_rtt(root, tmp, args.rtt_calls)
-    print(f"model: {act['model_bytes'] / MiB:.1f} MiB, {args.layers} layers; rounds={args.rounds}")
-    print(f"{'measure':<34}{'median':>12}")
-    print(f"{'activation, pooled worker':<34}{act['pooled_median_s'] * 1000:>10.1f}ms")
-    print(f"{'activation, fresh process':<34}{act['fresh_median_s'] * 1000:>10.1f}ms")
-    print(f"{'ratio fresh / pooled':<34}{act['fresh_over_pooled']:>11.1f}x")
+    timing = f"{args.copy_gbps} GB/s copies" if args.copy_gbps > 0 else "no timing model"
+    print(
+        f"model: {act['model_bytes'] / MiB:.1f} MiB, {args.layers} layers; "
+        f"rounds={args.rounds}; {timing}"
+    )
+    print(f"{'measure (median)':<36}{'Activate':>11}{'+1st token':>12}")
+    for k in KINDS:
+        a_ms = act["activate_median_s"][k] * 1000
+        t_ms = act["activate_first_token_median_s"][k] * 1000
+        print(f"{'activation, ' + k.replace('_', ' '):<36}{a_ms:>9.1f}ms{t_ms:>10.1f}ms")
+    print(f"{'ratio fresh / pooled (Activate)':<36}{act['fresh_over_pooled']:>10.1f}x")
+    print(f"{'ratio cold / hit (+1st token)':<36}{act['cold_over_hit_first_token']:>10.1f}x")
     for name, r in rtt.items():
         label = f"gRPC RTT {name} (p99 {r['p99_ms']:.2f}ms)"
-        print(f"{label:<34}{r['median_ms']:>10.2f}ms")
+        print(f"{label:<36}{r['median_ms']:>9.2f}ms")
     result = {
         "activation": act,
+        "copy_gbps": args.copy_gbps,
         "rtt": rtt,
         "python": sys.version.split()[0],
         "machine": platform.machine(),
