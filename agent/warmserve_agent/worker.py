@@ -103,7 +103,6 @@ def worker_main(conn: Connection, preload: bool = True) -> None:
         "set_kv_capacity": lambda nbytes: engine().set_kv_capacity(nbytes),
         "stats": lambda: engine().stats(),
         "stop_engine": stop_engine,
-        "crash": lambda: os._exit(3),  # tests: simulate a crashed worker
     }
     while True:
         try:
@@ -200,6 +199,7 @@ class WorkerPool:
         self.restarts: dict[int, int] = dict.fromkeys(gpus, 0)
         self._lock = threading.Lock()
         self._closed = False
+        self._refilling = False
 
     def start(self) -> None:
         handles = [WorkerHandle() for _ in self.gpus]
@@ -227,7 +227,10 @@ class WorkerPool:
             new = None
             while self._spares and new is None:
                 cand = self._spares.popleft()
-                new = cand if cand.alive() else None
+                if cand.alive():
+                    new = cand
+                else:
+                    cand.stop()  # reap it and close its pipe
             if new is None:
                 new = WorkerHandle()
                 new.wait_ready()
@@ -244,6 +247,16 @@ class WorkerPool:
         return new
 
     def _refill(self) -> None:
+        with self._lock:
+            if self._refilling:  # one refiller at a time, or spares overshoot the target
+                return
+            self._refilling = True
+        try:
+            self._refill_loop()
+        finally:
+            self._refilling = False
+
+    def _refill_loop(self) -> None:
         while not self._closed and len(self._spares) < self.spares_target:
             h = WorkerHandle()
             try:
