@@ -14,6 +14,9 @@ test folder gets these fixtures without importing anything:
     ``kubernetes.config.load_kube_config()``) talk to it by default. Cluster-scoped objects
     (CRDs, ClusterRoles, ClusterKopfPeerings) are shared by every test of the session: derive
     their names (and helm release names) from the test's namespace.
+``k8s_controllers_plane`` (session, separate)
+    Like ``k8s_control_plane`` plus kube-controller-manager and kube-scheduler (and ``kwok`` in
+    its ``bin_dir``): namespace deletion, GC and workloads progress there. Started on demand.
 ``k8s_namespace`` (function)
     A fresh namespace with a unique name; deleted afterwards without waiting.
 ``kube_client`` (session)
@@ -33,6 +36,9 @@ subresources, finalizers and admission, which is what the operator and the chart
 What does not happen here (no kube-controller-manager, no kubelet): namespace deletion completes
 never, ownerReference GC never runs, Deployments/DaemonSets never create Pods, namespaces get no
 ``default`` ServiceAccount. Tests must assert the state the operator writes, not running Pods.
+
+``fake_node(name, labels=..., gpus=..., taints=...)`` returns a kwok-managed Node manifest for
+the controllers plane (Pods scheduled there become Running without containers).
 
 If the binaries are missing the plugin builds them (``hack/k8s/build.sh``) once, right after
 collection and before any test's timeout starts; it never skips.
@@ -63,33 +69,37 @@ CONTROL_PLANE_FIXTURE = "k8s_control_plane"
 BIN_FIXTURE = "k8s_bin_dir"
 _BIN_ENV = "WARMSERVE_K8S_BIN"
 _REQUIRED_BINARIES = ("kube-apiserver", "etcd", "kubectl", "helm")
+_CONTROLLER_BINARIES = ("kube-controller-manager", "kube-scheduler", "kwok")
+CONTROLLERS_FIXTURE = "k8s_controllers_plane"
 
 
 class ControlPlaneError(RuntimeError):
     """The control plane could not be built, started or reached; the message says which step."""
 
 
-def _bin_dir_from_env() -> Path | None:
+def _bin_dir_from_env(names: Sequence[str]) -> Path | None:
     value = os.environ.get(_BIN_ENV)
     if not value:
         return None
     path = Path(value)
-    if all((path / name).is_file() for name in _REQUIRED_BINARIES):
+    if all((path / name).is_file() for name in names):
         return path
     return None
 
 
-def ensure_binaries() -> Path:
+def ensure_binaries(*, with_controllers: bool = False) -> Path:
     """Return the directory holding the pinned binaries, building them if needed.
 
     ``$WARMSERVE_K8S_BIN`` wins when it holds every binary (``hack/test.sh`` sets it after
     building); otherwise ``hack/k8s/build.sh`` reuses its cache or builds (minutes, once).
+    ``with_controllers`` adds kube-controller-manager, kube-scheduler and kwok.
     """
-    from_env = _bin_dir_from_env()
+    names = _REQUIRED_BINARIES + (_CONTROLLER_BINARIES if with_controllers else ())
+    from_env = _bin_dir_from_env(names)
     if from_env is not None:
         return from_env
-    build = HACK / "build.sh"
-    proc = subprocess.run([str(build)], stdout=subprocess.PIPE, text=True, check=False)
+    argv = [str(HACK / "build.sh")] + (["--with-controllers"] if with_controllers else [])
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=False)
     if proc.returncode != 0:
         raise ControlPlaneError(
             f"hack/k8s/build.sh failed with exit status {proc.returncode}; its progress and the "
@@ -139,16 +149,20 @@ class ControlPlane:
         return self.workdir / "pki" / "ca.crt"
 
     @classmethod
-    def start(cls, workdir: Path, *, bin_dir: Path | None = None) -> ControlPlane:
+    def start(
+        cls, workdir: Path, *, bin_dir: Path | None = None, with_controllers: bool = False
+    ) -> ControlPlane:
         """Start etcd + kube-apiserver in ``workdir`` and wait for ``/readyz``.
 
-        The start script writes ``workdir/{kubeconfig,env,*.log,*.pid}``; on failure it prints
-        the last apiserver/etcd log lines, which end up in the exception message.
+        ``with_controllers`` also runs kube-controller-manager and kube-scheduler. The start
+        script writes ``workdir/{kubeconfig,env,*.log,*.pid}``; on failure it prints the last
+        apiserver/etcd log lines, which end up in the exception message.
         """
-        bin_dir = bin_dir or ensure_binaries()
+        bin_dir = bin_dir or ensure_binaries(with_controllers=with_controllers)
         env = dict(os.environ, **{_BIN_ENV: str(bin_dir)})
+        extra = ["--with-controllers"] if with_controllers else []
         proc = _run(
-            [str(HACK / "start.sh"), str(workdir), "--watch-pid", str(os.getpid())],
+            [str(HACK / "start.sh"), str(workdir), "--watch-pid", str(os.getpid()), *extra],
             env=env,
             check=False,
             timeout=300,
@@ -166,7 +180,7 @@ class ControlPlane:
         )
 
     def stop(self) -> None:
-        """Stop both processes and delete etcd's data (idempotent)."""
+        """Stop every process it started and delete etcd's data (idempotent)."""
         _run([str(HACK / "stop.sh"), str(self.workdir)], check=False, timeout=60)
 
     # -- commands -------------------------------------------------------------------------------
@@ -304,6 +318,35 @@ class ControlPlane:
         return path
 
 
+def fake_node(
+    name: str,
+    *,
+    labels: dict[str, str] | None = None,
+    gpus: int = 0,
+    taints: Sequence[dict[str, str]] = (),
+) -> str:
+    """Manifest (JSON) of a Node that kwok manages on the controllers plane.
+
+    kwok (annotation ``kwok.x-k8s.io/node=fake``) makes it Ready and marks Pods bound to it
+    Running without starting containers; ``gpus`` adds ``nvidia.com/gpu`` capacity.
+    """
+    capacity = {"cpu": "32", "memory": "256Gi", "pods": "110"}
+    if gpus:
+        capacity["nvidia.com/gpu"] = str(gpus)
+    node = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            "labels": {"kubernetes.io/hostname": name, "type": "kwok", **(labels or {})},
+        },
+        "spec": {"taints": list(taints)},
+        "status": {"allocatable": capacity, "capacity": capacity},
+    }
+    return json.dumps(node)
+
+
 # ---------------------------------------------------------------------------------------------
 # pytest plugin
 
@@ -314,13 +357,17 @@ def _uses_control_plane(item: pytest.Item) -> bool:
 
 def _uses_binaries(item: pytest.Item) -> bool:
     names = getattr(item, "fixturenames", ())
-    return CONTROL_PLANE_FIXTURE in names or BIN_FIXTURE in names
+    return CONTROL_PLANE_FIXTURE in names or BIN_FIXTURE in names or _uses_controllers(item)
+
+
+def _uses_controllers(item: pytest.Item) -> bool:
+    return CONTROLLERS_FIXTURE in getattr(item, "fixturenames", ())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark tests that need the control plane ``k8s`` (``-m "not k8s"`` deselects them)."""
     for item in items:
-        if _uses_control_plane(item):
+        if _uses_control_plane(item) or _uses_controllers(item):
             item.add_marker(pytest.mark.k8s)
 
 
@@ -328,7 +375,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Build the binaries before the first test runs, outside any per-test timeout."""
     if session.config.option.collectonly:
         return
-    if any(_uses_binaries(item) for item in session.items):
+    if any(_uses_controllers(item) for item in session.items):
+        ensure_binaries(with_controllers=True)
+    elif any(_uses_binaries(item) for item in session.items):
         ensure_binaries()
 
 
@@ -399,3 +448,17 @@ def helm(k8s_control_plane: ControlPlane) -> Callable[..., subprocess.CompletedP
 def sa_kubeconfig(k8s_control_plane: ControlPlane) -> Callable[..., Path]:
     """``sa_kubeconfig(namespace, service_account, *, expiration_s=3600) -> Path``."""
     return k8s_control_plane.sa_kubeconfig
+
+
+@pytest.fixture(scope="session")
+def k8s_controllers_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """A second, separate control plane that also runs kube-controller-manager and
+    kube-scheduler (namespace deletion, GC, default ServiceAccounts, Deployments -> Pods); the
+    binaries dir also has ``kwok`` to fake nodes and run Pods. Started only when a test asks."""
+    bin_dir = ensure_binaries(with_controllers=True)
+    workdir = Path(tempfile.mkdtemp(prefix="k8s-ctl-", dir=tmp_path_factory.getbasetemp()))
+    plane = ControlPlane.start(workdir, bin_dir=bin_dir, with_controllers=True)
+    try:
+        yield plane
+    finally:
+        plane.stop()

@@ -47,7 +47,7 @@ BIN="$DEST/bin"
 
 COMPONENTS=(kube-apiserver etcd kubectl helm)
 if [ "$WITH_CONTROLLERS" = 1 ]; then
-  COMPONENTS+=(kube-controller-manager kube-scheduler kwok)
+  COMPONENTS+=(kube-controller-manager kube-scheduler kwok kwok-stages.yaml)
 fi
 
 link_and_print() {
@@ -58,7 +58,7 @@ link_and_print() {
 
 all_present() {
   local c
-  for c in "${COMPONENTS[@]}"; do [ -x "$BIN/$c" ] || return 1; done
+  for c in "${COMPONENTS[@]}"; do [ -s "$BIN/$c" ] || return 1; done
 }
 
 if all_present; then
@@ -128,6 +128,21 @@ for c in "${COMPONENTS[@]}"; do
     etcd) build etcd "$HERE" go.etcd.io/etcd/server/v3 "-s -w" ;;
     helm) build helm "$HERE/helm" helm.sh/helm/v3/cmd/helm "$HELM_LDFLAGS" ;;
     kwok) build kwok "$HERE/kwok" sigs.k8s.io/kwok/cmd/kwok "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}" ;;
+    kwok-stages.yaml)
+      # A standalone kwok needs its Stage objects as config (kwokctl embeds them): take the
+      # "fast" node/pod stages + lease heartbeats from the pinned kwok module's sources.
+      [ -s "$BIN/$c" ] && continue
+      kdir=$(cd "$HERE/kwok" && go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" \
+        | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])') \
+        || die "cannot locate the kwok $KWOK_VERSION module sources"
+      st="$kdir/kustomize/stage"
+      for f in "$st"/node/fast/node-initialize.yaml "$st"/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
+               "$st"/pod/fast/pod-ready.yaml "$st"/pod/fast/pod-complete.yaml "$st"/pod/fast/pod-delete.yaml; do
+        [ -s "$f" ] || die "kwok stage file missing: $f"
+        printf -- '---\n'; cat "$f"
+      done > "$BIN/.$c.tmp"
+      mv -f "$BIN/.$c.tmp" "$BIN/$c"
+      log "$c: written from kwok $KWOK_VERSION sources" ;;
   esac
 done
 

@@ -6,7 +6,8 @@
 #   WORKDIR             created if missing; gets pki/, kubeconfig, *.log, *.pid
 #   --etcd-port/--api-port  default: free ports picked at random (etcd also uses etcd-port+1 for peers)
 #   --with-controllers  also run kube-controller-manager (namespace deletion, GC, default
-#                       ServiceAccounts, Deployments -> Pods) and kube-scheduler
+#                       ServiceAccounts, Deployments -> Pods), kube-scheduler and kwok (fake
+#                       kubelets for Nodes annotated kwok.x-k8s.io/node=fake: Pods "run")
 #   --watch-pid PID     stop everything when process PID exits (the pytest fixture passes its own
 #                       PID, so a killed test run leaves nothing behind)
 # Binaries: $WARMSERVE_K8S_BIN if set, else hack/k8s/build.sh (cached after the first build).
@@ -126,12 +127,22 @@ if [ "$CONTROLLERS" = 1 ]; then
   "$B/kube-controller-manager" --kubeconfig="$W/kubeconfig" --leader-elect=false \
     --bind-address=127.0.0.1 --secure-port=0 \
     --service-account-private-key-file="$PKI/sa.key" --root-ca-file="$PKI/ca.crt" \
-    --use-service-account-credentials=false --controllers='*,-node-lifecycle-controller' \
+    --use-service-account-credentials=false --controllers='*' \
     > "$W/kube-controller-manager.log" 2>&1 &
   echo $! > "$W/kube-controller-manager.pid"
   "$B/kube-scheduler" --kubeconfig="$W/kubeconfig" --leader-elect=false \
     --bind-address=127.0.0.1 --secure-port=0 > "$W/kube-scheduler.log" 2>&1 &
   echo $! > "$W/kube-scheduler.pid"
+  # kwok fakes kubelets: it heartbeats Nodes annotated kwok.x-k8s.io/node=fake and moves Pods
+  # bound to them to Running (containers never run). Create such Nodes to schedule onto.
+  if [ -x "$B/kwok" ] && [ -s "$B/kwok-stages.yaml" ]; then
+    "$B/kwok" --kubeconfig="$W/kubeconfig" --config="$B/kwok-stages.yaml" \
+      --manage-all-nodes=false --manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake \
+      --manage-nodes-with-label-selector= --manage-single-node= \
+      --cidr=10.0.0.1/24 --node-ip=10.0.0.1 --node-lease-duration-seconds=40 \
+      > "$W/kwok.log" 2>&1 &
+    echo $! > "$W/kwok.pid"
+  fi
 fi
 
 if [ -n "$WATCH" ]; then

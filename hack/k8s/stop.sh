@@ -5,7 +5,7 @@
 set -uo pipefail
 W=${1:?usage: stop.sh WORKDIR}
 [ -d "$W" ] || exit 0
-for c in kube-scheduler kube-controller-manager kube-apiserver etcd; do
+for c in kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
   f="$W/$c.pid"
   [ -f "$f" ] || continue
   pid=$(cat "$f")

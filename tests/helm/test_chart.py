@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_support import REPO_ROOT, ControlPlane
+from k8s_support import REPO_ROOT, ControlPlane, fake_node
 
 CHART = REPO_ROOT / "helm" / "warmserve"
 REPO_CRDS = REPO_ROOT / "crds"
@@ -341,3 +341,59 @@ def test_helm_install_upgrade_uninstall(release: Release) -> None:
     assert gone.stdout.strip() == ""
     # CRDs stay (helm never deletes crds/ content), so ModelDeployments survive an uninstall.
     release.get("crd", "modeldeployments.warmserve.io")
+
+
+def test_helm_install_wait_places_agents_on_gpu_nodes_only(
+    k8s_controllers_plane: ControlPlane,
+) -> None:
+    # With kube-controller-manager, kube-scheduler and kwok fake nodes, `helm install --wait`
+    # really waits for Pods: this checks the chart's scheduling (node selector, GPU taint
+    # toleration, GPU request) on two 8-GPU nodes, a 4-GPU node and a CPU node.
+    plane = k8s_controllers_plane
+    ns = plane.create_namespace("chart-sched")
+    pool = {"pool": ns}  # keeps other tests' DaemonSets off these nodes and vice versa
+    gpu = {"nvidia.com/gpu.present": "true", **pool}
+    taint = [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]
+    nodes = {
+        f"{ns}-gpu8-a": fake_node(f"{ns}-gpu8-a", labels=gpu, gpus=8, taints=taint),
+        f"{ns}-gpu8-b": fake_node(f"{ns}-gpu8-b", labels=gpu, gpus=8, taints=taint),
+        f"{ns}-gpu4": fake_node(
+            f"{ns}-gpu4", labels={**gpu, "small": "true"}, gpus=4, taints=taint
+        ),
+        f"{ns}-cpu": fake_node(f"{ns}-cpu", labels=pool),
+    }
+    for manifest in nodes.values():
+        plane.kubectl("apply", "-f", "-", input=manifest)
+    name = "ws" + ns.rsplit("-", 1)[1]
+    try:
+        plane.helm(
+            "install", name, str(CHART), "-n", ns, "--wait", "--timeout=90s",
+            "--set", f"operator.peering={ns}-peering",
+            "--set-json", f"operator.nodeSelector={json.dumps(pool)}",
+            # 8 GPUs per agent: the 4-GPU node cannot host one, so exclude it by label.
+            "--set-json",
+            "agent.affinity=" + json.dumps({"nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "small", "operator": "DoesNotExist"},
+                                          {"key": "pool", "operator": "In", "values": [ns]}]}
+                ]}}}),
+        )  # fmt: skip
+        pods = json.loads(plane.kubectl("get", "pods", "-n", ns, "-o", "json").stdout)["items"]
+        placed = {p["metadata"]["labels"]["app.kubernetes.io/component"]: [] for p in pods}
+        for p in pods:
+            assert p["status"]["phase"] == "Running", p["metadata"]["name"]
+            placed[p["metadata"]["labels"]["app.kubernetes.io/component"]].append(
+                p["spec"]["nodeName"]
+            )
+        assert sorted(placed["agent"]) == [f"{ns}-gpu8-a", f"{ns}-gpu8-b"]
+        assert placed["operator"] == [f"{ns}-cpu"]  # GPU nodes are tainted for the operator
+        agent_pod = next(
+            p for p in pods if p["metadata"]["labels"]["app.kubernetes.io/component"] == "agent"
+        )
+        limits = agent_pod["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == "8"
+    finally:
+        plane.helm("uninstall", name, "-n", ns, "--wait=false", check=False)
+        for node in nodes:
+            plane.kubectl("delete", "node", node, "--wait=false", check=False)
+        plane.delete_namespace(ns)
