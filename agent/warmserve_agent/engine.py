@@ -37,6 +37,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -107,7 +108,10 @@ class _State:
 class SimulatedEngine:
     """OpenAI-compatible HTTP engine over weights read from a (simulated) slot."""
 
-    def __init__(self) -> None:
+    def __init__(self, read_va: Callable[[int, int], bytes] | None = None) -> None:
+        # read_va(va, nbytes): read this process's own GPU memory by virtual address (the
+        # worker's backend); used when the spec gives virtual addresses instead of files.
+        self._read_va = read_va
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: Any = None
@@ -119,7 +123,19 @@ class SimulatedEngine:
     # ---- weights ---------------------------------------------------------------------------
     def _read(self, rank: int, offset: int, nbytes: int) -> bytes:
         w = self.spec["weights"][rank]
+        if "va" in w:
+            assert self._read_va is not None
+            return self._read_va(w["va"] + offset, nbytes)
         return self._readers[rank].read(w["ppages"], offset, nbytes)
+
+    def _ranks(self) -> list[int]:
+        """Ranks this engine can read: every file-backed shard, or its own GPU's (by VA); the
+        engine host verifies the other ranks in their own workers."""
+        return [
+            r
+            for r, w in enumerate(self.spec["weights"])
+            if "path" in w or (w.get("local") and self._read_va is not None)
+        ]
 
     def _verify(self, start: int, end: int) -> list[str]:
         """Tensors of layers [start, end) whose slot bytes differ from the store's digests."""
@@ -128,7 +144,7 @@ class SimulatedEngine:
         for i, t in enumerate(self.spec["tensors"]):
             if not (start <= t["layer"] < end):
                 continue
-            for rank in range(len(self.spec["weights"])):
+            for rank in self._ranks():
                 off, n = t["offset"], t["shard_len"][rank]
                 digest = hashlib.blake2b(self._read(rank, off, n), digest_size=16).digest()
                 if digest.hex() != self.spec["digests"][rank][i]:
@@ -142,7 +158,12 @@ class SimulatedEngine:
         from warmserve_agent.backends.simulated import PhysicalReader
 
         self.spec = spec
-        self._readers = [PhysicalReader(w["path"], spec["page_bytes"]) for w in spec["weights"]]
+        self._readers = [
+            PhysicalReader(w["path"], spec["page_bytes"]) if "path" in w else None
+            for w in spec["weights"]
+        ]
+        if not self._ranks():
+            raise WeightVerificationError("the engine cannot read any shard of its slot")
         st = self._st
         st.layers_total = spec["layers_total"]
         st.kv_capacity = spec["kv_capacity_bytes"]
@@ -207,7 +228,8 @@ class SimulatedEngine:
         if self._thread is not None:
             self._thread.join(10)
         for r in self._readers:
-            r.close()
+            if r is not None:
+                r.close()
         self._readers = []
         self._loop = self._thread = self._runner = None
 
@@ -476,3 +498,17 @@ class _Metrics:
         self.waiting.labels(m).set(st.waiting)
         self.kv.labels(m).set(st.kv_used / st.kv_capacity if st.kv_capacity else 0.0)
         return generate_latest(self.reg)
+
+
+def verify_shard(
+    read_va: Callable[[int, int], bytes], va: int, tensors: list[tuple[str, int, int, str]]
+) -> list[str]:
+    """Names of tensors whose bytes at ``va + offset`` differ from their blake2b-128 digest.
+
+    Run by a worker on its own GPU's shard of a slot (tensor-parallel ranks other than the one
+    hosting the engine)."""
+    bad = []
+    for name, off, n, digest in tensors:
+        if hashlib.blake2b(read_va(va + off, n), digest_size=16).hexdigest() != digest:
+            bad.append(name)
+    return bad

@@ -42,18 +42,52 @@ class InProcessEngine:
 
 
 class WorkerEngine:
-    """InstanceEngine whose engine lives in the worker process of ``gpus[0]``."""
+    """InstanceEngine whose engine lives in the worker process of ``gpus[0]``.
+
+    When the slot is given by virtual address (memory owned by the workers), each other rank's
+    shard is verified by that rank's own worker — only it can read its GPU — before the engine
+    starts and whenever more layers land."""
 
     def __init__(self, pool: WorkerPool, gpus: Sequence[int]) -> None:
         self.pool = pool
         self.gpus = tuple(gpus)
         self.worker = pool.worker(self.gpus[0])
+        self._spec: dict[str, Any] = {}
+        self._layers = 0
+
+    def _verify_remote(self, start: int, end: int) -> None:
+        spec = self._spec
+        for rank, w in enumerate(spec["weights"]):
+            if "va" not in w or w.get("local"):
+                continue
+            tensors = [
+                (
+                    f"{t['name']}[rank {rank}]",
+                    t["offset"],
+                    t["shard_len"][rank],
+                    spec["digests"][rank][i],
+                )
+                for i, t in enumerate(spec["tensors"])
+                if start <= t["layer"] < end
+            ]
+            bad = self.pool.worker(self.gpus[rank]).call("verify", va=w["va"], tensors=tensors)
+            if bad:
+                raise WeightsMismatch(
+                    f"weights in the slot differ from the store for {len(bad)} tensors "
+                    f"(first: {bad[0]}); evict the slot and prewarm again"
+                )
 
     def start(self, spec: dict[str, Any]) -> str:
+        self._spec = spec
+        self._layers = spec["layers_resident"]
+        self._verify_remote(0, self._layers)
         return self.worker.call("start_engine", timeout_s=120, spec=spec)["endpoint"]
 
     def layers_ready(self, n: int) -> None:
+        if n > self._layers:
+            self._verify_remote(self._layers, n)
         bad = self.worker.call("layers_ready", n=n)
+        self._layers = max(self._layers, n)
         if bad:
             raise WeightsMismatch(f"weights differ from the store: {bad[:3]}")
 

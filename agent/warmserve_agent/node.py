@@ -667,12 +667,14 @@ class NodeCore:
 
     def _engine_spec(self, inst: InstanceRec, slot: SlotRec) -> dict[str, Any]:
         """What the engine needs to serve from the slot (weights by physical page here)."""
-        path = getattr(self.mm.backend, "path", None)
-        if path is None:
+        backend = self.mm.backend
+        path = getattr(backend, "path", None)
+        in_workers = getattr(backend, "in_workers", False)
+        if not in_workers and path is None:
             raise Refusal(
                 "UNIMPLEMENTED",
-                f"engine hosting on the {self.mm.backend.name} backend is not wired yet "
-                "(the engine must map the slot by virtual address in the worker process)",
+                f"the {backend.name} backend in the agent process cannot host engines: its "
+                "mappings belong to the agent; run with memory owned by the workers",
             )
         layout = slot.layout
         digests = [self.store.digests(layout, r) for r in range(len(inst.gpus))]
@@ -690,12 +692,17 @@ class NodeCore:
                 "decode_tok_s": prof.decode_tok_s,
                 "kv_bytes_per_token": prof.kv_bytes_per_token,
             },
+            # By virtual address when the workers own the memory (rank 0's worker hosts the
+            # engine and reads its GPU; other ranks are verified by their workers), else by
+            # physical page of the shared simulated files.
             "weights": [
-                {
+                {"va": self.mm.va_base(slot.slot_id, g), "local": r == 0}
+                if in_workers
+                else {
                     "path": str(path(g)),
                     "ppages": self.mm.physical_pages(slot.slot_id, g, 0, inst.weight_pages),
                 }
-                for g in inst.gpus
+                for r, g in enumerate(inst.gpus)
             ],
             "tensors": [
                 {

@@ -60,10 +60,20 @@ def worker_main(conn: Connection, preload: bool = True) -> None:
 
         if state["engine"] is not None:
             raise WorkerError("an engine is already running on this worker")
-        eng = SimulatedEngine()
+        eng = SimulatedEngine(read_va=read_va if state.get("mem") is not None else None)
         out = eng.start(spec)
         state["engine"] = eng
         return out
+
+    def read_va(va: int, nbytes: int) -> bytes:
+        return state["mem"].read(state["gpu"], va, nbytes)
+
+    def verify(va: int, tensors: list[tuple[str, int, int, str]]) -> list[str]:
+        from warmserve_agent.engine import verify_shard
+
+        if state.get("mem") is None:
+            raise WorkerError("this worker owns no GPU memory to verify")
+        return verify_shard(read_va, va, tensors)
 
     def stop_engine() -> None:
         eng, state["engine"] = state["engine"], None
@@ -95,6 +105,7 @@ def worker_main(conn: Connection, preload: bool = True) -> None:
 
     handlers: dict[str, Callable[..., Any]] = {
         "mem_init": mem_init,
+        "verify": verify,
         "mem": mem,
         "ping": lambda: {"pid": os.getpid(), "gpu": state["gpu"], "import_s": state["import_s"]},
         "bind": lambda gpu: state.__setitem__("gpu", gpu),

@@ -527,3 +527,31 @@ def test_corrupted_slot_fails_activation_and_is_quarantined(fast_agent) -> None:
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "evict it" in msg
     c.evict(slot.slot_id)
     assert c.activate("gamma", [1]).instance.endpoint  # cold start with good bytes
+
+
+def test_worker_memory_tensor_parallel_verifies_every_rank(
+    tmp_path: Path, model_root: Path
+) -> None:
+    """TP=2 with memory owned by the workers: rank 0's worker hosts the engine and reads its own
+    GPU by virtual address; rank 1's shard is verified by rank 1's worker (initially and as the
+    remaining layers land), so corrupt bytes on either rank are caught."""
+    cfg = cfg_for(tmp_path, model_root, use_workers=True, memory_in_workers=True)
+    with AgentThread(cfg) as a, SyncAgentClient(a.address) as c:
+        core = a.server.core
+        slot = c.prewarm_wait("alpha", [0, 1], layers=2).slot
+        act = c.activate("alpha", [0, 1])
+        assert act.prewarm_hit
+        wait_for(lambda: c.describe().instances[0].layers_resident == 4, what="remaining layers")
+        out = json.loads(http(act.instance.endpoint + "/v1/completions", {"prompt": "tp"}))
+        assert out["usage"]["completion_tokens"] == 16
+        c.begin_grace(act.instance.instance_id)
+        c.end_instance(act.instance.instance_id)
+        # Corrupt rank 1's shard of the (kept) slot: rank 1's worker catches it.
+        lay = core.slots[slot.slot_id].layout
+        a.run(
+            asyncio.to_thread(core.mm.write, slot.slot_id, 1, lay.placements[1].slot_offset, b"!!")
+        )
+        code, msg = code_of(lambda: c.activate("alpha", [0, 1]))
+        assert code == grpc.StatusCode.UNAVAILABLE and "[rank 1]" in msg
+        assert c.describe().slots[0].state == pb.SLOT_STATE_FAILED
+        a.run(asyncio.to_thread(core.check))

@@ -28,6 +28,8 @@ from warmserve_agent.worker import WorkerPool
 class WorkerMemoryBackend:
     """:class:`~warmserve_agent.memory.MemoryBackend` executed by each GPU's worker."""
 
+    in_workers = True  # the engine reads the slot by virtual address in the worker
+
     def __init__(self, pool: WorkerPool, kind: str, page_bytes: int, **options: Any) -> None:
         if kind not in ("simulated", "cuda"):
             raise ValueError(f"unknown memory backend {kind!r}")
