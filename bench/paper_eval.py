@@ -214,6 +214,12 @@ def _per_model(point: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _kinds(kinds: dict[str, int] | None) -> str:
+    if not kinds:
+        return ""
+    return "(" + ", ".join(f"{k} {v}" for k, v in kinds.items()) + ")"
+
+
 def _diagnostics(points: list[dict[str, Any]]) -> str:
     lines = [
         "| alpha | RPS | system | starts (warm/cold) | median start latency | failed start "
@@ -227,7 +233,8 @@ def _diagnostics(points: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {p['overrides']['alpha']:g} | {p['overrides']['total_rps']:g} | "
                 f"{r['system']} | {r['warm_starts']}/{r['cold_starts']} | "
-                f"{fmt_seconds(r['start_latency_p50_s'])} | {r['start_failures']} | "
+                f"{fmt_seconds(r['start_latency_p50_s'])} | {r['start_failures']} "
+                f"{_kinds(r.get('start_failure_kinds'))} | "
                 f"{r['gpu_hours']:.2f} | {r['prewarm_gpu_hours']:.2f} | {r['lent_placements']} |"
             )
     return "\n".join(lines)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -88,6 +88,7 @@ class StaticInstance:
     gpus: tuple[int, ...]
     slowdown: float = 1.0
     kv_cap_tokens: int | None = None  # None: the model's own (not shared) capacity
+    max_batch: int | None = None  # None: the model's max_batch (MuxServe picks its own)
 
 
 @dataclass
@@ -118,6 +119,7 @@ class SimOutput:
     events: int = 0
     assigned: np.ndarray | None = None
     start_failures: int = 0
+    failure_kinds: dict[str, int] = field(default_factory=dict)
     extra: dict[str, object] = field(default_factory=dict)
 
 
@@ -160,6 +162,7 @@ class Simulation:
         self.drop: list[str | None] = [None] * n
         self.assigned = [math.nan] * n
         self.start_failures = 0
+        self.failure_kinds: Counter[str] = Counter()
         self.duration = duration_s
         self.window_s = window_s
         self.asc = autoscaler
@@ -259,6 +262,7 @@ class Simulation:
             events=self.events,
             assigned=np.array(self.assigned),
             start_failures=self.start_failures,
+            failure_kinds=dict(sorted(self.failure_kinds.items())),
         )
 
     # ------------------------------------------------------------------ setup
@@ -285,6 +289,8 @@ class Simulation:
         inst.slowdown = s.slowdown
         if s.kv_cap_tokens is not None:
             inst.kv_cap_tokens = s.kv_cap_tokens
+        if s.max_batch is not None:
+            inst.max_batch = s.max_batch
         inst.phase = SERVING
 
     def _new_instance(
@@ -459,6 +465,7 @@ class Simulation:
         choice = choose_start(state, m.spec.name)
         if isinstance(choice, NoCapacity):
             self.start_failures += 1
+            self.failure_kinds[self._failure_kind(m.spec.tp)] += 1
             log.debug("event=start_failed model=%s reason=%r t=%.3f", m.spec.name, choice.reason, t)
             return False
         self._account(t)
@@ -513,6 +520,18 @@ class Simulation:
         else:
             self.push(ready, EV_READY, inst)
         return True
+
+    def _failure_kind(self, tp: int) -> str:
+        """Why a start found no group: the cluster is ``full`` (fewer than ``tp`` GPUs free),
+        the free GPUs are ``spread`` over nodes, or a node has ``tp`` free GPUs but no group the
+        placement may use (``fragmented``: not an aligned block)."""
+        free = [
+            sum(1 for g in range(self.cl.gpus_per_node) if (n, g) not in self.cl.holder)
+            for n in self.cl.node_names
+        ]
+        if max(free, default=0) >= tp:
+            return "fragmented"
+        return "spread" if sum(free) >= tp else "full"
 
     def _live(self) -> list[SimInstance]:
         return [i for i in self.instances if i.phase != STOPPED]
@@ -650,10 +669,19 @@ class Simulation:
         self.plans += 1
         self.unplaced += len(plan.unplaced)
         self._account(t)
+        needed = {(r.node, g) for r in plan.place for g in r.gpus}
         for r in plan.evict:
             rep = self.cl.find_replica(r)
-            if rep is not None:
-                self.cl.remove_replica(rep, t)
+            if rep is None:
+                continue
+            if self.sys.lazy_evict and not any((r.node, g) in needed for g in r.gpus):
+                # Surplus but harmless: keep the weights (§4.1 keeps the previously active
+                # model on its GPUs) at the lowest priority, so any start or later placement
+                # that needs the GPUs evicts it first.
+                rep.score = 0.0
+                rep.kind = ReplicaKind.BURST
+                continue
+            self.cl.remove_replica(rep, t)
         for r in plan.keep:
             rep = self.cl.find_replica(r)
             if rep is not None:

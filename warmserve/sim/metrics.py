@@ -70,6 +70,7 @@ def summarize(
         "drop_reasons": dict(sorted(drops.items())),
         "requests": int(arrival.size),
         "start_failures": out.start_failures,
+        "start_failure_kinds": out.failure_kinds,
         "plans": out.plans,
         "lent_placements": out.lent_placements,
         "lent_evictions": out.lent_evictions,

@@ -46,6 +46,10 @@ class SystemConfig:
     (``stream_layers``) or waits for all weights.
     ``on_stop``: what a stopped instance leaves on its GPUs — ``none`` (idle), ``replica``
     (WarmServe: the old model stays as a prewarm slot, §4.1) or ``cache`` (SLLM-GPU).
+    ``load_slowdown``: weight loading slower than the link rate by this factor (stock vLLM's
+    safetensors path).  ``lazy_evict``: replicas a plan no longer wants are evicted only when a
+    new placement needs their GPUs (else kept at score 0, first to go on any start) — the
+    paper keeps released models resident on universal workers (§4.1, Figure 5b).
     """
 
     name: str
@@ -59,6 +63,7 @@ class SystemConfig:
     stream_layers: bool = False
     on_stop: str = "none"
     load_slowdown: float = 1.0
+    lazy_evict: bool = False
     description: str = ""
 
 
@@ -74,18 +79,19 @@ SYSTEMS: dict[str, SystemConfig] = {
     for s in (
         SystemConfig(
             "warmserve", prewarm=True, proactive=True, pooled_process=True, engine_ready=True,
-            comm_group_on_hit=True, stream_layers=True, on_stop="replica",
+            comm_group_on_hit=True, stream_layers=True, on_stop="replica", lazy_evict=True,
             description="WarmServe (full)",
         ),
         SystemConfig(
             "warmserve-no-proactive", prewarm=True, proactive=False, pooled_process=True,
             engine_ready=True, comm_group_on_hit=True, stream_layers=True, on_stop="none",
-            description="WarmServe without proactive prewarming (§7.5)",
+            lazy_evict=True, description="WarmServe without proactive prewarming (§7.5)",
         ),
         SystemConfig(
             "warmserve-no-evict-aware", prewarm=True, evict_aware=False, proactive=True,
             pooled_process=True, engine_ready=True, comm_group_on_hit=True, stream_layers=True,
-            on_stop="replica", description="WarmServe with first-fit placement (§7.5)",
+            on_stop="replica", lazy_evict=True,
+            description="WarmServe with first-fit placement (§7.5)",
         ),
         SystemConfig(
             "reactive", load_slowdown=STOCK_VLLM_LOAD_SLOWDOWN,
