@@ -38,8 +38,9 @@ die() { printf '[k8s-build] ERROR: %s\n' "$*" >&2; exit 1; }
 
 command -v go >/dev/null || die "go is not on PATH; Go ${GO_MINOR}.x is required to build Kubernetes v${K8S_VERSION}"
 
-# The key covers the pins and module hashes (bump BUILD_REV in versions.env when the build flags change).
-KEY=$(cat "$HERE/versions.env" "$HERE"/go.sum "$HERE"/helm/go.sum "$HERE"/kwok/go.sum \
+# The key covers the pins (not comments) and module hashes; bump BUILD_REV in versions.env when
+# the build flags change.
+KEY=$( { grep -v '^[[:space:]]*#' "$HERE/versions.env"; cat "$HERE"/go.sum "$HERE"/helm/go.sum "$HERE"/kwok/go.sum; } \
       | sha256sum | cut -c1-12)
 CACHE=${WARMSERVE_K8S_CACHE:-$HOME/.cache/warmserve-k8s}
 DEST="$CACHE/$K8S_VERSION-$KEY"
