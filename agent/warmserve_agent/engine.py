@@ -260,10 +260,12 @@ class SimulatedEngine:
         app.router.add_get("/metrics", self._metrics_handler)
         self._runner = web.AppRunner(app, access_log=None)
         loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        host = self.spec.get("host", "127.0.0.1")
+        site = web.TCPSite(self._runner, host, port)
         loop.run_until_complete(site.start())
         sock = site._server.sockets[0]  # type: ignore[union-attr]
-        self.endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        advertise = self.spec.get("advertise_host") or host
+        self.endpoint = f"http://{advertise}:{sock.getsockname()[1]}"
         ready.set()
         try:
             loop.run_forever()

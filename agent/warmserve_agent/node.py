@@ -170,7 +170,11 @@ class NodeCore:
         engine_factory: EngineFactory,
         *,
         node_name: str = "node",
+        engine_host: str = "127.0.0.1",
+        advertise_host: str = "",
     ) -> None:
+        self.engine_host = engine_host  # where engines bind their HTTP endpoint
+        self.advertise_host = advertise_host or engine_host  # what Activate returns
         self.mm = mm
         self.store = store
         self.node_name = node_name
@@ -683,6 +687,8 @@ class NodeCore:
             "model": inst.model,
             "instance_id": inst.instance_id,
             "page_bytes": self.page,
+            "host": self.engine_host,
+            "advertise_host": self.advertise_host,
             "layers_total": layout.model.num_layers,
             "layers_resident": slot.layers_resident,
             "kv_capacity_bytes": inst.kv_pages * self.page * len(inst.gpus),

@@ -95,6 +95,9 @@ class AgentConfig:
     client_ca: Path | None = None
     token_file: Path | None = None
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"  # 0.0.0.0 in a pod, so Prometheus can scrape it
+    engine_host: str = "127.0.0.1"  # where engines bind their OpenAI endpoints
+    advertise_host: str = ""  # host in the endpoints Activate returns (default: engine_host)
     grace_interval_s: float = 0.25
     monitor_interval_s: float = 0.5
     host_cache_bytes: int = 8 * 1024**3
@@ -260,6 +263,8 @@ class AgentServer:
             dict(zip(gpu_ids, sizes, strict=True)),
             factory,
             node_name=cfg.node_name,
+            engine_host=cfg.engine_host,
+            advertise_host=cfg.advertise_host,
         )
         info = ServiceInfo(agent_id=self.agent_id, started_unix=time.time())
         if self.pool is not None:
@@ -289,9 +294,19 @@ class AgentServer:
         pb_grpc.add_NodeAgentServicer_to_server(self.service, self.server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
+        if cfg.engine_host in ("0.0.0.0", "::") and not cfg.advertise_host:
+            raise ConfigError(
+                f"engines bind {cfg.engine_host}: set --advertise-host to the address clients "
+                "use to reach this node (e.g. the pod IP)"
+            )
         if cfg.tls_cert is not None or cfg.tls_key is not None:
             if cfg.tls_cert is None or cfg.tls_key is None:
                 raise ConfigError("--tls-cert and --tls-key go together")
+            if cfg.client_ca is None and cfg.token_file is None:
+                raise ConfigError(
+                    "TLS without client authentication would accept any caller: add "
+                    "--client-ca (mutual TLS) and/or --token-file"
+                )
             creds = grpc.ssl_server_credentials(
                 [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())],
                 root_certificates=Path(cfg.client_ca).read_bytes() if cfg.client_ca else None,
@@ -331,7 +346,7 @@ class AgentServer:
         reg = CollectorRegistry()
         restarts = (lambda g: self.pool.restarts[g]) if self.pool is not None else (lambda g: 0)
         reg.register(AgentCollector(self.core, restarts))
-        self._metrics_server, _ = start_http_server(port, addr="127.0.0.1", registry=reg)
+        self._metrics_server, _ = start_http_server(port, addr=self.cfg.metrics_host, registry=reg)
         self.metrics_port = self._metrics_server.server_port
 
     async def _grace_loop(self) -> None:

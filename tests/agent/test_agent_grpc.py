@@ -484,12 +484,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_prometheus_metrics(tmp_path: Path, model_root: Path) -> None:
-    with AgentThread(cfg_for(tmp_path, model_root, metrics_port=0)) as a:
+def test_prometheus_metrics_and_advertised_endpoint(tmp_path: Path, model_root: Path) -> None:
+    cfg = cfg_for(tmp_path, model_root, metrics_port=0, advertise_host="localhost")
+    with AgentThread(cfg) as a:
         with SyncAgentClient(a.address) as c:
             c.prewarm_wait("alpha", [0])
             act = c.activate("alpha", [0])
             c.activate("gamma", [1])
+            assert act.instance.endpoint.startswith("http://localhost:")
+            assert json.loads(http(act.instance.endpoint + "/v1/models"))["object"] == "list"
         text = http(f"http://127.0.0.1:{a.server.metrics_port}/metrics").decode()
     assert 'warmserve_agent_worker_state{gpu="0",node="node-a",state="dedicated"} 1.0' in text
     assert 'warmserve_agent_worker_state{gpu="0",node="node-a",state="idle"} 0.0' in text
@@ -506,6 +509,9 @@ def test_incompatible_settings_are_refused(tmp_path: Path, model_root: Path) -> 
         (dict(memory_in_workers=True, use_workers=False), "needs worker processes"),
         (dict(memory_in_workers=True, use_workers=True, recycle_workers=True), "recycling"),
         (dict(token_file=tmp_path / "missing-token"), "missing-token"),
+        (dict(tls_cert=tmp_path / "c.pem", tls_key=tmp_path / "k.pem"), "accept any caller"),
+        (dict(tls_cert=tmp_path / "c.pem"), "go together"),
+        (dict(engine_host="0.0.0.0"), "advertise-host"),
     ]
     for kw, needle in bad:
         with pytest.raises((ConfigError, FileNotFoundError), match=needle):

@@ -74,7 +74,23 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--client-ca", help="CA (PEM) that client certificates must chain to (mTLS)")
     p.add_argument("--token-file", help="file holding the bearer token every call must carry")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT")
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="metrics bind address (127.0.0.1; 0.0.0.0 in a pod)",
+    )
+    p.add_argument(
+        "--engine-host",
+        default="127.0.0.1",
+        help="address engines bind their OpenAI endpoints to (127.0.0.1; 0.0.0.0 in a pod)",
+    )
+    p.add_argument(
+        "--advertise-host",
+        default="",
+        help="host put in the endpoints Activate returns (default --engine-host; required "
+        "with --engine-host 0.0.0.0, e.g. the pod IP)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=run_agent)
 
@@ -137,6 +153,9 @@ def _config(args: argparse.Namespace) -> Any:
         client_ca=Path(args.client_ca) if args.client_ca else None,
         token_file=Path(args.token_file) if args.token_file else None,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        engine_host=args.engine_host,
+        advertise_host=args.advertise_host,
         **kw,
     )
 
