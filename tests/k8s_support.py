@@ -161,12 +161,13 @@ class ControlPlane:
         bin_dir = bin_dir or ensure_binaries(with_controllers=with_controllers)
         env = dict(os.environ, **{_BIN_ENV: str(bin_dir)})
         extra = ["--with-controllers"] if with_controllers else []
-        proc = _run(
-            [str(HACK / "start.sh"), str(workdir), "--watch-pid", str(os.getpid()), *extra],
-            env=env,
-            check=False,
-            timeout=300,
-        )
+        argv = [str(HACK / "start.sh"), str(workdir), "--watch-pid", str(os.getpid()), *extra]
+        for _attempt in range(3):
+            proc = _run(argv, env=env, check=False, timeout=300)
+            # Free ports are picked before binding; on a busy machine another process can take
+            # one in between. That (and only that) is worth a retry on fresh ports.
+            if proc.returncode == 0 or "address already in use" not in proc.stderr:
+                break
         if proc.returncode != 0:
             raise ControlPlaneError(f"hack/k8s/start.sh failed:\n{proc.stderr.strip()}")
         values = dict(
