@@ -178,7 +178,14 @@ def _parse_cli(args: list[str]) -> None:
     [
         [],
         ["--set", "tls.enabled=false", "--set", "operator.logLevel=debug"],
-        ["--set", "agent.simulateGpus=8x80GiB", "--set", "operator.predictor=seasonal"],
+        [
+            "--set",
+            "agent.simulateGpus=8x80GiB",
+            "--set",
+            "operator.predictor=seasonal",
+            "--set",
+            "operator.watchNamespaces={team-a,team-b}",
+        ],
     ],
     ids=["defaults", "no-tls", "simulated"],
 )
