@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -120,7 +121,7 @@ class KubeApi:
         try:
             config.load_incluster_config()
         except config.ConfigException:
-            config.load_kube_config()
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
         self._api = client.ApiClient()
         self._custom = client.CustomObjectsApi(self._api)
         self._core = client.CoreV1Api(self._api)

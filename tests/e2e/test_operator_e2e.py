@@ -106,8 +106,8 @@ class Procs:
             if p.poll() is None:
                 p.terminate()
         for p in self.procs.values():
-            try:
-                p.wait(timeout=10)
+            try:  # an agent still streaming long completions may take a while: not worth waiting
+                p.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=10)

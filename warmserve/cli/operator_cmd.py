@@ -238,7 +238,8 @@ def _check_cluster() -> None:
     except config.ConfigException:
         pass
     try:
-        config.load_kube_config()
+        # $KUBECONFIG read now, not at import time (the client caches its default path).
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
     except (config.ConfigException, FileNotFoundError, TypeError) as exc:
         raise CliError(
             f"no Kubernetes cluster configured ({exc}); set KUBECONFIG or run in a cluster"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -44,7 +45,10 @@ def _client(kubeconfig: str | None, context: str | None) -> Any:
     from warmserve.cli import CliError
 
     try:
-        config.load_kube_config(config_file=kubeconfig, context=context)
+        # $KUBECONFIG read now, not at import time (the client caches its default path).
+        config.load_kube_config(
+            config_file=kubeconfig or os.environ.get("KUBECONFIG") or None, context=context
+        )
     except (config.ConfigException, FileNotFoundError, TypeError) as exc:
         if kubeconfig or context:
             raise CliError(f"cannot use kubeconfig {kubeconfig or ''}: {exc}") from exc
