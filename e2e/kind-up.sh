@@ -6,6 +6,11 @@
 #                             build and load the image, helm install, apply the examples
 #   CLUSTER=x e2e/kind-up.sh  another cluster name;  KEEP_CLUSTER=1 reuses an existing cluster
 #   e2e/kind-down.sh          delete it
+#   MODELS_DIR=/path          weight store mounted on every worker at /var/lib/warmserve/models
+#                             (<dir>/<model>/config.json + *.safetensors). Default: e2e/.models,
+#                             filled with the tiny random models the examples name (tiny-chat,
+#                             tiny-code) using the repo's venv (hack/venv.sh) and the agent
+#                             tests' model writer.
 #
 # kind nodes have no GPUs, so the agents run with simulated GPUs (--simulate-gpus) and request no
 # nvidia.com/gpu; the workers are labelled nvidia.com/gpu.present=true so the DaemonSet's default
@@ -16,26 +21,46 @@ CLUSTER=${CLUSTER:-warmserve}
 NAMESPACE=${NAMESPACE:-warmserve}
 IMAGE=${IMAGE:-warmserve:dev}
 SIM_GPUS=${SIM_GPUS:-8x80GiB}
+MODELS_DIR=${MODELS_DIR:-e2e/.models}
 
 for tool in kind kubectl helm docker; do
   command -v "$tool" >/dev/null || { echo "kind-up.sh: '$tool' is required but not on PATH" >&2; exit 1; }
 done
 step() { printf '\n== %s\n' "$*"; }
 
+if [ "$MODELS_DIR" = e2e/.models ] && [ ! -f e2e/.models/tiny-chat/config.json ]; then
+  step "writing tiny test models into e2e/.models"
+  [ -x .venv/bin/python ] || { echo "kind-up.sh: no .venv; run hack/venv.sh dev first (or set MODELS_DIR)" >&2; exit 1; }
+  .venv/bin/python - <<'PY'
+import importlib.util
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("agent_test_models", "tests/agent/conftest.py")
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+slow = {"decode_tok_s": 20.0, "max_batch": 8, "kv_bytes_per_token": 256}
+for seed, name in enumerate(("tiny-chat", "tiny-code"), start=1):
+    mod.write_model(Path("e2e/.models"), name, layers=4, hidden=64, seed=seed, profile=slow)
+PY
+fi
+MODELS_ABS=$(cd "$MODELS_DIR" && pwd)
+
 if kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
   [ "${KEEP_CLUSTER:-0}" = 1 ] || { echo "kind-up.sh: cluster '$CLUSTER' exists (KEEP_CLUSTER=1 to reuse, or e2e/kind-down.sh)" >&2; exit 1; }
   step "reusing kind cluster $CLUSTER"
 else
   step "creating kind cluster $CLUSTER"
-  kind create cluster --name "$CLUSTER" --wait 120s --config - <<'KIND'
+  kind create cluster --name "$CLUSTER" --wait 120s --config - <<KIND
 kind: Cluster
 apiVersion: kind.x-k8s.io/v1alpha4
 nodes:
   - role: control-plane
   - role: worker
     labels: {nvidia.com/gpu.present: "true"}
+    extraMounts: [{hostPath: "$MODELS_ABS", containerPath: /var/lib/warmserve/models, readOnly: true}]
   - role: worker
     labels: {nvidia.com/gpu.present: "true"}
+    extraMounts: [{hostPath: "$MODELS_ABS", containerPath: /var/lib/warmserve/models, readOnly: true}]
 KIND
 fi
 CTX="kind-$CLUSTER"
