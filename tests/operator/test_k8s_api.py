@@ -104,6 +104,11 @@ def test_defaults_and_printer_columns(crds: None, kubectl: Any, k8s_namespace: s
     kubectl("delete", "wsmd", "--all", "-n", k8s_namespace, "--wait=false")
 
 
+def test_every_example_is_accepted(crds: None, kubectl: Any, k8s_namespace: str) -> None:
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        kubectl("apply", "--dry-run=server", "-n", k8s_namespace, "-f", str(path))
+
+
 def test_gpunode_address_is_validated(crds: None, kubectl: Any) -> None:
     bad = {
         "apiVersion": "warmserve.io/v1alpha1",
