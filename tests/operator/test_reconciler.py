@@ -236,6 +236,11 @@ async def test_history_is_persisted_each_window() -> None:
     assert len(hist) >= 2
     assert max(hist.peak) == pytest.approx(3.0)
     assert h.status("a")["load"]["observedPeak"] == pytest.approx(3.0)
+    # A restarted operator continues the same history from the ConfigMap.
+    h.rec = h.new_reconciler()
+    await h.tick(1)
+    again = h.rec.models["llama-a"].history
+    assert again is not None and again.end == hist.end and list(again.peak) == list(hist.peak)
 
 
 def test_config_rejects_bad_window() -> None:

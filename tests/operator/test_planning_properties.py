@@ -1,0 +1,157 @@
+"""Property: for random cluster states, the actions the operator derives from the policy core are
+consistent with each other and with the agent contract.
+
+States are built by driving in-memory agents (the agent API's contract, ``FakeAgent``) with
+random valid prewarms and activations; then one poll's worth of decisions (autoscaler starts,
+drains, Algorithm 1) is translated into actions and executed on the same agents.  Whatever the
+state: request ids are unique, starts use disjoint startable GPU groups, prewarms never target a
+GPU a start or an instance holds, evictions name existing slots, and the agents accept every
+call (no "GPU is serving", no "not enough memory").
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from operator_fakes import FakeAgent
+from warmserve_operator.actions import Activate, BeginGrace, EndInstance, Evict, Prewarm
+from warmserve_operator.agents import AgentCallError
+from warmserve_operator.planning import build_state, scaling_actions, window_actions
+
+from warmserve.policy.autoscaler import AutoscalerConfig
+from warmserve.policy.cluster import GiB, LoadForecast, ModelSpec, WorkerState
+
+MODELS = {
+    "m1": (6 * GiB, 8, 1),
+    "m2": (20 * GiB, 8, 2),
+    "m3": (30 * GiB, 4, 1),
+    "m4": (40 * GiB, 4, 4),
+}
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> dict:
+    nodes = draw(st.integers(1, 3))
+    gpus = [draw(st.sampled_from([1, 2, 4])) for _ in range(nodes)]
+    ops = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["prewarm", "activate"]),
+                st.integers(0, nodes - 1),
+                st.sampled_from(sorted(MODELS)),
+                st.integers(0, 3),
+            ),
+            max_size=8,
+        )
+    )
+    fc = {m: (draw(st.floats(0, 20)), draw(st.floats(0, 30))) for m in MODELS}
+    loads = {m: draw(st.integers(0, 12)) for m in MODELS}
+    bounds = {m: (draw(st.integers(0, 1)), draw(st.integers(1, 3))) for m in MODELS}
+    return {"gpus": gpus, "ops": ops, "fc": fc, "loads": loads, "bounds": bounds}
+
+
+def _group(n_gpus: int, tp: int, start: int) -> tuple[int, ...] | None:
+    if tp > n_gpus:
+        return None
+    first = (start * tp) % n_gpus
+    if first + tp > n_gpus:
+        first = 0
+    return tuple(range(first, first + tp))
+
+
+async def _build(sc: dict) -> dict[str, FakeAgent]:
+    catalog = {m: (w, layers) for m, (w, layers, _tp) in MODELS.items()}
+    agents = {
+        f"n{i}": FakeAgent(f"n{i}", g, memory=80 * GiB, catalog=catalog)
+        for i, g in enumerate(sc["gpus"])
+    }
+    for k, (op, node_i, model, start) in enumerate(sc["ops"]):
+        agent = agents[f"n{node_i}"]
+        gpus = _group(agent.n, MODELS[model][2], start)
+        if gpus is None:
+            continue
+        try:
+            if op == "prewarm":
+                await agent.prewarm(model, gpus, 0, f"seed-p{k}")
+            else:
+                await agent.activate(model, gpus, "", f"seed-a{k}")
+        except AgentCallError:
+            pass  # an invalid random op: the state stays valid
+    return agents
+
+
+@given(scenarios())
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_one_poll_of_actions_is_consistent_and_accepted(sc: dict) -> None:
+    asyncio.run(_check(sc))
+
+
+async def _check(sc: dict) -> None:
+    agents = await _build(sc)
+    snaps = {n: await a.describe() for n, a in agents.items()}
+    specs = {
+        m: ModelSpec(m, w, tp=tp, max_batch=4, cold_start_s=5.0, num_layers=layers)
+        for m, (w, layers, tp) in MODELS.items()
+    }
+    forecasts = {m: LoadForecast(a, max(a, p)) for m, (a, p) in sc["fc"].items()}
+    built = build_state(specs, snaps, forecasts)
+    scaling = scaling_actions(
+        built,
+        sc["loads"],
+        sc["bounds"],
+        AutoscalerConfig(scale_down_delay_s=0),
+        now_s=100.0,
+        memory={},
+        grace_started_s={},
+    )
+    after = type(built)(
+        scaling.state, built.slot_of, built.orphan_slots, built.orphan_instances, built.snaps
+    )
+    _plan, prewarm = window_actions(after)
+    actions = scaling.actions + prewarm
+
+    ids = [a.request_id for a in actions]
+    assert len(ids) == len(set(ids)), "request ids are unique"
+    held: dict[str, set[int]] = {n: set() for n in snaps}
+    for n, snap in snaps.items():
+        for g in snap.gpus:
+            if g.state in (WorkerState.DEDICATED, WorkerState.GRACE):
+                held[n].add(g.index)
+    for a in actions:
+        if isinstance(a, Activate):
+            assert not held[a.node] & set(a.gpus), f"start on busy GPUs: {a}"
+            held[a.node] |= set(a.gpus)
+    for a in actions:
+        if isinstance(a, Prewarm):
+            busy = {g.index for g in snaps[a.node].gpus if g.state == WorkerState.DEDICATED}
+            started = {
+                g for b in actions if isinstance(b, Activate) and b.node == a.node for g in b.gpus
+            }
+            assert not (busy | started) & set(a.gpus), f"prewarm on serving GPUs: {a}"
+        if isinstance(a, Evict):
+            assert snaps[a.node].slot(a.slot_id) is not None
+    evicted = [a.slot_id for a in actions if isinstance(a, Evict)]
+    assert len(evicted) == len(set(evicted))
+
+    # Execute in the operator's order (its tasks start in list order; evictions come before
+    # the prewarms that need their memory).  The agents must accept every call.
+    order = {Activate: 0, BeginGrace: 1, EndInstance: 1, Evict: 2, Prewarm: 3}
+    for a in sorted(actions, key=lambda a: order[type(a)]):
+        agent = agents[a.node]
+        if isinstance(a, Activate):
+            try:
+                await agent.activate(a.model, a.gpus, a.slot_id, a.request_id)
+            except AgentCallError as exc:
+                raise AssertionError(f"agent refused {a}: {exc}") from None
+        elif isinstance(a, Evict):
+            if a.slot_id in agent.slots:  # a start may have evicted it already
+                await agent.evict(a.slot_id, a.request_id)
+        elif isinstance(a, Prewarm):
+            try:
+                await agent.prewarm(a.model, a.gpus, a.layers, a.request_id)
+            except AgentCallError as exc:
+                raise AssertionError(f"agent refused {a}: {exc}") from None
+        elif isinstance(a, BeginGrace):
+            await agent.begin_grace(a.instance_id, a.request_id)
