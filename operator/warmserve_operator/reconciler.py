@@ -193,7 +193,10 @@ class Reconciler:
         self._events_seen: dict[tuple[str, str, str], float] = {}
         self._known_instances: dict[str, tuple[str, str]] = {}  # id -> (node, model)
         self._ended_by_us: set[str] = set()
-        self._raw_status: dict[str, Mapping[str, Any]] = {}  # last status read, by deployment uid
+        self._raw_status: dict[str, Mapping[str, Any]] = {}
+        self._invalid_seen: dict[
+            str, str
+        ] = {}  # uid -> message already reported  # last status read, by deployment uid
 
     # ------------------------------------------------------------------ loop
 
@@ -386,20 +389,29 @@ class Reconciler:
             except SpecError as exc:
                 invalid = True  # do not treat its model's slots as orphans
                 meta = body.get("metadata", {})
-                cond = Condition("Degraded", True, "InvalidSpec", str(exc))
+                if self._invalid_seen.get(uid) == str(exc):
+                    continue  # already reported
+                self._invalid_seen[uid] = str(exc)
+                stamp = now_iso()
                 await self.kube.patch_md_status(
                     meta.get("namespace", ""),
                     meta.get("name", ""),
                     {
                         "conditions": [
                             {
-                                "type": c.type,
+                                "type": "Degraded",
                                 "status": "True",
-                                "reason": c.reason,
-                                "message": c.message,
-                                "lastTransitionTime": now_iso(),
-                            }
-                            for c in [cond]
+                                "reason": "InvalidSpec",
+                                "message": str(exc),
+                                "lastTransitionTime": stamp,
+                            },
+                            {
+                                "type": "Ready",
+                                "status": "False",
+                                "reason": "InvalidSpec",
+                                "message": str(exc),
+                                "lastTransitionTime": stamp,
+                            },
                         ]
                     },
                 )

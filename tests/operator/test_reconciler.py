@@ -332,3 +332,14 @@ async def test_windows_are_wall_clock_aligned_and_a_late_start_is_not_diluted() 
     # First window observed for 1 s only: 0 at t=1_000_001.0, 4 from t=1_000_001.5 -> avg 2
     # (an aligned tracker would have diluted it to 1 with the unobserved half).
     assert list(hist.avg[-2:]) == [2.0, 4.0] and list(hist.peak[-2:]) == [4.0, 4.0]
+
+
+async def test_invalid_spec_is_reported_once_and_blocks_orphan_cleanup() -> None:
+    h = Harness()
+    await h.agents["node-0"].prewarm("llama-a", (0,), 0, "manual-1")
+    h.kube.add_md("bad", "llama-a", tensorParallel=0)  # stored before a schema change, say
+    await h.tick(3)
+    cond = h.cond("bad", "Degraded")
+    assert cond["reason"] == "InvalidSpec" and "spec.tensorParallel" in cond["message"]
+    assert h.kube.status_writes == 1
+    assert h.slots("llama-a"), "slots are not treated as orphans while a spec cannot be read"
