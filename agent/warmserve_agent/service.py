@@ -241,15 +241,14 @@ class AgentService(pb_grpc.NodeAgentServicer):
                     f"({entry.method} {entry.fingerprint}); use a new id for a new action",
                 )
         else:
-            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            entry = _Idem(method, fingerprint, fut)
+            # The work runs in its own task: a caller that disconnects (cancelling this RPC)
+            # does not cancel it, and replays of the id still get its outcome.
+            task: asyncio.Future[Any] = asyncio.ensure_future(asyncio.to_thread(fn))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # mark retrieved
+            entry = _Idem(method, fingerprint, task)
             self._idem[rid] = entry
             while len(self._idem) > self.max_request_ids:
                 self._idem.popitem(last=False)
-            try:
-                fut.set_result(await asyncio.to_thread(fn))
-            except Exception as exc:
-                fut.set_exception(exc)
         try:
             return await asyncio.shield(entry.future), entry
         except Refusal as r:

@@ -561,3 +561,20 @@ def test_worker_memory_tensor_parallel_verifies_every_rank(
         assert code == grpc.StatusCode.UNAVAILABLE and "[rank 1]" in msg
         assert c.describe().slots[0].state == pb.SLOT_STATE_FAILED
         a.run(asyncio.to_thread(core.check))
+
+
+def test_replay_after_a_lost_answer(fast_agent) -> None:
+    """The caller gives up (deadline) while Activate runs; retrying with the same request_id
+    returns the one instance that was started instead of starting another or hanging."""
+    a, c = fast_agent
+    impatient = SyncAgentClient(a.address, timeout_s=0.002)
+    try:
+        impatient.activate("beta", [0], request_id="lost-1", timeout_s=0.002)
+    except AgentError as exc:
+        assert exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        impatient.close()
+    r1 = c.activate("beta", [0], request_id="lost-1", timeout_s=20)  # hung here before the fix
+    r2 = c.activate("beta", [0], request_id="lost-1", timeout_s=20)
+    assert r1.instance.instance_id == r2.instance.instance_id
+    assert [i.instance_id for i in c.describe().instances] == [r1.instance.instance_id]
