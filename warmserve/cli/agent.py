@@ -194,7 +194,11 @@ def run_agent(args: argparse.Namespace) -> int:
 
 # ---- inspect ----------------------------------------------------------------------------------
 def _gib(n: int) -> str:
-    return f"{n / 1024**3:.2f}GiB" if n >= 1024**3 else f"{n / 1024**2:.1f}MiB"
+    if n >= 1024**3:
+        return f"{n / 1024**3:.2f}GiB"
+    if n >= 1024**2 or n == 0:
+        return f"{n / 1024**2:.1f}MiB"
+    return f"{n / 1024:.0f}KiB"
 
 
 def _table(rows: list[list[str]]) -> str:
