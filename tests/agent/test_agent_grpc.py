@@ -265,15 +265,17 @@ def test_watch_streams_changes(fast_agent) -> None:
                     break
         return out
 
-    import asyncio
     import threading
 
     box: dict[str, list[pb.WatchEvent]] = {}
-    t = threading.Thread(target=lambda: box.setdefault("ev", asyncio.run(watch_some())))
+    t = threading.Thread(
+        target=lambda: box.setdefault("ev", asyncio.run(watch_some())), daemon=True
+    )
     t.start()
-    time.sleep(0.5)
+    wait_for(lambda: a.server.service._subs, what="the watch to subscribe")
     c.prewarm_wait("gamma", [1])
     t.join(20)
+    assert "ev" in box, "the watch never saw the slot become ready"
     evs = box["ev"]
     assert evs[0].kind == pb.WatchEvent.KIND_SNAPSHOT and len(evs[0].snapshot.gpus) == 2
     kinds = {e.kind for e in evs}
