@@ -278,6 +278,27 @@ class Reconciler:
             self._sync_watchers()
             return
         self.metrics.polls.inc()
+        mds, invalid = await self._observe(now)
+        snaps = self._live_snaps()
+        owners, dups = dedupe_models(mds)
+        specs, problems = self._resolve(owners, dups, snaps, now)
+        await self._load_history_and_counters(specs)
+        loads = self._measure(snaps, specs, now)
+        if self._window_due(now):
+            await self._close_windows(now, specs)
+            self._replan = True
+        if not self._replan and self._free_memory_grew(snaps):
+            self._replan = True
+        built, actions = self._decide(specs, snaps, loads, now)
+        if not invalid:
+            actions += orphan_actions(built)
+        self.last_built = built
+        self._track_instances(snaps, now)
+        self._launch(actions)
+        await self._write_statuses(built, owners, dups, problems, now)
+
+    async def _observe(self, now: float) -> tuple[list[ModelDeploymentSpec], bool]:
+        """Deployments and GPU nodes from the API, then every agent's Describe."""
         listed_at = self.clock()
         mds, invalid = await self._load_deployments()
         for model, done in list(self.deleting.items()):
@@ -289,11 +310,19 @@ class Reconciler:
             log.warning("event=agent_discovery_failed error=%r", str(exc))
         await self._load_nodes()
         await self._describe_all(now)
-        snaps = self._live_snaps()
-        catalog = {}
+        return mds, invalid
+
+    def _resolve(
+        self,
+        owners: Mapping[str, ModelDeploymentSpec],
+        dups: list[ModelDeploymentSpec],
+        snaps: Mapping[str, NodeSnapshot],
+        now: float,
+    ) -> tuple[dict[str, ModelSpec], dict[str, Condition]]:
+        """The policy's ModelSpec of every deployment it can act on, and why not for others."""
+        catalog: dict[str, Any] = {}
         for snap in snaps.values():
             catalog.update(snap.models)
-        owners, dups = dedupe_models(mds)
         specs: dict[str, ModelSpec] = {}
         problems: dict[str, Condition] = {}
         for md in dups:
@@ -314,16 +343,16 @@ class Reconciler:
         for model in list(self.models):
             if model not in owners:
                 self.models.pop(model)
-        await self._load_history_and_counters(specs)
-        loads = self._measure(snaps, specs, now)
-        if self._window_due(now):
-            await self._close_windows(now, specs)
-            self._replan = True
-        if not self._replan and self._free_memory_grew(snaps):
-            self._replan = True
-        bounds = {
-            m: (self.models[m].md.min_instances, self.models[m].md.max_instances) for m in specs
-        }
+        return specs, problems
+
+    def _decide(
+        self,
+        specs: Mapping[str, ModelSpec],
+        snaps: Mapping[str, NodeSnapshot],
+        loads: Mapping[str, float],
+        now: float,
+    ) -> tuple[Built, list[Action]]:
+        """Autoscaler starts/drains first, then (when due) Algorithm 1 on the state after them."""
         active = {m: s for m, s in specs.items() if m not in self.deleting}
         forecasts = {
             m: rt.forecast
@@ -337,7 +366,9 @@ class Reconciler:
             pending_prewarms=self.pending_prewarms.values(),
             pending_starts=self.pending_starts.values(),
         )
-        actions: list[Action] = []
+        bounds = {
+            m: (self.models[m].md.min_instances, self.models[m].md.max_instances) for m in specs
+        }
         scaling = scaling_actions(
             built,
             loads,
@@ -353,7 +384,7 @@ class Reconciler:
                 self.models[m].desired = scaling.decisions[m].desired
         for m, rt in self.models.items():
             rt.no_capacity = scaling.no_capacity.get(m, "")
-        actions += scaling.actions
+        actions: list[Action] = list(scaling.actions)
         if self._replan:
             t0 = time.perf_counter()
             after_starts = Built(
@@ -369,12 +400,7 @@ class Reconciler:
             actions += prewarm_actions
             self._replan = False
             self.last_free = self._free_map(snaps)
-        if not invalid:
-            actions += orphan_actions(built)
-        self.last_built = built
-        self._track_instances(snaps, now)
-        self._launch(actions)
-        await self._write_statuses(built, owners, dups, problems, now)
+        return built, actions
 
     # ------------------------------------------------------------------ observe
 
