@@ -33,9 +33,10 @@ test folder gets these fixtures without importing anything:
 
 Why a real API server instead of mocks: only the real one enforces RBAC, CRD schemas, status
 subresources, finalizers and admission, which is what the operator and the chart get wrong.
-What does not happen here (no kube-controller-manager, no kubelet): namespace deletion completes
-never, ownerReference GC never runs, Deployments/DaemonSets never create Pods, namespaces get no
-``default`` ServiceAccount. Tests must assert the state the operator writes, not running Pods.
+What does not happen on ``k8s_control_plane`` (no kube-controller-manager, no kubelet):
+namespace deletion never completes, ownerReference GC never runs, Deployments/DaemonSets never
+create Pods, namespaces get no ``default`` ServiceAccount. Tests must assert the state the
+operator writes, not running Pods.
 
 ``fake_node(name, labels=..., gpus=..., taints=...)`` returns a kwok-managed Node manifest for
 the controllers plane (Pods scheduled there become Running without containers).
@@ -69,7 +70,7 @@ CONTROL_PLANE_FIXTURE = "k8s_control_plane"
 BIN_FIXTURE = "k8s_bin_dir"
 _BIN_ENV = "WARMSERVE_K8S_BIN"
 _REQUIRED_BINARIES = ("kube-apiserver", "etcd", "kubectl", "helm")
-_CONTROLLER_BINARIES = ("kube-controller-manager", "kube-scheduler", "kwok")
+_CONTROLLER_BINARIES = ("kube-controller-manager", "kube-scheduler", "kwok", "kwok-stages.yaml")
 CONTROLLERS_FIXTURE = "k8s_controllers_plane"
 
 
