@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.sim.conftest import make_doc
 from warmserve.sim import metrics, runner
@@ -146,3 +148,23 @@ def test_single_request_matches_hand_calculation():
             assert out.finish[i] - out.first_token[i] == pytest.approx((n_out - 1) * step, rel=1e-6)
         checked += 1
     assert checked >= 1
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    rps=st.floats(0.5, 25.0),
+    alpha=st.floats(0.0, 2.5),
+    gpus=st.sampled_from([2, 4, 8]),
+    system=st.sampled_from([*AUTOSCALING, "dedicated"]),
+)
+def test_conservation_holds_for_any_small_scenario(seed, rps, alpha, gpus, system):
+    doc = make_doc(**{
+        "seed": seed, "workload.total_rps": rps, "workload.alpha": alpha,
+        "workload.duration_s": 300, "cluster.gpus_per_node": gpus, "policy.drain_s": 120,
+    })
+    _, out, row = _run(doc, system)
+    metrics.check_conservation(row)
+    served = ~np.isnan(out.finish)
+    assert all((d is None) == s for d, s in zip(out.drop, served, strict=True))
+    assert row["gpu_hours"] <= gpus * 300 / 3600 + 1e-9
