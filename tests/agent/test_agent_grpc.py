@@ -369,10 +369,11 @@ def test_mutual_tls(tmp_path: Path, model_root: Path) -> None:
         client_ca=pki["ca.pem"],
     )
     with AgentThread(cfg) as a:
-        with SyncAgentClient(a.address, ca_cert=pki["ca.pem"], timeout_s=3) as nocert:
-            assert code_of(nocert.describe)[0] == grpc.StatusCode.UNAVAILABLE
-        with SyncAgentClient(a.address) as plain:
-            assert code_of(plain.describe)[0] == grpc.StatusCode.UNAVAILABLE
+        refused = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        with SyncAgentClient(a.address, ca_cert=pki["ca.pem"], timeout_s=5) as nocert:
+            assert code_of(nocert.describe)[0] in refused  # handshake fails: no client cert
+        with SyncAgentClient(a.address, timeout_s=5) as plain:
+            assert code_of(plain.describe)[0] in refused
         with SyncAgentClient(
             a.address,
             ca_cert=pki["ca.pem"],
