@@ -573,8 +573,8 @@ def test_replay_after_a_lost_answer(fast_agent) -> None:
     impatient = SyncAgentClient(a.address, timeout_s=0.002)
     try:
         impatient.activate("beta", [0], request_id="lost-1", timeout_s=0.002)
-    except AgentError as exc:
-        assert exc.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    except AgentError as exc:  # the answer is lost (how depends on timing)
+        assert exc.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
     finally:
         impatient.close()
     r1 = c.activate("beta", [0], request_id="lost-1", timeout_s=20)  # hung here before the fix
