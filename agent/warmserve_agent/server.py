@@ -101,6 +101,9 @@ class AgentConfig:
     grace_interval_s: float = 0.25
     monitor_interval_s: float = 0.5
     host_cache_bytes: int = 8 * 1024**3
+    # Simulated backend timing model (0: off): host-to-GPU copy bandwidth and map cost per page.
+    sim_copy_bytes_per_s: float = 0.0
+    sim_map_s_per_page: float = 0.0
 
 
 class _TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -151,6 +154,13 @@ def memory_in_workers(cfg: AgentConfig) -> bool:
     return cfg.memory_in_workers
 
 
+def _sim_timing(cfg: AgentConfig) -> dict[str, Any]:
+    return {
+        "copy_bytes_per_s": cfg.sim_copy_bytes_per_s or None,
+        "map_s_per_page": cfg.sim_map_s_per_page,
+    }
+
+
 def _make_backend(cfg: AgentConfig, pool: Any = None) -> Any:
     if memory_in_workers(cfg):
         from warmserve_agent.backends.workers import WorkerMemoryBackend
@@ -162,13 +172,17 @@ def _make_backend(cfg: AgentConfig, pool: Any = None) -> Any:
                 cfg.page_bytes,
                 directory=str(_memory_dir(cfg)),
                 keep_files=cfg.keep_memory,
+                **_sim_timing(cfg),
             )
         return WorkerMemoryBackend(pool, "cuda", cfg.page_bytes)
     if cfg.simulate_gpus is not None:
         from warmserve_agent.backends.simulated import SimulatedBackend
 
         return SimulatedBackend(
-            _memory_dir(cfg), page_bytes=cfg.page_bytes, keep_files=cfg.keep_memory
+            _memory_dir(cfg),
+            page_bytes=cfg.page_bytes,
+            keep_files=cfg.keep_memory,
+            **_sim_timing(cfg),
         )
     from warmserve_agent.backends.cuda import CudaBackend
 

@@ -80,6 +80,10 @@ def test_agent_cli_runs_and_inspects(model_root: Path, tmp_path: Path, capsys) -
             ["agent", "--simulate-gpus", "1x1GiB", "--model-dir", ".", "--tls-cert", "/no/such"],
             "no such file",
         ),
+        (
+            ["agent", "--simulate-gpus", "1x1GiB", "--model-dir", ".", "--sim-copy-gbps", "-1"],
+            ">= 0",
+        ),
         (["agent", "inspect", "127.0.0.1:9", "--timeout", "5"], "agent at 127.0.0.1:9: "),
     ],
 )

@@ -581,3 +581,21 @@ def test_replay_after_a_lost_answer(fast_agent) -> None:
     r2 = c.activate("beta", [0], request_id="lost-1", timeout_s=20)
     assert r1.instance.instance_id == r2.instance.instance_id
     assert [i.instance_id for i in c.describe().instances] == [r1.instance.instance_id]
+
+
+def test_evict_while_loading_aborts_the_prewarm(tmp_path: Path, model_root: Path) -> None:
+    """With a slow simulated copy (timing model), evicting a slot mid-load cancels its loader:
+    the Prewarm stream ends ABORTED, every page returns to the pool, nothing half-mapped stays."""
+    cfg = cfg_for(tmp_path, model_root, sim_copy_bytes_per_s=1e6)  # ~0.45 s for alpha
+    with AgentThread(cfg) as a, SyncAgentClient(a.address) as c:
+        stream = c.prewarm("alpha", [0], request_id="slow-1")
+        first = next(stream)
+        assert not first.done and first.layers_loaded < first.layers_target
+        c.evict(first.slot_id)
+        with pytest.raises(AgentError) as ei:
+            list(stream)
+        assert ei.value.code == grpc.StatusCode.ABORTED and "new request_id" in ei.value.message
+        d = c.describe()
+        assert not d.slots and d.gpus[0].state == pb.WORKER_STATE_IDLE
+        assert d.gpus[0].pages_free == d.gpus[0].pages_total
+        a.run(asyncio.to_thread(a.server.core.check))

@@ -69,6 +69,18 @@ def register(subparsers: Any) -> None:
         help="each GPU's worker process owns its memory (always so with --gpus auto); "
         "a crashed worker then loses that GPU's slots",
     )
+    p.add_argument(
+        "--sim-copy-gbps",
+        type=float,
+        default=0.0,
+        help="simulated GPUs: host-to-GPU copy bandwidth in GB/s (0: memcpy speed)",
+    )
+    p.add_argument(
+        "--sim-map-us",
+        type=float,
+        default=0.0,
+        help="simulated GPUs: cost of mapping one page, in microseconds (0: free)",
+    )
     p.add_argument("--memory-dir", help="directory for simulated GPU memory (default /dev/shm)")
     p.add_argument("--tls-cert", help="server certificate (PEM); enables TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
@@ -136,6 +148,8 @@ def _config(args: argparse.Namespace) -> Any:
             raise CliError(f"--{flag.replace('_', '-')} {val}: no such file")
     if args.spare_workers < 0:
         raise CliError("--spare-workers must be >= 0")
+    if args.sim_copy_gbps < 0 or args.sim_map_us < 0:
+        raise CliError("--sim-copy-gbps and --sim-map-us must be >= 0")
     kw: dict[str, Any] = {}
     if args.node_name:
         kw["node_name"] = args.node_name
@@ -153,6 +167,8 @@ def _config(args: argparse.Namespace) -> Any:
         client_ca=Path(args.client_ca) if args.client_ca else None,
         token_file=Path(args.token_file) if args.token_file else None,
         metrics_port=args.metrics_port,
+        sim_copy_bytes_per_s=args.sim_copy_gbps * 1e9,
+        sim_map_s_per_page=args.sim_map_us * 1e-6,
         metrics_host=args.metrics_host,
         engine_host=args.engine_host,
         advertise_host=args.advertise_host,
