@@ -586,7 +586,7 @@ def test_replay_after_a_lost_answer(fast_agent) -> None:
 def test_evict_while_loading_aborts_the_prewarm(tmp_path: Path, model_root: Path) -> None:
     """With a slow simulated copy (timing model), evicting a slot mid-load cancels its loader:
     the Prewarm stream ends ABORTED, every page returns to the pool, nothing half-mapped stays."""
-    cfg = cfg_for(tmp_path, model_root, sim_copy_bytes_per_s=1e6)  # ~0.45 s for alpha
+    cfg = cfg_for(tmp_path, model_root, sim_copy_bytes_per_s=2e5)  # ~2.3 s for alpha
     with AgentThread(cfg) as a, SyncAgentClient(a.address) as c:
         stream = c.prewarm("alpha", [0], request_id="slow-1")
         first = next(stream)
