@@ -36,7 +36,7 @@ def busy_prep():
 
 @pytest.mark.parametrize("system", [*AUTOSCALING, "dedicated"])
 def test_conservation_every_request_served_or_dropped(busy_prep, system):
-    out, wall = runner.run_system(busy_prep, system)
+    out, wall = runner.run_system(busy_prep, system, check=True)
     names = [m.spec.name for m in busy_prep.models]
     row = metrics.summarize(out, busy_prep.requests.arrival, busy_prep.requests.model,
                             busy_prep.requests.output_tokens, names, wall)
@@ -168,3 +168,23 @@ def test_conservation_holds_for_any_small_scenario(seed, rps, alpha, gpus, syste
     served = ~np.isnan(out.finish)
     assert all((d is None) == s for d, s in zip(out.drop, served, strict=True))
     assert row["gpu_hours"] <= gpus * 300 / 3600 + 1e-9
+
+
+@pytest.fixture(scope="module")
+def lending_prep():
+    """Load high enough that instances drain while others scale up: grace lending happens."""
+    doc = make_doc(**{"workload.total_rps": 30, "workload.duration_s": 1200})
+    return runner.prepare(parse(doc))
+
+
+def test_proactive_prewarming_lends_grace_memory_and_ablation_does_not(lending_prep):
+    with_lending, _ = runner.run_system(lending_prep, "warmserve", check=True)
+    without, _ = runner.run_system(lending_prep, "warmserve-no-proactive", check=True)
+    assert with_lending.lent_placements > 0
+    assert without.lent_placements == 0
+
+
+@pytest.mark.parametrize("system", ["warmserve-no-evict-aware", "sllm-gpu", "reactive"])
+def test_state_invariants_hold_for_other_systems(lending_prep, system):
+    out, _ = runner.run_system(lending_prep, system, check=True)
+    assert out.events > 0

@@ -42,7 +42,7 @@ import numpy as np
 from warmserve.policy import autoscaler as autoscaler_mod
 from warmserve.policy.cluster import LoadForecast, ModelSpec, ReplicaKind
 from warmserve.policy.load import WindowLoadTracker
-from warmserve.policy.placement import NoCapacity, choose_start, plan_prewarm
+from warmserve.policy.placement import NoCapacity, choose_start, is_laminar, plan_prewarm
 from warmserve.policy.predictor import forecast as predict_forecast
 from warmserve.sim.cluster import (
     GRACE,
@@ -146,7 +146,9 @@ class Simulation:
         static_instances: list[StaticInstance] | None = None,
         initial_instances: dict[str, int] | None = None,
         progress: Callable[[float], None] | None = None,
+        check: bool = False,
     ) -> None:
+        self.check = check
         self.sys = system
         self.models = models
         self.by_name = {m.spec.name: m for m in models}
@@ -647,6 +649,8 @@ class Simulation:
             )
 
     def _window(self, t: float) -> None:
+        if self.check:
+            self.check_invariants(t)
         for m in self.models:
             wl = self.trackers[m.idx].close(t)
             self.avg_hist[m.idx].append(wl.avg)
@@ -704,3 +708,24 @@ class Simulation:
             if lender is not None:
                 lender.lent.append(rep)
                 self.lent_placements += 1
+        if self.check:
+            self.check_invariants(t)
+
+    def check_invariants(self, t: float) -> None:
+        """State invariants (tests run with ``check=True``): no GPU memory over-committed, every
+        holder is a live instance on its GPUs, and with evict-aware placement the GPU sets of
+        replicas and instances on a node are laminar (§5.2: disjoint or nested)."""
+        used = self.cl.replica_bytes()
+        for (node, g), b in used.items():
+            inst = self.cl.holder.get((node, g))
+            if inst is None and b > self.cl.hbm_bytes:
+                raise AssertionError(f"t={t}: {node}/gpu{g} holds {b} replica bytes > HBM")
+        for (node, g), inst in self.cl.holder.items():
+            if inst.phase == STOPPED or inst.node != node or g not in inst.gpus:
+                raise AssertionError(f"t={t}: stale holder on {node}/gpu{g}")
+        if self.sys.evict_aware:
+            for node in self.cl.node_names:
+                sets = [r.gpus for r in self.cl.replicas if r.node == node]
+                sets += [i.gpus for i in self._live() if i.node == node]
+                if not is_laminar(sets):
+                    raise AssertionError(f"t={t}: partial overlap on {node}: {sets}")

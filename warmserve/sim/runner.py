@@ -254,7 +254,10 @@ def static_layout(prep: Prepared, system: str) -> list[StaticInstance]:
 
 
 def run_system(
-    prep: Prepared, system: str, progress: Callable[[float], None] | None = None
+    prep: Prepared,
+    system: str,
+    progress: Callable[[float], None] | None = None,
+    check: bool = False,
 ) -> tuple[SimOutput, float]:
     """Run one system; returns its output and the wall seconds it took."""
     sc = prep.scenario
@@ -299,6 +302,7 @@ def run_system(
         static_instances=static,
         initial_instances=prep.initial,
         progress=progress,
+        check=check,
     )
     out = sim.run()
     wall = time.perf_counter() - t0
