@@ -380,7 +380,8 @@ def write_markdown(
         f"{', '.join(facts['shares'])} (TP 1, 1, 2, 4; batch 32), {sc.window_s / 60:g}-minute "
         f"windows, {sc.duration_s / 3600:g} h from {facts['start']} (the busiest 2 h of the "
         "models' trace days), arrival shape from the Azure multimodal week (a different day per "
-        f"model), lengths from `{sc.lengths}`, predictor history {sc.history_days} days, seed "
+        f"model), lengths from `{sc.lengths}`, predictor `{facts.get('predictor', '?')}` "
+        f"with {sc.history_days} days of history, seed "
         f"{sc.seed}.  Cold start (stock vLLM, all stages + all weights): {cold}.",
         "",
         "## Main table: tail TTFT, WarmServe vs SLLM-GPU and MuxServe",

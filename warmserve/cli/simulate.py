@@ -39,8 +39,8 @@ def register(subparsers: Any) -> None:
         "--systems",
         metavar="A,B,...",
         help="systems to run (default: the scenario's `systems`, else all). Known: warmserve, "
-        "warmserve-no-proactive, warmserve-no-evict-aware, reactive, sllm-gpu, muxserve, prism, "
-        "dedicated",
+        "warmserve-no-proactive, warmserve-no-evict-aware, reactive, sllm-gpu, sllm-gpu-pooled, "
+        "muxserve, prism, dedicated",
     )
     p.add_argument("--json", metavar="OUT.json", help="write rows, per-model breakdown and facts")
     p.add_argument("--plot", metavar="OUT.png", help="TTFT CDFs and GPU-state timelines")

@@ -28,6 +28,7 @@ from warmserve.policy.cluster import (
 )
 from warmserve.policy.load import inflight_load, request_durations
 from warmserve.policy.placement import NoCapacity, choose_start
+from warmserve.policy.predictor import DEFAULT_PREDICTOR
 from warmserve.policy.scoring import instances_for
 from warmserve.sim import workload as wl
 from warmserve.sim.cluster import SimCluster
@@ -331,6 +332,8 @@ def describe(prep: Prepared) -> dict[str, object]:
             m.spec.name: round(float(m.engine.cold_start_s()), 3) for m in prep.models
         },
         "seed": sc.seed,
+        "predictor": sc.predictor or DEFAULT_PREDICTOR,
+        "window_s": sc.window_s,
         "prep_s": round(prep.prep_s, 3),
         "placeable": {m.spec.name: m.placeable for m in prep.models},
         "peak_inflight": {
