@@ -184,7 +184,7 @@ def test_proactive_prewarming_lends_grace_memory_and_ablation_does_not(lending_p
     assert without.lent_placements == 0
 
 
-@pytest.mark.parametrize("system", ["warmserve-no-evict-aware", "sllm-gpu", "reactive"])
+@pytest.mark.parametrize("system", ["warmserve-no-evict-aware", "sllm-gpu"])
 def test_state_invariants_hold_for_other_systems(lending_prep, system):
     out, _ = runner.run_system(lending_prep, system, check=True)
     assert out.events > 0
