@@ -72,10 +72,9 @@ kind load docker-image "$IMAGE" --name "$CLUSTER"
 step "helm upgrade --install warmserve (namespace $NAMESPACE)"
 helm upgrade --install warmserve helm/warmserve --kube-context "$CTX" \
   --namespace "$NAMESPACE" --create-namespace \
-  --set image.repository="${IMAGE%:*}" --set image.tag="${IMAGE##*:}" --set image.pullPolicy=Never \
-  --set agent.simulateGpus="$SIM_GPUS" --set agent.gpuResource.count=0 \
-  --set agent.resources.requests.cpu=100m --set agent.resources.requests.memory=256Mi \
-  --set agent.shmSizeLimit=1Gi \
+  -f e2e/kind-values.yaml \
+  --set image.repository="${IMAGE%:*}" --set image.tag="${IMAGE##*:}" \
+  --set agent.simulateGpus="$SIM_GPUS" \
   --wait --timeout 5m
 kubectl --context "$CTX" -n "$NAMESPACE" rollout status deploy -l app.kubernetes.io/component=operator --timeout=120s
 kubectl --context "$CTX" -n "$NAMESPACE" rollout status ds -l app.kubernetes.io/component=agent --timeout=120s

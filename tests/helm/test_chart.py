@@ -18,6 +18,7 @@ import yaml
 from k8s_support import REPO_ROOT, ControlPlane, fake_node
 
 CHART = REPO_ROOT / "helm" / "warmserve"
+KIND_VALUES = REPO_ROOT / "e2e" / "kind-values.yaml"  # what e2e/kind-up.sh installs
 REPO_CRDS = REPO_ROOT / "crds"
 
 
@@ -186,8 +187,9 @@ def _parse_cli(args: list[str]) -> None:
             "--set",
             "operator.watchNamespaces={team-a,team-b}",
         ],
+        ["-f", str(KIND_VALUES)],
     ],
-    ids=["defaults", "no-tls", "simulated"],
+    ids=["defaults", "no-tls", "simulated", "kind"],
 )
 def test_container_args_are_accepted_by_the_warmserve_cli(
     k8s_bin_dir: Path, set_args: list[str]
@@ -198,6 +200,16 @@ def test_container_args_are_accepted_by_the_warmserve_cli(
         container = _find(docs, kind, suffix)["spec"]["template"]["spec"]["containers"][0]
         assert container["command"] == ["warmserve"]
         _parse_cli(container["args"])
+
+
+def test_kind_values_simulate_gpus_and_never_pull(k8s_bin_dir: Path) -> None:
+    docs = _render(k8s_bin_dir, "-f", str(KIND_VALUES))
+    agent = _find(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]["containers"][0]
+    assert "--simulate-gpus=8x80GiB" in agent["args"]
+    assert "nvidia.com/gpu" not in agent["resources"].get("limits", {})
+    assert agent["imagePullPolicy"] == "Never"
+    operator = _find(docs, "Deployment", "-operator")["spec"]["template"]["spec"]["containers"][0]
+    assert "--window=60" in operator["args"]
 
 
 def test_no_binding_grants_cluster_admin(k8s_bin_dir: Path) -> None:
@@ -242,8 +254,9 @@ def crds_installed(k8s_control_plane: ControlPlane) -> None:
             "--set",
             "agent.simulateGpus=8x80GiB",
         ],
+        ["-f", str(KIND_VALUES), "--set", "image.repository=warmserve", "--set", "image.tag=dev"],
     ],
-    ids=["defaults", "minimal", "existing-secret-ha"],
+    ids=["defaults", "minimal", "existing-secret-ha", "kind"],
 )
 def test_rendered_manifests_pass_server_side_dry_run(
     k8s_control_plane: ControlPlane,
