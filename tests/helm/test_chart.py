@@ -417,3 +417,32 @@ def test_helm_install_wait_places_agents_on_gpu_nodes_only(
         for node in nodes:
             plane.kubectl("delete", "node", node, "--wait=false", check=False)
         plane.delete_namespace(ns)
+
+
+def test_kind_values_install_and_become_ready_on_kind_like_nodes(
+    k8s_controllers_plane: ControlPlane,
+) -> None:
+    # What e2e/kind-up.sh does, minus Docker: two untainted workers labelled
+    # nvidia.com/gpu.present=true without GPU capacity; `helm install --wait` must succeed.
+    plane = k8s_controllers_plane
+    ns = plane.create_namespace("chart-kind")
+    pool = {"pool": ns}
+    nodes = [f"{ns}-w1", f"{ns}-w2"]
+    for node in nodes:
+        labels = {"nvidia.com/gpu.present": "true", **pool}
+        plane.kubectl("apply", "-f", "-", input=fake_node(node, labels=labels))
+    name = "ws" + ns.rsplit("-", 1)[1]
+    try:
+        plane.helm(
+            "install", name, str(CHART), "-n", ns, "--wait", "--timeout=90s",
+            "-f", str(KIND_VALUES), "--set", f"operator.peering={ns}-peering",
+            "--set-json", f"operator.nodeSelector={json.dumps(pool)}",
+            "--set-json", f"agent.nodeSelector={json.dumps(pool)}",
+        )  # fmt: skip
+        ds = json.loads(plane.kubectl("get", "ds", "-n", ns, "-o", "json").stdout)["items"][0]
+        assert ds["status"]["numberReady"] == 2
+    finally:
+        plane.helm("uninstall", name, "-n", ns, "--wait=false", check=False)
+        for node in nodes:
+            plane.kubectl("delete", "node", node, "--wait=false", check=False)
+        plane.delete_namespace(ns)
