@@ -305,3 +305,33 @@ def test_kubeconfig_env_points_at_the_test_cluster(k8s_control_plane: ControlPla
     assert os.environ["KUBECONFIG"] == str(k8s_control_plane.kubeconfig)
     api = client.VersionApi(config.new_client_from_config())
     assert api.get_code().git_version == k8s_control_plane.version()["gitVersion"]
+
+
+def test_watchdog_stops_the_plane_when_its_owner_is_killed(
+    k8s_control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    # A test process killed with SIGKILL runs no teardown; the watchdog must clean up anyway.
+    import sys
+    import time
+
+    workdir = tmp_path / "orphan"
+    tests_dir = HACK.parent.parent / "tests"
+    bin_dir = k8s_control_plane.bin_dir
+    script = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        f"sys.path.insert(0, {str(tests_dir)!r})\n"
+        "from k8s_support import ControlPlane\n"
+        f"plane = ControlPlane.start(Path({str(workdir)!r}), bin_dir=Path({str(bin_dir)!r}))\n"
+        "for name in ('etcd', 'kube-apiserver'):\n"
+        "    print((plane.workdir / f'{name}.pid').read_text().strip(), flush=True)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr
+    pids = [int(line) for line in proc.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.5)
+    assert not any(_alive(pid) for pid in pids), "watchdog did not stop the orphaned plane"
