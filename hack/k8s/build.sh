@@ -4,8 +4,8 @@
 # the wrapper modules committed next to this script (go.mod + go.sum pin every module hash).
 #
 # usage: hack/k8s/build.sh [--with-controllers] [--print-versions]
-#   --with-controllers  also build kube-controller-manager, kube-scheduler and kwok (only needed for
-#                       namespace deletion / GC / workloads reaching Running; no test needs them today)
+#   --with-controllers  also build kube-controller-manager, kube-scheduler and kwok (+ its stage
+#                       config) for the controllers plane (k8s_controllers_plane; hack/test.sh)
 #   --print-versions    print the pinned versions and exit
 #
 # Binaries land in ${WARMSERVE_K8S_CACHE:-$HOME/.cache/warmserve-k8s}/<k8s-version>-<key>/bin, where
@@ -28,7 +28,7 @@ for arg in "$@"; do
       printf 'kubernetes v%s\netcd v%s\nhelm %s\nkwok %s\ngo %s.x\n' \
         "$K8S_VERSION" "$ETCD_VERSION" "$HELM_VERSION" "$KWOK_VERSION" "$GO_MINOR"
       exit 0 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "build.sh: unknown argument: $arg (see --help)" >&2; exit 2 ;;
   esac
 done
