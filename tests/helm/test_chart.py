@@ -139,10 +139,17 @@ def test_existing_secret_and_cert_manager_modes(k8s_bin_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("set_args", "message"),
     [
+        # values.schema.json: the message names the field
         (
             ["--set", "tls.mode=selfsigned"],
-            "tls.mode must be one of generate, existingSecret, certManager",
+            "at '/tls/mode': value must be one of 'generate', 'existingSecret', 'certManager'",
         ),
+        (["--set", "agent.gpuResource.count=-1"], "at '/agent/gpuResource/count': minimum"),
+        (["--set", "operator.windowSeconds=abc"], "at '/operator/windowSeconds': got string"),
+        (["--set", "operator.logLevel=verbose"], "at '/operator/logLevel': value must be one of"),
+        (["--set", "agent.grpcPort=70000"], "at '/agent/grpcPort': maximum"),
+        (["--set", "agent.modelCache.hostPath=models"], "at '/agent/modelCache/hostPath'"),
+        # template checks that a schema cannot express
         (["--set", "tls.mode=certManager"], "tls.certManager.issuerRef.name is required"),
         (
             ["--set", "tls.mode=existingSecret"],

@@ -82,12 +82,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
-{{/* Fail early on a TLS mode the chart does not know. */}}
+{{/* TLS settings values.schema.json cannot express (tls.mode itself is an enum there). */}}
 {{- define "warmserve.validateTLS" -}}
 {{- if .Values.tls.enabled }}
-{{- if not (has .Values.tls.mode (list "generate" "existingSecret" "certManager")) }}
-{{- fail (printf "tls.mode must be one of generate, existingSecret, certManager (got %q)" .Values.tls.mode) }}
-{{- end }}
 {{- if and (eq .Values.tls.mode "certManager") (not .Values.tls.certManager.issuerRef.name) }}
 {{- fail "tls.certManager.issuerRef.name is required when tls.mode is certManager" }}
 {{- end }}
