@@ -298,6 +298,11 @@ def _narrative(points: list[dict[str, Any]], sc: Scenario) -> str:
                _rows_by(p).get("warmserve", {}).get("ttft_p99_s"))
         for p in points
     ])
+    gpu_range = _range([
+        _ratio(_rows_by(p).get("warmserve", {}).get("gpu_hours"),
+               _rows_by(p).get("dedicated", {}).get("gpu_hours"))
+        for p in points
+    ])
     spread_lines = []
     for p in points:
         if p["overrides"]["total_rps"] != heavy_rps:
@@ -366,6 +371,12 @@ failed start attempts, the diagnostics table below), not from the paper.
    model with a static share of a mesh.  When a model's burst exceeds what its share serves,
    its queue grows for the rest of the period, hence tails of minutes even at moderate load;
    the paper saw the same collapse under heavy load.
+5. **GPU-hours.**  WarmServe holds {gpu_range} of the GPU-hours of the always-on `dedicated`
+   reference over the grid.  The saving depends on how far each model's load falls below its
+   peak within the period (the rate is scaled to the same mean whatever `workload.start` is),
+   and the autoscaler releases an instance only after utilisation stayed under
+   {sc.scale_down_utilization:.0%} for {sc.scale_down_delay_s:g} s; `dedicated` is sized to
+   the period's oracle peak, so it is a tight reference.
 """
 
 
