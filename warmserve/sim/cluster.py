@@ -7,8 +7,8 @@ something (:meth:`SimCluster.snapshot`).
 Continuous batching without per-token events
 --------------------------------------------
 An instance's decode progress is a *virtual step counter* ``V``: it advances at ``1/step_s`` per
-second while the instance decodes and stands still while it runs a prefill (vLLM's default
-scheduler runs a prefill iteration ahead of the decode iteration and the decoding requests wait).
+second while the instance decodes and stands still while it runs a prefill (prefill-first
+without chunking, vLLM V0's default: the decoding requests wait for the prefill iteration).
 A request that joins the decode batch at ``V0`` with ``n`` output tokens (the first comes from
 the prefill) finishes when ``V`` reaches ``V0 + n - 1``.  ``step_s`` is
 ``engine.decode_step_s(batch, kv_tokens)`` re-evaluated at every membership change (a join or a
