@@ -34,6 +34,7 @@ def latency_stats(ttft: np.ndarray, tpot: np.ndarray) -> dict[str, float | None]
         "ttft_p99_s": _pct(ttft, 99),
         "tpot_p50_s": _pct(tpot, 50),
         "tpot_p99_s": _pct(tpot, 99),
+        "tpot_mean_s": float(tpot.mean()) if tpot.size else None,
     }
 
 
