@@ -19,7 +19,6 @@ lengthen the steps (KV reads are a small part of a step at these sizes; see docs
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -256,7 +255,3 @@ class SimCluster:
                 if self.link_free[key] <= r.t_done + 1e-9:
                     freed = r.t_done - max(t, r.t_begin)
                     self.link_free[key] = max(t, self.link_free[key] - freed)
-
-
-def heap_push_running(inst: SimInstance, target: float, rid: int) -> None:
-    heapq.heappush(inst.running, (target, rid))
