@@ -330,9 +330,10 @@ failed start attempts, the diagnostics table below), not from the paper.
    WarmServe *miss* also skips the {pool_engine:.1f} s of process and engine stages (they are
    model-agnostic, §7.2) and streams the weights behind the first layer, so for TP-1 models a
    miss costs about as much as a hit: with a {prof.host_to_gpu_bw / 1e9:.0f} GB/s link the
-   weights are not what makes starts slow.  SLLM-GPU as the paper describes it (memory
-   switching, no process pool) pays the {pool_engine:.1f} s even on a cache hit, which is where
-   our WarmServe gains over it come from.  `sllm-gpu-pooled`, given the pool, pays only the
+   weights are not what makes starts slow.  SLLM-GPU as we read the paper (§7.1 grants it
+   WarmServe's memory switching; §6 presents the process pool and pre-created engines as
+   WarmServe's own) pays the {pool_engine:.1f} s even on a cache hit, which is where our
+   WarmServe gains over it come from.  `sllm-gpu-pooled`, given the pool, pays only the
    NCCL group (TP > 1) and the un-streamed weights more than WarmServe per start, and its P99
    relative to WarmServe's spans {pooled_range} over the grid: on par, within the allocation
    effects of point 2.  The paper's Figure 8
