@@ -427,6 +427,35 @@ def test_replica_on_grace_gpus_is_not_a_hit() -> None:
     assert isinstance(c, StartChoice) and not c.hit and c.gpus == (1,)
 
 
+def test_cold_start_on_unaligned_free_gpus() -> None:
+    # Serving TP-1 instances on GPUs 0, 3, 4, 7 leave no aligned block of 4 free, but GPUs 1, 2,
+    # 5, 6 are: the TP-4 model starts there instead of waiting for a scale-down, evicting the
+    # least-score replica's GPUs last (the replica on GPU 2 scores more than the one on GPU 5).
+    busy = {f"g{i}": WorkerState.DEDICATED for i in (0, 3, 4, 7)}
+    n = node("a", 8, **busy)
+    insts = [Instance("o", "a", (i,), 1) for i in (0, 3, 4, 7)]
+    reps = [Replica("o", BASIC, 0, 3.0, "a", (2,)), Replica("o", BURST, 0, 1.0, "a", (5,))]
+    c = choose_start(state([n], [spec("m", tp=4), spec("o")], {}, reps, insts), "m")
+    assert isinstance(c, StartChoice) and not c.hit
+    assert c.gpus == (1, 2, 5, 6) and c.evicted_score == 4.0
+    # The instance's exact GPU set is then an occupant: a later plan never partially overlaps it.
+    after = state(
+        [node("a", 8, **{f"g{i}": WorkerState.DEDICATED for i in (0, 1, 2, 3, 4, 5, 6, 7)})],
+        [spec("m", tp=4), spec("o"), spec("x", tp=2)],
+        {"x": ONE_BASIC},
+        (),
+        [*insts, Instance("m", "a", c.gpus, 1)],
+    )
+    assert plan_prewarm(after).place == ()
+    # With only 3 startable GPUs left there is no capacity.
+    busy5 = {f"g{i}": WorkerState.DEDICATED for i in (0, 1, 3, 4, 7)}
+    insts5 = [Instance("o", "a", (i,), 1) for i in (0, 1, 3, 4, 7)]
+    c = choose_start(
+        state([node("a", 8, **busy5)], [spec("m", tp=4), spec("o")], {}, (), insts5), "m"
+    )
+    assert isinstance(c, NoCapacity)
+
+
 def test_no_capacity_reasons() -> None:
     c = choose_start(state([node("a", 2)], [spec("m", tp=4)], {}), "m")
     assert isinstance(c, NoCapacity) and "exceeds the GPU count" in c.reason
