@@ -6,7 +6,9 @@ install test checks the release status and the objects, not running workloads.
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -159,6 +161,13 @@ def test_existing_secret_and_cert_manager_modes(k8s_bin_dir: Path) -> None:
             ["--set", "operator.serviceAccount.create=false"],
             "operator.serviceAccount.name is required",
         ),
+        (["--set", "agent.metricsPort=50051"], "agent.metricsPort and agent.grpcPort must differ"),
+        (
+            ["--set", "operator.metricsPort=8080"],
+            "operator.metricsPort and operator.healthPort must differ",
+        ),
+        (["--set", "metrics.podMonitor.interval=often"], "at '/metrics/podMonitor/interval'"),
+        (["--set", "metrics.scrapeAnnotations=yes"], "at '/metrics/scrapeAnnotations': got string"),
     ],
 )
 def test_bad_values_fail_with_a_message(
@@ -169,16 +178,22 @@ def test_bad_values_fail_with_a_message(
     assert message in proc.stderr
 
 
-def _parse_cli(args: list[str]) -> None:
+def _parse_cli(args: list[str]) -> argparse.Namespace:
     """Parse ``args`` with the real ``warmserve`` argument parser (fails on unknown flags)."""
-    import argparse
-
     from warmserve.cli import build_parser
 
     try:
-        build_parser().parse_args(args)
+        return build_parser().parse_args(args)
     except (SystemExit, argparse.ArgumentError) as exc:  # unknown or invalid flags
         raise AssertionError(f"warmserve rejects the chart's arguments {args}") from exc
+
+
+def _env_refs_are_defined(container: dict[str, Any]) -> None:
+    """Every ``$(VAR)`` in the args names an env var of the container: kubelet leaves an
+    undefined reference as the literal text, e.g. an agent advertising ``$(POD_IP)``."""
+    defined = {e["name"] for e in container.get("env", [])}
+    refs = {m for a in container["args"] for m in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", a)}
+    assert refs <= defined, f"{container['name']}: undefined {sorted(refs - defined)}"
 
 
 @pytest.mark.parametrize(
@@ -207,6 +222,131 @@ def test_container_args_are_accepted_by_the_warmserve_cli(
         container = _find(docs, kind, suffix)["spec"]["template"]["spec"]["containers"][0]
         assert container["command"] == ["warmserve"]
         _parse_cli(container["args"])
+        _env_refs_are_defined(container)
+
+
+def _pod(docs: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, Any]:
+    return _find(docs, kind, suffix)["spec"]["template"]
+
+
+def _ports(container: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+
+
+def test_agent_engines_and_metrics_are_reachable_from_other_pods(k8s_bin_dir: Path) -> None:
+    # The CLI binds engines and metrics to 127.0.0.1: in a pod the endpoints Activate returns
+    # would be unreachable from the operator/gateway, and Prometheus could not scrape.
+    pod = _pod(_render(k8s_bin_dir), "DaemonSet", "-agent")
+    container = pod["spec"]["containers"][0]
+    ns = _parse_cli(container["args"])
+    assert ns.engine_host == "0.0.0.0"
+    assert ns.advertise_host == "$(POD_IP)"  # kubelet substitutes the env var below
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert (ns.metrics_host, ns.metrics_port) == ("0.0.0.0", 9091)
+    assert _ports(container) == {"grpc": 50051, "metrics": 9091}
+    ann = pod["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true"
+    assert ann["prometheus.io/port"] == "9091" and ann["prometheus.io/path"] == "/metrics"
+    assert "checksum/tls" in ann
+
+    # The args build an AgentConfig with those hosts once kubelet has substituted $(POD_IP).
+    from warmserve.cli.agent import _config
+
+    ns.advertise_host = ns.advertise_host.replace("$(POD_IP)", "10.1.2.3")
+    ns.model_dir = str(REPO_ROOT)  # any directory: _config checks it exists
+    ns.tls_cert = ns.tls_key = ns.client_ca = None  # the secret is not mounted here
+    cfg = _config(ns)
+    assert (cfg.engine_host, cfg.advertise_host, cfg.metrics_host) == (
+        "0.0.0.0",
+        "10.1.2.3",
+        "0.0.0.0",
+    )
+
+
+def test_operator_metrics_bind_all_interfaces_on_a_named_port(k8s_bin_dir: Path) -> None:
+    pod = _pod(_render(k8s_bin_dir), "Deployment", "-operator")
+    container = pod["spec"]["containers"][0]
+    ns = _parse_cli(container["args"])
+    assert (ns.metrics_address, ns.metrics_port) == ("0.0.0.0", 9090)
+    assert _ports(container) == {"metrics": 9090, "health": 8080}
+    ann = pod["metadata"]["annotations"]
+    assert (ann["prometheus.io/scrape"], ann["prometheus.io/port"]) == ("true", "9090")
+
+
+def test_metrics_off_declares_no_port_and_no_scrape_annotations(k8s_bin_dir: Path) -> None:
+    docs = _render(
+        k8s_bin_dir, "--set", "operator.metricsPort=0", "--set", "agent.metricsPort=0",
+        "--set", "tls.enabled=false", "--set", "metrics.podMonitor.enabled=true",
+    )  # fmt: skip
+    op = _pod(docs, "Deployment", "-operator")
+    ag = _pod(docs, "DaemonSet", "-agent")
+    # containerPort 0 would be rejected by the API server; no annotations at all are left.
+    assert _ports(op["spec"]["containers"][0]) == {"health": 8080}
+    assert _ports(ag["spec"]["containers"][0]) == {"grpc": 50051}
+    assert "annotations" not in op["metadata"] and "annotations" not in ag["metadata"]
+    assert _parse_cli(op["spec"]["containers"][0]["args"]).metrics_port == 0
+    agent_ns = _parse_cli(ag["spec"]["containers"][0]["args"])
+    assert agent_ns.metrics_port is None and agent_ns.engine_host == "0.0.0.0"
+    assert not [d for d in docs if d["kind"] == "PodMonitor"]
+
+
+def test_scrape_annotations_can_be_turned_off_or_overridden(k8s_bin_dir: Path) -> None:
+    off = _render(k8s_bin_dir, "--set", "metrics.scrapeAnnotations=false")
+    for kind, suffix in (("Deployment", "-operator"), ("DaemonSet", "-agent")):
+        ann = _pod(off, kind, suffix)["metadata"]["annotations"]
+        assert not [k for k in ann if k.startswith("prometheus.io/")]
+        assert "checksum/tls" in ann
+    mine = _render(
+        k8s_bin_dir,
+        "--set-string",
+        "agent.podAnnotations.prometheus\\.io/scrape=false",
+        "--set-string",
+        "operator.podAnnotations.team=ml",
+    )
+    agent = _pod(mine, "DaemonSet", "-agent")["metadata"]["annotations"]
+    assert agent["prometheus.io/scrape"] == "false"  # the user's value wins
+    assert agent["prometheus.io/port"] == "9091"
+    operator = _pod(mine, "Deployment", "-operator")["metadata"]["annotations"]
+    assert operator["team"] == "ml" and operator["prometheus.io/scrape"] == "true"
+
+
+def test_pod_monitors_select_the_pods_and_their_metrics_port(k8s_bin_dir: Path) -> None:
+    docs = _render(
+        k8s_bin_dir,
+        "--set", "metrics.podMonitor.enabled=true",
+        "--set", "metrics.podMonitor.labels.release=kube-prometheus",
+        "--set", "metrics.podMonitor.scrapeTimeout=10s",
+    )  # fmt: skip
+    monitors = [d for d in docs if d["kind"] == "PodMonitor"]
+    assert sorted(m["metadata"]["name"] for m in monitors) == [
+        "ws-warmserve-agent",
+        "ws-warmserve-operator",
+    ]
+    for kind, suffix in (("Deployment", "-operator"), ("DaemonSet", "-agent")):
+        pod = _pod(docs, kind, suffix)
+        monitor = _find(docs, "PodMonitor", suffix)
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus"
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= pod["metadata"]["labels"].items()
+        assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["warmserve"]}
+        (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+        assert endpoint == {
+            "port": "metrics", "path": "/metrics", "interval": "30s", "scrapeTimeout": "10s"
+        }  # fmt: skip
+        assert "metrics" in _ports(pod["spec"]["containers"][0])
+    # The operator's PodMonitor must not also select agent pods (and vice versa).
+    agent_labels = _pod(docs, "DaemonSet", "-agent")["metadata"]["labels"]
+    op_selector = _find(docs, "PodMonitor", "-operator")["spec"]["selector"]["matchLabels"]
+    assert not op_selector.items() <= agent_labels.items()
+    # Agents off: only the operator's.
+    no_agent = _render(
+        k8s_bin_dir, "--set", "metrics.podMonitor.enabled=true", "--set", "agent.enabled=false"
+    )
+    assert [d["metadata"]["name"] for d in no_agent if d["kind"] == "PodMonitor"] == [
+        "ws-warmserve-operator"
+    ]
 
 
 def test_kind_values_simulate_gpus_and_never_pull(k8s_bin_dir: Path) -> None:
@@ -262,8 +402,9 @@ def crds_installed(k8s_control_plane: ControlPlane) -> None:
             "agent.simulateGpus=8x80GiB",
         ],
         ["-f", str(KIND_VALUES), "--set", "image.repository=warmserve", "--set", "image.tag=dev"],
+        ["--set", "operator.metricsPort=0", "--set", "agent.metricsPort=0"],
     ],
-    ids=["defaults", "minimal", "existing-secret-ha", "kind"],
+    ids=["defaults", "minimal", "existing-secret-ha", "kind", "metrics-off"],
 )
 def test_rendered_manifests_pass_server_side_dry_run(
     k8s_control_plane: ControlPlane,

@@ -90,3 +90,38 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/*
+Pod annotations: the TLS checksum (generated certificates only, so a new certificate restarts
+the pods), Prometheus scrape annotations when metrics.scrapeAnnotations is on and the pod serves
+metrics, then the user's podAnnotations, which win on a clash. Call with
+(dict "ctx" $ "metricsPort" PORT "user" PODANNOTATIONS); renders nothing when there are none.
+*/}}
+{{- define "warmserve.podAnnotations" -}}
+{{- $ctx := .ctx }}
+{{- $ann := dict }}
+{{- if and $ctx.Values.tls.enabled (eq $ctx.Values.tls.mode "generate") }}
+{{- $_ := set $ann "checksum/tls" (include (print $ctx.Template.BasePath "/tls.yaml") $ctx | sha256sum) }}
+{{- end }}
+{{- if and $ctx.Values.metrics.scrapeAnnotations .metricsPort }}
+{{- $_ := set $ann "prometheus.io/scrape" "true" }}
+{{- $_ := set $ann "prometheus.io/port" (toString .metricsPort) }}
+{{- $_ := set $ann "prometheus.io/path" "/metrics" }}
+{{- end }}
+{{- $ann = merge (deepCopy (default (dict) .user)) $ann }}
+{{- with $ann }}
+{{- toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Port clashes inside one pod, which values.schema.json cannot express. */}}
+{{- define "warmserve.validatePorts" -}}
+{{- $op := .Values.operator }}
+{{- if and $op.metricsPort (eq (int $op.metricsPort) (int $op.healthPort)) }}
+{{- fail "operator.metricsPort and operator.healthPort must differ" }}
+{{- end }}
+{{- $ag := .Values.agent }}
+{{- if and $ag.enabled $ag.metricsPort (eq (int $ag.metricsPort) (int $ag.grpcPort)) }}
+{{- fail "agent.metricsPort and agent.grpcPort must differ" }}
+{{- end }}
+{{- end }}
