@@ -117,6 +117,15 @@ class SimInstance:
     version: int = 0
     lent: list[SimReplica] = field(default_factory=list)
     served: int = 0
+    # GPU sharing (MuxServe, Prism): instances on the same GPUs and the configuration factor of
+    # warmserve.sim.baselines.sharing (None: the constant ``slowdown`` applies).
+    peers: list[SimInstance] = field(default_factory=list)
+    config_slowdown: float | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Running a prefill or decoding: it then slows down the instances it shares GPUs with."""
+        return self.prefill_end >= 0 or bool(self.running)
 
     @property
     def name(self) -> str:

@@ -44,6 +44,7 @@ from warmserve.policy.cluster import LoadForecast, ModelSpec, ReplicaKind
 from warmserve.policy.load import WindowLoadTracker
 from warmserve.policy.placement import NoCapacity, choose_start, is_laminar, plan_prewarm
 from warmserve.policy.predictor import forecast as predict_forecast
+from warmserve.sim.baselines.sharing import dynamic_slowdown
 from warmserve.sim.cluster import (
     GRACE,
     SERVING,
@@ -89,6 +90,10 @@ class StaticInstance:
     slowdown: float = 1.0
     kv_cap_tokens: int | None = None  # None: the model's own (not shared) capacity
     max_batch: int | None = None  # None: the model's max_batch (MuxServe picks its own)
+    # Set for instances that share GPUs (MuxServe, Prism): the simulator then times each
+    # prefill and decode step with ``sharing.dynamic_slowdown(config_slowdown, busy neighbours
+    # now)`` instead of the constant ``slowdown`` (kept as the average-load estimate).
+    config_slowdown: float | None = None
 
 
 @dataclass
@@ -293,6 +298,14 @@ class Simulation:
             inst.kv_cap_tokens = s.kv_cap_tokens
         if s.max_batch is not None:
             inst.max_batch = s.max_batch
+        if s.config_slowdown is not None:
+            inst.config_slowdown = s.config_slowdown
+            for other in self.instances:
+                if other is not inst and other.node == inst.node and set(other.gpus) & set(
+                    inst.gpus
+                ):
+                    other.peers.append(inst)
+                    inst.peers.append(other)
         inst.phase = SERVING
 
     def _new_instance(
@@ -378,17 +391,35 @@ class Simulation:
     def _assign(self, inst: SimInstance, rid: int, t: float) -> None:
         self.assigned[rid] = t
         inst.settle(t)
+        was_busy = inst.busy
         inst.pending.append(rid)
         inst.n_assigned += 1
         inst.kv_reserved += self.inp[rid] + self.out[rid]
         if inst.prefill_end < 0:
             self._start_prefill(inst, t)
             self._reschedule(inst, t)
+        if inst.peers and inst.busy != was_busy:
+            self._retime_peers(inst, t)
+
+    def _slowdown_now(self, inst: SimInstance) -> float:
+        """The instance's slowdown for work timed now (dynamic for shared GPUs)."""
+        if inst.config_slowdown is None:
+            return inst.slowdown
+        return dynamic_slowdown(inst.config_slowdown, sum(1 for p in inst.peers if p.busy))
+
+    def _retime_peers(self, inst: SimInstance, t: float) -> None:
+        """A shared instance turned busy or idle: its neighbours' decode steps change speed
+        from now on (a prefill already running keeps the speed it was timed with)."""
+        for peer in inst.peers:
+            if peer.phase == STOPPED or peer.prefill_end >= 0 or not peer.running:
+                continue
+            peer.settle(t)
+            self._reschedule(peer, t)
 
     def _start_prefill(self, inst: SimInstance, t: float) -> None:
         batch = list(inst.pending)
         inst.pending.clear()
-        p = inst.engine.prefill_s([self.inp[r] for r in batch]) * inst.slowdown
+        p = inst.engine.prefill_s([self.inp[r] for r in batch]) * self._slowdown_now(inst)
         layers = self.by_name[inst.model].spec.num_layers
         # The last layer's compute cannot finish before that layer is resident (streaming).
         inst.prefill_end = max(t + p, inst.full_at + p / layers)
@@ -408,12 +439,13 @@ class Simulation:
             self.push(inst.full_at, EV_INST, inst, inst.version)
             return
         kv = round(inst.kv_tokens_now())
-        inst.step_s = inst.engine.decode_step_s(len(inst.running), kv) * inst.slowdown
+        inst.step_s = inst.engine.decode_step_s(len(inst.running), kv) * self._slowdown_now(inst)
         target = inst.running[0][0]
         self.push(t + max(target - inst.v, 0.0) * inst.step_s, EV_INST, inst, inst.version)
 
     def _engine_event(self, inst: SimInstance, t: float) -> None:
         inst.settle(t)
+        was_busy = inst.busy
         if inst.prefill_end >= 0 and t >= inst.prefill_end - 1e-12:
             for rid in inst.prefill_batch:
                 self.first_token[rid] = t
@@ -439,6 +471,8 @@ class Simulation:
         if inst.phase == GRACE and inst.lent:
             self._check_lent(inst, t)
         self._reschedule(inst, t)
+        if inst.peers and inst.busy != was_busy:
+            self._retime_peers(inst, t)
         if inst.phase == SERVING:
             self._dispatch(inst.midx, t)
         elif inst.phase == GRACE and inst.n_assigned == 0:

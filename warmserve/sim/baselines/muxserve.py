@@ -59,7 +59,12 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from warmserve.policy.cluster import PolicyInputError
-from warmserve.sim.baselines.sharing import Load, busy_fraction, sharing_slowdown
+from warmserve.sim.baselines.sharing import (
+    Load,
+    busy_fraction,
+    config_factor,
+    sharing_slowdown,
+)
 from warmserve.sim.engine import EngineModel, ModelArch, scaled_profile
 from warmserve.sim.hardware import GpuProfile
 
@@ -595,9 +600,29 @@ def average_loads(prep: Prepared) -> dict[str, Load]:
     return out
 
 
+def adbs_max_num_seqs(kv_tokens: int, load: Load) -> int:
+    """The batch cap MuxServe's runtime gives a model: as many average-length requests as its
+    KV quota holds, at most the engine's ``max_num_seqs`` (256).
+
+    This is what MuxServe itself configures, not the scenario's batch: its ADBS scheduler
+    (public code ``muxsched/scheduler.py::init_max_num_seqs``) sets each model's
+    ``max_num_seqs`` to ``quota blocks // blocks per average sequence`` (the quota proportional
+    to rate x KV bytes per token, our :attr:`MuxMember.kv_tokens`), and the engine processes run
+    with the YAML's top-level ``max_num_seqs: 256`` (``arg_utils.py`` reads the per-model value
+    with ``getattr`` on a dict, so the estimator's ``batch`` never reaches the engine).  ADBS
+    later moves blocks between models every 8 s (``adapt_max_num_seqs``); we keep the initial
+    quota (docs/simulator.md, "Baselines").
+    """
+    if kv_tokens < 1:
+        raise MuxServeError(f"kv_tokens must be >= 1, got {kv_tokens}")
+    per_seq = max(1, math.ceil(load.prompt_tokens + load.output_tokens))
+    return max(1, min(MAX_NUM_SEQS, kv_tokens // per_seq))
+
+
 def static_instances(prep: Prepared) -> list[StaticInstance]:
     """MuxServe's always-on instances for a simulator run: one per model, on its unit's GPUs,
-    with the unit's KV quota and a sharing slowdown (:mod:`warmserve.sim.baselines.sharing`)."""
+    with the unit's KV quota, MuxServe's own batch cap (:func:`adbs_max_num_seqs`) and a sharing
+    slowdown (:mod:`warmserve.sim.baselines.sharing`)."""
     from warmserve.sim.core import StaticInstance
 
     sc = prep.scenario
@@ -618,15 +643,17 @@ def static_instances(prep: Prepared) -> list[StaticInstance]:
     out: list[StaticInstance] = []
     for unit in placement.units:
         busy = {}
+        batch = {m.model: adbs_max_num_seqs(m.kv_tokens, loads[m.model]) for m in unit.members}
         for mem in unit.members:
             rt = runtimes[mem.model]
             eng = EngineModel(scaled_profile(profile, mem.sm_share, 1.0), rt.engine.arch, mem.tp)
-            busy[mem.model] = (eng, busy_fraction(eng, loads[mem.model], rt.spec.max_batch))
+            busy[mem.model] = (eng, busy_fraction(eng, loads[mem.model], batch[mem.model]))
         for mem in unit.members:
             rt = runtimes[mem.model]
             eng, _ = busy[mem.model]
             others = [u for name, (_, u) in busy.items() if name != mem.model]
-            slow = sharing_slowdown(rt.engine, eng, loads[mem.model], rt.spec.max_batch, others)
+            slow = sharing_slowdown(rt.engine, eng, loads[mem.model], batch[mem.model], others)
+            config = config_factor(rt.engine, eng, loads[mem.model], batch[mem.model])
             out.append(
                 StaticInstance(
                     model=mem.model,
@@ -634,6 +661,8 @@ def static_instances(prep: Prepared) -> list[StaticInstance]:
                     gpus=unit.gpus,
                     slowdown=slow,
                     kv_cap_tokens=mem.kv_tokens,
+                    max_batch=batch[mem.model],
+                    config_slowdown=config,
                 )
             )
     return out

@@ -331,6 +331,10 @@ def activation_s(engine: EngineModel, mode: str = "measured") -> float:
 # ----------------------------------------------------------------------------- simulator glue
 
 DEFAULT_SLO_S = 1.0  # the scenario carries no per-model SLOs: equal SLOs, so r/s orders by rate
+# Prism's paper states no batch limit; its engine (SGLang + kvcached) admits requests while KV
+# pages are free, and WarmServe runs every system on vLLM (§7.1), whose default max_num_seqs is
+# 256.  So a Prism instance is bounded by 256 running requests and, in practice, by its KV room.
+MAX_NUM_SEQS = 256
 
 
 def static_instances(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> list[StaticInstance]:
@@ -370,7 +374,7 @@ def static_instances(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> list[St
     )
     by_name = {m.name: m for m in models}
     busy = {
-        name: busy_fraction(runtimes[name].engine, loads[name], runtimes[name].spec.max_batch)
+        name: busy_fraction(runtimes[name].engine, loads[name], MAX_NUM_SEQS)
         for name in placement.assignment
     }
     out: list[StaticInstance] = []
@@ -386,7 +390,7 @@ def static_instances(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> list[St
         kv_tokens = int(free // rt.engine.kv_bytes_per_token_per_gpu)
         others = {o for g in gpus for o in placement.gpus[g].models if o != name}
         slow = sharing_slowdown(
-            rt.engine, rt.engine, loads[name], rt.spec.max_batch, [busy[o] for o in sorted(others)]
+            rt.engine, rt.engine, loads[name], MAX_NUM_SEQS, [busy[o] for o in sorted(others)]
         )
         node = gpus[0] // sc.gpus_per_node
         out.append(
@@ -396,6 +400,8 @@ def static_instances(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> list[St
                 gpus=tuple(g % sc.gpus_per_node for g in gpus),
                 slowdown=slow,
                 kv_cap_tokens=max(0, kv_tokens),
+                max_batch=MAX_NUM_SEQS,
+                config_slowdown=1.0,  # same engine, time-shared: only the neighbours slow it
             )
         )
     return out

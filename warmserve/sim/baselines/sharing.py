@@ -12,8 +12,11 @@ and an SM share); the second is processor sharing: while a co-located model is b
 interleave kernels on the same SMs and HBM, so each runs at about half speed (Prism time-shares
 GPUs; MuxServe's decode jobs have separate SM partitions but share HBM, and decode is
 bandwidth-bound).  Busy fractions come from Little's law at the model's average rate
-(:func:`busy_fraction`).  This is a static, average-load approximation: it does not follow bursts
-(an assumption we state in docs/simulator.md).
+(:func:`busy_fraction`).  That static, average-load value is kept as
+:attr:`StaticInstance.slowdown` for reporting; the simulator applies the *dynamic* form
+(:func:`dynamic_slowdown`): the configuration factor times one plus the number of neighbours
+that are busy (a prefill running or a non-empty decode batch) at the moment a prefill or a decode
+step is timed, so the slowdown follows bursts (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -66,6 +69,13 @@ def busy_fraction(engine: EngineModel, load: Load, max_batch: int) -> float:
     return min(1.0, load.rate * service_time_s(engine, load, b))
 
 
+def config_factor(own: EngineModel, shared: EngineModel, load: Load, max_batch: int) -> float:
+    """First factor of the module formula: the shared configuration's service time over the
+    model's own, at its operating batch (1 for an identical configuration)."""
+    b = operating_batch(own, load, max_batch)
+    return service_time_s(shared, load, b) / service_time_s(own, load, b)
+
+
 def sharing_slowdown(
     own: EngineModel,
     shared: EngineModel,
@@ -74,6 +84,14 @@ def sharing_slowdown(
     others_busy: Sequence[float],
 ) -> float:
     """The module-level formula; never below 1 for an identical configuration."""
-    b = operating_batch(own, load, max_batch)
-    config = service_time_s(shared, load, b) / service_time_s(own, load, b)
+    config = config_factor(own, shared, load, max_batch)
     return config * (1.0 + sum(max(0.0, min(1.0, u)) for u in others_busy))
+
+
+def dynamic_slowdown(config: float, busy_neighbours: int) -> float:
+    """The same formula with each neighbour's busy fraction replaced by whether it is busy *now*
+    (1 or 0): what the simulator applies at every prefill and decode-step timing of a shared
+    instance, so the slowdown follows bursts instead of the period average."""
+    if busy_neighbours < 0:
+        raise ValueError(f"busy_neighbours must be >= 0, got {busy_neighbours}")
+    return config * (1.0 + busy_neighbours)

@@ -1,0 +1,125 @@
+"""The baselines inside the event loop: MuxServe's own batch cap, the dynamic sharing slowdown,
+Prism's activation on idle GPUs (warmserve.sim.core with warmserve.sim.baselines)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from warmserve.policy.autoscaler import AutoscalerConfig
+from warmserve.policy.cluster import ModelSpec
+from warmserve.sim.baselines import muxserve, power_law_rates, prism
+from warmserve.sim.baselines.sharing import Load, dynamic_slowdown
+from warmserve.sim.cluster import SimCluster
+from warmserve.sim.core import ModelRuntime, Simulation, StaticInstance
+from warmserve.sim.engine import EngineModel, ModelArch
+from warmserve.sim.hardware import load_profile
+from warmserve.sim.systems import get_system
+
+H800 = load_profile("h800")
+
+
+def _runtime(idx: int, name: str, max_batch: int = 32) -> ModelRuntime:
+    arch = ModelArch.llama2("7b")
+    eng = EngineModel(H800, arch, 1)
+    spec = ModelSpec(name, arch.weight_bytes, 1, max_batch, eng.load_s(), arch.num_layers)
+    return ModelRuntime(
+        idx, spec, eng, eng.kv_bytes_per_token_per_gpu, eng.kv_capacity_tokens(),
+        eng.layer_load_s, [], [],
+    )
+
+
+def _sim(system: str, static, arrivals, models_of, n_in=500, n_out=50, gpus=1, models=None):
+    models = models or [_runtime(0, "a"), _runtime(1, "b")]
+    n = len(arrivals)
+    return Simulation(
+        system=get_system(system),
+        models=models,
+        cluster=SimCluster(1, gpus, H800.hbm_bytes),
+        arrival=np.array(arrivals, dtype=float),
+        model_of=np.array(models_of),
+        input_tokens=np.full(n, n_in),
+        output_tokens=np.full(n, n_out),
+        duration_s=1000.0,
+        window_s=300.0,
+        autoscaler=AutoscalerConfig(),
+        scale_interval_s=1.0,
+        queue_timeout_s=3600.0,
+        drain_s=600.0,
+        static_instances=static,
+    )
+
+
+# ----------------------------------------------------------------------------- MuxServe batch
+
+
+def test_adbs_batch_is_kv_quota_over_average_request_capped_at_256():
+    load = Load(1.0, 1155.0, 211.0)
+    assert muxserve.adbs_max_num_seqs(1366 * 40 + 5, load) == 40  # 1366 tokens per request
+    assert muxserve.adbs_max_num_seqs(10**9, load) == muxserve.MAX_NUM_SEQS == 256
+    assert muxserve.adbs_max_num_seqs(100, load) == 1  # never 0: one request can always run
+    with pytest.raises(muxserve.MuxServeError, match="kv_tokens"):
+        muxserve.adbs_max_num_seqs(0, load)
+
+
+def test_muxserve_instances_use_their_own_batch_not_the_scenarios():
+    from tests.sim.test_baselines import TPS, _fake_prep
+
+    rates = dict(zip(TPS, power_law_rates(25, 0.5, 4), strict=True))
+    prep = _fake_prep(rates, TPS)
+    loads = muxserve.average_loads(prep)
+    insts = muxserve.static_instances(prep)
+    for inst in insts:
+        assert inst.max_batch == muxserve.adbs_max_num_seqs(inst.kv_cap_tokens, loads[inst.model])
+        assert inst.config_slowdown is not None and inst.config_slowdown > 0
+    # the scenario's batch is 32; MuxServe's quota lets every model run far more requests
+    assert min(i.max_batch for i in insts) > 32
+
+
+def test_prism_instances_use_vllm_default_max_num_seqs():
+    from tests.sim.test_baselines import TPS, _fake_prep
+
+    rates = dict(zip(TPS, power_law_rates(25, 0.5, 4), strict=True))
+    for inst in prism.static_instances(_fake_prep(rates, TPS)):
+        assert inst.max_batch == prism.MAX_NUM_SEQS == 256
+
+
+def test_static_max_batch_caps_admission():
+    # 5 simultaneous requests, batch cap 2: two are admitted at once, the rest wait.
+    static = [StaticInstance("a", "node-0", (0,), max_batch=2)]
+    sim = _sim("dedicated", static, [0.0] * 5, [0] * 5)
+    out = sim.run()
+    assert int((out.assigned == 0.0).sum()) == 2
+    assert not np.isnan(out.finish).any()
+
+
+# ----------------------------------------------------------------------------- dynamic slowdown
+
+
+def test_dynamic_slowdown_formula():
+    assert dynamic_slowdown(1.2, 0) == pytest.approx(1.2)
+    assert dynamic_slowdown(1.2, 2) == pytest.approx(3.6)
+    with pytest.raises(ValueError, match="busy_neighbours"):
+        dynamic_slowdown(1.0, -1)
+
+
+def test_sharing_slowdown_follows_the_neighbours_current_load():
+    # a and b share GPU 0 (config factor 1.5).  Request 0 (a) runs alone; requests 1 (a) and
+    # 2 (b) arrive together much later, so b's prefill starts while a is busy.
+    static = [
+        StaticInstance("a", "node-0", (0,), slowdown=9.0, config_slowdown=1.5),
+        StaticInstance("b", "node-0", (0,), slowdown=9.0, config_slowdown=1.5),
+    ]
+    sim = _sim("muxserve", static, [0.0, 100.0, 100.0], [0, 0, 1])
+    out = sim.run()
+    eng = sim.models[0].engine
+    prefill = eng.prefill_s([500])
+    step = eng.decode_step_s(1, 500)
+    # alone: the configuration factor only, not the static average (9.0)
+    assert out.first_token[0] == pytest.approx(prefill * 1.5, rel=1e-9)
+    assert out.finish[0] - out.first_token[0] == pytest.approx(49 * step * 1.5, rel=1e-6)
+    # together: a's prefill was timed with b idle, b's with a busy (twice as slow)
+    assert out.first_token[1] - 100.0 == pytest.approx(prefill * 1.5, rel=1e-9)
+    assert out.first_token[2] - 100.0 == pytest.approx(prefill * 3.0, rel=1e-9)
+    # both decode with a busy neighbour for a while: slower than alone
+    assert out.finish[1] - out.first_token[1] > 49 * step * 1.5 * 1.2
