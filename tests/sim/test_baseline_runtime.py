@@ -123,3 +123,122 @@ def test_sharing_slowdown_follows_the_neighbours_current_load():
     assert out.first_token[2] - 100.0 == pytest.approx(prefill * 3.0, rel=1e-9)
     # both decode with a busy neighbour for a while: slower than alone
     assert out.finish[1] - out.first_token[1] > 49 * step * 1.5 * 1.2
+
+
+# ----------------------------------------------------------------------------- Prism activation
+
+
+def _big_runtime(idx: int, name: str, gib: float) -> ModelRuntime:
+    arch = ModelArch.llama2("7b").with_weight_bytes(int(gib * 2**30))
+    eng = EngineModel(H800, arch, 1)
+    spec = ModelSpec(name, arch.weight_bytes, 1, 32, eng.load_s(), arch.num_layers)
+    return ModelRuntime(
+        idx, spec, eng, eng.kv_bytes_per_token_per_gpu, eng.kv_capacity_tokens(),
+        eng.layer_load_s, [], [],
+    )
+
+
+def _facts(models, rates, idle_s=10.0):
+    return prism.PrismFacts(
+        rates=rates,
+        idle_timeout_s={m.spec.name: idle_s for m in models},
+        activation_s={m.spec.name: prism.activation_s(m.engine) for m in models},
+        min_kv_bytes=1e9,
+        usable_bytes=float(H800.usable_bytes),
+    )
+
+
+def _prism_sim(models, static, arrivals, models_of, gpus, facts, n_in=500, n_out=50):
+    sim = _sim("prism", static, arrivals, models_of, n_in, n_out, gpus=gpus, models=models)
+    sim.prism = facts
+    return sim
+
+
+def test_plan_activation_prefers_empty_gpus_then_evicts_idle_models():
+    part = 40 * 2**30
+    full = prism.PrismGpu(0, 0, ("x",), 5.0, H800.usable_bytes - part)
+    empty = prism.PrismGpu(1, 0, (), 0.0, H800.usable_bytes)
+    model = prism.PrismModel("y", part, 1.0, 1.0)
+    assert prism.plan_activation([full, empty], [], model, 0.0, 10.0) == ((1,), [])
+    # the empty GPU is excluded (it holds y already): nothing fits without an eviction ...
+    assert prism.plan_activation([full, empty], [], model, 0.0, 10.0, exclude=[1]) is None
+    # ... and x, idle for 50 s > 10 s, is evicted to make room
+    x = prism.ResidentModel("x", (0,), part, 1.0, last_request_s=0.0)
+    assert prism.plan_activation([full, empty], [x], model, 50.0, 10.0, exclude=[1]) == (
+        (0,), ["x"],
+    )
+    # a busy or recently used x is never evicted
+    busy = prism.ResidentModel("x", (0,), part, 1.0, last_request_s=0.0, inflight=1)
+    assert prism.plan_activation([full, empty], [busy], model, 50.0, 10.0, exclude=[1]) is None
+    assert prism.plan_activation([full, empty], [x], model, 5.0, 10.0, exclude=[1]) is None
+    with pytest.raises(prism.PrismError, match="global index order"):
+        prism.plan_activation([empty, full], [], model, 0.0, 10.0)
+
+
+def test_prism_activates_on_idle_gpus_under_load():
+    # one 7B instance on GPU 0 of 4; a burst it cannot hold (batch cap 4) activates more
+    # instances on the empty GPUs, each ready after Prism's activation time.
+    models = [_runtime(0, "a"), _runtime(1, "b")]
+    static = [StaticInstance("a", "node-0", (0,), max_batch=4, config_slowdown=1.0)]
+    facts = _facts(models, {"a": 10.0, "b": 0.0})
+    sim = _prism_sim(models, static, [0.0] * 40, [0] * 40, gpus=4, facts=facts)
+    out = sim.run()
+    assert not np.isnan(out.finish).any()
+    assert len(out.starts) >= 1
+    act = prism.activation_s(models[0].engine)
+    assert all(s.latency_s == pytest.approx(act) and not s.hit for s in out.starts)
+    assert all(0.5 < s.latency_s < 0.8 for s in out.starts)  # Prism Fig. 9: ~0.7 s for 7-8B
+    # requests ran on the new instances: some were assigned once they were ready, not later
+    assert int(np.isclose(out.assigned, act).sum()) >= 1
+    # the new instances sit on GPUs that were idle, never beside another instance of a
+    gpus = [g for i in sim.instances if i.model == "a" for g in i.gpus]
+    assert len(gpus) == len(out.starts) + 1 and len(set(gpus)) == len(gpus)
+
+
+def test_prism_evicts_an_idle_model_when_memory_is_short():
+    # one GPU, two 40 GiB models: only one fits.  b's request evicts a (idle > 10 s), then a's
+    # later request evicts b.
+    models = [_big_runtime(0, "a", 40), _big_runtime(1, "b", 40)]
+    static = [StaticInstance("a", "node-0", (0,), max_batch=256, config_slowdown=1.0)]
+    facts = _facts(models, {"a": 1.0, "b": 1.0})
+    sim = _prism_sim(models, static, [0.0, 100.0, 200.0], [0, 1, 0], gpus=1, facts=facts)
+    out = sim.run()
+    assert not np.isnan(out.finish).any()
+    assert [s.model for s in out.starts] == ["b", "a"]
+    act_b = prism.activation_s(models[1].engine)
+    assert out.first_token[1] - 100.0 == pytest.approx(act_b + models[1].engine.prefill_s([500]))
+    # a GPU is never double-booked: only one model resident at a time
+    assert out.gpu_seconds <= 1000.0 + 1e-6
+
+
+def test_prism_waits_when_the_resident_model_is_busy():
+    # b arrives while a is still decoding: nothing is evicted, b waits for a to finish and go
+    # idle past its threshold (the next arrival of b re-tries the activation).
+    models = [_big_runtime(0, "a", 40), _big_runtime(1, "b", 40)]
+    static = [StaticInstance("a", "node-0", (0,), max_batch=256, config_slowdown=1.0)]
+    facts = _facts(models, {"a": 1.0, "b": 1.0})
+    sim = _prism_sim(models, static, [0.0, 0.5, 60.0], [0, 1, 1], gpus=1, facts=facts)
+    out = sim.run()
+    assert out.start_failures >= 1
+    assert out.first_token[1] > 60.0  # served only after the retry at t = 60
+    assert not np.isnan(out.finish).any()
+
+
+@pytest.mark.parametrize("system", ["muxserve", "prism"])
+def test_baselines_conserve_requests_and_causality(system):
+    from tests.sim.conftest import make_doc
+    from warmserve.sim import metrics, runner
+    from warmserve.sim.scenario import parse
+
+    prep = runner.prepare(parse(make_doc(**{"workload.total_rps": 12})))
+    out, wall = runner.run_system(prep, system, check=True)
+    names = [m.spec.name for m in prep.models]
+    row = metrics.summarize(out, prep.requests.arrival, prep.requests.model,
+                            prep.requests.output_tokens, names, wall)
+    metrics.check_conservation(row)
+    served = ~np.isnan(out.finish)
+    arr = prep.requests.arrival
+    assert (out.assigned[served] >= arr[served] - 1e-9).all()
+    assert (out.first_token[served] >= out.assigned[served] - 1e-9).all()
+    assert (out.finish[served] >= out.first_token[served] - 1e-9).all()
+    assert row["gpu_hours"] <= 8 * prep.scenario.duration_s / 3600 + 1e-9

@@ -121,6 +121,7 @@ class SimInstance:
     # warmserve.sim.baselines.sharing (None: the constant ``slowdown`` applies).
     peers: list[SimInstance] = field(default_factory=list)
     config_slowdown: float | None = None
+    last_request_s: float = 0.0  # last assignment (Prism's idle rule)
 
     @property
     def busy(self) -> bool:

@@ -44,6 +44,13 @@ from warmserve.policy.cluster import LoadForecast, ModelSpec, ReplicaKind
 from warmserve.policy.load import WindowLoadTracker
 from warmserve.policy.placement import NoCapacity, choose_start, is_laminar, plan_prewarm
 from warmserve.policy.predictor import forecast as predict_forecast
+from warmserve.sim.baselines.prism import (
+    PrismFacts,
+    PrismGpu,
+    PrismModel,
+    ResidentModel,
+    plan_activation,
+)
 from warmserve.sim.baselines.sharing import dynamic_slowdown
 from warmserve.sim.cluster import (
     GRACE,
@@ -152,8 +159,10 @@ class Simulation:
         initial_instances: dict[str, int] | None = None,
         progress: Callable[[float], None] | None = None,
         check: bool = False,
+        prism: PrismFacts | None = None,
     ) -> None:
         self.check = check
+        self.prism = prism
         self.sys = system
         self.models = models
         self.by_name = {m.spec.name: m for m in models}
@@ -364,6 +373,8 @@ class Simulation:
             self._dispatch(midx, t)
         if q and self.sys.mode == "autoscale":
             self._autoscale(m, t)
+        elif q and self.prism is not None:
+            self._prism_activate(m, t)
 
     def _dispatch(self, midx: int, t: float) -> None:
         """Hand queued requests of a model to serving instances with a free slot, FIFO."""
@@ -390,6 +401,7 @@ class Simulation:
 
     def _assign(self, inst: SimInstance, rid: int, t: float) -> None:
         self.assigned[rid] = t
+        inst.last_request_s = t
         inst.settle(t)
         was_busy = inst.busy
         inst.pending.append(rid)
@@ -605,8 +617,18 @@ class Simulation:
         inst.version += 1
         for g in inst.gpus:
             if self.cl.holder.get((inst.node, g)) is inst:
-                del self.cl.holder[(inst.node, g)]
-                self.held -= 1
+                other = next(
+                    (p for p in inst.peers if p.phase != STOPPED and g in p.gpus), None
+                )
+                if other is not None:  # a GPU shared with a live instance stays held
+                    self.cl.holder[(inst.node, g)] = other
+                else:
+                    del self.cl.holder[(inst.node, g)]
+                    self.held -= 1
+        for p in inst.peers:
+            if inst in p.peers:
+                p.peers.remove(inst)
+        inst.peers = []
         for rep in list(inst.lent):
             rep.lender = None
         inst.lent.clear()
@@ -636,6 +658,115 @@ class Simulation:
                     break
                 self.cl.remove_replica(victims[0], t)
                 used = self.cl.replica_bytes()
+
+    # ------------------------------------------------------------------ Prism (§6.2)
+
+    def _prism_state(self, t: float) -> tuple[list[PrismGpu], list[ResidentModel]]:
+        """Prism's view now: per GPU (global index) its models, SLO-weighted rate and memory
+        left for KV; and the resident instances idle beyond their model's threshold (the only
+        ones eviction may take)."""
+        assert self.prism is not None
+        gpn = self.cl.gpus_per_node
+        live = self._live()
+        count = Counter(i.model for i in live)
+        models: list[list[str]] = [[] for _ in range(self.cl.total_gpus)]
+        w = [0.0] * self.cl.total_gpus
+        kv = [self.prism.usable_bytes] * self.cl.total_gpus
+        residents: list[ResidentModel] = []
+        for inst in live:
+            spec = self.specs[inst.model]
+            rate = self.prism.rates.get(inst.model, 0.0) / count[inst.model]
+            base = self.cl.node_names.index(inst.node) * gpn
+            for g in inst.gpus:
+                models[base + g].append(inst.model)
+                w[base + g] += rate / self.prism.slo_s / spec.tp
+                kv[base + g] -= spec.bytes_per_gpu
+            idle_for = self.prism.idle_timeout_s.get(inst.model, 0.0)
+            if inst.phase == SERVING and t - inst.last_request_s > idle_for:
+                residents.append(
+                    ResidentModel(
+                        inst.name, tuple(base + g for g in inst.gpus), spec.bytes_per_gpu,
+                        self.prism.slo_s, inst.last_request_s, inst.n_assigned,
+                    )
+                )
+        gpus = [
+            PrismGpu(i, i // gpn, tuple(models[i]), w[i], kv[i])
+            for i in range(self.cl.total_gpus)
+        ]
+        return gpus, residents
+
+    def _prism_activate(self, m: ModelRuntime, t: float) -> None:
+        """A request waits and no instance can take it: activate one more instance of ``m``
+        on a pooled engine, on the lowest-KVPR GPUs with room, evicting idle models if memory
+        is short (Prism §6.2, §5.2).  One activation per model at a time."""
+        assert self.prism is not None
+        name = m.spec.name
+        mine = self._instances_of(name)
+        if any(i.phase == STARTING for i in mine):
+            return
+        gpn = self.cl.gpus_per_node
+        gpus, residents = self._prism_state(t)
+        own = [
+            self.cl.node_names.index(i.node) * gpn + g for i in mine for g in i.gpus
+        ]
+        pm = PrismModel(
+            name, m.spec.weight_bytes, self.prism.rates.get(name, 0.0) / (len(mine) + 1),
+            self.prism.slo_s, tp=m.spec.tp,
+        )
+        plan = plan_activation(
+            gpus, residents, pm, t, 0.0, gpus_per_node=gpn,
+            min_kv_bytes=self.prism.min_kv_bytes, exclude=own,
+        )
+        if plan is None:
+            self.start_failures += 1
+            self.failure_kinds["no-memory"] += 1
+            return
+        group, evict = plan
+        for victim in evict:
+            inst = next(i for i in self._live() if i.name == victim)
+            self._terminate(inst, t)
+        node = self.cl.node_names[group[0] // gpn]
+        local = tuple(g % gpn for g in group)
+        act = self.prism.activation_s[name]
+        self._account(t)
+        inst = self._new_instance(m, node, local, t, t + act, t + act, hit=False)
+        inst.max_batch = self.prism.max_batch
+        inst.config_slowdown = 1.0
+        inst.last_request_s = t
+        for other in self._live():
+            if other is not inst and other.node == node and set(other.gpus) & set(local):
+                other.peers.append(inst)
+                inst.peers.append(other)
+        self._prism_share_kv(node, local)
+        self.starts.append(StartRecord(t, name, False, act))
+        log.debug("event=prism_activate model=%s node=%s gpus=%s evict=%s", name, node, local,
+                  evict)
+        self.push(t + act, EV_READY, inst)
+        self._sample(t)
+
+    def _prism_share_kv(self, node: str, gpus: tuple[int, ...]) -> None:
+        """Split the KV memory of shared GPUs among their instances by SLO-weighted rate, as
+        the initial layout does (kvcached shares the pool on demand; this is its
+        demand-weighted expectation).  A share below what an instance already holds only
+        stops its admissions until requests finish."""
+        assert self.prism is not None
+        live = self._live()
+        count = Counter(i.model for i in live)
+        on = [i for i in live if i.node == node and set(i.gpus) & set(gpus)]
+        for inst in on:
+            spec = self.specs[inst.model]
+            per_token = self.by_name[inst.model].kv_bytes_per_token / spec.tp
+            tokens = None
+            for g in inst.gpus:
+                here = [o for o in live if o.node == node and g in o.gpus]
+                weights = sum(self.specs[o.model].bytes_per_gpu for o in here)
+                free = self.prism.usable_bytes - weights
+                ws = {o.iid: self.prism.rates.get(o.model, 0.0) / count[o.model] for o in here}
+                total = sum(ws.values())
+                share = ws[inst.iid] / total if total > 0 else 1.0 / len(here)
+                cap = int(max(free, 0.0) * share // per_token)
+                tokens = cap if tokens is None else min(tokens, cap)
+            inst.kv_cap_tokens = tokens or 0
 
     # ------------------------------------------------------------------ autoscaling
 

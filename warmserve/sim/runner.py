@@ -280,7 +280,13 @@ def run_system(
         from warmserve.policy.predictor import make_predictor
 
         predictor = make_predictor(sc.predictor)
-    if cfg.mode != "autoscale":
+    prism_facts = None
+    if cfg.mode == "prism" and cfg.activate:
+        from warmserve.sim.baselines import prism
+
+        prism_facts = prism.runtime_facts(prep)
+    elif cfg.mode != "autoscale":
+        # a fixed layout: a model it leaves out is never served
         have = {s.model for s in static}
         for m in models:
             if m.spec.name not in have:
@@ -304,6 +310,7 @@ def run_system(
         initial_instances=prep.initial,
         progress=progress,
         check=check,
+        prism=prism_facts,
     )
     out = sim.run()
     wall = time.perf_counter() - t0

@@ -50,6 +50,9 @@ class SystemConfig:
     safetensors path).  ``lazy_evict``: replicas a plan no longer wants are evicted only when a
     new placement needs their GPUs (else kept at score 0, first to go on any start) — the
     paper keeps released models resident on universal workers (§4.1, Figure 5b).
+    ``activate`` (Prism only): a request no instance can take activates one more instance of
+    its model on a pooled engine, on the lowest-KVPR GPUs with room, evicting idle models when
+    memory is short (Prism §5.2, §6.2; :mod:`warmserve.sim.baselines.prism`).
     """
 
     name: str
@@ -64,6 +67,7 @@ class SystemConfig:
     on_stop: str = "none"
     load_slowdown: float = 1.0
     lazy_evict: bool = False
+    activate: bool = False
     description: str = ""
 
 
@@ -106,7 +110,10 @@ SYSTEMS: dict[str, SystemConfig] = {
             description="SLLM-GPU given WarmServe's model-agnostic process pool and engines",
         ),
         SystemConfig("muxserve", mode="muxserve", description="MuxServe static colocation"),
-        SystemConfig("prism", mode="prism", description="Prism KV-pressure sharing"),
+        SystemConfig(
+            "prism", mode="prism", activate=True,
+            description="Prism KV-pressure sharing, idle eviction, fast activation",
+        ),
         SystemConfig(
             "dedicated", mode="dedicated",
             description="every model on enough GPUs for its peak, always on",

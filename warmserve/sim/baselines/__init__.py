@@ -33,6 +33,7 @@ from warmserve.sim.baselines.prism import (
     idle_evictions,
     idle_threshold_s,
     kvpr_placement,
+    plan_activation,
 )
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "idle_evictions",
     "idle_threshold_s",
     "kvpr_placement",
+    "plan_activation",
     "plan_muxserve",
     "power_law_rates",
     "prefill_engine",

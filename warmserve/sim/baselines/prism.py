@@ -316,6 +316,65 @@ def choose_activation_gpus(
     return _best_group(fits, w, kv, model.tp, gpus_per_node)
 
 
+def plan_activation(
+    gpus: Sequence[PrismGpu],
+    residents: Sequence[ResidentModel],
+    model: PrismModel,
+    now_s: float,
+    idle_timeout_s: float,
+    *,
+    gpus_per_node: int = 8,
+    min_kv_bytes: float = 0.0,
+    exclude: Sequence[int] = (),
+) -> tuple[tuple[int, ...], list[str]] | None:
+    """Where to activate ``model`` now and which idle residents to evict first (Prism §6.2).
+
+    ``gpus`` is the live per-GPU state in global index order (``gpus[i].index == i``).  First
+    the lowest-KVPR GPU(s) whose free memory holds the weights (:func:`choose_activation_gpus`);
+    failing that, the same choice as if every idle resident (:func:`idle_evictions`' rule) were
+    gone, then exactly the evictions that free the chosen GPUs.  GPUs in ``exclude`` (e.g. those
+    already holding this model) are never chosen.  ``None``: no room even after evictions.
+    """
+    for i, g in enumerate(gpus):
+        if g.index != i:
+            raise PrismError(f"gpus must be in global index order, got index {g.index} at {i}")
+    banned = set(exclude)
+
+    def masked(state: Sequence[PrismGpu]) -> list[PrismGpu]:
+        return [
+            PrismGpu(g.index, g.node, g.models, g.w_req_rate, -math.inf) if g.index in banned
+            else g
+            for g in state
+        ]
+
+    kw = {"gpus_per_node": gpus_per_node, "min_kv_bytes": min_kv_bytes}
+    direct = choose_activation_gpus(masked(gpus), model, **kw)
+    if direct is not None:
+        return direct, []
+    idle = [
+        r for r in residents if r.inflight == 0 and now_s - r.last_request_s > idle_timeout_s
+    ]
+    if not idle:
+        return None
+    freed = {g.index: 0.0 for g in gpus}
+    for r in idle:
+        for g in r.gpus:
+            freed[g] += r.bytes_per_gpu
+    hypo = [
+        PrismGpu(g.index, g.node, g.models, g.w_req_rate, g.shared_kv + freed[g.index])
+        for g in gpus
+    ]
+    group = choose_activation_gpus(masked(hypo), model, **kw)
+    if group is None:
+        return None
+    part = model.weight_bytes / model.tp
+    need = {g: part + min_kv_bytes - gpus[g].shared_kv for g in group}
+    evict = idle_evictions(residents, now_s, idle_timeout_s, need)
+    if not evict and any(v > 0 for v in need.values()):
+        return None
+    return group, evict
+
+
 def activation_s(engine: EngineModel, mode: str = "measured") -> float:
     """Seconds to activate an evicted model on a pooled engine (Prism §5.2), see module doc."""
     p = engine.profile
@@ -405,3 +464,55 @@ def static_instances(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> list[St
             )
         )
     return out
+
+
+@dataclass(frozen=True)
+class PrismFacts:
+    """What the event loop needs to run Prism's eviction and activation (§6.2) for one run.
+
+    ``rates``: each model's average rate (the same oracle average the initial placement uses);
+    ``idle_timeout_s``: each model's empirical idle threshold (:func:`idle_threshold_s` of its
+    inter-arrival gaps); ``activation_s``: each model's activation time on a pooled engine
+    (:func:`activation_s`); ``min_kv_bytes``: KV room an activation must leave on each GPU (one
+    average request of the largest model, as the initial placement); ``usable_bytes``: memory
+    per GPU for weights + KV.
+    """
+
+    rates: Mapping[str, float]
+    idle_timeout_s: Mapping[str, float]
+    activation_s: Mapping[str, float]
+    min_kv_bytes: float
+    usable_bytes: float
+    slo_s: float = DEFAULT_SLO_S
+    max_batch: int = MAX_NUM_SEQS
+
+
+def runtime_facts(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> PrismFacts:
+    """:class:`PrismFacts` for a simulator run (see :func:`static_instances` for the averages)."""
+    import numpy as np
+
+    from warmserve.sim.baselines.muxserve import average_loads
+
+    loads = average_loads(prep)
+    reqs = prep.requests
+    runtimes = {m.spec.name: m for m in prep.models if m.placeable}
+    idle: dict[str, float] = {}
+    for m in prep.models:
+        arr = np.sort(reqs.arrival[reqs.model == m.idx])
+        idle[m.spec.name] = idle_threshold_s(np.diff(arr).tolist()) if arr.size > 1 else MIN_IDLE_S
+    min_kv = max(
+        (
+            rt.engine.kv_bytes_per_token_per_gpu
+            * (loads[name].prompt_tokens + loads[name].output_tokens)
+            for name, rt in runtimes.items()
+        ),
+        default=0.0,
+    )
+    return PrismFacts(
+        rates={name: loads[name].rate for name in runtimes},
+        idle_timeout_s=idle,
+        activation_s={name: activation_s(rt.engine) for name, rt in runtimes.items()},
+        min_kv_bytes=min_kv,
+        usable_bytes=float(prep.profile.usable_bytes),
+        slo_s=slo_s,
+    )
