@@ -265,6 +265,8 @@ class SimulatedEngine:
         loop.run_until_complete(site.start())
         sock = site._server.sockets[0]  # type: ignore[union-attr]
         advertise = self.spec.get("advertise_host") or host
+        if ":" in advertise and not advertise.startswith("["):
+            advertise = f"[{advertise}]"  # an IPv6 literal needs brackets in a URL (RFC 3986)
         self.endpoint = f"http://{advertise}:{sock.getsockname()[1]}"
         ready.set()
         try:
