@@ -72,6 +72,7 @@ def test_muxserve_instances_use_their_own_batch_not_the_scenarios():
     for inst in insts:
         assert inst.max_batch == muxserve.adbs_max_num_seqs(inst.kv_cap_tokens, loads[inst.model])
         assert inst.config_slowdown is not None and inst.config_slowdown > 0
+        assert inst.prefill_config_slowdown is not None and inst.prefill_config_slowdown > 0
     # the scenario's batch is 32; MuxServe's quota lets every model run far more requests
     assert min(i.max_batch for i in insts) > 32
 
@@ -104,11 +105,14 @@ def test_dynamic_slowdown_formula():
 
 
 def test_sharing_slowdown_follows_the_neighbours_current_load():
-    # a and b share GPU 0 (config factor 1.5).  Request 0 (a) runs alone; requests 1 (a) and
-    # 2 (b) arrive together much later, so b's prefill starts while a is busy.
+    # a and b share GPU 0 (configuration factors 1.2 for prefills, 1.5 for decode steps).
+    # Request 0 (a) runs alone; requests 1 (a) and 2 (b) arrive together much later, so b's
+    # prefill starts while a is busy.
     static = [
-        StaticInstance("a", "node-0", (0,), slowdown=9.0, config_slowdown=1.5),
-        StaticInstance("b", "node-0", (0,), slowdown=9.0, config_slowdown=1.5),
+        StaticInstance("a", "node-0", (0,), slowdown=9.0, config_slowdown=1.5,
+                       prefill_config_slowdown=1.2),
+        StaticInstance("b", "node-0", (0,), slowdown=9.0, config_slowdown=1.5,
+                       prefill_config_slowdown=1.2),
     ]
     sim = _sim("muxserve", static, [0.0, 100.0, 100.0], [0, 0, 1])
     out = sim.run()
@@ -116,11 +120,11 @@ def test_sharing_slowdown_follows_the_neighbours_current_load():
     prefill = eng.prefill_s([500])
     step = eng.decode_step_s(1, 500)
     # alone: the configuration factor only, not the static average (9.0)
-    assert out.first_token[0] == pytest.approx(prefill * 1.5, rel=1e-9)
+    assert out.first_token[0] == pytest.approx(prefill * 1.2, rel=1e-9)
     assert out.finish[0] - out.first_token[0] == pytest.approx(49 * step * 1.5, rel=1e-6)
     # together: a's prefill was timed with b idle, b's with a busy (twice as slow)
-    assert out.first_token[1] - 100.0 == pytest.approx(prefill * 1.5, rel=1e-9)
-    assert out.first_token[2] - 100.0 == pytest.approx(prefill * 3.0, rel=1e-9)
+    assert out.first_token[1] - 100.0 == pytest.approx(prefill * 1.2, rel=1e-9)
+    assert out.first_token[2] - 100.0 == pytest.approx(prefill * 2.4, rel=1e-9)
     # both decode with a busy neighbour for a while: slower than alone
     assert out.finish[1] - out.first_token[1] > 49 * step * 1.5 * 1.2
 

@@ -121,6 +121,7 @@ class SimInstance:
     # warmserve.sim.baselines.sharing (None: the constant ``slowdown`` applies).
     peers: list[SimInstance] = field(default_factory=list)
     config_slowdown: float | None = None
+    prefill_config_slowdown: float | None = None  # None: config_slowdown
     last_request_s: float = 0.0  # last assignment (Prism's idle rule)
 
     @property

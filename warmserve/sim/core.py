@@ -101,6 +101,9 @@ class StaticInstance:
     # prefill and decode step with ``sharing.dynamic_slowdown(config_slowdown, busy neighbours
     # now)`` instead of the constant ``slowdown`` (kept as the average-load estimate).
     config_slowdown: float | None = None
+    # The same factor for prefills when the shared configuration runs them differently
+    # (MuxServe: prefill jobs get all SMs, decode jobs their MPS share); None: config_slowdown.
+    prefill_config_slowdown: float | None = None
 
 
 @dataclass
@@ -309,6 +312,7 @@ class Simulation:
             inst.max_batch = s.max_batch
         if s.config_slowdown is not None:
             inst.config_slowdown = s.config_slowdown
+            inst.prefill_config_slowdown = s.prefill_config_slowdown
             for other in self.instances:
                 if other is not inst and other.node == inst.node and set(other.gpus) & set(
                     inst.gpus
@@ -413,11 +417,14 @@ class Simulation:
         if inst.peers and inst.busy != was_busy:
             self._retime_peers(inst, t)
 
-    def _slowdown_now(self, inst: SimInstance) -> float:
+    def _slowdown_now(self, inst: SimInstance, prefill: bool = False) -> float:
         """The instance's slowdown for work timed now (dynamic for shared GPUs)."""
         if inst.config_slowdown is None:
             return inst.slowdown
-        return dynamic_slowdown(inst.config_slowdown, sum(1 for p in inst.peers if p.busy))
+        config = inst.config_slowdown
+        if prefill and inst.prefill_config_slowdown is not None:
+            config = inst.prefill_config_slowdown
+        return dynamic_slowdown(config, sum(1 for p in inst.peers if p.busy))
 
     def _retime_peers(self, inst: SimInstance, t: float) -> None:
         """A shared instance turned busy or idle: its neighbours' decode steps change speed
@@ -431,7 +438,7 @@ class Simulation:
     def _start_prefill(self, inst: SimInstance, t: float) -> None:
         batch = list(inst.pending)
         inst.pending.clear()
-        p = inst.engine.prefill_s([self.inp[r] for r in batch]) * self._slowdown_now(inst)
+        p = inst.engine.prefill_s([self.inp[r] for r in batch]) * self._slowdown_now(inst, True)
         layers = self.by_name[inst.model].spec.num_layers
         # The last layer's compute cannot finish before that layer is resident (streaming).
         inst.prefill_end = max(t + p, inst.full_at + p / layers)

@@ -62,7 +62,7 @@ from warmserve.policy.cluster import PolicyInputError
 from warmserve.sim.baselines.sharing import (
     Load,
     busy_fraction,
-    config_factor,
+    phase_factors,
     sharing_slowdown,
 )
 from warmserve.sim.engine import EngineModel, ModelArch, scaled_profile
@@ -653,7 +653,10 @@ def static_instances(prep: Prepared) -> list[StaticInstance]:
             eng, _ = busy[mem.model]
             others = [u for name, (_, u) in busy.items() if name != mem.model]
             slow = sharing_slowdown(rt.engine, eng, loads[mem.model], batch[mem.model], others)
-            config = config_factor(rt.engine, eng, loads[mem.model], batch[mem.model])
+            pre = EngineModel(
+                scaled_profile(profile, mem.prefill_sm_share, 1.0), rt.engine.arch, mem.tp
+            )
+            pre_f, dec_f = phase_factors(rt.engine, pre, eng, loads[mem.model], batch[mem.model])
             out.append(
                 StaticInstance(
                     model=mem.model,
@@ -662,7 +665,8 @@ def static_instances(prep: Prepared) -> list[StaticInstance]:
                     slowdown=slow,
                     kv_cap_tokens=mem.kv_tokens,
                     max_batch=batch[mem.model],
-                    config_slowdown=config,
+                    config_slowdown=dec_f,
+                    prefill_config_slowdown=pre_f,
                 )
             )
     return out

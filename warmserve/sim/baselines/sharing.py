@@ -76,6 +76,26 @@ def config_factor(own: EngineModel, shared: EngineModel, load: Load, max_batch: 
     return service_time_s(shared, load, b) / service_time_s(own, load, b)
 
 
+def phase_factors(
+    own: EngineModel,
+    prefill: EngineModel,
+    decode: EngineModel,
+    load: Load,
+    max_batch: int,
+) -> tuple[float, float]:
+    """(prefill, decode) configuration factors: the shared configuration's prefill of an
+    average prompt and decode step at the operating batch, over the model's own engine's.
+    Used when the configuration runs the two phases differently (MuxServe's prefill and decode
+    jobs have different SM shares)."""
+    b = operating_batch(own, load, max_batch)
+    prompt = max(1, round(load.prompt_tokens))
+    ctx = round(b * (load.prompt_tokens + load.output_tokens / 2))
+    return (
+        prefill.prefill_s(prompt) / own.prefill_s(prompt),
+        decode.decode_step_s(b, ctx) / own.decode_step_s(b, ctx),
+    )
+
+
 def sharing_slowdown(
     own: EngineModel,
     shared: EngineModel,
