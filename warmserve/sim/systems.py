@@ -21,8 +21,10 @@ system                        what it is
                               every start creates its process and engine (no pool)
 ``sllm-gpu-pooled``           the same with WarmServe's model-agnostic process pool and engines
                               (an upper bound for SLLM-GPU; the paper does not say which)
-``muxserve``                  static colocation from average rates, MuxServe placement (H3b)
-``prism``                     KV-pressure placement, idle eviction, fast activation (H3b)
+``muxserve``                  static colocation from average rates, MuxServe placement, its own
+                              ADBS batch caps and KV quotas, load-following sharing slowdown
+``prism``                     KV-pressure placement, idle eviction, fast activation on a pooled
+                              engine, scale-out onto idle GPUs (our extension, documented)
 ``dedicated``                 every model always on enough GPUs for its peak: the cost reference
 ============================  ======================================================================
 """

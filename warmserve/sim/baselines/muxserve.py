@@ -42,6 +42,11 @@ Where the paper is silent (assumptions, and why)
 
 Runtime slowdown model (what the simulator applies to colocated models)
 -----------------------------------------------------------------------
+:func:`static_instances` hands the simulator each model's configuration factors (prefill jobs at
+all SMs, decode jobs at their MPS share, relative to the model's own engine) and the simulator
+multiplies them by one plus the number of colocated models busy at that moment
+(:func:`warmserve.sim.baselines.sharing.dynamic_slowdown`); the batch cap is MuxServe's own
+(:func:`adbs_max_num_seqs`).  The finer per-step functions below are not used by the loop:
 Physics the estimator ignores but a real GPU does not: :func:`decode_engine` times a decode step
 with the model's SM share of tensor throughput and an equal share of HBM bandwidth among the
 unit's models that are decoding at that moment; :func:`prefill_engine` times a prefill with all

@@ -403,10 +403,10 @@ def static_instances(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> list[St
     ``muxserve.average_loads``) with every model at its scenario TP, at least one average
     request's KV left per GPU.  Each instance's KV capacity is its share of the GPU's leftover
     memory in proportion to its ``r/s`` (kvcached shares the pool on demand; the static share is
-    its demand-weighted expectation), and a sharing slowdown for time-shared GPUs
-    (:mod:`warmserve.sim.baselines.sharing`).  Idle eviction and on-demand activation
-    (:func:`idle_evictions`, :func:`choose_activation_gpus`, :func:`activation_s`) need the
-    simulator's event loop and are not represented by this static layout.
+    its demand-weighted expectation), a batch cap of :data:`MAX_NUM_SEQS`, and the dynamic
+    sharing slowdown for time-shared GPUs (:mod:`warmserve.sim.baselines.sharing`).  This is the
+    layout at t = 0; the event loop then evicts and activates (:func:`plan_activation` with
+    :func:`runtime_facts`; docs/simulator.md, "Prism").
     """
     from warmserve.sim.baselines.muxserve import average_loads
     from warmserve.sim.core import StaticInstance
