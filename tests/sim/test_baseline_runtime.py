@@ -246,3 +246,20 @@ def test_baselines_conserve_requests_and_causality(system):
     assert (out.first_token[served] >= out.assigned[served] - 1e-9).all()
     assert (out.finish[served] >= out.first_token[served] - 1e-9).all()
     assert row["gpu_hours"] <= 8 * prep.scenario.duration_s / 3600 + 1e-9
+
+
+def test_prism_scale_out_never_time_shares_a_busy_gpu():
+    # a (cap 2) on GPU 0, b on GPU 1 busy with a long request: a burst of a finds no GPU free
+    # of working instances, so no replica is added (one beside b would add no capacity).
+    models = [_runtime(0, "a"), _runtime(1, "b")]
+    static = [
+        StaticInstance("a", "node-0", (0,), max_batch=2, config_slowdown=1.0),
+        StaticInstance("b", "node-0", (1,), max_batch=256, config_slowdown=1.0),
+    ]
+    facts = _facts(models, {"a": 1.0, "b": 1.0})
+    arrivals = [0.0] + [0.1] * 6
+    sim = _prism_sim(models, static, arrivals, [1] + [0] * 6, gpus=2, facts=facts,
+                     n_out=2000)
+    out = sim.run()
+    assert out.starts == [] and out.start_failures >= 1
+    assert not np.isnan(out.finish).any()

@@ -713,8 +713,15 @@ class Simulation:
             return
         gpn = self.cl.gpus_per_node
         gpus, residents = self._prism_state(t)
+        # Reactivating an evicted model follows Prism's rule (lowest KVPR, sharing allowed);
+        # an extra instance of a model that is running (our scale-out) only goes where no other
+        # instance is working: a replica time-sharing a busy GPU would add no capacity.
+        idle = {r.name for r in residents}
         own = [
-            self.cl.node_names.index(i.node) * gpn + g for i in mine for g in i.gpus
+            self.cl.node_names.index(i.node) * gpn + g
+            for i in self._live()
+            if i.model == name or (mine and i.name not in idle)
+            for g in i.gpus
         ]
         pm = PrismModel(
             name, m.spec.weight_bytes, self.prism.rates.get(name, 0.0) / (len(mine) + 1),
