@@ -369,10 +369,17 @@ failed start attempts, the diagnostics table below), not from the paper.
    the diagnostics), yet hits stay frequent because a scale-down leaves the model's weights
    resident on its GPUs (§4.1) and the same model often scales up again on them within the
    window.  Hits only help when a GPU group is free at all (point 2).
-4. **MuxServe and Prism** (H3b's baselines, see docs/simulator.md): one always-on instance per
-   model with a static share of a mesh.  When a model's burst exceeds what its share serves,
-   its queue grows for the rest of the period, hence tails of minutes even at moderate load;
-   the paper saw the same collapse under heavy load.
+4. **MuxServe and Prism** (baselines, see docs/simulator.md).  MuxServe colocates models
+   statically, all instances created in advance, with its own per-model batch limit (its KV
+   quota over an average request, at most 256) and a sharing slowdown that follows which
+   co-located models are busy at each step; its TPOT therefore degrades under load, as the
+   paper reports.  Prism runs vLLM's default batch of 256, activates a model on the
+   lowest-KV-pressure GPUs when its requests find no room, and evicts idle models when memory
+   is short.  WarmServe, SLLM-GPU and reactive run the paper's batch of 32 per instance
+   (§7.1), so one Prism or MuxServe instance admits up to 8x the requests of one of theirs:
+   where Prism's tail TTFT beats WarmServe's at heavy load, that comes from per-instance
+   batch (capacity per GPU) rather than from start-up paths, and its TPOT p99 is higher.
+   A deployment of warmserve sets `maxBatchSize` per model; this grid keeps the paper's 32.
 5. **GPU-hours.**  WarmServe holds {gpu_range} of the GPU-hours of the always-on `dedicated`
    reference over the grid.  The saving depends on how far each model's load falls below its
    peak within the period (the rate is scaled to the same mean whatever `workload.start` is),
