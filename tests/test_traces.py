@@ -119,3 +119,39 @@ def test_missing_and_corrupt(tmp_path: Path) -> None:
     bad.write_bytes(b"\x1f\x8b\x08\x00garbage")
     with pytest.raises(TraceError, match="corrupt gzip"):
         load_trace(bad)
+
+
+GENTD_HEADER = (
+    "arrival_s,predict_type,predict_status,exec_time_s,group_id,prompt_chars,"
+    "negative_prompt_chars,num_images_per_prompt,num_inference_steps,model_id,num_lora"
+)
+
+
+def test_service_time_trace_reads_measured_durations(tmp_path: Path) -> None:
+    # The Alibaba GenTD26 shape: arrival first, exec_time_s among other columns.
+    p = tmp_path / "gentd.csv"
+    p.write_text(
+        GENTD_HEADER + "\n"
+        "0.000,TXT_2_IMG,SUCCEED,32,G0000,63,26,1,30,M0000,0\n"
+        "10.000,TXT_2_IMG,SUCCEED,43,G0001,93,,1,40,M0001,0\n"
+    )
+    assert detect_format(GENTD_HEADER.split(",")) == "service"
+    t = load_trace(p)
+    assert isinstance(t, RequestTrace)
+    assert t.arrival_s.tolist() == [0.0, 10.0]
+    assert t.duration_s is not None and t.duration_s.tolist() == [32.0, 43.0]
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ("0,T,S,-1,G,1,,1,1,M,0\n", "exec_time_s must be >= 0"),
+        ("5,T,S,1,G,1,,1,1,M,0\n1,T,S,1,G,1,,1,1,M,0\n", "arrivals not sorted"),
+        ("0,T,S,1\n", "expected 11 fields"),
+    ],
+)
+def test_service_time_trace_bad_rows(tmp_path: Path, rows: str, message: str) -> None:
+    p = tmp_path / "gentd.csv"
+    p.write_text(GENTD_HEADER + "\n" + rows)
+    with pytest.raises(PolicyInputError, match=message):
+        load_trace(p)

@@ -10,7 +10,13 @@ request-level               ``arrival_s,input_tokens,output_tokens``            
 count series                ``start_s,model_or_function_id,count``                    count
 BurstGPT tokens per second  ``start_s,model_or_function_id,tokens_per_s``             tokens/s
 BurstGPT daily              ``start_s,model_or_function_id,count,total_tokens``       count
+service-time requests       ``arrival_s,...,exec_time_s,...`` (e.g. Alibaba GenTD26)   requests
 ==========================  ========================================================  =========
+
+A *service-time* trace is request-level but carries each request's measured execution time
+instead of token counts (the Alibaba GenTD26 Stable-Diffusion trace: ``arrival_s`` first, an
+``exec_time_s`` column among others).  Its requests are in flight for exactly that time, so no
+speed profile is needed; only ``arrival_s`` and ``exec_time_s`` are read.
 
 A name that is not an existing path is looked up among the traces bundled in
 ``warmserve/data/traces/`` (via :mod:`importlib.resources`, so it works from a wheel too).
@@ -33,6 +39,7 @@ import numpy as np
 from warmserve.policy.cluster import PolicyInputError
 
 REQUEST_COLUMNS = ("arrival_s", "input_tokens", "output_tokens")
+SERVICE_TIME_COLUMN = "exec_time_s"
 SERIES_KEY_COLUMNS = ("start_s", "model_or_function_id")
 BUNDLED_PACKAGE = "warmserve.data.traces"
 
@@ -49,6 +56,8 @@ class RequestTrace:
     arrival_s: np.ndarray
     input_tokens: np.ndarray
     output_tokens: np.ndarray
+    # Measured time in flight per request (service-time traces); None: derive from tokens.
+    duration_s: np.ndarray | None = None
 
     @property
     def span_s(self) -> float:
@@ -147,6 +156,8 @@ def detect_format(header: list[str]) -> str:
     cols = tuple(h.strip() for h in header)
     if cols == REQUEST_COLUMNS:
         return "request"
+    if cols[:1] == ("arrival_s",) and SERVICE_TIME_COLUMN in cols:
+        return "service"
     if cols[:2] == SERIES_KEY_COLUMNS:
         rest = cols[2:]
         if rest == ("count",):
@@ -256,4 +267,29 @@ def load_trace(trace: str | Path) -> RequestTrace | CountSeries:
         raise TraceError(f"{name}: {exc}") from None
     if fmt == "request":
         return _read_requests(name, rows)
+    if fmt == "service":
+        return _read_service_times(name, rows, [h.strip() for h in header])
     return _read_series(name, fmt, rows, len(header))
+
+
+def _read_service_times(name: str, rows: Iterator[list[str]], header: list[str]) -> RequestTrace:
+    """A request-level trace with measured execution times (see the module docstring)."""
+    col = header.index(SERVICE_TIME_COLUMN)
+    arr: list[float] = []
+    dur: list[float] = []
+    for line, row in enumerate(rows, start=2):
+        if not row:
+            continue
+        if len(row) != len(header):
+            raise TraceError(f"{name}:{line}: expected {len(header)} fields, found {len(row)}")
+        a = _number(name, line, "arrival_s", row[0])
+        if arr and a < arr[-1]:
+            raise TraceError(
+                f"{name}:{line}: arrivals not sorted (arrival_s {row[0]} after {arr[-1]:g})"
+            )
+        arr.append(a)
+        dur.append(_number(name, line, SERVICE_TIME_COLUMN, row[col]))
+    if not arr:
+        raise TraceError(f"{name}: no requests after the header")
+    zeros = np.zeros(len(arr))
+    return RequestTrace(name, np.array(arr), zeros, zeros, duration_s=np.array(dur))

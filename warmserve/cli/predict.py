@@ -121,12 +121,19 @@ def windowed(args: argparse.Namespace) -> WindowedTrace:
                 f"--series {args.series!r}: {trace.name} is a request-level trace "
                 "with no series ids"
             )
-        durations = request_durations(
-            trace.input_tokens,
-            trace.output_tokens,
-            DEFAULT_PREFILL_TOK_S if args.prefill_rate is None else args.prefill_rate,
-            DEFAULT_DECODE_TOK_S if args.decode_rate is None else args.decode_rate,
-        )
+        if trace.duration_s is not None:
+            durations = trace.duration_s
+            if args.prefill_rate is not None or args.decode_rate is not None:
+                notes.append(
+                    "--prefill-rate/--decode-rate ignored: the trace carries measured exec_time_s"
+                )
+        else:
+            durations = request_durations(
+                trace.input_tokens,
+                trace.output_tokens,
+                DEFAULT_PREFILL_TOK_S if args.prefill_rate is None else args.prefill_rate,
+                DEFAULT_DECODE_TOK_S if args.decode_rate is None else args.decode_rate,
+            )
         start = float(trace.arrival_s[0])
         full = int(trace.span_s // window)
         if full < 1:
