@@ -71,7 +71,7 @@ def test_count_series_select_and_sum(tmp_path: Path) -> None:
     series = load_trace(path)
     assert isinstance(series, CountSeries) and series.ids == ("a", "b")
     label, values = series.select(None)
-    assert label == "sum of a,b" and list(values) == [11, 22]
+    assert label == "sum of 2 series (a,b)" and list(values) == [11, 22]
     assert list(series.select("b")[1]) == [10, 20]
     with pytest.raises(TraceError, match="unknown series 'c'"):
         series.select("c")

@@ -99,7 +99,9 @@ class CountSeries:
             if len(self.values) == 1:
                 (only,) = self.values
                 return only, self.values[only]
-            label = "sum of " + ",".join(self.values)
+            ids = list(self.values)
+            shown = ",".join(ids) if len(ids) <= 4 else ",".join(ids[:3]) + ",..."
+            label = f"sum of {len(ids)} series ({shown})"
             return label, np.sum(list(self.values.values()), axis=0)
         if series_id not in self.values:
             raise TraceError(

@@ -56,7 +56,7 @@ def test_json_contract_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert rc == 0, err
     obj = json.loads(out)
     assert set(obj) == {"series", "window_s", "predictors", "default"}
-    assert obj["series"] == "sum of a,b" and obj["window_s"] == 3600 and obj["default"] == "warm"
+    assert obj["series"] == "sum of 2 series (a,b)" and obj["window_s"] == 3600 and obj["default"] == "warm"
     assert set(obj["predictors"]) == set(PREDICTORS)
     for stats in obj["predictors"].values():
         assert set(stats) == {
@@ -82,7 +82,7 @@ def test_sum_is_announced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     path = series_file(tmp_path, ids=("a", "b"))
     rc, out, _ = run(["predict", str(path), "--window", "3600"], capsys)
     assert rc == 0
-    assert "note: no --series given: evaluating the sum of a,b" in out
+    assert "note: no --series given: evaluating the sum of 2 series (a,b)" in out
     assert "warm *" in out
 
 
