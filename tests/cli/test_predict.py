@@ -56,7 +56,8 @@ def test_json_contract_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert rc == 0, err
     obj = json.loads(out)
     assert set(obj) == {"series", "window_s", "predictors", "default"}
-    assert obj["series"] == "sum of 2 series (a,b)" and obj["window_s"] == 3600 and obj["default"] == "warm"
+    assert obj["series"] == "sum of 2 series (a,b)"
+    assert obj["window_s"] == 3600 and obj["default"] == "warm"
     assert set(obj["predictors"]) == set(PREDICTORS)
     for stats in obj["predictors"].values():
         assert set(stats) == {
