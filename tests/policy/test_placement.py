@@ -456,6 +456,30 @@ def test_cold_start_on_unaligned_free_gpus() -> None:
     assert isinstance(c, NoCapacity)
 
 
+def test_start_ties_break_best_fit_keeping_free_blocks_whole() -> None:
+    # The simulator's starved TP-2 model: node "a" has GPUs 0-2 free, node "b" only GPU 0.  A
+    # TP-1 start with equal evicted score goes to "b" (the node with fewer startable GPUs), so
+    # "a" keeps a free pair; by node name alone it took a's GPU and left one GPU per node.
+    m = spec("m")
+    a = node("a", 4, g3=WorkerState.DEDICATED)
+    b = node("b", 4, g1=WorkerState.DEDICATED, g2=WorkerState.DEDICATED, g3=WorkerState.DEDICATED)
+    insts = [Instance("o", "a", (3,), 1), Instance("o", "b", (1,), 1),
+             Instance("o", "b", (2,), 1), Instance("o", "b", (3,), 1)]
+    hits = [Replica("m", BURST, 0, 0.0, "a", (0,)), Replica("m", BURST, 0, 0.0, "b", (0,))]
+    c = choose_start(state([a, b], [m, spec("o")], {}, hits, insts), "m")
+    assert isinstance(c, StartChoice) and c.hit and (c.node, c.gpus) == ("b", (0,))
+    c = choose_start(state([a, b], [m, spec("o")], {}, (), insts), "m")
+    assert isinstance(c, StartChoice) and not c.hit and (c.node, c.gpus) == ("b", (0,))
+    # Evicted score still comes first: a hit on "a" that evicts nothing beats one on "b" that
+    # evicts a replica.
+    other = Replica("o", BASIC, 0, 3.0, "b", (0,))
+    c = choose_start(state([a, b], [m, spec("o")], {}, [*hits, other], insts), "m")
+    assert isinstance(c, StartChoice) and (c.node, c.gpus, c.evicts) == ("a", (0,), ())
+    # Equal fit: node name, then lowest GPU.
+    c = choose_start(state([node("b", 2), node("a", 2)], [m], {}), "m")
+    assert isinstance(c, StartChoice) and (c.node, c.gpus) == ("a", (0,))
+
+
 def test_no_capacity_reasons() -> None:
     c = choose_start(state([node("a", 2)], [spec("m", tp=4)], {}), "m")
     assert isinstance(c, NoCapacity) and "exceeds the GPU count" in c.reason

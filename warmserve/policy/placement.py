@@ -651,7 +651,13 @@ def choose_start(state: ClusterState, model: str) -> StartChoice | NoCapacity:
        free — the simulator measured thousands of such failed starts under heavy load.
     4. Else :class:`NoCapacity` with the reason.
 
-    Ties break by node name, then lowest GPU index.
+    Ties (equal evicted score) break *best fit* first: the node with the fewest startable GPUs
+    left after the start, so a narrow instance fills a node that is already fragmented and
+    keeps another node's free block whole for a wider model; then node name, then lowest GPU
+    index.  (The paper does not say how ties break; with the node name alone, TP-1 starts
+    took the last free GPU of a block and a TP-2/TP-4 model waited hundreds of seconds for two
+    GPUs on one node while single GPUs were free on both — measured in the simulator,
+    ``start_failure_kinds`` ``spread``.)
     """
     if model not in state.models:
         raise PolicyInputError(f"unknown model {model!r}")
@@ -669,16 +675,17 @@ def choose_start(state: ClusterState, model: str) -> StartChoice | NoCapacity:
         return True
 
     nodes = sorted(state.nodes, key=lambda n: n.name)
-    hits: list[tuple[float, str, GpuSet, StartChoice]] = []
+    spare = {n.name: sum(1 for g in n.gpus if startable(n, (g.index,))) for n in nodes}
+    hits: list[tuple[float, int, str, GpuSet, StartChoice]] = []
     for node in nodes:
         for r in by_node.get(node.name, []):
             if r.model != model or len(r.gpus) != spec.tp or not startable(node, r.gpus):
                 continue
             ev = tuple(o for o in evicted_by(by_node[node.name], node.name, r.gpus) if o is not r)
             choice = StartChoice(model, node.name, r.gpus, True, r, ev)
-            hits.append((choice.evicted_score, node.name, r.gpus, choice))
+            hits.append((choice.evicted_score, spare[node.name], node.name, r.gpus, choice))
     if hits:
-        return min(hits, key=lambda h: h[:3])[3]
+        return min(hits, key=lambda h: h[:4])[4]
 
     if all(len(n.gpus) < spec.tp for n in nodes):
         return NoCapacity(model, f"tp {spec.tp} exceeds the GPU count of every node")
@@ -686,7 +693,7 @@ def choose_start(state: ClusterState, model: str) -> StartChoice | NoCapacity:
         return NoCapacity(
             model, f"{spec.bytes_per_gpu} bytes per GPU exceed the memory of every GPU"
         )
-    best: tuple[float, int, int, StartChoice] | None = None
+    best: tuple[float, int, int, int, StartChoice] | None = None
     for order, node in enumerate(nodes):
         ns = _NodeSlots(node, order, set())
         for r in by_node.get(node.name, []):
@@ -699,12 +706,12 @@ def choose_start(state: ClusterState, model: str) -> StartChoice | NoCapacity:
                 continue
             ev = evicted_by(by_node.get(node.name, []), node.name, gpus)
             choice = StartChoice(model, node.name, gpus, False, None, ev)
-            key = (choice.evicted_score, order, (m & -m).bit_length())
-            if best is None or key < best[:3]:
+            key = (choice.evicted_score, spare[node.name], order, (m & -m).bit_length())
+            if best is None or key < best[:4]:
                 best = (*key, choice)
     if best is not None:
-        return best[3]
-    for node in nodes:
+        return best[4]
+    for node in sorted(nodes, key=lambda n: spare[n.name]):
         group = _unaligned_group(node, spec, by_node.get(node.name, []), startable)
         if group is not None:
             ev = evicted_by(by_node.get(node.name, []), node.name, group)
