@@ -320,6 +320,38 @@ class ControlPlane:
         return path
 
 
+def apply_chart_operator_rbac(
+    helm: Callable[..., subprocess.CompletedProcess[str]],
+    kubectl: Callable[..., subprocess.CompletedProcess[str]],
+    namespace: str,
+    release: str,
+) -> str:
+    """Render the chart's operator ServiceAccount and RBAC for ``release``, apply them in
+    ``namespace`` and return the ServiceAccount's name (tests then run the operator with its token,
+    so a missing RBAC rule fails them)."""
+    import yaml
+
+    rendered = helm(
+        "template",
+        release,
+        str(REPO_ROOT / "helm" / "warmserve"),
+        "-n",
+        namespace,
+        "--show-only",
+        "templates/serviceaccount.yaml",
+        "--show-only",
+        "templates/rbac.yaml",
+    ).stdout
+    kubectl("apply", "-n", namespace, "-f", "-", input=rendered)
+    return next(
+        d["metadata"]["name"]
+        for d in yaml.safe_load_all(rendered)
+        if d
+        and d["kind"] == "ServiceAccount"
+        and d["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+    )
+
+
 def fake_node(
     name: str,
     *,

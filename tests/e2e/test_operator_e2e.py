@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from k8s_support import apply_chart_operator_rbac
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -255,26 +255,7 @@ def test_operator_end_to_end(
         "crd/clusterkopfpeerings.kopf.dev",
     )
     # The chart's operator ServiceAccount and RBAC, rendered by helm, for a release in `ns`.
-    release = f"e2e{ns[-8:]}"
-    rendered = helm(
-        "template",
-        release,
-        str(REPO / "helm" / "warmserve"),
-        "-n",
-        ns,
-        "--show-only",
-        "templates/serviceaccount.yaml",
-        "--show-only",
-        "templates/rbac.yaml",
-    ).stdout
-    kubectl("apply", "-n", ns, "-f", "-", input=rendered)
-    sa = next(
-        d["metadata"]["name"]
-        for d in yaml.safe_load_all(rendered)
-        if d
-        and d["kind"] == "ServiceAccount"
-        and d["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
-    )
+    sa = apply_chart_operator_rbac(helm, kubectl, ns, f"e2e{ns[-8:]}")
     op_kubeconfig = sa_kubeconfig(ns, sa)
 
     # Two "GPU nodes": agent processes with 4 simulated GPUs each.

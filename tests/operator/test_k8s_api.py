@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+from k8s_support import apply_chart_operator_rbac
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -121,26 +121,7 @@ def test_gpunode_address_is_validated(crds: None, kubectl: Any) -> None:
 
 
 def _chart_rbac(helm: Any, kubectl: Any, ns: str) -> str:
-    release = f"rbac{ns[-8:]}"
-    rendered = helm(
-        "template",
-        release,
-        str(REPO / "helm" / "warmserve"),
-        "-n",
-        ns,
-        "--show-only",
-        "templates/serviceaccount.yaml",
-        "--show-only",
-        "templates/rbac.yaml",
-    ).stdout
-    kubectl("apply", "-n", ns, "-f", "-", input=rendered)
-    return next(
-        d["metadata"]["name"]
-        for d in yaml.safe_load_all(rendered)
-        if d
-        and d["kind"] == "ServiceAccount"
-        and d["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
-    )
+    return apply_chart_operator_rbac(helm, kubectl, ns, f"rbac{ns[-8:]}")
 
 
 # Every call the operator makes (kopf + window loop + discovery), and what must stay forbidden.
