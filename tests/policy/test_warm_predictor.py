@@ -14,6 +14,7 @@ from warmserve.policy.cluster import PolicyInputError
 from warmserve.policy.peak_forecast import LevelPool, UpperForecaster, linear_quantile
 from warmserve.policy.predictor import forecast, make_predictor
 from warmserve.policy.seasonal import CorrectiveSeasonalPredictor
+from warmserve.policy.streaming import Tail
 
 values = st.one_of(st.just(0.0), st.floats(min_value=0.01, max_value=1e4))
 series_st = st.lists(values, min_size=0, max_size=45)
@@ -123,12 +124,17 @@ def test_level_pool_nearest_is_brute_force(
     """The k smallest by (distance, -window) among the last ``keep`` windows (ties forced)."""
     pool = LevelPool(keep)
     for window, (lv, res) in enumerate(entries):
-        pool.add(window, float(lv), res)
-        pool.expire(window + 1)
-    alive = [(w, float(lv), r) for w, (lv, r) in enumerate(entries) if w >= len(entries) - keep]
+        pool.add(window, None if lv == 3 else float(lv), res)  # level 3: a window left out
+    alive = [
+        (w, float(lv), r)
+        for w, (lv, r) in enumerate(entries)
+        if w >= len(entries) - keep and lv != 3
+    ]
     assert len(pool) == len(alive)
     brute = sorted(alive, key=lambda e: (abs(e[1] - level), -e[0]))[:k]
-    assert sorted(pool.nearest(float(level), k)) == sorted(r for _, _, r in brute)
+    assert sorted(pool.nearest(float(level), k).tolist()) == sorted(r for _, _, r in brute)
+    with pytest.raises(ValueError, match="expected"):
+        pool.add(len(entries) + 1, 0.0, 0.0)
 
 
 @given(
@@ -142,7 +148,7 @@ def test_linear_quantile_is_numpys(vals: list[float], level: float) -> None:
 
 
 def test_tail_keeps_the_last_values() -> None:
-    tail = wp.Tail(3)
+    tail = Tail(3)
     for i in range(50):
         tail.append(float(i))
     assert tail.end == 50

@@ -35,13 +35,14 @@ forecast costs ``O(pool)`` however long the history is.
 
 from __future__ import annotations
 
-import bisect
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
 from warmserve.policy.cluster import PolicyInputError
+from warmserve.policy.streaming import Tail
 
 DEFAULT_PEAK_COVERAGE = 0.92  # target share of windows at or below the forecast peak
 ACI_STEP = 0.005  # gamma
@@ -63,9 +64,9 @@ class StreamingForecaster(Protocol):
     def observe(self, h: np.ndarray) -> None: ...
 
 
-def linear_quantile(values: list[float], level: float) -> float:
+def linear_quantile(values: Sequence[float] | np.ndarray, level: float) -> float:
     """The ``level`` quantile of ``values`` with linear interpolation (numpy's default)."""
-    ordered = sorted(values)
+    ordered = sorted(np.asarray(values, dtype=float).tolist())
     pos = level * (len(ordered) - 1)
     i = min(math.floor(pos), len(ordered) - 1)
     if i + 1 >= len(ordered):
@@ -76,67 +77,65 @@ def linear_quantile(values: list[float], level: float) -> float:
 class LevelPool:
     """Calibration residuals of the last ``keep`` windows, searchable by base level.
 
-    Kept sorted by level so that the ``k`` nearest to a level cost ``O(k log k)``, not a sort of
-    the whole pool per window.
+    Three arrays kept sorted by (level, window), so that the ``k`` nearest to a level cost a
+    slice of ``2k`` entries, not a sort of the whole pool; about 50 KB for a week of 5-minute
+    windows.
     """
 
     def __init__(self, keep: int) -> None:
         self.keep = keep
-        self._entries: list[tuple[float, int]] = []  # (level, window), sorted
-        self._residual: dict[int, float] = {}
-        self._windows: list[tuple[int, float]] = []  # (window, level) in arrival order
-        self._head = 0
+        self._level = np.zeros(0)
+        self._window = np.zeros(0, dtype=np.int64)
+        self._residual = np.zeros(0)
+        self._by_window = Tail(keep + 1)  # level per window (NaN: not in the pool)
 
     def __len__(self) -> int:
-        return len(self._residual)
+        return int(self._level.size)
 
-    def add(self, window: int, level: float, residual: float) -> None:
-        bisect.insort(self._entries, (level, window))
-        self._residual[window] = residual
-        self._windows.append((window, level))
+    def add(self, window: int, level: float | None, residual: float) -> None:
+        """Append window ``window`` (the next one); ``level=None``: it has no residual.
 
-    def expire(self, now: int) -> None:
-        """Drop windows older than ``now - keep``."""
-        while self._head < len(self._windows) and self._windows[self._head][0] < now - self.keep:
-            window, level = self._windows[self._head]
-            del self._entries[bisect.bisect_left(self._entries, (level, window))]
-            del self._residual[window]
-            self._head += 1
-        if self._head > 1024 and self._head * 2 > len(self._windows):
-            del self._windows[: self._head]
-            self._head = 0
+        Windows older than ``window + 1 - keep`` leave the pool.
+        """
+        if window != self._by_window.end:
+            raise ValueError(f"LevelPool.add: window {window}, expected {self._by_window.end}")
+        if level is not None:
+            pos = int(np.searchsorted(self._level, level, side="right"))
+            self._level = np.insert(self._level, pos, level)
+            self._window = np.insert(self._window, pos, window)
+            self._residual = np.insert(self._residual, pos, residual)
+        self._by_window.append(math.nan if level is None else level)
+        old = window - self.keep
+        if old >= 0:
+            old_level = float(self._by_window.get(np.array([old]))[0])
+            if not math.isnan(old_level):
+                pos = int(np.searchsorted(self._level, old_level, side="left"))
+                while self._window[pos] != old:  # equal levels: ordered by window
+                    pos += 1
+                self._level = np.delete(self._level, pos)
+                self._window = np.delete(self._window, pos)
+                self._residual = np.delete(self._residual, pos)
 
-    def nearest(self, level: float, k: int) -> list[float]:
+    def nearest(self, level: float, k: int) -> np.ndarray:
         """Residuals of the ``k`` windows whose level is nearest ``level``.
 
         Exactly the ``k`` smallest by (distance, -window): on equal distance the more recent
-        window wins.
+        window wins.  The ``k`` nearest of a sorted array lie within ``k`` places of where
+        ``level`` would go; ties at the ``k``-th distance may reach further and are added.
         """
-        entries = self._entries
-        if len(entries) <= k:
-            return [self._residual[w] for _, w in entries]
-        hi = bisect.bisect_left(entries, (level, -1))
-        lo = hi - 1
-        picked: list[tuple[float, int]] = []  # (distance, -window)
-        while len(picked) < k:
-            left = level - entries[lo][0] if lo >= 0 else math.inf
-            right = entries[hi][0] - level if hi < len(entries) else math.inf
-            if left <= right:
-                picked.append((left, -entries[lo][1]))
-                lo -= 1
-            else:
-                picked.append((right, -entries[hi][1]))
-                hi += 1
-        # windows at the k-th distance on either side that were not reached compete on recency
-        kth = max(d for d, _ in picked)
-        while lo >= 0 and level - entries[lo][0] == kth:
-            picked.append((kth, -entries[lo][1]))
+        n = self._level.size
+        if n <= k:
+            return self._residual.copy()
+        pos = int(np.searchsorted(self._level, level))
+        lo, hi = max(0, pos - k), min(n, pos + k)
+        kth = float(np.partition(np.abs(self._level[lo:hi] - level), k - 1)[k - 1])
+        while lo > 0 and level - self._level[lo - 1] == kth:
             lo -= 1
-        while hi < len(entries) and entries[hi][0] - level == kth:
-            picked.append((kth, -entries[hi][1]))
+        while hi < n and self._level[hi] - level == kth:
             hi += 1
-        picked.sort()
-        return [self._residual[-w] for _, w in picked[:k]]
+        dist = np.abs(self._level[lo:hi] - level)
+        order = np.lexsort((-self._window[lo:hi], dist))[:k]
+        return self._residual[lo:hi][order]
 
 
 def check_coverage_params(
@@ -200,7 +199,7 @@ class UpperForecaster:
 
     def _quantile(self, level_now: float) -> float:
         pool = self.pool.nearest(level_now, self.neighbours)
-        if not pool:
+        if pool.size == 0:
             return 0.0
         return linear_quantile(pool, min(max(1.0 - self.alpha, 0.5), 1.0))
 
@@ -213,7 +212,8 @@ class UpperForecaster:
         actual = float(h[-1])
         if shifted > 0 and actual + c > 0:
             self.pool.add(self.t, math.log(shifted), math.log((actual + c) / shifted))
-        self.pool.expire(self.t + 1)
+        else:
+            self.pool.add(self.t, None, math.nan)
         miss = 1.0 if actual > upper else 0.0
         # bounded so that a long run of misses cannot wind the level up for ever
         self.alpha = min(max(self.alpha + self.gamma * ((1.0 - self.target) - miss), -1.0), 1.0)
