@@ -2,11 +2,12 @@
 
 The paper predicts a window's peak load with the same point predictor as its average (§5.1)
 and sizes burst replicas from it (Eq. 6: ``N_burst = ceil(L_P / B) - N_basic - K``).  A point
-forecast of the peak is below the actual peak about half the time (measured: 46-52 % of windows
-on every bundled trace), so the burst replicas miss every other burst they are for.  We
-forecast instead an *upper quantile* of the next window's peak, calibrated online so that the
-actual peak stays at or below it in a chosen share of windows (``target``, default 92 %, which
-keeps the realised share >= 90 % on every bundled multi-day trace):
+forecast of the peak is below the actual peak about half the time (measured: every point
+predictor covers 48-64 % of windows on the bundled traces), so the burst replicas miss about
+every other burst they are for.  We forecast instead an *upper quantile* of the next window's
+peak, calibrated online so that the actual peak stays at or below it in a chosen share of
+windows (``target``, default 92 %, which keeps the realised share >= 90 % on every bundled
+multi-day trace):
 
 1. **Base**: any streaming point forecaster of the peak series (``warm``'s ensemble).
 2. **Residuals**: ``r_i = log((a_i + c_i) / (b_i + c_i))`` for every past window ``i`` (actual
