@@ -352,6 +352,36 @@ def apply_chart_operator_rbac(
     )
 
 
+def apply_chart_gateway_rbac(
+    helm: Callable[..., subprocess.CompletedProcess[str]],
+    kubectl: Callable[..., subprocess.CompletedProcess[str]],
+    namespace: str,
+    release: str,
+    *set_args: str,
+) -> str:
+    """Render the chart's gateway ServiceAccount and RBAC for ``release`` (extra ``--set``
+    arguments allowed), apply them in ``namespace`` and return the ServiceAccount's name."""
+    import yaml
+
+    rendered = helm(
+        "template",
+        release,
+        str(REPO_ROOT / "helm" / "warmserve"),
+        "-n",
+        namespace,
+        "--show-only",
+        "templates/gateway.yaml",
+        "--show-only",
+        "templates/gateway-rbac.yaml",
+        *set_args,
+    ).stdout
+    keep = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    docs = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in keep]
+    items = {"apiVersion": "v1", "kind": "List", "items": docs}  # every object names its namespace
+    kubectl("apply", "-f", "-", input=json.dumps(items))
+    return next(d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount")
+
+
 def fake_node(
     name: str,
     *,

@@ -111,12 +111,14 @@ class KubeSource:
                             w.stop()
                             return
             except ApiException as exc:
-                if exc.status != 410:
+                if exc.status != 410 and not self._stop.is_set():
                     log.warning(
                         "event=watch_failed namespace=%s status=%s reason=%r",
                         ns or "*", exc.status, exc.reason,
                     )  # fmt: skip
             except Exception as exc:  # network trouble: re-list after a pause
+                if self._stop.is_set():
+                    return
                 log.warning("event=watch_failed namespace=%s error=%r", ns or "*", str(exc))
             if self._stop.wait(backoff):
                 return

@@ -125,7 +125,11 @@ class Gateway:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/demand", self._demand)
         app.router.add_get("/healthz", Api(self).healthz)
+        app.router.add_get("/livez", self._livez)  # the event loop answers: alive
         return app
+
+    async def _livez(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
 
     def public_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)

@@ -56,9 +56,8 @@ async def make_gateway() -> AsyncIterator[Callable[..., Any]]:
 
     async def make(items: list[Mapping[str, Any]], **kw: Any) -> tuple[Gateway, ListSource]:
         src = ListSource(list(items))
-        cfg = GatewayConfig(
-            host="127.0.0.1", port=0, admin_host="127.0.0.1", admin_port=0, replica="test", **kw
-        )
+        base: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "admin_host": "127.0.0.1"}
+        cfg = GatewayConfig(**{**base, "admin_port": 0, "replica": "test", **kw})
         gw = Gateway(cfg, src)
         await gw.start()
         started.append(gw)

@@ -288,7 +288,9 @@ def test_metrics_off_declares_no_port_and_no_scrape_annotations(k8s_bin_dir: Pat
     assert _parse_cli(op["spec"]["containers"][0]["args"]).metrics_port == 0
     agent_ns = _parse_cli(ag["spec"]["containers"][0]["args"])
     assert agent_ns.metrics_port is None and agent_ns.engine_host == "0.0.0.0"
-    assert not [d for d in docs if d["kind"] == "PodMonitor"]
+    # The gateway's admin port also serves /demand to the operator, so it is always there.
+    pms = [d["metadata"]["name"] for d in docs if d["kind"] == "PodMonitor"]
+    assert pms == ["ws-warmserve-gateway"]
 
 
 def test_scrape_annotations_can_be_turned_off_or_overridden(k8s_bin_dir: Path) -> None:
@@ -321,8 +323,12 @@ def test_pod_monitors_select_the_pods_and_their_metrics_port(k8s_bin_dir: Path) 
     monitors = [d for d in docs if d["kind"] == "PodMonitor"]
     assert sorted(m["metadata"]["name"] for m in monitors) == [
         "ws-warmserve-agent",
+        "ws-warmserve-gateway",
         "ws-warmserve-operator",
     ]
+    gw_monitor = _find(docs, "PodMonitor", "-gateway")
+    assert gw_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "admin"
+    assert "admin" in _ports(_pod(docs, "Deployment", "-gateway")["spec"]["containers"][0])
     for kind, suffix in (("Deployment", "-operator"), ("DaemonSet", "-agent")):
         pod = _pod(docs, kind, suffix)
         monitor = _find(docs, "PodMonitor", suffix)
@@ -342,8 +348,9 @@ def test_pod_monitors_select_the_pods_and_their_metrics_port(k8s_bin_dir: Path) 
     assert not op_selector.items() <= agent_labels.items()
     # Agents off: only the operator's.
     no_agent = _render(
-        k8s_bin_dir, "--set", "metrics.podMonitor.enabled=true", "--set", "agent.enabled=false"
-    )
+        k8s_bin_dir, "--set", "metrics.podMonitor.enabled=true", "--set", "agent.enabled=false",
+        "--set", "gateway.enabled=false",
+    )  # fmt: skip
     assert [d["metadata"]["name"] for d in no_agent if d["kind"] == "PodMonitor"] == [
         "ws-warmserve-operator"
     ]
