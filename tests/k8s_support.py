@@ -352,6 +352,23 @@ def apply_chart_operator_rbac(
     )
 
 
+def host_ip() -> str:
+    """This machine's non-loopback IPv4 address.
+
+    EndpointSlices refuse loopback addresses, so tests that stand in for the EndpointSlice
+    controller (no kubelet here) list local processes under this address."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("198.51.100.1", 9))  # no packet is sent: this only picks the route
+        ip = s.getsockname()[0]
+    if ip.startswith("127."):
+        ip = socket.gethostbyname(socket.gethostname())
+    if ip.startswith("127."):
+        raise RuntimeError("no non-loopback IPv4 address: EndpointSlices refuse loopback ones")
+    return ip
+
+
 def apply_chart_gateway_rbac(
     helm: Callable[..., subprocess.CompletedProcess[str]],
     kubectl: Callable[..., subprocess.CompletedProcess[str]],

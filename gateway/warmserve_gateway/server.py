@@ -65,6 +65,7 @@ class Gateway:
         )
         self.synced = False
         self.draining = False
+        self._last_held: dict[str, int] = {}
         self.proxy: Proxy  # set in start() (the client session needs the running loop)
         self._runners: list[web.AppRunner] = []
         self._stop_streams = asyncio.Event()
@@ -100,6 +101,11 @@ class Gateway:
 
     def _held_changed(self, model: str, held: int) -> None:
         self.metrics.held.labels(model).set(held)
+        if held == 1 and self._last_held.get(model, 0) == 0:
+            # The start of a hold (e.g. a model at zero instances): what scale-from-zero
+            # latency is measured from.
+            log.info("event=holding model=%s", model)
+        self._last_held[model] = held
         self.demand.held_changed(model, held)
 
     def _held_left(self, model: str) -> None:

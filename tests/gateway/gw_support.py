@@ -14,23 +14,6 @@ from warmserve_agent.testing import AgentThread
 REPO = Path(__file__).resolve().parents[2]
 
 
-def host_ip() -> str:
-    """This machine's non-loopback IPv4 address.
-
-    EndpointSlices refuse loopback addresses, so tests that stand in for the EndpointSlice
-    controller (no kubelet here) list local processes under this address."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("198.51.100.1", 9))  # no packet is sent: this only picks the route
-        ip = s.getsockname()[0]
-    if ip.startswith("127."):
-        ip = socket.gethostbyname(socket.gethostname())
-    if ip.startswith("127."):
-        raise RuntimeError("no non-loopback IPv4 address: EndpointSlices refuse loopback ones")
-    return ip
-
-
 def write_model(*args: Any, **kw: Any) -> Path:
     """tests/agent/conftest.py's real safetensors test model, loaded under a private name."""
     spec = importlib.util.spec_from_file_location(

@@ -16,8 +16,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gw_support import REPO, Engines, host_ip
-from k8s_support import apply_chart_gateway_rbac, apply_chart_operator_rbac
+from gw_support import REPO, Engines
+from k8s_support import apply_chart_gateway_rbac, apply_chart_operator_rbac, host_ip
 from warmserve_gateway.config import GatewayConfig
 from warmserve_gateway.server import Gateway
 
