@@ -90,7 +90,7 @@ class Api:
         keys = self.gw.keys
         if keys is None or keys.check(request.headers.get("Authorization")) is not None:
             return None
-        self.m.requests.labels(NO_MODEL, "401").inc()
+        self.m.answered(NO_MODEL, 401)
         return openai_error(
             401,
             "missing or invalid API key: send 'Authorization: Bearer <key>'",
@@ -138,7 +138,7 @@ class Api:
         )
 
     def _unknown(self, name: str) -> web.Response:
-        self.m.requests.labels(UNKNOWN_MODEL, "404").inc()
+        self.m.answered(UNKNOWN_MODEL, 404)
         return openai_error(
             404,
             f"the model {name!r} does not exist: no ModelDeployment serves it "
@@ -150,24 +150,22 @@ class Api:
     def _bad(
         self, message: str, code: str = "invalid_request", param: str | None = None
     ) -> web.Response:
-        self.m.requests.labels(NO_MODEL, "400").inc()
+        self.m.answered(NO_MODEL, 400)
         return openai_error(400, message, param=param, code=code)
 
     async def _read_body(self, request: web.Request) -> bytes | web.Response:
         limit = self.gw.config.max_body_bytes
-        too_big = openai_error(
+        if request.content_length is None or request.content_length <= limit:
+            try:
+                return await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                pass
+        self.m.answered(NO_MODEL, 413)
+        return openai_error(
             413,
             f"request body over the gateway's limit of {limit} bytes",
             code="request_too_large",
         )
-        if request.content_length is not None and request.content_length > limit:
-            self.m.requests.labels(NO_MODEL, "413").inc()
-            return too_big
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            self.m.requests.labels(NO_MODEL, "413").inc()
-            return too_big
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         t0 = self.gw.clock()
@@ -233,4 +231,4 @@ class Api:
         except asyncio.CancelledError:
             raise
         finally:
-            self.m.requests.labels(st.model, str(status)).inc()
+            self.m.answered(st.model, status)

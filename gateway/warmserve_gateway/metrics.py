@@ -7,6 +7,9 @@ client made up, so clients cannot blow up the label cardinality.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 PREFIX = "warmserve_gateway"
@@ -18,8 +21,21 @@ _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 3
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelMetrics:
+    """One model's children of the per-request metrics, resolved once (``labels()`` per request
+    costs more than the observation itself)."""
+
+    queue_wait: Any
+    ttft_stream: Any
+    ttft_unary: Any
+    inflight: Any
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self._models: dict[str, ModelMetrics] = {}
+        self._answered: dict[tuple[str, int], Any] = {}
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -89,3 +105,21 @@ class Metrics:
             "1 once the ModelDeployments were listed (the replica is ready)",
             registry=r,
         )
+
+    def model(self, model: str) -> ModelMetrics:
+        m = self._models.get(model)
+        if m is None:
+            m = self._models[model] = ModelMetrics(
+                self.queue_wait.labels(model),
+                self.ttft.labels(model, "true"),
+                self.ttft.labels(model, "false"),
+                self.inflight.labels(model),
+            )
+        return m
+
+    def answered(self, model: str, code: int) -> None:
+        """Count one answer (``warmserve_gateway_requests_total``)."""
+        child = self._answered.get((model, code))
+        if child is None:
+            child = self._answered[(model, code)] = self.requests.labels(model, str(code))
+        child.inc()

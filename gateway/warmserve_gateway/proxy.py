@@ -105,24 +105,28 @@ class Proxy:
     ) -> web.StreamResponse:
         """Hold until an instance has room, forward, relay; one retry before the first byte."""
         avoid: frozenset[str] = frozenset()
-        model = st.model
+        mm = self.metrics.model(st.model)
         for attempt in (0, 1):
             ep = await self.dispatcher.acquire(st, deadline, avoid)
             if attempt == 0:
-                self.metrics.queue_wait.labels(model).observe(self.clock() - t0)
-            self.metrics.inflight.labels(model).inc()
+                mm.queue_wait.observe(self.clock() - t0)
+            mm.inflight.inc()
             try:
                 result = await self._attempt(request, st, ep, out, t0, last=attempt == 1)
             finally:
-                self.metrics.inflight.labels(model).dec()
+                mm.inflight.dec()
                 self.dispatcher.release(st, ep)
             if result is _RETRY:
                 avoid = frozenset({ep.instance_id})
-                self.metrics.retries.labels(model).inc()
+                self.metrics.retries.labels(st.model).inc()
                 continue
             assert isinstance(result, web.StreamResponse)
             return result
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _ttft(self, model: str, stream: bool, t0: float) -> None:
+        mm = self.metrics.model(model)
+        (mm.ttft_stream if stream else mm.ttft_unary).observe(self.clock() - t0)
 
     def _failed(self, st: ModelState, ep: Endpoint, kind: str, exc: BaseException | str) -> None:
         self.metrics.upstream_errors.labels(st.model, kind).inc()
@@ -142,7 +146,7 @@ class Proxy:
     ) -> Any:
         try:
             up = await self.session.request(
-                out.method, ep.url + out.path_qs, data=out.body, headers=out.headers
+                out.method, ep.target(out.path_qs), data=out.body, headers=out.headers
             )
         except _BROKEN as exc:
             self._failed(st, ep, "connect", exc)
@@ -164,9 +168,7 @@ class Proxy:
                     if not last:
                         return _RETRY
                     raise UpstreamError(f"engine of {st.model!r} failed: {exc}") from exc
-                self.metrics.ttft.labels(st.model, str(out.stream).lower()).observe(
-                    self.clock() - t0
-                )
+                self._ttft(st.model, out.stream, t0)
                 return web.Response(status=up.status, body=data, headers=_response_headers(up))
             try:
                 first = await up.content.readany()
@@ -193,7 +195,7 @@ class Proxy:
         await resp.prepare(request)
         if first:
             await resp.write(first)
-        self.metrics.ttft.labels(st.model, str(out.stream).lower()).observe(self.clock() - t0)
+        self._ttft(st.model, out.stream, t0)
         try:
             while True:
                 chunk = await up.content.readany()

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from yarl import URL
 
 
 @dataclass(slots=True)
@@ -27,6 +29,16 @@ class Endpoint:
     url: str  # engine base URL, e.g. http://10.0.0.7:41234
     outstanding: int = 0  # requests this replica forwarded there and not yet finished
     ejected_until: float = 0.0  # monotonic time before which it gets no new request
+    _urls: dict[str, URL] = field(default_factory=dict, repr=False)
+
+    def target(self, path_qs: str) -> URL:
+        """``url + path_qs`` as a parsed URL, cached per path (parsing costs per request)."""
+        u = self._urls.get(path_qs)
+        if u is None:
+            if len(self._urls) > 64:
+                self._urls.clear()
+            u = self._urls[path_qs] = URL(self.url + path_qs, encoded=True)
+        return u
 
 
 def has_room(ep: Endpoint, max_batch: int, now: float) -> bool:

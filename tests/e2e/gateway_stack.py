@@ -107,8 +107,9 @@ class Stack:
 
     # ---- agents -----------------------------------------------------------------------------
 
-    def start_agents(self, models: Path, nodes: dict[str, str]) -> None:
-        """One agent process per node (``{"node-a": "4x64MiB"}``), registered as GPUNodes."""
+    def start_agents(self, models: Path, nodes: dict[str, str], copy_gbps: float = 0.0) -> None:
+        """One agent process per node (``{"node-a": "4x64MiB"}``), registered as GPUNodes;
+        ``copy_gbps`` > 0 paces weight loads like a host-to-GPU link of that speed."""
         files = {}
         for node, gpus in nodes.items():
             files[node] = self.tmp / f"{node}.addr"
@@ -119,6 +120,7 @@ class Stack:
                     "--models", str(models), "--gpus", gpus, "--node", node,
                     "--address-file", str(files[node]),
                     "--memory-dir", str(self.tmp / f"mem-{node}"),
+                    "--sim-copy-gbps", str(copy_gbps),
                 ],
                 self.env,
             )  # fmt: skip

@@ -34,11 +34,16 @@ from test_operator_e2e import Procs, seed_history, wait_for
 REPO = Path(__file__).resolve().parents[2]
 POLL_S = 5.0  # the operator's default poll: scale from zero must not wait for it
 SETTLE_S = 45.0
-README_BODY = {  # what README.md's curl sends
-    "model": "tiny-chat",
-    "messages": [{"role": "user", "content": "Hello!"}],
-    "max_tokens": 16,
-}
+
+
+def readme_curl_body() -> dict[str, Any]:
+    """The JSON body of the curl command in README.md's install section (what a user sends)."""
+    import re
+
+    text = (REPO / "README.md").read_text()
+    m = re.search(r"curl -s localhost:8000/v1/chat/completions .*?-d '(\{.*?\})'", text, re.S)
+    assert m, "README.md lost its curl example"
+    return json.loads(m.group(1))
 
 
 def _mds(ns: str) -> list[dict[str, Any]]:
@@ -145,7 +150,7 @@ def _phase_a_example_scales_from_zero(st: Stack, api: str, results: dict[str, An
 
     async def go() -> tuple[int, dict[str, str], Any]:
         async with aiohttp.ClientSession() as s:
-            return await _call(s, api, README_BODY)
+            return await _call(s, api, readme_curl_body())
 
     code, _, doc = asyncio.run(go())
     assert _completion(code, doc)
