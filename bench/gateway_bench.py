@@ -285,9 +285,9 @@ async def stream_burst(api: str, model: str, k: int) -> list[dict[str, Any]]:
 
 
 def bench_burst(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    from e2e_support import Procs, seed_history, wait_for
     from gateway_stack import Stack, log_times, write_model
     from k8s_support import ControlPlane, ensure_binaries
-    from test_operator_e2e import Procs, seed_history, wait_for
 
     plane = ControlPlane.start(tmp / "plane", bin_dir=ensure_binaries())
     procs = Procs(tmp)
@@ -301,7 +301,6 @@ def bench_burst(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         for seed, name in enumerate(("bench-hit", "bench-cold")):
             write_model(models, name, layers=8, hidden=256, seed=seed, profile=profile)
         st.start_agents(models, {"node-a": "2x128MiB"}, copy_gbps=args.copy_gbps)
-        seed_history(plane.kubectl, ns, "hit", "bench-hit", avg=1.0, peak=1.0)
         mds = [
             {
                 "apiVersion": "warmserve.io/v1alpha1",
@@ -319,6 +318,7 @@ def bench_burst(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         plane.kubectl(
             "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": mds})
         )
+        seed_history(plane.kubectl, ns, "hit", "bench-hit", avg=1.0, peak=1.0)
         st.start_operator("operator", 100, poll_s=5.0)
         gw = st.start_gateway("gw")
 

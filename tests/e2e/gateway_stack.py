@@ -20,8 +20,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from e2e_support import Procs, _agent_test_helpers, wait_for
 from k8s_support import host_ip
-from test_operator_e2e import Procs, _agent_test_helpers, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 DEMAND_SERVICE = "gw-demand"

@@ -22,14 +22,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from e2e_support import Procs, seed_history, wait_for
 from gateway_stack import Stack, demand_of, log_times, metric, write_model
-from test_operator_e2e import Procs, seed_history, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 POLL_S = 5.0  # the operator's default poll: scale from zero must not wait for it
@@ -93,12 +92,8 @@ def _completion(status: int, doc: Any) -> str:
 
 
 @pytest.fixture
-def stack(k8s_control_plane: Any, k8s_namespace: str, tmp_path: Path) -> Iterator[Stack]:
-    procs = Procs(tmp_path)
-    try:
-        yield Stack(k8s_control_plane, k8s_namespace, tmp_path, procs)
-    finally:
-        procs.stop_all()
+def stack(k8s_control_plane: Any, k8s_namespace: str, tmp_path: Path, procs: Procs) -> Stack:
+    return Stack(k8s_control_plane, k8s_namespace, tmp_path, procs)
 
 
 def test_gateway_end_to_end(stack: Stack, tmp_path: Path) -> None:
@@ -114,9 +109,9 @@ def test_gateway_end_to_end(stack: Stack, tmp_path: Path) -> None:
         profile={"max_batch": 1, "decode_tok_s": 20.0},
     )  # fmt: skip
     st.start_agents(models, {"node-a": "4x64MiB", "node-b": "4x64MiB"})
-    seed_history(st.kubectl, ns, "hit", "tiny-hit", avg=2.0, peak=2.0)  # 1 basic replica
     items = {"apiVersion": "v1", "kind": "List", "items": _mds(ns)}
     st.kubectl("apply", "-f", "-", input=json.dumps(items))
+    seed_history(st.kubectl, ns, "hit", "tiny-hit", avg=2.0, peak=2.0)  # 1 basic replica
     st.start_operator("operator-1", 100, poll_s=POLL_S)
     gw_a = st.start_gateway("gw-a")
     st.start_gateway("gw-b")
