@@ -320,6 +320,45 @@ class ControlPlane:
         return path
 
 
+def _apply_chart_objects(
+    helm: Callable[..., subprocess.CompletedProcess[str]],
+    kubectl: Callable[..., subprocess.CompletedProcess[str]],
+    namespace: str,
+    release: str,
+    templates: Sequence[str],
+    kinds: frozenset[str],
+    set_args: Sequence[str] = (),
+) -> list[dict[str, Any]]:
+    """Render ``templates`` of the chart for ``release`` in ``namespace``, apply the objects of
+    ``kinds`` (each names its namespace) and return them."""
+    import yaml
+
+    shows = [a for t in templates for a in ("--show-only", f"templates/{t}")]
+    rendered = helm(
+        "template", release, str(REPO_ROOT / "helm" / "warmserve"), "-n", namespace, *shows,
+        *set_args,
+    ).stdout  # fmt: skip
+    docs = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in kinds]
+    kubectl(
+        "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})
+    )
+    return docs
+
+
+_RBAC_KINDS = frozenset(
+    {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+)
+
+
+def _service_account(docs: list[dict[str, Any]], component: str) -> str:
+    return next(
+        d["metadata"]["name"]
+        for d in docs
+        if d["kind"] == "ServiceAccount"
+        and d["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    )
+
+
 def apply_chart_operator_rbac(
     helm: Callable[..., subprocess.CompletedProcess[str]],
     kubectl: Callable[..., subprocess.CompletedProcess[str]],
@@ -329,27 +368,10 @@ def apply_chart_operator_rbac(
     """Render the chart's operator ServiceAccount and RBAC for ``release``, apply them in
     ``namespace`` and return the ServiceAccount's name (tests then run the operator with its token,
     so a missing RBAC rule fails them)."""
-    import yaml
-
-    rendered = helm(
-        "template",
-        release,
-        str(REPO_ROOT / "helm" / "warmserve"),
-        "-n",
-        namespace,
-        "--show-only",
-        "templates/serviceaccount.yaml",
-        "--show-only",
-        "templates/rbac.yaml",
-    ).stdout
-    kubectl("apply", "-n", namespace, "-f", "-", input=rendered)
-    return next(
-        d["metadata"]["name"]
-        for d in yaml.safe_load_all(rendered)
-        if d
-        and d["kind"] == "ServiceAccount"
-        and d["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+    docs = _apply_chart_objects(
+        helm, kubectl, namespace, release, ("serviceaccount.yaml", "rbac.yaml"), _RBAC_KINDS
     )
+    return _service_account(docs, "operator")
 
 
 def host_ip() -> str:
@@ -378,25 +400,11 @@ def apply_chart_gateway_rbac(
 ) -> str:
     """Render the chart's gateway ServiceAccount and RBAC for ``release`` (extra ``--set``
     arguments allowed), apply them in ``namespace`` and return the ServiceAccount's name."""
-    import yaml
-
-    rendered = helm(
-        "template",
-        release,
-        str(REPO_ROOT / "helm" / "warmserve"),
-        "-n",
-        namespace,
-        "--show-only",
-        "templates/gateway.yaml",
-        "--show-only",
-        "templates/gateway-rbac.yaml",
-        *set_args,
-    ).stdout
-    keep = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
-    docs = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in keep]
-    items = {"apiVersion": "v1", "kind": "List", "items": docs}  # every object names its namespace
-    kubectl("apply", "-f", "-", input=json.dumps(items))
-    return next(d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount")
+    docs = _apply_chart_objects(
+        helm, kubectl, namespace, release, ("gateway.yaml", "gateway-rbac.yaml"), _RBAC_KINDS,
+        set_args,
+    )  # fmt: skip
+    return _service_account(docs, "gateway")
 
 
 def fake_node(

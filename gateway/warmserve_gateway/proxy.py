@@ -72,7 +72,10 @@ def _response_headers(up: aiohttp.ClientResponse) -> dict[str, str]:
 
 
 def new_session(connect_timeout_s: float, read_timeout_s: float) -> aiohttp.ClientSession:
+    """One session (connection pool) for every engine.  No cookie jar: a cookie an engine sets
+    must never be sent along with another client's request (and the jar costs per request)."""
     return aiohttp.ClientSession(
+        cookie_jar=aiohttp.DummyCookieJar(),
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
         timeout=aiohttp.ClientTimeout(
             total=None, connect=connect_timeout_s, sock_read=read_timeout_s

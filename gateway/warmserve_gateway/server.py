@@ -63,7 +63,11 @@ class Gateway:
         self.dispatcher = Dispatcher(
             config.max_held, on_held=self._held_changed, on_left=self._held_left, clock=clock
         )
-        self.synced = False
+        self.synced = False  # every watched namespace (or the cluster, or the file) listed once
+        self._listed: set[str | None] = set()
+        self._needed: set[str | None] = (
+            set(config.namespaces) if config.namespaces and not config.static_models else {None}
+        )
         self.draining = False
         self._last_held: dict[str, int] = {}
         self.proxy: Proxy  # set in start() (the client session needs the running loop)
@@ -75,7 +79,8 @@ class Gateway:
 
     def _on_list(self, namespace: str | None, items: list[Mapping[str, Any]]) -> None:
         self._apply(self.catalog.replace(items, namespace))
-        if not self.synced:
+        self._listed.add(namespace)
+        if not self.synced and self._needed <= self._listed:
             self.synced = True
             self.metrics.catalog_synced.set(1)
             log.info("event=catalog_synced deployments=%d", len(self.catalog.owners))
