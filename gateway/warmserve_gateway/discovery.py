@@ -35,6 +35,11 @@ OnEvent = Callable[[str, Mapping[str, Any]], None]
 
 
 class Source(Protocol):
+    """Calls ``on_list(scope, objects)`` once per scope in :attr:`scopes` (a namespace, or None
+    for all) and again after every re-list, ``on_event`` for every change in between."""
+
+    scopes: tuple[str | None, ...]
+
     def start(
         self, loop: asyncio.AbstractEventLoop, on_list: OnList, on_event: OnEvent
     ) -> None: ...
@@ -54,12 +59,13 @@ class KubeSource:
             config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
         self._custom = client.CustomObjectsApi(client.ApiClient())
         self.namespaces = namespaces
+        self.scopes: tuple[str | None, ...] = namespaces or (None,)
         self.watch_timeout_s = watch_timeout_s
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
     def start(self, loop: asyncio.AbstractEventLoop, on_list: OnList, on_event: OnEvent) -> None:
-        for ns in self.namespaces or (None,):
+        for ns in self.scopes:
             t = threading.Thread(
                 target=self._run, args=(ns, loop, on_list, on_event), daemon=True,
                 name=f"md-watch-{ns or 'all'}",
@@ -131,6 +137,7 @@ class FileSource:
     def __init__(self, path: Path, poll_s: float = 1.0) -> None:
         self.path = Path(path)
         self.poll_s = poll_s
+        self.scopes: tuple[str | None, ...] = (None,)
         self._task: asyncio.Task[None] | None = None
         self.read()  # fail fast on a bad file
 

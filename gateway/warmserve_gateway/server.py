@@ -65,9 +65,7 @@ class Gateway:
         )
         self.synced = False  # every watched namespace (or the cluster, or the file) listed once
         self._listed: set[str | None] = set()
-        self._needed: set[str | None] = (
-            set(config.namespaces) if config.namespaces and not config.static_models else {None}
-        )
+        self._needed: set[str | None] = set(source.scopes)
         self.draining = False
         self._last_held: dict[str, int] = {}
         self.proxy: Proxy  # set in start() (the client session needs the running loop)

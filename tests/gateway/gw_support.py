@@ -92,6 +92,7 @@ class ListSource:
     """Hands objects to the gateway through the watch's callbacks."""
 
     items: list[Mapping[str, Any]] = field(default_factory=list)
+    scopes: tuple[str | None, ...] = (None,)
     on_list: Callable[..., None] | None = None
     on_event: Callable[..., None] | None = None
 

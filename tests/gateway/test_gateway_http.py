@@ -366,3 +366,32 @@ async def test_demand_watch_stream_reports_held_edges(make_gateway: Any) -> None
             t.cancel()
     # 0 -> 1, then each doubling (2, 4): a burst costs a handful of wake-ups, not one per request
     assert seen == [0, 1, 2, 4], seen
+
+
+async def test_ready_only_once_every_watched_namespace_is_listed() -> None:
+    from gw_support import ListSource
+    from warmserve_gateway.config import GatewayConfig
+    from warmserve_gateway.server import Gateway
+
+    class TwoNamespaces(ListSource):
+        def start(self, loop: Any, on_list: Any, on_event: Any) -> None:
+            self.on_list, self.on_event = on_list, on_event
+            on_list("a", [md("x", "x", [], namespace="a")])  # "b" not listed yet
+
+    src = TwoNamespaces(scopes=("a", "b"))
+    gw = Gateway(GatewayConfig(host="127.0.0.1", port=0, admin_port=0, namespaces=("a", "b")), src)
+    await gw.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{gw.urls['api']}/healthz") as r:
+                assert r.status == 503
+            st, headers, doc = await post(
+                s, f"{gw.urls['api']}/v1/chat/completions", {"model": "x"}
+            )
+            assert st == 503 and doc["error"]["code"] == "not_ready" and headers["Retry-After"]
+            assert src.on_list is not None
+            src.on_list("b", [])
+            async with s.get(f"{gw.urls['api']}/healthz") as r:
+                assert r.status == 200
+    finally:
+        await gw.stop()
