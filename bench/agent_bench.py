@@ -1,6 +1,12 @@
 #!/usr/bin/env python
-"""Node agent benchmark: activation latency from a pooled worker vs a freshly started process,
-and the gRPC round-trip time.
+"""Node agent benchmark: weight-load bandwidth through the worker data path, activation latency
+from a pooled worker vs a freshly started process, and the gRPC round-trip time.
+
+Load: a model is prewarmed into a slot whose memory a GPU worker process owns (simulated backend
+in the worker, as ``--gpus auto`` runs the cuda backend there).  "file ranges" is the current
+path (the worker reads the safetensors ranges itself through its staging ring); "pickled" is the
+path before issue 13 (the agent reads the bytes and sends them through the worker's pipe), kept
+here only as the baseline.  Interleaved rounds, medians, ratio.
 
 Activation = ``NodeCore.activate`` of a prewarmed model (a prewarm hit): map the KV cache, hand
 the slot to the engine in a worker process, the engine verifies its weights and starts serving
@@ -12,7 +18,7 @@ latency a user's first request sees).
 
 RTT: ``Describe`` and the standard health ``Check`` over loopback gRPC to a running agent.
 
-    python bench/agent_bench.py [--rounds 5] [--rtt-calls 200] [--out FILE.json]
+    python bench/agent_bench.py [--rounds 5] [--rtt-calls 200] [--load-mib 256] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 from warmserve_agent.backends.simulated import SimulatedBackend
+from warmserve_agent.backends.workers import WorkerMemoryBackend
 from warmserve_agent.client import SyncAgentClient
 from warmserve_agent.engine_host import FreshWorkerEngine, WorkerEngine
-from warmserve_agent.memory import MemoryManager
+from warmserve_agent.memory import MemoryManager, pages_for
 from warmserve_agent.node import NodeCore
 from warmserve_agent.server import AgentConfig
 from warmserve_agent.store import WeightStore
@@ -57,6 +64,66 @@ def write_model(root: Path, name: str, layers: int, hidden: int) -> None:
         )
     save_file(t, str(d / "model.safetensors"))
     (d / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+
+
+def load_pickled(mm: MemoryManager, store: WeightStore, layout, slot_id: str, gpus) -> None:
+    """The pre-issue-13 data path, verbatim in effect: the agent reads each tensor from its host
+    cache and ``MemoryManager.write`` pickles the bytes through the worker's pipe."""
+    for layer in range(layout.model.num_layers):
+        for pl in layout.layer_placements(layer):
+            host = store.host_view(pl.tensor)
+            for rank, gpu in enumerate(gpus):
+                s, n = pl.shard(rank)
+                mm.ensure_mapped(slot_id, pages_for(pl.slot_offset + n, mm.page_bytes))
+                mm.write(slot_id, gpu, pl.slot_offset, host[s : s + n])
+        for gpu in gpus:
+            mm.backend.sync(gpu)
+
+
+def bench_load(root: Path, tmp: Path, rounds: int) -> dict:
+    """Prewarm bandwidth of model "big" into worker-owned (simulated) memory, both paths."""
+    pool = WorkerPool([0], spares=0)
+    pool.start()
+    backend = WorkerMemoryBackend(pool, "simulated", 2 * MiB, directory=str(tmp / "load-gpus"))
+    core = NodeCore(
+        MemoryManager(backend),
+        WeightStore(root),
+        {0: 4 * 1024 * MiB},
+        lambda group: WorkerEngine(pool, group),
+        node_name="bench",
+    )
+    layout = core.store.layout("big", 1)
+    model_bytes = layout.model.weight_bytes
+    secs: dict[str, list[float]] = {"file_ranges": [], "pickled": []}
+    try:
+        for r in range(2 * rounds + 2):
+            kind = ("file_ranges", "pickled")[r % 2]
+            t0 = time.perf_counter()
+            if kind == "file_ranges":  # the production path: NodeCore's loader
+                slot = core.prewarm("big", [0])
+                slot.loader.join()
+                assert slot.state == "ready", slot.message
+                dt = time.perf_counter() - t0
+                core.evict(slot.slot_id)
+            else:
+                core.mm.create_slot("pickled", [0])
+                load_pickled(core.mm, core.store, layout, "pickled", [0])
+                dt = time.perf_counter() - t0
+                core.mm.destroy_slot("pickled")
+            if r >= 2:  # one warm-up round per kind (page cache, host cache, worker imports)
+                secs[kind].append(dt)
+    finally:
+        core.shutdown()
+        core.mm.close()
+        pool.close()
+    bw = {k: model_bytes / statistics.median(v) for k, v in secs.items()}
+    return {
+        "model_bytes": model_bytes,
+        "rounds": rounds,
+        "seconds": secs,
+        "bandwidth_bytes_per_s": bw,
+        "file_ranges_over_pickled": bw["file_ranges"] / bw["pickled"],
+    }
 
 
 def first_token(endpoint: str) -> None:
@@ -183,15 +250,30 @@ def main() -> int:
         default=0.0,
         help="simulated host-to-GPU copy bandwidth in GB/s (0: no timing model, memcpy speed)",
     )
+    ap.add_argument(
+        "--load-mib", type=int, default=256, help="model size for the load bandwidth part (256)"
+    )
     ap.add_argument("--out", default="bench/results/agent_bench.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="agent-bench-") as td:
         tmp = Path(td)
         root = tmp / "models"
         write_model(root, "m", args.layers, args.hidden)
+        # 16 layers of hidden x 4*hidden float32 (+ embeddings) ~= load_mib
+        hidden = max(64, int((args.load_mib * MiB / (16 * 16)) ** 0.5))
+        write_model(root, "big", 16, hidden)
+        load = bench_load(root, tmp, args.rounds)
         act = bench_activation(root, tmp, args.rounds, args.copy_gbps)
         rtt = bench_rtt(root, tmp, args.rtt_calls)
     timing = f"{args.copy_gbps} GB/s copies" if args.copy_gbps > 0 else "no timing model"
+    print(
+        f"load: {load['model_bytes'] / MiB:.0f} MiB model into worker-owned simulated memory, "
+        f"rounds={args.rounds}"
+    )
+    for k in ("pickled", "file_ranges"):
+        label = {"pickled": "before (pickled over the pipe)", "file_ranges": "after (file ranges)"}
+        print(f"{'load ' + label[k]:<40}{load['bandwidth_bytes_per_s'][k] / 1e9:>8.2f} GB/s")
+    print(f"{'ratio after / before':<40}{load['file_ranges_over_pickled']:>8.2f}x")
     print(
         f"model: {act['model_bytes'] / MiB:.1f} MiB, {args.layers} layers; "
         f"rounds={args.rounds}; {timing}"
@@ -207,6 +289,7 @@ def main() -> int:
         label = f"gRPC RTT {name} (p99 {r['p99_ms']:.2f}ms)"
         print(f"{label:<36}{r['median_ms']:>9.2f}ms")
     result = {
+        "load": load,
         "activation": act,
         "copy_gbps": args.copy_gbps,
         "rtt": rtt,

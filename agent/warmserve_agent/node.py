@@ -181,8 +181,8 @@ class NodeCore:
         self.engine_factory = engine_factory
         self.page = mm.page_bytes
         self.gpus: dict[int, GpuRec] = {}
-        for g, mem in sorted(gpu_memory.items()):
-            mm.add_gpu(g, mem)
+        mm.add_gpus(dict(sorted(gpu_memory.items())))  # in parallel (GPU nodes: seconds each)
+        for g in sorted(gpu_memory):
             self.gpus[g] = GpuRec(g, mm.num_pages(g) * self.page)
         self.slots: dict[str, SlotRec] = {}
         self.instances: dict[str, InstanceRec] = {}

@@ -101,6 +101,9 @@ class AgentConfig:
     grace_interval_s: float = 0.25
     monitor_interval_s: float = 0.5
     host_cache_bytes: int = 8 * 1024**3
+    # Real GPUs: device memory left outside the page pool for an engine's own allocations
+    # (activations, CUDA graphs, workspaces); the pool is sized from *free* memory minus this.
+    gpu_reserve_bytes: int = 4 * 1024**3
     # Simulated backend timing model (0: off): host-to-GPU copy bandwidth and map cost per page.
     sim_copy_bytes_per_s: float = 0.0
     sim_map_s_per_page: float = 0.0
@@ -174,7 +177,9 @@ def _make_backend(cfg: AgentConfig, pool: Any = None) -> Any:
                 keep_files=cfg.keep_memory,
                 **_sim_timing(cfg),
             )
-        return WorkerMemoryBackend(pool, "cuda", cfg.page_bytes)
+        return WorkerMemoryBackend(
+            pool, "cuda", cfg.page_bytes, reserve_bytes=cfg.gpu_reserve_bytes
+        )
     if cfg.simulate_gpus is not None:
         from warmserve_agent.backends.simulated import SimulatedBackend
 
@@ -186,7 +191,7 @@ def _make_backend(cfg: AgentConfig, pool: Any = None) -> Any:
         )
     from warmserve_agent.backends.cuda import CudaBackend
 
-    return CudaBackend(page_bytes=cfg.page_bytes)
+    return CudaBackend(page_bytes=cfg.page_bytes, reserve_bytes=cfg.gpu_reserve_bytes)
 
 
 def _cuda_gpu_sizes() -> list[int]:
@@ -201,7 +206,15 @@ def _cuda_gpu_sizes() -> list[int]:
             raise CudaError(f"{name} failed: {err}")
         return rest[0] if rest else None
 
-    call("cuInit", 0)
+    try:
+        call("cuInit", 0)
+    except CudaError:
+        raise
+    except Exception as exc:  # cuda-bindings raises when libcuda itself is missing
+        raise CudaError(
+            f"no usable NVIDIA driver ({type(exc).__name__}: {exc}); on machines without GPUs "
+            "use --simulate-gpus"
+        ) from None
     return [
         int(call("cuDeviceTotalMem", call("cuDeviceGet", i)))
         for i in range(call("cuDeviceGetCount"))
@@ -267,10 +280,8 @@ class AgentServer:
                 return InProcessEngine(group)
 
         backend = _make_backend(cfg, self.pool)
-        alloc_host = getattr(backend, "alloc_host", None)
-        store = WeightStore(
-            cfg.model_dir, host_cache_bytes=cfg.host_cache_bytes, alloc_host=alloc_host
-        )
+        store = WeightStore(cfg.model_dir, host_cache_bytes=cfg.host_cache_bytes)
+        t_open = time.perf_counter()
         self.core = NodeCore(
             MemoryManager(backend),
             store,
@@ -279,6 +290,12 @@ class AgentServer:
             node_name=cfg.node_name,
             engine_host=cfg.engine_host,
             advertise_host=cfg.advertise_host,
+        )
+        log.info(
+            "event=gpus_opened gpus=%d backend=%s seconds=%.2f",
+            len(sizes),
+            backend.name,
+            time.perf_counter() - t_open,
         )
         info = ServiceInfo(agent_id=self.agent_id, started_unix=time.time())
         if self.pool is not None:
