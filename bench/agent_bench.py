@@ -24,9 +24,11 @@ RTT: ``Describe`` and the standard health ``Check`` over loopback gRPC to a runn
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -208,6 +210,69 @@ def bench_activation(root: Path, tmp: Path, rounds: int, copy_gbps: float = 0.0)
     }
 
 
+_STALLED_CLIENTS = """
+import sys, time, grpc
+from warmserve_agent.api.v1 import agent_pb2_grpc as g, agent_pb2 as pb
+opts = [("grpc.http2.bdp_probe", 0)]  # 64 KiB windows: the agent sees the stall early
+chans = [grpc.insecure_channel(sys.argv[1], options=opts) for _ in range(int(sys.argv[2]))]
+calls = [g.NodeAgentStub(c).Watch(pb.WatchRequest()) for c in chans]
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def bench_watch(root: Path, tmp: Path, cycles: int, stalled: int = 20) -> dict:
+    """Prewarm+evict cycles over gRPC with no Watch clients, then with ``stalled`` clients that
+    opened a Watch and never read it (issue 16: they made the agent ~4x slower and held 8 MB).
+    The agent runs in this process, so RSS growth is the agent's."""
+    cfg = AgentConfig(
+        model_dir=root,
+        simulate_gpus=[256 * MiB],
+        listen="127.0.0.1:0",
+        memory_dir=tmp / "watch-gpus",
+        use_workers=False,
+        node_name="bench",
+    )
+    out: dict = {"cycles": cycles, "stalled_clients": stalled}
+    with AgentThread(cfg) as a, SyncAgentClient(a.address) as c:
+
+        def run() -> float:
+            t0 = time.perf_counter()
+            for _ in range(cycles):
+                c.evict(c.prewarm_wait("m", [0]).slot_id)
+            return time.perf_counter() - t0
+
+        run()  # warm-up
+        out["alone_s"] = run()
+        rss0 = _rss_bytes()
+        # The stalled clients live in another process, so RSS growth here is the agent's.
+        clients = subprocess.Popen(
+            [sys.executable, "-c", _STALLED_CLIENTS, a.address, str(stalled)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert clients.stdout is not None and clients.stdout.readline().strip() == "ready"
+            svc = a.server.service
+            t0 = time.monotonic()
+            while svc.watcher_count < stalled and time.monotonic() - t0 < 30:
+                time.sleep(0.05)
+            out["with_stalled_s"] = run()
+            out["rss_growth_bytes"] = _rss_bytes() - rss0
+            out["watchers_dropped"] = svc.watchers_dropped
+            out["events_queued_at_end"] = a.run(asyncio.to_thread(svc.queued_events))
+        finally:
+            clients.kill()
+            clients.wait()
+    out["slowdown"] = out["with_stalled_s"] / out["alone_s"]
+    return out
+
+
 def bench_rtt(root: Path, tmp: Path, calls: int) -> dict:
     cfg = AgentConfig(
         model_dir=root,
@@ -253,6 +318,9 @@ def main() -> int:
     ap.add_argument(
         "--load-mib", type=int, default=256, help="model size for the load bandwidth part (256)"
     )
+    ap.add_argument(
+        "--watch-cycles", type=int, default=200, help="prewarm+evict cycles per watch run (200)"
+    )
     ap.add_argument("--out", default="bench/results/agent_bench.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="agent-bench-") as td:
@@ -265,6 +333,7 @@ def main() -> int:
         load = bench_load(root, tmp, args.rounds)
         act = bench_activation(root, tmp, args.rounds, args.copy_gbps)
         rtt = bench_rtt(root, tmp, args.rtt_calls)
+        watch = bench_watch(root, tmp, args.watch_cycles)
     timing = f"{args.copy_gbps} GB/s copies" if args.copy_gbps > 0 else "no timing model"
     print(
         f"load: {load['model_bytes'] / MiB:.0f} MiB model into worker-owned simulated memory, "
@@ -288,7 +357,16 @@ def main() -> int:
     for name, r in rtt.items():
         label = f"gRPC RTT {name} (p99 {r['p99_ms']:.2f}ms)"
         print(f"{label:<36}{r['median_ms']:>9.2f}ms")
+    w = watch
+    alone = f"watch: {w['cycles']} prewarm+evict cycles alone"
+    stalled = f"  with {w['stalled_clients']} stalled Watch clients"
+    print(f"{alone:<40}{w['alone_s']:>8.2f} s")
+    print(
+        f"{stalled:<40}{w['with_stalled_s']:>8.2f} s ({w['slowdown']:.2f}x; "
+        f"{w['watchers_dropped']} dropped, RSS +{w['rss_growth_bytes'] / MiB:.1f} MiB)"
+    )
     result = {
+        "watch": watch,
         "load": load,
         "activation": act,
         "copy_gbps": args.copy_gbps,

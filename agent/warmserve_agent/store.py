@@ -39,6 +39,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from warmserve_agent.safe_text import shown, shown_names
+
 ALIGN = 256
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 _EMBED_RE = re.compile(r"embed|(?:^|\.)wte(?:\.|$)|(?:^|\.)wpe(?:\.|$)")
@@ -186,13 +188,13 @@ class WeightStore:
     def model(self, name: str) -> ModelEntry:
         if not MODEL_NAME_RE.match(name or ""):
             raise StoreError(
-                f"malformed model name {name!r}: use 1-128 of [A-Za-z0-9._-], starting with a "
+                f"malformed model name {shown(name)}: use 1-128 of [A-Za-z0-9._-], starting with a "
                 "letter or digit"
             )
         path = self.root / name
         cfg = path / "config.json"
         if not cfg.is_file():
-            have = ", ".join(self.list_models()) or "none"
+            have = shown_names(self.list_models()) or "none"
             raise UnknownModel(
                 f"unknown model {name!r}: no {cfg} in the weight store (models here: {have})"
             )

@@ -230,6 +230,7 @@ def test_gpus_open_in_parallel() -> None:
 
 def test_every_driver_call_passes_the_real_bindings_argument_checks(tmp_path: Path) -> None:
     import cuda.bindings  # noqa: F401  (a dev dependency: the real argument checks)
+
     drv = FakeDriver(devices=2, mem_bytes=64 * MiB)
     mm = MemoryManager(CudaBackend(driver=drv, page_bytes=P, reserve_bytes=MiB))
     mm.add_gpus({0: 64 * MiB, 1: 64 * MiB})

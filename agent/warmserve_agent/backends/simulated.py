@@ -29,9 +29,6 @@ from pathlib import Path
 
 from warmserve.policy.cluster import PAGE_BYTES
 from warmserve_agent.backends.staging import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_DEPTH,
-    DEFAULT_READERS,
     FileRange,
     StagingRing,
     SyncCopyTarget,
@@ -54,9 +51,11 @@ class SimulatedBackend:
         keep_files: bool = False,
         map_s_per_page: float = 0.0,
         copy_bytes_per_s: float | None = None,
-        staging_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        staging_depth: int = DEFAULT_DEPTH,
-        staging_readers: int = DEFAULT_READERS,
+        # A smaller ring than the cuda backend's: the copies here are memcpys into a shared
+        # file, and a node may simulate many GPUs in little RAM.
+        staging_chunk_bytes: int = 4 * 1024**2,
+        staging_depth: int = 4,
+        staging_readers: int = 2,
     ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)

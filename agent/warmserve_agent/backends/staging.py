@@ -179,11 +179,18 @@ class StagingRing:
                         fds[path] = os.open(path, os.O_RDONLY)
                     except OSError as exc:
                         raise LoadError(f"cannot read weights: {exc}") from None
+                inline = len(chunks) == 1  # nothing to overlap with: skip the thread hand-off
                 for k, pieces in enumerate(chunks):
                     buf = bufs[k % self.depth]
                     if buf.event is not None:  # the copy of chunk k-depth still reads it
                         self.target.wait(buf.event)
-                    inflight.append((pieces, buf, self._pool.submit(_read_into, fds, buf, pieces)))
+                    if inline:
+                        fut: Future[None] = Future()
+                        _read_into(fds, buf, pieces)
+                        fut.set_result(None)
+                    else:
+                        fut = self._pool.submit(_read_into, fds, buf, pieces)
+                    inflight.append((pieces, buf, fut))
                     if len(inflight) >= self.depth - 1:
                         self._issue(*inflight.popleft())
                 while inflight:
