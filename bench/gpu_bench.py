@@ -409,7 +409,6 @@ def phase_llama(
     else:
         from warmserve_agent.backends.cuda import CudaBackend
         from warmserve_agent.memory import MemoryManager
-        from warmserve_agent.slot_tensors import cuda_bytes
 
         mm = MemoryManager(CudaBackend(driver=drv, page_bytes=P, reserve_bytes=reserve))
         mm.add_gpus({0: 1 << 50})
@@ -422,7 +421,7 @@ def phase_llama(
         slot_mm = mm
 
         def base_tensor() -> Any:
-            return cuda_bytes(va, layout.total_bytes, 0)
+            return slot_mm.backend.torch_view(0, va, layout.total_bytes)
 
         def map_kv() -> int:
             return slot_mm.map_all_free("llama", wpages)  # activation maps the KV cache

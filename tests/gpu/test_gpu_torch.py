@@ -15,7 +15,7 @@ import pytest
 from warmserve_agent.backends.cuda import CudaBackend
 from warmserve_agent.loader import load_layers
 from warmserve_agent.memory import MemoryManager, pages_for
-from warmserve_agent.slot_tensors import bind_module, cuda_bytes
+from warmserve_agent.slot_tensors import bind_module
 from warmserve_agent.store import WeightStore
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu_torch]
@@ -40,7 +40,7 @@ def test_slot_range_as_a_tensor_computes_like_an_ordinary_one(driver: Any, torch
         mm.create_slot("s", [0])
         mm.map_range("s", 0, 4)
         va = mm.va_base("s", 0)
-        base = cuda_bytes(va, 4 * P, 0)
+        base = mm.backend.torch_view(0, va, 4 * P)
         a = base[: 2 * P].view(torch.float32).view(1024, 512)
         b = base[2 * P :].view(torch.float32).view(512, 1024)
         a.normal_()
@@ -92,7 +92,7 @@ def test_llama_in_a_slot_matches_an_ordinary_load(
         load_layers(mm, store, "s", layout, [0], 0, layout.model.num_layers)
         with init_empty_weights():
             model = LlamaForCausalLM(cfg)
-        base = cuda_bytes(mm.va_base("s", 0), layout.total_bytes, 0)
+        base = mm.backend.torch_view(0, mm.va_base("s", 0), layout.total_bytes)
         bound = bind_module(model, layout, base)
         assert bound == layout.model.weight_bytes
         model.to("cuda")  # buffers (rotary frequencies); parameters already live in the slot

@@ -399,6 +399,15 @@ class CudaBackend:
         ring = self._gpu(gpu).ring
         return 0 if ring is None else ring.host_bytes
 
+    def torch_view(self, gpu: int, va: int, nbytes: int) -> Any:
+        """A ``torch.uint8`` CUDA tensor over ``[va, va + nbytes)`` of this process's mappings
+        on ``gpu`` (no copy): what an engine in this worker builds its parameters and KV cache
+        from (``slot_tensors``; engines look for this method on the backend)."""
+        from warmserve_agent.slot_tensors import cuda_bytes
+
+        self.sync(gpu)  # weights still in flight must land before anyone reads through torch
+        return cuda_bytes(va, nbytes, gpu)
+
     def write(self, gpu: int, va: int, data: memoryview | bytes) -> None:
         src = data if isinstance(data, bytes | bytearray) else bytes(data)
         with self._use(gpu) as g:
