@@ -203,6 +203,7 @@ class AgentService(pb_grpc.NodeAgentServicer):
             weight_bytes_per_gpu=s.layout.total_bytes,
             state=_SS[s.state],
             message=s.message,
+            owner=s.owner,
         )
 
     def instance_pb(self, i: InstanceRec) -> pb.InstanceInfo:
@@ -231,6 +232,8 @@ class AgentService(pb_grpc.NodeAgentServicer):
             layers_resident=slot.layers_resident if slot else 0,
             layers_total=slot.layers_total if slot else 0,
             started_unix=i.started_unix,
+            owner=i.owner,
+            grace_started_unix=i.grace_started_unix,
         )
 
     def _refresh_stats(self) -> None:
@@ -338,7 +341,7 @@ class AgentService(pb_grpc.NodeAgentServicer):
     async def Prewarm(
         self, request: pb.PrewarmRequest, context: Any
     ) -> AsyncIterator[pb.PrewarmProgress]:
-        fp = (request.model, tuple(sorted(request.gpus)), request.layers)
+        fp = (request.model, tuple(sorted(request.gpus)), request.layers, request.owner)
         changed = asyncio.Event()
         self._wakers.add(changed)
         try:
@@ -347,7 +350,9 @@ class AgentService(pb_grpc.NodeAgentServicer):
                 request.request_id,
                 fp,
                 context,
-                lambda: self.core.prewarm(request.model, request.gpus, request.layers),
+                lambda: self.core.prewarm(
+                    request.model, request.gpus, request.layers, request.owner
+                ),
             )
             last: tuple[Any, ...] | None = None
             while True:
@@ -410,13 +415,13 @@ class AgentService(pb_grpc.NodeAgentServicer):
         )
 
     async def Activate(self, request: pb.ActivateRequest, context: Any) -> pb.ActivateResponse:
-        fp = (request.model, tuple(sorted(request.gpus)), request.slot_id)
+        fp = (request.model, tuple(sorted(request.gpus)), request.slot_id, request.owner)
         (inst, evicted), _ = await self._once(
             "Activate",
             request.request_id,
             fp,
             context,
-            lambda: self.core.activate(request.model, request.gpus, request.slot_id),
+            lambda: self.core.activate(request.model, request.gpus, request.slot_id, request.owner),
         )
         return pb.ActivateResponse(
             instance=self.instance_pb(inst),

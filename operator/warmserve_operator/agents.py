@@ -60,6 +60,7 @@ class SlotView:
     resident_bytes_per_gpu: int
     weight_bytes_per_gpu: int
     state: str  # loading | ready | active | failed
+    owner: str = ""  # the owning ModelDeployment's UID ("" : set by no operator / older agent)
 
     @property
     def target_bytes_per_gpu(self) -> int:
@@ -89,6 +90,8 @@ class InstanceView:
     prewarm_hit: bool = False
     slot_id: str = ""
     started_unix: float = 0.0
+    owner: str = ""  # the owning ModelDeployment's UID (see SlotView.owner)
+    grace_started_unix: float = 0.0  # agent clock; 0 when not in grace or unknown
 
     @property
     def load(self) -> int:
@@ -138,6 +141,7 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
             resident_bytes_per_gpu=int(s.resident_bytes_per_gpu),
             weight_bytes_per_gpu=int(s.weight_bytes_per_gpu),
             state=_SLOT.get(int(s.state), "unknown"),
+            owner=s.owner,
         )
         for s in desc.slots
     )
@@ -158,6 +162,8 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
             prewarm_hit=bool(i.prewarm_hit),
             slot_id=i.slot_id,
             started_unix=float(i.started_unix),
+            owner=i.owner,
+            grace_started_unix=float(i.grace_started_unix),
         )
         for i in desc.instances
     )
@@ -191,13 +197,13 @@ class AgentPort(Protocol):
     async def describe(self) -> NodeSnapshot: ...
 
     async def prewarm(
-        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str
+        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str, owner: str = ""
     ) -> SlotView: ...
 
     async def evict(self, slot_id: str, request_id: str) -> None: ...
 
     async def activate(
-        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str
+        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str, owner: str = ""
     ) -> ActivateResult: ...
 
     async def begin_grace(self, instance_id: str, request_id: str) -> None: ...
@@ -251,10 +257,10 @@ class GrpcAgent:
         return snapshot_from_pb(self.node, await self._call(self._client.describe()))
 
     async def prewarm(
-        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str
+        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str, owner: str = ""
     ) -> SlotView:
         last = await self._call(
-            self._client.prewarm_wait(model, gpus, layers, request_id=request_id)
+            self._client.prewarm_wait(model, gpus, layers, request_id=request_id, owner=owner)
         )
         snap = snapshot_from_pb(self.node, _FakeDesc(slots=[last.slot]))
         return snap.slots[0]
@@ -263,10 +269,10 @@ class GrpcAgent:
         await self._call(self._client.evict(slot_id, request_id=request_id))
 
     async def activate(
-        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str
+        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str, owner: str = ""
     ) -> ActivateResult:
         resp = await self._call(
-            self._client.activate(model, gpus, slot_id=slot_id, request_id=request_id)
+            self._client.activate(model, gpus, slot_id=slot_id, request_id=request_id, owner=owner)
         )
         inst = snapshot_from_pb(self.node, _FakeDesc(instances=[resp.instance])).instances[0]
         return ActivateResult(
