@@ -36,8 +36,6 @@ done
 log() { printf '[k8s-build %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 die() { printf '[k8s-build] ERROR: %s\n' "$*" >&2; exit 1; }
 
-command -v go >/dev/null || die "go is not on PATH; Go ${GO_MINOR}.x is required to build Kubernetes v${K8S_VERSION}"
-
 # The key covers the pins (not comments) and module hashes; bump BUILD_REV in versions.env when
 # the build flags change.
 KEY=$( { grep -v '^[[:space:]]*#' "$HERE/versions.env"; cat "$HERE"/go.sum "$HERE"/helm/go.sum "$HERE"/kwok/go.sum; } \
@@ -68,6 +66,8 @@ if all_present; then
   exit 0
 fi
 
+# Go is needed only to build (cached binaries run without it).
+command -v go >/dev/null || die "go is not on PATH; Go ${GO_MINOR}.x is required to build Kubernetes v${K8S_VERSION}"
 mkdir -p "$BIN"
 exec 9>"$DEST/.lock"
 log "taking the build lock $DEST/.lock (waits while another build runs)"

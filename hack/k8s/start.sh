@@ -61,7 +61,9 @@ PKI=$W/pki
 [ -f "$PKI/sa.key" ] || "$HERE/mkcerts.sh" "$PKI"
 
 # etcd's data is throwaway: keep it in RAM when /dev/shm exists (etcd 3.6 also skips fsync).
-if [ -d /dev/shm ] && [ -w /dev/shm ]; then DATA=$(mktemp -d /dev/shm/warmserve-etcd.XXXXXX)
+# Not named warmserve-*: node agents remove unlocked warmserve-* directories in /dev/shm at start
+# (dead agents' simulated GPU memory), which once deleted running etcds' data.
+if [ -d /dev/shm ] && [ -w /dev/shm ]; then DATA=$(mktemp -d /dev/shm/k8s-etcd.XXXXXX)
 else DATA=$W/etcd-data; mkdir -p "$DATA"; fi
 echo "$DATA" > "$W/etcd.datadir"
 

@@ -18,7 +18,7 @@ for c in kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
 done
 if [ -f "$W/etcd.datadir" ]; then
   d=$(cat "$W/etcd.datadir")
-  case "$d" in /dev/shm/warmserve-etcd.*|"$W"/etcd-data) rm -rf "$d" ;; esac
+  case "$d" in /dev/shm/k8s-etcd.*|/dev/shm/warmserve-etcd.*|"$W"/etcd-data) rm -rf "$d" ;; esac
   rm -f "$W/etcd.datadir"
 fi
 exit 0

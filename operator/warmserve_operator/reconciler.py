@@ -90,6 +90,9 @@ class OperatorConfig:
 
     window_s: float = 300.0
     poll_s: float = 5.0
+    # Length of the seasonal day (86400 s; shorter only for a time-compressed replay, see
+    # ``season_length``): the predictor's period is day_s / window_s windows.
+    day_s: float = 86400.0
     predictor: str | None = None  # None: the policy core's default predictor
     load_bandwidth: float = DEFAULT_LOAD_BANDWIDTH
     agent_lost_after: int = 3
@@ -105,7 +108,7 @@ class OperatorConfig:
 
         if not (math.isfinite(self.window_s) and self.window_s > 0):
             raise PolicyInputError(f"window must be > 0 seconds, got {self.window_s}")
-        season_length(self.window_s)  # raises unless the window divides a day
+        season_length(self.window_s, self.day_s)  # raises unless the window divides a day
         if not (math.isfinite(self.poll_s) and 0 < self.poll_s <= self.window_s):
             raise PolicyInputError(f"poll interval must be in (0, window], got {self.poll_s}")
         if self.agent_lost_after < 1:
@@ -175,7 +178,7 @@ class Reconciler:
         self.agents = agents
         self.metrics = metrics or Metrics()
         self.clock = clock
-        self.windows_per_day = season_length(config.window_s)
+        self.windows_per_day = season_length(config.window_s, config.day_s)
         make_predictor(config.predictor)  # fail fast on an unknown predictor name
         self.models: dict[str, ModelRuntime] = {}  # by model name (policy key)
         self.nodes: dict[str, NodeRuntime] = {}

@@ -24,6 +24,7 @@ EXIT_USAGE = 2
 
 # Subcommand modules, in the order ``--help`` lists them.
 SUBCOMMANDS: tuple[str, ...] = (
+    "up",
     "predict",
     "plan",
     "simulate",

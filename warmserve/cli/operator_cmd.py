@@ -47,6 +47,15 @@ def register(subparsers: Any) -> None:
         help="agent poll / autoscaling interval in seconds (env WARMSERVE_POLL_S)",
     )
     p.add_argument(
+        "--day-seconds",
+        dest="day",
+        type=float,
+        default=_env_float("WARMSERVE_DAY_S", 86400.0),
+        help="length of the predictor's seasonal day in seconds: 86400, except for a "
+        "time-compressed trace replay (`warmserve up --speed 20` passes 4320); the window must "
+        "divide it (env WARMSERVE_DAY_S)",
+    )
+    p.add_argument(
         "--predictor",
         default=os.environ.get("WARMSERVE_PREDICTOR") or None,
         help="predictor name (default: the policy core's default)",
@@ -207,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         config = OperatorConfig(
             window_s=args.window,
             poll_s=min(args.poll, args.window),
+            day_s=args.day,
             predictor=args.predictor,
             load_bandwidth=args.load_bandwidth_gib * 1024**3,
             agent_lost_after=args.agent_lost_after,

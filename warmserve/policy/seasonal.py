@@ -43,7 +43,7 @@ class Predictor(Protocol):
         ...
 
 
-def season_length(window_s: float) -> int:
+def season_length(window_s: float, day_s: float = DAY_S) -> int:
     """Windows per day, the seasonal period; 1 for windows of a day or longer.
 
     A window must divide a day evenly (or be a whole number of days), otherwise "the same
@@ -51,18 +51,24 @@ def season_length(window_s: float) -> int:
     is no daily pattern to exploit inside a window, so each previous window plays the role of a
     previous day: Eq. 2 becomes a moving average of the last ``D`` windows, and ``warm`` looks for
     weekly seasonality instead (period 7 for daily windows).
+
+    ``day_s`` is the length of the seasonal day: 86400 s, except for a time-compressed replay
+    (``warmserve up --speed 20`` runs the operator with ``--day-seconds 4320``, so a trace day
+    passes in 72 minutes and still has the same 288 five-minute windows, now 15 s each).
     """
     if not math.isfinite(window_s) or window_s <= 0:
         raise PolicyInputError(f"window_s must be positive (got {window_s})")
-    if window_s >= DAY_S:
-        if abs(window_s / DAY_S - round(window_s / DAY_S)) > 1e-9:
+    if not math.isfinite(day_s) or day_s <= 0:
+        raise PolicyInputError(f"day_s must be positive (got {day_s})")
+    if window_s >= day_s:
+        if abs(window_s / day_s - round(window_s / day_s)) > 1e-9:
             raise PolicyInputError(
                 f"window_s {window_s:g} longer than a day must be a whole number of days"
             )
         return 1
-    per_day = DAY_S / window_s
+    per_day = day_s / window_s
     if abs(per_day - round(per_day)) > 1e-9:
-        raise PolicyInputError(f"window_s {window_s:g} must divide a day (86400 s) evenly")
+        raise PolicyInputError(f"window_s {window_s:g} must divide a day ({day_s:g} s) evenly")
     return round(per_day)
 
 

@@ -1,0 +1,138 @@
+"""``warmserve up`` from start to end: checks, build, stack, replay(s), report."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from . import procs
+from .controlplane import check_checkout, ensure_binaries
+from .report import RunData, headline, table, write
+from .run import info_of, replay_once, reset_for_next, settle_note
+from .scenario import ScenarioError, load_default, parse_gpus
+from .stack import down, start
+from .state import Stack, StackError, check_can_start
+from .workload import plan as make_plan
+
+
+@dataclass
+class UpOptions:
+    state_dir: Path
+    gpus: str = "2x8x80GiB"
+    trace: str | None = None
+    speed: float = 20.0
+    minutes: float = 30.0
+    compare: str | None = None
+    port: int = 8000
+    rps: float | None = None
+    tty: bool | None = None
+
+
+def _table_text(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def up(opts: UpOptions, say: Callable[[str], None] = print) -> dict[str, object]:
+    """Run everything; returns the report's summary. Raises StackError / ScenarioError (one-line
+    messages) for bad input or a failed start, after stopping whatever had started."""
+    t_begin = time.monotonic()
+    sc = load_default()
+    if opts.rps is not None:
+        if not 0 < opts.rps <= 50:
+            raise ScenarioError(f"--rps must be in (0, 50], got {opts.rps:g}")
+        sc = replace(sc, rps=opts.rps)
+    if opts.compare not in (None, "reactive"):
+        raise ScenarioError(f"--compare: only 'reactive' is supported, got {opts.compare!r}")
+    nodes, per_node, gib = parse_gpus(opts.gpus)
+    too_wide = [m.name for m in sc.models if m.tp > per_node]
+    if too_wide:
+        raise ScenarioError(
+            f"--gpus {opts.gpus}: {', '.join(too_wide)} need {max(m.tp for m in sc.models)} GPUs "
+            "on one node (tensor parallel)"
+        )
+    if not 1 <= opts.port <= 65535:
+        raise ScenarioError(f"--port must be in 1-65535, got {opts.port}")
+    plan = make_plan(sc, opts.trace or sc.arrivals, opts.speed, opts.minutes)
+    check_can_start(opts.state_dir)
+    if not procs.port_free("0.0.0.0", opts.port):
+        raise StackError(
+            f"port {opts.port} is in use (the gateway's API port); free it or choose another "
+            "with --port"
+        )
+    check_checkout()
+    say(
+        f"== warmserve up: {nodes} nodes x {per_node} GPUs ({gib:g} GiB, simulated), "
+        f"{len(sc.models)} models, {plan.description}"
+    )
+    say(
+        f"   replay: {opts.minutes:g} trace minutes at {opts.speed:g}x = {plan.duration_s:.0f}s "
+        f"(+{plan.warmup_s:.0f}s warm-up), {len(plan)} requests at {sc.rps:g} req/s; "
+        f"{settle_note()}"
+    )
+    say("== control plane binaries (hack/k8s/build.sh; cached after the first build)")
+    bin_dir = ensure_binaries(lambda line: say("   " + line))
+    stack = Stack(opts.state_dir)
+    stack.save()
+    try:
+        run = start(
+            stack, bin_dir, sc, plan, nodes, per_node, gib, opts.port, lambda m: say("   " + m)
+        )
+        say(f"== stack up in {time.monotonic() - t_begin:.0f}s")
+        say(f"   export KUBECONFIG={stack.kubeconfig}")
+        say(f"   gateway: {run.gateway_urls[0]}  (replicas {', '.join(run.gateway_urls)})")
+        labels = ["warmserve"] + (["reactive"] if opts.compare else [])
+        runs: list[RunData] = []
+        for i, label in enumerate(labels):
+            if i:
+                say("== resetting the cluster for the reactive baseline")
+                reset_for_next(run, lambda m: say("   " + m))
+            stack.state = "replaying"
+            stack.save()
+            data = replay_once(run, sc, plan, label, say, tty=opts.tty)
+            runs.append(data)
+            if data.interrupted:
+                say("== replay interrupted: writing the report of what ran")
+                break
+    except BaseException as exc:
+        why = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc)
+        say(f"== warmserve up failed ({why}): stopping the stack (logs stay in {stack.dir})")
+        down(opts.state_dir, lambda m: say("   " + m))
+        raise
+    stack.state = "ready"
+    stack.save()
+    out = stack.dir / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    info = {
+        **info_of(run),
+        "gpus": opts.gpus,
+        "wall time of warmserve up until the report": f"{time.monotonic() - t_begin:.0f}s",
+    }
+    summary = write(runs, out, info)
+    say("")
+    say(_table_text(table(runs)))
+    say("")
+    say(headline(runs))
+    say(f"report: {out / 'report.md'}")
+    for name, path in summary["plots"].items():  # type: ignore[union-attr]
+        say(f"   {name}: {path}")
+    say("")
+    say("the stack keeps running (the last replay's deployments stay):")
+    say(
+        f"   export KUBECONFIG={stack.kubeconfig}; kubectl get wsmd,gpunodes,pods; warmserve status"
+    )
+    say(f"   curl {run.gateway_urls[0]}/v1/models")
+    say("   warmserve down   # stops every process of the stack")
+    summary["report"] = str(out / "report.md")
+    return summary
+
+
+def down_cmd(state_dir: Path, say: Callable[[str], None] = print) -> int:
+    if not state_dir.exists():
+        say(f"no warmserve stack recorded in {state_dir}: nothing to stop")
+        return 0
+    return down(state_dir, say)
+
+
+__all__ = ["StackError", "UpOptions", "down_cmd", "up"]
