@@ -108,3 +108,32 @@ def test_missing_go_toolchain(tmp_path: Path) -> None:
     one_line_error(p, "cannot build the control plane", "go is not on PATH")
     assert "[k8s-build" in p.stdout  # the build's own progress was shown
     assert not (tmp_path / "state" / "stack.json").exists()
+
+
+def test_readme_first_command_runs_up_and_second_runs_the_tests() -> None:
+    import re
+
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"## Quickstart\s+```bash\n(.*?)```", text, re.S)
+    assert block, "README.md lost its Quickstart block"
+    first, second = [ln.split("#")[0].strip() for ln in block.group(1).strip().splitlines()][:2]
+    assert first == "./hack/up.sh" and second == "./hack/test.sh"
+    script = (REPO / "hack" / "up.sh").read_text()
+    assert os.access(REPO / "hack" / "up.sh", os.X_OK)
+    assert "hack/venv.sh" in script and 'exec .venv/bin/warmserve up "$@"' in script
+
+
+def test_operator_day_seconds_flag() -> None:
+    """The flag `up` added to the operator: a compressed seasonal day, checked like the window."""
+    from warmserve_operator.reconciler import OperatorConfig
+
+    from warmserve.policy.cluster import PolicyInputError
+
+    assert OperatorConfig(window_s=15, day_s=4320).day_s == 4320
+    with pytest.raises(PolicyInputError, match=r"must divide a day \(4320 s\)"):
+        OperatorConfig(window_s=7, day_s=4320)
+    p = warmserve("operator", "--window-seconds", "7", "--day-seconds", "4320")
+    assert p.returncode == 2
+    assert p.stderr.strip() == (
+        "warmserve operator: error: window_s 7 must divide a day (4320 s) evenly"
+    )
