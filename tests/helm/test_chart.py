@@ -80,6 +80,11 @@ def test_defaults_render_the_documented_objects(k8s_bin_dir: Path) -> None:
     args = agent["containers"][0]["args"]
     assert args[:2] == ["agent", "--gpus=auto"]
     assert "--client-ca=/etc/warmserve/tls/ca.crt" in args  # mTLS on by default
+    assert "--allow-insecure-listen" not in args
+    startup = agent["containers"][0]["startupProbe"]
+    # Opening 8 GPUs takes a while before the port opens: a startup probe, not a liveness kill.
+    assert startup["failureThreshold"] * startup["periodSeconds"] >= 300
+    assert "initialDelaySeconds" not in agent["containers"][0]["livenessProbe"]
     assert agent["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert agent["hostIPC"] is False
     # Both TLS secrets come from one generated CA.
@@ -102,6 +107,8 @@ def test_values_change_gpu_requests_node_selector_and_tls(k8s_bin_dir: Path) -> 
         "agent.simulateGpus=2x16GiB",
         "--set",
         "tls.enabled=false",
+        "--set",
+        "tls.allowInsecure=true",
     )
     agent = _find(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
     assert agent["nodeSelector"] == {"pool": "gpu-a100"}
@@ -109,6 +116,7 @@ def test_values_change_gpu_requests_node_selector_and_tls(k8s_bin_dir: Path) -> 
     args = agent["containers"][0]["args"]
     assert "--simulate-gpus=2x16GiB" in args and not any(a.startswith("--gpus") for a in args)
     assert not any(a.startswith("--tls") for a in args)
+    assert "--allow-insecure-listen" in args  # the agent refuses plaintext 0.0.0.0 otherwise
     assert not [d for d in docs if d["kind"] == "Secret"]
     none = _render(k8s_bin_dir, "--set", "agent.gpuResource.count=0")
     limits = _find(none, "DaemonSet", "-agent")["spec"]["template"]["spec"]["containers"][0][
@@ -168,6 +176,9 @@ def test_existing_secret_and_cert_manager_modes(k8s_bin_dir: Path) -> None:
         ),
         (["--set", "metrics.podMonitor.interval=often"], "at '/metrics/podMonitor/interval'"),
         (["--set", "metrics.scrapeAnnotations=yes"], "at '/metrics/scrapeAnnotations': got string"),
+        # plaintext, unauthenticated agents only when asked for explicitly (issue 16)
+        (["--set", "tls.enabled=false"], "also set tls.allowInsecure=true"),
+        (["--set", "agent.gpuReserve=lots"], "at '/agent/gpuReserve'"),
     ],
 )
 def test_bad_values_fail_with_a_message(
@@ -200,7 +211,16 @@ def _env_refs_are_defined(container: dict[str, Any]) -> None:
     "set_args",
     [
         [],
-        ["--set", "tls.enabled=false", "--set", "operator.logLevel=debug"],
+        [
+            "--set",
+            "tls.enabled=false",
+            "--set",
+            "tls.allowInsecure=true",
+            "--set",
+            "operator.logLevel=debug",
+            "--set",
+            "agent.gpuReserve=6GiB",
+        ],
         [
             "--set",
             "agent.simulateGpus=8x80GiB",
@@ -278,7 +298,8 @@ def test_operator_metrics_bind_all_interfaces_on_a_named_port(k8s_bin_dir: Path)
 def test_metrics_off_declares_no_port_and_no_scrape_annotations(k8s_bin_dir: Path) -> None:
     docs = _render(
         k8s_bin_dir, "--set", "operator.metricsPort=0", "--set", "agent.metricsPort=0",
-        "--set", "tls.enabled=false", "--set", "metrics.podMonitor.enabled=true",
+        "--set", "tls.enabled=false", "--set", "tls.allowInsecure=true",
+        "--set", "metrics.podMonitor.enabled=true",
     )  # fmt: skip
     op = _pod(docs, "Deployment", "-operator")
     ag = _pod(docs, "DaemonSet", "-agent")
@@ -473,7 +494,8 @@ def release(k8s_control_plane: ControlPlane, k8s_namespace: str) -> Iterator[Rel
 def test_helm_install_upgrade_uninstall(release: Release) -> None:
     # No --wait: without kubelet the Deployment and DaemonSet never become ready.
     name, full = release.name, release.fullname
-    release.helm("install", name, str(CHART), "--set", f"operator.peering={release.peering}")
+    out = release.helm("install", name, str(CHART), "--set", f"operator.peering={release.peering}")
+    assert "is installed in namespace" in out.stdout and "WARNING" not in out.stdout
     status = json.loads(release.helm("status", name, "-o", "json").stdout)
     assert status["info"]["status"] == "deployed"
     for obj in (
@@ -507,6 +529,20 @@ def test_helm_install_upgrade_uninstall(release: Release) -> None:
     deployment = json.loads(release.get("deployment", f"{full}-operator", "-o", "json").stdout)
     assert "--window=60" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert json.loads(release.helm("status", name, "-o", "json").stdout)["version"] == 2
+    # Plaintext agents: the install notes say loudly what that means.
+    out = release.helm(
+        "upgrade",
+        name,
+        str(CHART),
+        "--reuse-values",
+        "--set",
+        "tls.enabled=false",
+        "--set",
+        "tls.allowInsecure=true",
+    )
+    assert "WITHOUT authentication or encryption" in out.stdout
+    ds = json.loads(release.get("daemonset", f"{full}-agent", "-o", "json").stdout)
+    assert "--allow-insecure-listen" in ds["spec"]["template"]["spec"]["containers"][0]["args"]
 
     release.helm("uninstall", name)
     leftover = release.get(
