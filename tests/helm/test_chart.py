@@ -238,7 +238,8 @@ def test_container_args_are_accepted_by_the_warmserve_cli(
 ) -> None:
     # The chart and the CLI are written separately; a renamed flag would crash-loop the pods.
     docs = _render(k8s_bin_dir, *set_args)
-    for kind, suffix in (("Deployment", "-operator"), ("DaemonSet", "-agent")):
+    objs = (("Deployment", "-operator"), ("DaemonSet", "-agent"), ("Deployment", "-gateway"))
+    for kind, suffix in objs:
         container = _find(docs, kind, suffix)["spec"]["template"]["spec"]["containers"][0]
         assert container["command"] == ["warmserve"]
         _parse_cli(container["args"])
@@ -309,7 +310,9 @@ def test_metrics_off_declares_no_port_and_no_scrape_annotations(k8s_bin_dir: Pat
     assert _parse_cli(op["spec"]["containers"][0]["args"]).metrics_port == 0
     agent_ns = _parse_cli(ag["spec"]["containers"][0]["args"])
     assert agent_ns.metrics_port is None and agent_ns.engine_host == "0.0.0.0"
-    assert not [d for d in docs if d["kind"] == "PodMonitor"]
+    # The gateway's admin port also serves /demand to the operator, so it is always there.
+    pms = [d["metadata"]["name"] for d in docs if d["kind"] == "PodMonitor"]
+    assert pms == ["ws-warmserve-gateway"]
 
 
 def test_scrape_annotations_can_be_turned_off_or_overridden(k8s_bin_dir: Path) -> None:
@@ -342,8 +345,12 @@ def test_pod_monitors_select_the_pods_and_their_metrics_port(k8s_bin_dir: Path) 
     monitors = [d for d in docs if d["kind"] == "PodMonitor"]
     assert sorted(m["metadata"]["name"] for m in monitors) == [
         "ws-warmserve-agent",
+        "ws-warmserve-gateway",
         "ws-warmserve-operator",
     ]
+    gw_monitor = _find(docs, "PodMonitor", "-gateway")
+    assert gw_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "admin"
+    assert "admin" in _ports(_pod(docs, "Deployment", "-gateway")["spec"]["containers"][0])
     for kind, suffix in (("Deployment", "-operator"), ("DaemonSet", "-agent")):
         pod = _pod(docs, kind, suffix)
         monitor = _find(docs, "PodMonitor", suffix)
@@ -363,8 +370,9 @@ def test_pod_monitors_select_the_pods_and_their_metrics_port(k8s_bin_dir: Path) 
     assert not op_selector.items() <= agent_labels.items()
     # Agents off: only the operator's.
     no_agent = _render(
-        k8s_bin_dir, "--set", "metrics.podMonitor.enabled=true", "--set", "agent.enabled=false"
-    )
+        k8s_bin_dir, "--set", "metrics.podMonitor.enabled=true", "--set", "agent.enabled=false",
+        "--set", "gateway.enabled=false",
+    )  # fmt: skip
     assert [d["metadata"]["name"] for d in no_agent if d["kind"] == "PodMonitor"] == [
         "ws-warmserve-operator"
     ]
@@ -630,3 +638,56 @@ def test_kind_values_install_and_become_ready_on_kind_like_nodes(
         for node in nodes:
             plane.kubectl("delete", "node", node, "--wait=false", check=False)
         plane.delete_namespace(ns)
+
+
+def test_gateway_objects_and_the_operator_wiring(k8s_bin_dir: Path) -> None:
+    docs = _render(k8s_bin_dir, "--set", "gateway.apiKeys.existingSecret=keys")
+    dep = _find(docs, "Deployment", "-gateway")
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "ws-warmserve-gateway"
+    c = pod["containers"][0]
+    ns = _parse_cli(c["args"])
+    assert (ns.port, ns.admin_port, ns.api_keys) == (8000, 9092, Path("/etc/warmserve/api-keys"))
+    assert _ports(c) == {"http": 8000, "admin": 9092}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "admin"}
+    keys = {"name": "api-keys", "secret": {"secretName": "keys", "defaultMode": 0o440}}
+    assert keys in pod["volumes"]
+    assert pod["terminationGracePeriodSeconds"] == ns.drain_seconds + 5
+    assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9092"
+    pdb = _find(docs, "PodDisruptionBudget", "-gateway")
+    assert pdb["spec"]["minAvailable"] == 1
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    api_svc = _find(docs, "Service", "-gateway")
+    assert api_svc["spec"]["ports"] == [
+        {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}
+    ]
+    demand = _find(docs, "Service", "-gateway-demand")
+    assert demand["spec"]["clusterIP"] == "None" and demand["spec"]["publishNotReadyAddresses"]
+    assert demand["spec"]["ports"][0]["name"] == "admin"
+    # The operator reads the replicas' held requests from that Service's EndpointSlices.
+    op = _parse_cli(_pod(docs, "Deployment", "-operator")["spec"]["containers"][0]["args"])
+    assert op.gateway_service == "warmserve/ws-warmserve-gateway-demand"
+    assert op.gateway_port_name == "admin"
+    # One replica: no PDB (it would block every node drain); gateway off: nothing of it.
+    one = _render(k8s_bin_dir, "--set", "gateway.replicas=1")
+    assert not [d for d in one if d["kind"] == "PodDisruptionBudget"]
+    off = _render(k8s_bin_dir, "--set", "gateway.enabled=false")
+    assert not [d for d in off if "gateway" in d["metadata"]["name"]]
+    op_off = _parse_cli(_pod(off, "Deployment", "-operator")["spec"]["containers"][0]["args"])
+    assert op_off.gateway_service is None
+
+
+def test_gateway_values_are_checked(k8s_bin_dir: Path) -> None:
+    for set_args, message in (
+        (["--set", "gateway.adminPort=8000"], "gateway.port and gateway.adminPort must differ"),
+        (["--set", "gateway.replicas=-1"], "replicas"),
+        (["--set", "gateway.maxBodyBytes=lots"], "maxBodyBytes"),
+        (["--set", "gateway.service.type=Ingress"], "type"),
+        (["--set", "gateway.typo=1"], "typo"),
+    ):
+        proc = _helm(k8s_bin_dir, "template", "ws", str(CHART), *set_args, check=False)
+        assert proc.returncode != 0 and message in proc.stderr, (set_args, proc.stderr)
