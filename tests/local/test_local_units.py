@@ -207,10 +207,14 @@ def test_spawned_processes_are_stopped_and_found_by_marker(tmp_path: Path) -> No
     _, rec = procs.spawn(
         "parent", [sys.executable, "-c", code], env=env, cwd=tmp_path, log=tmp_path / "log"
     )
-    deadline = time.monotonic() + 10
-    while len(procs.marked(env[procs.MARKER_ENV])) < 2 and time.monotonic() < deadline:
+    def left_group() -> bool:  # both run, and the grandchild has called setsid()
+        pids = procs.marked(env[procs.MARKER_ENV])
+        return len(pids) == 2 and any(os.getpgid(p) != rec.pid for p in pids)
+
+    deadline = time.monotonic() + 20
+    while not left_group() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert len(procs.marked(env[procs.MARKER_ENV])) == 2
+    assert left_group()
     assert procs.alive(rec)
     assert procs.stop([rec], timeout_s=5) == []
     assert not procs.alive(rec)

@@ -12,23 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from up_support import REPO, warmserve
 
 from warmserve.local.procs import free_port
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def warmserve(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "warmserve", *args],
-        capture_output=True,
-        text=True,
-        env=env or dict(os.environ),
-        cwd=REPO,
-        timeout=timeout,
-    )
 
 
 def one_line_error(p: subprocess.CompletedProcess[str], *needles: str) -> str:

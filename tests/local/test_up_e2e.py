@@ -7,30 +7,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+from up_support import warmserve
 
 from warmserve.local import procs
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def warmserve(
-    *args: str, env: dict[str, str], timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "warmserve", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=timeout,
-    )
 
 
 def gateway_count(admin_url: str, code: str) -> float:

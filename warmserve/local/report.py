@@ -178,24 +178,16 @@ def _plot_demand(runs: Sequence[RunData], path: Path) -> None:
                 )
             if win["pred"] and run.label == "warmserve":
                 px, pa, pp = zip(*win["pred"], strict=True)
-                ax.step(
-                    list(px),
-                    list(pa),
-                    where="post",
-                    color="tab:green",
-                    lw=1.4,
-                    ls="--",
-                    label="forecast avg",
-                )
-                ax.step(
-                    list(px),
-                    list(pp),
-                    where="post",
-                    color="tab:green",
-                    lw=0.9,
-                    ls=":",
-                    label="forecast peak",
-                )
+                for ys, ls, lw, what in ((pa, "--", 1.4, "avg"), (pp, ":", 0.9, "peak")):
+                    ax.step(
+                        list(px),
+                        list(ys),
+                        where="post",
+                        color="tab:green",
+                        lw=lw,
+                        ls=ls,
+                        label=f"forecast {what}",
+                    )
         ax.axvline(0, color="grey", lw=0.8)
         ax.set_ylabel("in flight")
         ax.set_title(model, fontsize=9, loc="left")
