@@ -207,6 +207,7 @@ def test_spawned_processes_are_stopped_and_found_by_marker(tmp_path: Path) -> No
     _, rec = procs.spawn(
         "parent", [sys.executable, "-c", code], env=env, cwd=tmp_path, log=tmp_path / "log"
     )
+
     def left_group() -> bool:  # both run, and the grandchild has called setsid()
         pids = procs.marked(env[procs.MARKER_ENV])
         return len(pids) == 2 and any(os.getpgid(p) != rec.pid for p in pids)
@@ -329,3 +330,32 @@ def test_report_files_and_headline(tmp_path: Path) -> None:
         assert Path(png).stat().st_size > 10_000
     assert "warmserve" in headline(runs) and "reactive" in headline(runs)
     assert json.loads((tmp_path / "summary.json").read_text())["runs"]["reactive"]["rows"]
+
+
+def test_live_view_renders_models_and_gpus() -> None:
+    from rich.console import Console
+
+    from warmserve.local.replay import Replayer
+    from warmserve.local.view import View
+
+    sc = load_default()
+    p = plan(sc, sc.arrivals, 20, 10)
+    sampler = type("S", (), {})()
+    sampler.models = {m: _sample(1.0, m, 3, 1, 0) for m in p.models}
+    sampler.nodes = {"gpu-node-1": NodeSample(1.0, "gpu-node-1", True, ["idle", "dedicated"])}
+    sampler.errors, sampler.last_error = 0, ""
+    rp = Replayer(p, ["http://127.0.0.1:1"], 120)
+    rp.t0 = time.monotonic()
+    r = _r(200, "done")
+    r.model, r.outcome = p.models[0], OK
+    rp.results.append(r)
+    lines: list[str] = []
+    view = View("title", sampler, rp, ["export KUBECONFIG=/x"], tty=False, log=lines.append)
+    console = Console(width=200, record=True)
+    console.print(view.render())
+    text = console.export_text()
+    for needle in (*p.models, "gpu-node-1", "HITS/COLD", "75%", "export KUBECONFIG=/x", "1/0/0"):
+        assert needle in text, needle
+    with view:
+        view.tick()
+    assert lines and "sent=0 ok=1" in lines[0]
