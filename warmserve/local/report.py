@@ -70,6 +70,12 @@ def table(runs: Sequence[RunData]) -> list[list[str]]:
 
 
 def headline(runs: Sequence[RunData]) -> str:
+    cut = [f"{r.label} interrupted" for r in runs if r.interrupted]
+    note = f" ({', '.join(cut)}: open requests cancelled)" if cut else ""
+    return _headline(runs) + note
+
+
+def _headline(runs: Sequence[RunData]) -> str:
     tot = {run.label: run.rows()[-1] for run in runs}
     if "warmserve" in tot and "reactive" in tot:
         w, r = tot["warmserve"], tot["reactive"]

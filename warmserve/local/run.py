@@ -12,12 +12,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .controlplane import REPO
 from .history import history_configmap
 from .observe import Sampler
 from .replay import Replayer
 from .report import RunData
 from .scenario import Scenario, model_deployments
 from .stack import NAMESPACE, Running, start_operator, stop_pod
+from .state import kubectl_command, warmserve_command
 from .view import View
 from .workload import ReplayPlan
 
@@ -93,7 +95,8 @@ def replay_once(
     replayer.t0 = t0_mono
     footer = [
         f"export KUBECONFIG={run.stack.kubeconfig}   "
-        "# kubectl get wsmd,gpunodes,pods · warmserve status",
+        f"# then: {kubectl_command(run.plane.bin, REPO)} get wsmd,gpunodes,pods · "
+        f"{warmserve_command()} status",
         f"gateway: {run.gateway_urls[0]}/v1/chat/completions   "
         f"logs: {run.stack.dir / 'pods'}/*/log",
         "Ctrl-C: stop the replay and write the report (the stack keeps running)",

@@ -8,12 +8,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import procs
-from .controlplane import check_checkout, ensure_binaries
+from .controlplane import REPO, check_checkout, ensure_binaries
 from .report import RunData, headline, table, write
 from .run import info_of, replay_once, reset_for_next, settle_note
 from .scenario import ScenarioError, load_default, parse_gpus
 from .stack import down, start
-from .state import Stack, StackError, check_can_start
+from .state import (
+    Stack,
+    StackError,
+    check_can_start,
+    default_dir,
+    kubectl_command,
+    warmserve_command,
+)
 from .workload import plan as make_plan
 
 
@@ -118,12 +125,15 @@ def up(opts: UpOptions, say: Callable[[str], None] = print) -> dict[str, object]
     for name, path in summary["plots"].items():  # type: ignore[union-attr]
         say(f"   {name}: {path}")
     say("")
+    ws = warmserve_command()
+    sd = "" if opts.state_dir == default_dir() else f" --state-dir {opts.state_dir}"
+    kubectl = kubectl_command(bin_dir, REPO)
     say("the stack keeps running (the last replay's deployments stay):")
-    say(
-        f"   export KUBECONFIG={stack.kubeconfig}; kubectl get wsmd,gpunodes,pods; warmserve status"
-    )
+    say(f"   export KUBECONFIG={stack.kubeconfig}")
+    say(f"   {kubectl} get wsmd,gpunodes,pods      # or any kubectl")
+    say(f"   {ws} status")
     say(f"   curl {run.gateway_urls[0]}/v1/models")
-    say("   warmserve down   # stops every process of the stack")
+    say(f"   {ws} down{sd}      # stops every process of the stack")
     summary["report"] = str(out / "report.md")
     return summary
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -139,3 +141,29 @@ def check_can_start(directory: Path) -> None:
         f"{len(dead)} of {len(old.processes)} processes gone: {gone}); run `warmserve down` "
         "to clean it up"
     )
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def warmserve_command() -> str:
+    """How to run ``warmserve`` from here: its name when that is this one on PATH, else the
+    script next to this interpreter (``.venv/bin/warmserve`` after hack/up.sh)."""
+    exe = Path(sys.executable).parent / "warmserve"
+    found = shutil.which("warmserve")
+    if found and exe.exists() and Path(found).resolve() == exe.resolve():
+        return "warmserve"
+    return _shown(exe) if exe.exists() else f"{sys.executable} -m warmserve"
+
+
+def kubectl_command(bin_dir: Path, repo: Path) -> str:
+    """The control plane's own kubectl, by the checkout's ``.k8s-cache/bin`` link when it
+    points there."""
+    link = repo / ".k8s-cache" / "bin"
+    if link.exists() and link.resolve() == bin_dir.resolve():
+        return _shown(link / "kubectl")
+    return str(bin_dir / "kubectl")
