@@ -87,9 +87,10 @@ def replay_once(
     sampler.start()
     time.sleep(max(0.0, warm_unix - time.time()))
     start_operator(run, say)
+    learns = "forecasts from the seeded history" if seeded else "learns the load (no history)"
     say(
         f"[{label}] warm-up: {plan.warmup_s:g}s of the trace (not measured) while the operator "
-        "starts, forecasts from the history and prewarms; then the measured replay"
+        f"starts, {learns} and prewarms; then the measured replay"
     )
     replayer = Replayer(plan, run.gateway_urls, sc.max_hold_s)
     replayer.t0 = t0_mono
