@@ -31,26 +31,13 @@ from warmserve_agent import __version__
 from warmserve_agent.api.v1 import agent_pb2 as pb
 from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
 from warmserve_agent.node import ID_RE, Event, InstanceRec, NodeCore, Refusal, SlotRec
+from warmserve_agent.wire import PHASE_TO_PB, SLOT_TO_PB, WORKER_TO_PB
 
 log = logging.getLogger("warmserve.agent.service")
 
-_WS = {
-    WorkerState.IDLE: pb.WORKER_STATE_IDLE,
-    WorkerState.UNIVERSAL: pb.WORKER_STATE_UNIVERSAL,
-    WorkerState.DEDICATED: pb.WORKER_STATE_DEDICATED,
-    WorkerState.GRACE: pb.WORKER_STATE_GRACE,
-}
-_SS = {
-    "loading": pb.SLOT_STATE_LOADING,
-    "ready": pb.SLOT_STATE_READY,
-    "active": pb.SLOT_STATE_ACTIVE,
-    "failed": pb.SLOT_STATE_FAILED,
-}
-_IP = {
-    InstancePhase.STARTING: pb.INSTANCE_PHASE_STARTING,
-    InstancePhase.SERVING: pb.INSTANCE_PHASE_SERVING,
-    InstancePhase.GRACE: pb.INSTANCE_PHASE_GRACE,
-}
+_WS = WORKER_TO_PB
+_SS = SLOT_TO_PB
+_IP = PHASE_TO_PB
 _KIND = {
     "gpu": pb.WatchEvent.KIND_GPU,
     "slot": pb.WatchEvent.KIND_SLOT,

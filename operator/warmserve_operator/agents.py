@@ -19,15 +19,14 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from warmserve_agent.wire import SlotState, instance_phase, slot_state, worker_state
+
 from warmserve.policy.cluster import InstancePhase, WorkerState
 
 from .spec import CatalogEntry
 
 log = logging.getLogger("warmserve.operator.agents")
 
-_WORKER = {0: "idle", 1: "idle", 2: "universal", 3: "dedicated", 4: "grace"}
-_SLOT = {0: "unknown", 1: "loading", 2: "ready", 3: "active", 4: "failed"}
-_PHASE = {0: "starting", 1: "starting", 2: "serving", 3: "grace"}
 
 
 class AgentCallError(Exception):
@@ -59,7 +58,7 @@ class SlotView:
     layers_target: int
     resident_bytes_per_gpu: int
     weight_bytes_per_gpu: int
-    state: str  # loading | ready | active | failed
+    state: SlotState
     owner: str = ""  # the owning ModelDeployment's UID ("" : set by no operator / older agent)
 
     @property
@@ -124,7 +123,7 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
             index=int(g.index),
             memory_bytes=int(g.memory_bytes),
             free_bytes=min(int(g.free_bytes), int(g.memory_bytes)),
-            state=WorkerState(_WORKER.get(int(g.state), "idle")),
+            state=worker_state(int(g.state)),
             slot_ids=tuple(g.slot_ids),
             instance_id=g.instance_id,
         )
@@ -140,7 +139,7 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
             layers_target=int(s.layers_target),
             resident_bytes_per_gpu=int(s.resident_bytes_per_gpu),
             weight_bytes_per_gpu=int(s.weight_bytes_per_gpu),
-            state=_SLOT.get(int(s.state), "unknown"),
+            state=slot_state(int(s.state)),
             owner=s.owner,
         )
         for s in desc.slots
@@ -151,7 +150,7 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
             model=i.model,
             gpus=tuple(sorted(int(x) for x in i.gpus)),
             endpoint=i.endpoint,
-            phase=InstancePhase(_PHASE.get(int(i.phase), "starting")),
+            phase=instance_phase(int(i.phase)),
             running=int(i.running),
             waiting=int(i.waiting),
             max_batch=int(i.max_batch),

@@ -55,8 +55,9 @@ def test_example_json_output(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_example_table_and_start(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, _ = run(["plan", str(EXAMPLE), "--start", "llama2-7b-1", "--start", "llama2-70b"],
-                     capsys)
+    rc, out, _ = run(
+        ["plan", str(EXAMPLE), "--start", "llama2-7b-1", "--start", "llama2-70b"], capsys
+    )
     assert rc == 0
     assert "ACTION" in out and "SCORE" in out and "keep" in out and "place" in out
     assert "llama2-7b-1: hit on node-a GPUs 5" in out
@@ -93,8 +94,14 @@ def test_sizes() -> None:
     assert parse_size("12.55GB") == 12_550_000_000
     assert parse_size("2 MiB") == 2 * 1024**2
     assert parse_size("512") == 512
-    for bad, msg in [(-1, "negative"), ("-3GB", "negative"), ("12XB", "unknown unit"),
-                     ("lots", "bad size"), (1.5, "expected bytes"), (True, "expected a size")]:
+    for bad, msg in [
+        (-1, "negative"),
+        ("-3GB", "negative"),
+        ("12XB", "unknown unit"),
+        ("lots", "bad size"),
+        (1.5, "expected bytes"),
+        (True, "expected a size"),
+    ]:
         with pytest.raises(PolicyInputError, match=msg):
             parse_size(bad, "x")
 

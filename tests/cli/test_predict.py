@@ -61,7 +61,11 @@ def test_json_contract_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert set(obj["predictors"]) == set(PREDICTORS)
     for stats in obj["predictors"].values():
         assert set(stats) == {
-            "avg_rel_error", "peak_rel_error", "avg_under_rate", "peak_under_rate", "windows"
+            "avg_rel_error",
+            "peak_rel_error",
+            "avg_under_rate",
+            "peak_under_rate",
+            "windows",
         }
         assert stats["windows"] == 48  # 72 hourly windows, evaluated from the second day
         assert 0 <= stats["avg_under_rate"] <= 1 and stats["avg_rel_error"] >= 0
@@ -152,9 +156,11 @@ def test_bad_input_exits_2(
         trace = str(request_file(tmp_path, "arrival_s,input_tokens,output_tokens\n0,1,1\n60,1,1\n"))
     else:
         trace = str(request_file(tmp_path, content))
-    argv = ["predict", trace, "--window", "3600", *extra] if content == "series" else [
-        "predict", trace, *extra
-    ]
+    argv = (
+        ["predict", trace, "--window", "3600", *extra]
+        if content == "series"
+        else ["predict", trace, *extra]
+    )
     rc, out, err = run(argv, capsys)
     assert rc == 2
     assert out == ""

@@ -96,7 +96,10 @@ def seed_history(kubectl: Any, ns: str, md: str, model: str, avg: float, peak: f
 
     Stored where the operator keeps it: in its own namespace (here the same ``ns``), named by
     the deployment's UID."""
-    from warmserve_operator.history import OWNER_LABEL, LoadHistory, configmap_name
+    import warmserve_operator.history as history_io
+    from warmserve_operator.history import OWNER_LABEL, configmap_name
+
+    from warmserve.control.history import LoadHistory
 
     uid = get_json(kubectl, "wsmd", md, "-n", ns)["metadata"]["uid"]
     h = LoadHistory(W)
@@ -112,7 +115,7 @@ def seed_history(kubectl: Any, ns: str, md: str, model: str, avg: float, peak: f
             "namespace": ns,
             "labels": {"app.kubernetes.io/managed-by": "warmserve-operator", OWNER_LABEL: uid},
         },
-        "data": h.to_data(model),
+        "data": history_io.to_data(h, model),
     }
     kubectl("apply", "-f", "-", input=json.dumps(cm))
 

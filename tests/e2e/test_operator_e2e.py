@@ -275,14 +275,14 @@ def test_operator_end_to_end(
         assert len(chat_slots) == 3 and len(set(chat_slots)) == 3, chat_slots
 
         # The load history is persisted by the operator (here: under the chart's RBAC).
-        from warmserve_operator.history import LoadHistory
+        import warmserve_operator.history as history_io
 
         code_uid = get_json(kubectl, "wsmd", "code", "-n", ns)["metadata"]["uid"]
         chat_uid = get_json(kubectl, "wsmd", "chat", "-n", ns)["metadata"]["uid"]
 
         def history_written() -> bool:
             cm = get_json(kubectl, "configmap", f"warmserve-history-{code_uid}", "-n", ns)
-            hist = LoadHistory.from_data(cm["data"], W)
+            hist = history_io.from_data(cm["data"], W)
             return hist.end > math.floor(time.time() / W) - 3 and max(hist.peak[-3:]) >= 6
 
         wait_for(history_written, "code's observed windows persisted", SETTLE_S, logs)

@@ -10,11 +10,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import warmserve_operator.history as history_io
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from warmserve_operator.actions import MAX_ID, request_id
 from warmserve_operator.agents import GpuView, InstanceView, NodeSnapshot, SlotView
-from warmserve_operator.history import F16_MAX, HistoryError, LoadHistory
+from warmserve_operator.history import F16_MAX
 from warmserve_operator.kube import is_leader
 from warmserve_operator.planning import build_state, orphan_actions, teardown_actions
 from warmserve_operator.spec import (
@@ -27,6 +28,7 @@ from warmserve_operator.spec import (
 )
 from warmserve_operator.status import Condition, merge_conditions, node_status
 
+from warmserve.control.history import HistoryError, LoadHistory
 from warmserve.policy.cluster import GiB, InstancePhase, WorkerState
 
 # ---------------------------------------------------------------------------- history
@@ -40,7 +42,7 @@ def test_history_roundtrip_is_float16_exact(windows: list[tuple[float, float]], 
     h = LoadHistory(300.0)
     for i, (a, p) in enumerate(windows):
         h.record(start + i, a, p)
-    back = LoadHistory.from_data(h.to_data("m"), 300.0)
+    back = history_io.from_data(history_io.to_data(h, "m"), 300.0)
     assert back.end == start + len(windows) and len(back) == len(windows)
     want = np.array([a for a, _ in windows], dtype=np.float16).astype(float)
     assert np.array_equal(back.avg, want)
@@ -67,22 +69,24 @@ def test_history_is_bounded_and_saturates() -> None:
     assert len(h) == 10 and h.start == 15
     h.record(10**6, 1e9, 1e9)  # a gap longer than the history restarts it
     assert len(h) == 1
-    back = LoadHistory.from_data(h.to_data("m"), 300.0)
+    back = history_io.from_data(history_io.to_data(h, "m"), 300.0)
     assert back.peak[-1] == F16_MAX
 
 
 def test_history_bad_data_is_a_clear_error() -> None:
     with pytest.raises(HistoryError, match="format"):
-        LoadHistory.from_data({"format": "x"}, 300.0)
-    data = LoadHistory(300.0).to_data("m")
+        history_io.from_data({"format": "x"}, 300.0)
+    data = history_io.to_data(LoadHistory(300.0), "m")
     data["avg"] = "not base64!"
     with pytest.raises(HistoryError, match="'avg' is not base64"):
-        LoadHistory.from_data(data, 300.0)
+        history_io.from_data(data, 300.0)
     with pytest.raises(HistoryError, match="finite"):
         LoadHistory(300.0).record(0, -1.0, 1.0)
     other = LoadHistory(300.0)
     other.record(5, 1.0, 1.0)
-    assert len(LoadHistory.from_data(other.to_data("m"), 60.0)) == 0, "other window: fresh start"
+    assert len(history_io.from_data(history_io.to_data(other, "m"), 60.0)) == 0, (
+        "other window: fresh start"
+    )
 
 
 # ---------------------------------------------------------------------------- spec

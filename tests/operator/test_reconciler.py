@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
+import warmserve_operator.history as history_io
 from operator_fakes import Clock, FakeAgent, FakeKube
 from warmserve_operator.agents import AgentPool
-from warmserve_operator.history import LoadHistory
 from warmserve_operator.planning import build_state
 from warmserve_operator.reconciler import OperatorConfig, Reconciler
 
+from warmserve.control.history import LoadHistory
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import GiB
 from warmserve.policy.placement import plan_prewarm
@@ -26,7 +27,7 @@ def seed_history(
     end = math.floor(now / W)
     for i in range(end - windows, end):
         h.record(i, avg, peak)
-    kube.configmaps[f"uid-{name}"] = h.to_data(model)  # FakeKube.add_md's default UID
+    kube.configmaps[f"uid-{name}"] = history_io.to_data(h, model)  # FakeKube.add_md's default UID
 
 
 class Harness:
@@ -275,7 +276,7 @@ async def test_history_is_persisted_each_window() -> None:
     h.agents[node].set_load("llama-a", 3)
     await h.tick(10)  # 5 s = 2+ windows
     data = h.kube.configmaps["uid-a"]
-    hist = LoadHistory.from_data(data, W)
+    hist = history_io.from_data(data, W)
     assert len(hist) >= 2
     assert max(hist.peak) == pytest.approx(3.0)
     assert h.status("a")["load"]["observedPeak"] == pytest.approx(3.0)

@@ -93,7 +93,12 @@ def test_season_length() -> None:
 def test_registry_and_forecast() -> None:
     assert DEFAULT_PREDICTOR == "warm"
     assert set(PREDICTORS) == {
-        "warm", "csp", "csp-printed", "seasonal", "persistence", "holt-winters"
+        "warm",
+        "csp",
+        "csp-printed",
+        "seasonal",
+        "persistence",
+        "holt-winters",
     }
     for name in PREDICTORS:
         assert make_predictor(name).name == name
@@ -134,7 +139,11 @@ def test_holt_winters_filter_reproduces_statsmodels() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fit = ExponentialSmoothing(
-            h, trend="add", damped_trend=True, seasonal="add", seasonal_periods=period,
+            h,
+            trend="add",
+            damped_trend=True,
+            seasonal="add",
+            seasonal_periods=period,
             initialization_method="heuristic",
         ).fit()
     ours = _holt_winters_filter(par, h, h.size + 1)

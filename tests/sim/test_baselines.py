@@ -369,7 +369,7 @@ def test_prism_static_instances_respect_memory():
 
 
 def test_sharing_slowdown_grows_with_neighbour_load():
-    from warmserve.sim.baselines.sharing import Load, busy_fraction, sharing_slowdown
+    from warmserve.sim.sharing import Load, busy_fraction, sharing_slowdown
 
     e = EngineModel(H800, ModelArch.llama2("7b"), 1)
     light, heavy = Load(0.5, PROMPT, OUTPUT), Load(20.0, PROMPT, OUTPUT)

@@ -225,10 +225,11 @@ def _table(rows: list[list[str]]) -> str:
 def render(d: Any) -> str:
     """Human-readable view of a NodeDescription."""
     from warmserve_agent.client import pb
+    from warmserve_agent.wire import instance_phase, slot_state, worker_state
 
-    state = {v: k.removeprefix("WORKER_STATE_").lower() for k, v in pb.WorkerState.items()}
-    sstate = {v: k.removeprefix("SLOT_STATE_").lower() for k, v in pb.SlotState.items()}
-    phase = {v: k.removeprefix("INSTANCE_PHASE_").lower() for k, v in pb.InstancePhase.items()}
+    state = {v: worker_state(v).value for v in pb.WorkerState.values()}
+    sstate = {v: slot_state(v).value for v in pb.SlotState.values()}
+    phase = {v: instance_phase(v).value for v in pb.InstancePhase.values()}
     out = [
         f"node {d.node_name}  backend {d.backend}  agent {d.agent_version} ({d.agent_id[:8]})  "
         f"page {_gib(d.page_bytes)}  spare workers {d.spare_workers}  generation {d.generation}",

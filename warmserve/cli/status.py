@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-GROUP, VERSION = "warmserve.io", "v1alpha1"
+from warmserve_operator.spec import GROUP, VERSION  # the CRDs' one home
 
 
 def register(subparsers: Any) -> None:
