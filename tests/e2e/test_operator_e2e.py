@@ -53,23 +53,25 @@ def policy_replicas(kubectl: Any, ns: str, snaps: dict[str, Any]) -> tuple[Any, 
     """
     from dataclasses import replace
 
-    from warmserve_operator.planning import build_state
+    from warmserve_operator.observe import observation
     from warmserve_operator.spec import parse_model_deployment, resolve_model
 
+    from warmserve.control.snapshot import build_state
     from warmserve.policy.cluster import LoadForecast, WorkerState
     from warmserve.policy.placement import plan_prewarm
 
     catalog = {}
     for snap in snaps.values():
         catalog.update(snap.models)
-    specs, forecasts = {}, {}
+    specs, forecasts, owners = {}, {}, {}
     for body in get_json(kubectl, "wsmd", "-n", ns)["items"]:
         md = parse_model_deployment(body)
+        owners[md.model] = md.uid
         specs[md.model] = resolve_model(md, catalog)
         load = body["status"]["load"]
         forecasts[md.model] = LoadForecast(load["predictedAverage"], load["predictedPeak"])
-    built = build_state(specs, snaps, forecasts)
-    state = built.state
+    obs = observation(time.time(), snaps, owners, set(owners.values()))
+    state = build_state(obs, specs, forecasts)
     idle = (WorkerState.IDLE, WorkerState.UNIVERSAL)
     bare_nodes = tuple(
         replace(

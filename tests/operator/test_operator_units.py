@@ -13,11 +13,11 @@ import pytest
 import warmserve_operator.history as history_io
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from warmserve_operator.actions import MAX_ID, request_id
 from warmserve_operator.agents import GpuView, InstanceView, NodeSnapshot, SlotView
 from warmserve_operator.history import F16_MAX
+from warmserve_operator.identity import MAX_ID, orphans, request_id, teardown
 from warmserve_operator.kube import is_leader
-from warmserve_operator.planning import build_state, orphan_actions, teardown_actions
+from warmserve_operator.observe import observation
 from warmserve_operator.spec import (
     CatalogEntry,
     SpecError,
@@ -214,45 +214,37 @@ def test_orphans_and_teardown_actions() -> None:
     slot = SlotView("s1", "gone", (0,), 4, 4, 4, GiB, GiB, "ready", owner="uid-gone")
     failed = SlotView("s2", "m", (1,), 1, 4, 4, GiB, 4 * GiB, "failed")
     inst = InstanceView("i1", "gone", (1,), "http://x", InstancePhase.SERVING, owner="uid-gone")
-    from warmserve.policy.cluster import ModelSpec
-
-    built = build_state({"m": ModelSpec("m", GiB)}, {"n": snap("n", (slot, failed), (inst,))}, {})
-    acts = orphan_actions(built)
+    snaps = {"n": snap("n", (slot, failed), (inst,))}
+    acts = orphans(snaps, {"m": "uid-m"}, {"uid-m"}, 0.0, {}, 30.0)
     # A serving orphan drains through grace first (the agent refuses to end it directly).
-    assert sorted(type(a).__name__ for a in acts) == ["BeginGrace", "Evict", "Evict"]
+    assert sorted(type(a).__name__ for a in acts) == ["Drain", "Evict", "Evict"]
     assert {getattr(a, "reason", "") for a in acts} >= {"loading failed"}
-    td, left = teardown_actions("uid-gone", {"n": snap("n", (slot,), (inst,))}, 0.0, {}, 30.0)
-    assert [type(a).__name__ for a in td] == ["BeginGrace", "Evict"]
+    td, left = teardown("uid-gone", {"n": snap("n", (slot,), (inst,))}, 0.0, {}, 30.0)
+    assert [type(a).__name__ for a in td] == ["Drain", "Evict"]
     assert len(left) == 2
     grace = replace(inst, phase=InstancePhase.GRACE, running=1, grace_started_unix=100.0)
-    td, _ = teardown_actions("uid-gone", {"n": snap("n", (), (grace,))}, 110.0, {}, 30.0)
+    td, _ = teardown("uid-gone", {"n": snap("n", (), (grace,))}, 110.0, {}, 30.0)
     assert td == [], "a grace instance with a request in flight waits..."
-    td, _ = teardown_actions("uid-gone", {"n": snap("n", (), (grace,))}, 130.0, {}, 30.0)
-    assert [type(a).__name__ for a in td] == ["EndInstance"], "...until its grace is over"
+    td, _ = teardown("uid-gone", {"n": snap("n", (), (grace,))}, 130.0, {}, 30.0)
+    assert [type(a).__name__ for a in td] == ["EndGrace"], "...until its grace is over"
     assert td[0].evict_weights is True
     idle = replace(grace, running=0)
-    td, _ = teardown_actions("uid-gone", {"n": snap("n", (), (idle,))}, 101.0, {}, 30.0)
-    assert [type(a).__name__ for a in td] == ["EndInstance"], "an idle one ends at once"
+    td, _ = teardown("uid-gone", {"n": snap("n", (), (idle,))}, 101.0, {}, 30.0)
+    assert [type(a).__name__ for a in td] == ["EndGrace"], "an idle one ends at once"
     # Identity is the owner UID, not the model name: another owner's slot is never touched.
-    td, left = teardown_actions("uid-dup", {"n": snap("n", (slot,), (inst,))}, 0.0, {}, 30.0)
+    td, left = teardown("uid-dup", {"n": snap("n", (slot,), (inst,))}, 0.0, {}, 30.0)
     assert td == [] and left == []
 
 
 def test_ownership_by_uid() -> None:
-    from warmserve.policy.cluster import ModelSpec
-
     mine = SlotView("s1", "m", (0,), 4, 4, 4, GiB, GiB, "ready", owner="uid-a")
     foreign = SlotView("s2", "m", (1,), 4, 4, 4, GiB, GiB, "ready", owner="uid-old")
     dead = SlotView("s3", "m", (1,), 4, 4, 4, GiB, GiB, "ready", owner="uid-dead")
-    built = build_state(
-        {"m": ModelSpec("m", GiB)},
-        {"n": snap("n", (mine, foreign, dead))},
-        {},
-        owners={"m": "uid-a"},
-        live={"uid-a", "uid-old"},
-    )
-    assert list(built.slot_of.values()) == ["s1"], "only the owner's slot is a replica"
-    assert [s.slot_id for _n, s, _r in built.orphan_slots] == ["s3"], "a live UID is no orphan"
+    snaps = {"n": snap("n", (mine, foreign, dead))}
+    obs = observation(0.0, snaps, {"m": "uid-a"}, {"uid-a", "uid-old"})
+    assert [s.id for s in obs.slots if not s.foreign] == ["s1"], "only the owner's is a replica"
+    gone = orphans(snaps, {"m": "uid-a"}, {"uid-a", "uid-old"}, 0.0, {}, 30.0)
+    assert [a.slot_id for a in gone] == ["s3"], "a live UID's slot is no orphan"
 
 
 # ---------------------------------------------------------------------------- status

@@ -8,7 +8,7 @@ import pytest
 import warmserve_operator.history as history_io
 from operator_fakes import Clock, FakeAgent, FakeKube
 from warmserve_operator.agents import AgentPool
-from warmserve_operator.planning import build_state
+from warmserve_operator.observe import observation
 from warmserve_operator.reconciler import OperatorConfig, Reconciler
 
 from warmserve.control.history import LoadHistory
@@ -28,6 +28,10 @@ def seed_history(
     for i in range(end - windows, end):
         h.record(i, avg, peak)
     kube.configmaps[f"uid-{name}"] = history_io.to_data(h, model)  # FakeKube.add_md's default UID
+
+
+def md_of(h: Harness, model: str):
+    return next(d.md for d in h.rec.deployments.values() if d.md.model == model)
 
 
 class Harness:
@@ -90,10 +94,11 @@ async def test_prewarm_follows_policy_plan_and_status_reports_it() -> None:
     await h.tick()
     # What the policy core plans for the same snapshot and forecasts:
     snaps = {n: await a.describe() for n, a in h.agents.items()}
-    specs = {m: rt.spec for m, rt in h.rec.models.items()}
-    fcs = {m: rt.forecast for m, rt in h.rec.models.items()}
-    assert fcs["llama-a"].avg == pytest.approx(6.0, rel=1e-2)
-    replanned = plan_prewarm(build_state(specs, snaps, fcs).state)
+    ctl = h.rec.controller
+    assert ctl.forecast_of("llama-a").avg == pytest.approx(6.0, rel=1e-2)
+    owners = {d.md.model: uid for uid, d in h.rec.deployments.items()}
+    obs = observation(h.clock.t, snaps, owners, set(owners.values()))
+    replanned = plan_prewarm(ctl.snapshot(obs))
     assert not replanned.place and not replanned.evict, "the operator placed exactly the plan"
     assert len(h.slots("llama-a")) == 3  # ceil(6/4)=2 basic + ceil(10/4)-2 = 1 burst
     assert len(h.slots("llama-b")) == 1
@@ -146,7 +151,7 @@ async def test_delete_tears_down_everything_of_the_model() -> None:
     seed_history(h.kube, "b", "llama-b", h.clock.t, avg=3.0, peak=3.0)
     await h.tick(3)
     assert h.slots("llama-a") and h.instances("llama-a")
-    md = h.rec.models["llama-a"].md
+    md = md_of(h, "llama-a")
     left = await h.rec.teardown(md)
     assert left == []
     assert not h.slots("llama-a") and not h.instances("llama-a")
@@ -164,7 +169,7 @@ async def test_delete_drains_a_busy_instance_through_grace_within_the_bound() ->
     await h.tick(3)
     ((node, _),) = h.instances("llama-a")
     h.agents[node].set_load("llama-a", 2)  # requests in flight: grace cannot end early
-    md = h.rec.models["llama-a"].md
+    md = md_of(h, "llama-a")
     h.kube.mds[("default", "a")]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     t0 = h.clock.t
     rounds = 0
@@ -187,7 +192,7 @@ async def test_deleting_a_duplicate_in_another_namespace_touches_nothing_of_the_
     await h.tick(3)
     before = (h.slots("llama-a"), h.instances("llama-a"))
     assert before[0] and before[1]
-    assert h.rec.models["llama-a"].md.key == "demo/code"
+    assert md_of(h, "llama-a").key == "demo/code"
     from warmserve_operator.spec import parse_model_deployment
 
     b16 = parse_model_deployment(h.kube.mds[("bad", "b16")])
@@ -283,7 +288,7 @@ async def test_history_is_persisted_each_window() -> None:
     # A restarted operator continues the same history from the ConfigMap.
     h.rec = h.new_reconciler()
     await h.tick(1)
-    again = h.rec.models["llama-a"].history
+    again = h.rec.controller.history("llama-a")
     assert again is not None and again.end == hist.end and list(again.peak) == list(hist.peak)
 
 
@@ -371,7 +376,7 @@ async def test_windows_are_wall_clock_aligned_and_a_late_start_is_not_diluted() 
     ((node, _),) = h.instances("llama-a")
     h.agents[node].set_load("llama-a", 4)
     await h.tick(8)  # to t=1_000_005.5
-    hist = h.rec.models["llama-a"].history
+    hist = h.rec.controller.history("llama-a")
     assert hist.end == 1_000_004 // 2  # windows 500000 and 500001 closed (index = t // W)
     # First window observed for 1 s only: 0 at t=1_000_001.0, 4 from t=1_000_001.5 -> avg 2
     # (an aligned tracker would have diluted it to 1 with the unobserved half).

@@ -246,7 +246,7 @@ class Controller:
         state = self.snapshot(obs)
         self._note_free(state)
         loads = observed_demand(obs, self.models)
-        slot_of = {(s.model, s.node, s.gpus): s.id for s in obs.slots if not s.foreign}
+        slot_of = {(s.model, s.node, s.gpus): s.id for s in obs.slots if not s.foreign and s.id}
         phase = {i.id: i.phase for i in obs.instances}
         items: list[Decision] = []
         scale: dict[str, ScaleDecision] = {}
