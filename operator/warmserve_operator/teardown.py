@@ -14,18 +14,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from warmserve.control.decisions import EndGrace
 
-from .act import call, describe, rid
-from .agents import AgentCallError, AgentPort
+from .act import Actor, call, describe, rid
+from .agents import AgentCallError, AgentPool, AgentPort, NodeSnapshot
 from .identity import teardown as teardown_decisions
-from .observe import NodeRuntime
+from .kube import KubePort
+from .observe import NodeRuntime, Observer
 from .spec import ModelDeploymentSpec
 
-if TYPE_CHECKING:
-    from .reconciler import Reconciler
+
+class Reconciler(Protocol):
+    """What the teardown uses of the loop (:class:`.reconciler.Reconciler`)."""
+
+    cfg: Any
+    kube: KubePort
+    agents: AgentPool
+    actor: Actor
+    observer: Observer
+    clock: Callable[[], float]
+    deleting: dict[str, float]
+    grace_started: dict[str, float]
+
+    def note_grace(self, snap: NodeSnapshot, now: float) -> set[str]: ...
 
 log = logging.getLogger("warmserve.operator")
 

@@ -31,7 +31,7 @@ from warmserve.sim.cluster import GRACE, PHASE, STOPPED, SimInstance, SimReplica
 from warmserve.sim.model import StartRecord
 
 if TYPE_CHECKING:
-    from warmserve.sim.core import Simulation
+    from warmserve.sim.hooks import SimAccess as Simulation
 
 log = logging.getLogger("warmserve.sim")
 
