@@ -166,11 +166,12 @@ def observation(
         valid = {g.index for g in snap.gpus}
         for g in sorted(snap.gpus, key=lambda g: g.index):
             gpus.append(GpuObs(name, g.index, g.memory_bytes, max(g.free_bytes, 0)))
-        for s in snap.slots:
+        for s in sorted(snap.slots, key=lambda s: (s.model, s.gpus, s.slot_id)):
             if s.state == "active" or not s.gpus or not set(s.gpus) <= valid:
                 continue
             mine = ownership(s.model, s.owner, owners, live) == Ownership.MINE
-            usable = mine and s.state != "failed"
+            # a second slot of one model on the same GPUs is removed as a duplicate (.identity)
+            usable = mine and s.state != "failed" and (name, s.model, s.gpus) not in reported
             slots.append(
                 SlotObs(
                     s.slot_id,

@@ -134,7 +134,7 @@ async def _check(sc: dict) -> None:
             assert not (busy | started) & set(a.gpus), f"prewarm on serving GPUs: {a}"
         if isinstance(a, Evict):
             assert snaps[a.node].slot(a.slot_id) is not None
-    evicted = [a.slot_id for a in actions if isinstance(a, Evict)]
+    evicted = [(a.node, a.slot_id) for a in actions if isinstance(a, Evict)]
     assert len(evicted) == len(set(evicted))
 
     # Execute in the decisions' order through the operator's one dispatch; the agents must
