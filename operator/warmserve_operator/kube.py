@@ -8,8 +8,8 @@ official ``kubernetes`` client (synchronous, so every call runs in a worker thre
 
 Leadership: kopf's peering pauses a replica's handlers while a live peer with a higher priority
 exists (and pauses all replicas with equal priorities).  The window loop is not a kopf handler,
-so :func:`is_leader` applies the same rule to the same ``ClusterKopfPeering`` object; two
-replicas therefore never both act, and a replica acts only when kopf would let it.
+so it holds its own ``coordination.k8s.io`` Lease (:mod:`.leader`), never reading kopf's
+internal peering status.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import asyncio
 import datetime as dt
 import logging
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .leader import DEFAULT_LEASE_S
 from .spec import API_VERSION, GROUP, MD_KIND, MD_PLURAL, NODE_KIND, NODE_PLURAL, VERSION
 
 log = logging.getLogger("warmserve.operator.kube")
@@ -65,6 +65,7 @@ class AgentDiscovery:
 
 
 class KubePort(Protocol):
+    async def ready(self) -> bool: ...
     async def list_model_deployments(self) -> list[dict[str, Any]]: ...
     async def list_gpu_nodes(self) -> list[dict[str, Any]]: ...
     async def patch_md_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
@@ -100,28 +101,25 @@ def own_namespace() -> str:
         return "default"
 
 
-def is_leader(
-    peering_status: Mapping[str, Any] | None,
-    identity: str,
-    priority: int,
-    now: dt.datetime | None = None,
-) -> bool:
-    """kopf's peering rule: no live peer with a higher or equal priority (other than us)."""
-    now = now or dt.datetime.now(dt.UTC)
-    for peer_id, info in (peering_status or {}).items():
-        if peer_id == identity or not isinstance(info, Mapping):
-            continue
-        try:
-            last = dt.datetime.fromisoformat(str(info.get("lastseen")))
-            if last.tzinfo is None:
-                last = last.replace(tzinfo=dt.UTC)
-            alive = last + dt.timedelta(seconds=int(info.get("lifetime", 60))) > now
-            prio = int(info.get("priority", 0))
-        except (TypeError, ValueError):
-            continue
-        if alive and prio >= priority:
-            return False
-    return True
+class ClusterView(Protocol):
+    """What the loop reads of the API: kopf's indexes of ModelDeployments and GPUNodes
+    (:mod:`.handlers`), so a poll never re-lists them."""
+
+    def model_deployments(self) -> list[dict[str, Any]]: ...
+    def gpu_nodes(self) -> list[dict[str, Any]]: ...
+    def ready(self) -> bool: ...
+
+
+def _micro(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _unix(value: Any) -> float:
+    if isinstance(value, dt.datetime):
+        return (value if value.tzinfo else value.replace(tzinfo=dt.UTC)).timestamp()
+    if not value:
+        return 0.0
+    return dt.datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
 
 
 class KubeApi:
@@ -137,6 +135,8 @@ class KubeApi:
         discovery: AgentDiscovery | None = None,
         namespaces: tuple[str, ...] = (),
         history_namespace: str | None = None,
+        view: ClusterView | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         from kubernetes import client, config
 
@@ -147,7 +147,10 @@ class KubeApi:
         self._api = client.ApiClient()
         self._custom = client.CustomObjectsApi(self._api)
         self._core = client.CoreV1Api(self._api)
+        self._coord = client.CoordinationV1Api(self._api)
         self._exc = client.ApiException
+        self.view = view
+        self.lease_s = lease_s
         self.peering = peering
         self.identity = identity
         self.priority = priority
@@ -161,6 +164,24 @@ class KubeApi:
         return await asyncio.to_thread(fn, *args, **kw)
 
     async def list_model_deployments(self) -> list[dict[str, Any]]:
+        if self.view is None:
+            raise RuntimeError("no kopf index view: the loop runs inside `warmserve operator`")
+        return self.view.model_deployments()
+
+    async def list_gpu_nodes(self) -> list[dict[str, Any]]:
+        if self.view is None:
+            raise RuntimeError("no kopf index view: the loop runs inside `warmserve operator`")
+        return self.view.gpu_nodes()
+
+    async def ready(self) -> bool:
+        return self.view is not None and self.view.ready()
+
+    async def list_gpu_nodes_now(self) -> list[dict[str, Any]]:
+        """One listing from the API (startup only: what the indexes must catch up with)."""
+        res = await self._t(self._custom.list_cluster_custom_object, GROUP, VERSION, NODE_PLURAL)
+        return list(res.get("items", []))
+
+    async def list_model_deployments_now(self) -> list[dict[str, Any]]:
         if not self.namespaces:
             res = await self._t(self._custom.list_cluster_custom_object, GROUP, VERSION, MD_PLURAL)
             return list(res.get("items", []))
@@ -171,10 +192,6 @@ class KubeApi:
             )
             items += res.get("items", [])
         return items
-
-    async def list_gpu_nodes(self) -> list[dict[str, Any]]:
-        res = await self._t(self._custom.list_cluster_custom_object, GROUP, VERSION, NODE_PLURAL)
-        return list(res.get("items", []))
 
     async def patch_md_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         try:
@@ -294,24 +311,62 @@ class KubeApi:
             log.warning("event=post_event_failed reason=%s status=%s", reason, exc.status)
 
     async def is_leader(self) -> bool:
+        """Hold the loop's Lease (:mod:`.leader`); ``--standalone``: always."""
         if not self.peering:
             return True
+        from kubernetes import client
+
+        from .leader import PREEMPT_ANNOTATION, PRIORITY_ANNOTATION, LeaseRecord, next_lease
+
+        ns, name = self.history_namespace, f"{self.peering}-loop"
         try:
-            obj = await self._t(
-                self._custom.get_cluster_custom_object,
-                PEERING_GROUP,
-                "v1",
-                PEERING_PLURAL,
-                self.peering,
-            )
+            obj = await self._t(self._coord.read_namespaced_lease, name, ns)
         except self._exc as exc:
-            if exc.status == 404:
-                return False  # kopf pauses too while the peering object is missing
+            if exc.status != 404:
+                raise
+            obj = None
+        rec = None
+        if obj is not None:
+            ann = obj.metadata.annotations or {}
+            rec = LeaseRecord(
+                obj.spec.holder_identity or "",
+                _unix(obj.spec.renew_time),
+                float(obj.spec.lease_duration_seconds or self.lease_s),
+                int(ann.get(PRIORITY_ANNOTATION, "0") or 0),
+                ann.get(PREEMPT_ANNOTATION, ""),
+                obj.metadata.resource_version or "",
+            )
+        now = dt.datetime.now(dt.UTC).timestamp()
+        leader, write = next_lease(rec, self.identity[:128], self.priority, now, self.lease_s)
+        if write is None:
+            return leader
+        body = client.V1Lease(
+            metadata=client.V1ObjectMeta(
+                name=name,
+                namespace=ns,
+                resource_version=write.resource_version or None,
+                annotations={
+                    PRIORITY_ANNOTATION: str(write.priority),
+                    PREEMPT_ANNOTATION: write.preempt_by,
+                },
+                labels={"app.kubernetes.io/managed-by": COMPONENT},
+            ),
+            spec=client.V1LeaseSpec(
+                holder_identity=write.holder,
+                lease_duration_seconds=int(max(write.duration_s, 1)),
+                renew_time=_micro(write.renew_s) if write.holder else None,
+            ),
+        )
+        try:
+            if obj is None:
+                await self._t(self._coord.create_namespaced_lease, ns, body)
+            else:
+                await self._t(self._coord.replace_namespaced_lease, name, ns, body)
+        except self._exc as exc:
+            if exc.status in (404, 409):
+                return False  # another replica wrote first: it leads this round
             raise
-        status = obj.get("status") or {}
-        if self.identity not in status:
-            return False  # kopf has not announced us yet: we cannot know who else is there
-        return is_leader(status, self.identity, self.priority)
+        return leader
 
     async def sync_agent_nodes(self) -> None:
         """Create/update a GPUNode for every running agent pod (see :class:`AgentDiscovery`)."""

@@ -277,7 +277,7 @@ class Reconciler:
         self._leader_streak = self._leader_streak + 1 if await self.kube.is_leader() else 0
         self.leader = self._leader_streak >= self.cfg.leader_settle_polls
         self.metrics.leader.set(1 if self.leader else 0)
-        if not self.leader:
+        if not self.leader or not await self.kube.ready():
             self._sync_watchers()
             return
         self.metrics.polls.inc()

@@ -392,6 +392,9 @@ class FakeKube:
     def reasons(self, kind_name: str | None = None) -> list[str]:
         return [r for (ref, _t, r, _m) in self.events if kind_name is None or ref == kind_name]
 
+    async def ready(self) -> bool:
+        return True
+
     async def list_model_deployments(self) -> list[dict[str, Any]]:
         return [dict(v) for v in self.mds.values()]
 

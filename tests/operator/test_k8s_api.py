@@ -144,6 +144,9 @@ ALLOWED = [
     ("create", "events", "other"),
     ("create", "events.events.k8s.io", "other"),
     ("list", "pods", "self"),
+    ("get", "leases.coordination.k8s.io", "self"),
+    ("create", "leases.coordination.k8s.io", "self"),
+    ("update", "leases.coordination.k8s.io", "self"),
 ]
 FORBIDDEN = [
     # Issue 16 H3: no ConfigMap outside the operator's namespace (e.g. kube-system/aws-auth).
@@ -155,6 +158,7 @@ FORBIDDEN = [
     ("update", "configmaps", "kube-system"),
     ("delete", "configmaps", "kube-system"),
     ("list", "configmaps", None),
+    ("update", "leases.coordination.k8s.io", "kube-system"),
     ("list", "secrets", "other"),
     ("delete", "modeldeployments.warmserve.io", "other"),
     ("list", "pods", "other"),

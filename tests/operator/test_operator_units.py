@@ -3,7 +3,6 @@ status documents and the ``warmserve status`` view."""
 
 from __future__ import annotations
 
-import datetime as dt
 import math
 import re
 from dataclasses import replace
@@ -16,7 +15,7 @@ from hypothesis import strategies as st
 from warmserve_operator.agents import GpuView, InstanceView, NodeSnapshot, SlotView
 from warmserve_operator.history import F16_MAX
 from warmserve_operator.identity import MAX_ID, orphans, request_id, teardown
-from warmserve_operator.kube import is_leader
+from warmserve_operator.leader import LeaseRecord, next_lease
 from warmserve_operator.observe import observation
 from warmserve_operator.spec import (
     CatalogEntry,
@@ -167,24 +166,24 @@ def test_missing_weights_and_duplicates() -> None:
 # ---------------------------------------------------------------------------- leader rule
 
 
-def test_leader_rule_matches_kopf_peering() -> None:
-    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
-    fresh = (now - dt.timedelta(seconds=5)).isoformat()
-    stale = (now - dt.timedelta(seconds=120)).isoformat()
-    me = {"me": {"priority": 10, "lifetime": 60, "lastseen": fresh}}
-    assert is_leader(me, "me", 10, now)
-    assert not is_leader(
-        {**me, "hi": {"priority": 11, "lifetime": 60, "lastseen": fresh}}, "me", 10, now
-    )
-    assert not is_leader(
-        {**me, "eq": {"priority": 10, "lifetime": 60, "lastseen": fresh}}, "me", 10, now
-    )
-    assert is_leader(
-        {**me, "lo": {"priority": 9, "lifetime": 60, "lastseen": fresh}}, "me", 10, now
-    )
-    assert is_leader(
-        {**me, "dead": {"priority": 99, "lifetime": 60, "lastseen": stale}}, "me", 10, now
-    )
+def test_lease_rule() -> None:
+    """One holder at a time; a dead leader is replaced within a lease; a higher priority asks
+    the holder to hand over and the holder releases before the asker takes it."""
+    assert next_lease(None, "a", 1, 100.0, 15.0) == (True, LeaseRecord("a", 100.0, 15.0, 1))
+    held = LeaseRecord("a", 100.0, 15.0, 1, resource_version="7")
+    lead, w = next_lease(held, "a", 1, 105.0, 15.0)
+    assert lead and w is not None and w.renew_s == 105.0 and w.resource_version == "7"
+    assert next_lease(held, "b", 1, 110.0, 15.0) == (False, None), "a live equal waits"
+    lead, w = next_lease(held, "b", 0, 116.0, 15.0)
+    assert lead and w is not None and w.holder == "b", "an expired lease goes to anyone"
+    lead, w = next_lease(held, "c", 5, 110.0, 15.0)
+    assert not lead and w is not None and w.holder == "a" and w.preempt_by == "c"
+    asked = w
+    lead, w = next_lease(asked, "a", 1, 111.0, 15.0)
+    assert not lead and w is not None and w.holder == "", "the holder releases"
+    lead, w = next_lease(w, "c", 5, 112.0, 15.0)
+    assert lead and w is not None and w.holder == "c"
+    assert next_lease(asked, "c", 5, 111.0, 15.0) == (False, None), "asked once"
 
 
 # ---------------------------------------------------------------------------- request ids
