@@ -110,18 +110,6 @@ class ClusterView(Protocol):
     def ready(self) -> bool: ...
 
 
-def _micro(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _unix(value: Any) -> float:
-    if isinstance(value, dt.datetime):
-        return (value if value.tzinfo else value.replace(tzinfo=dt.UTC)).timestamp()
-    if not value:
-        return 0.0
-    return dt.datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
-
-
 class KubeApi:
     """:class:`KubePort` over the ``kubernetes`` client (kubeconfig or in-cluster config)."""
 
@@ -314,59 +302,19 @@ class KubeApi:
         """Hold the loop's Lease (:mod:`.leader`); ``--standalone``: always."""
         if not self.peering:
             return True
-        from kubernetes import client
+        from .leader import hold_lease
 
-        from .leader import PREEMPT_ANNOTATION, PRIORITY_ANNOTATION, LeaseRecord, next_lease
-
-        ns, name = self.history_namespace, f"{self.peering}-loop"
-        try:
-            obj = await self._t(self._coord.read_namespaced_lease, name, ns)
-        except self._exc as exc:
-            if exc.status != 404:
-                raise
-            obj = None
-        rec = None
-        if obj is not None:
-            ann = obj.metadata.annotations or {}
-            rec = LeaseRecord(
-                obj.spec.holder_identity or "",
-                _unix(obj.spec.renew_time),
-                float(obj.spec.lease_duration_seconds or self.lease_s),
-                int(ann.get(PRIORITY_ANNOTATION, "0") or 0),
-                ann.get(PREEMPT_ANNOTATION, ""),
-                obj.metadata.resource_version or "",
-            )
-        now = dt.datetime.now(dt.UTC).timestamp()
-        leader, write = next_lease(rec, self.identity[:128], self.priority, now, self.lease_s)
-        if write is None:
-            return leader
-        body = client.V1Lease(
-            metadata=client.V1ObjectMeta(
-                name=name,
-                namespace=ns,
-                resource_version=write.resource_version or None,
-                annotations={
-                    PRIORITY_ANNOTATION: str(write.priority),
-                    PREEMPT_ANNOTATION: write.preempt_by,
-                },
-                labels={"app.kubernetes.io/managed-by": COMPONENT},
-            ),
-            spec=client.V1LeaseSpec(
-                holder_identity=write.holder,
-                lease_duration_seconds=int(max(write.duration_s, 1)),
-                renew_time=_micro(write.renew_s) if write.holder else None,
-            ),
+        return await hold_lease(
+            self._coord,
+            self._exc,
+            self._t,
+            self.history_namespace,
+            f"{self.peering}-loop",
+            self.identity[:128],
+            self.priority,
+            self.lease_s,
+            COMPONENT,
         )
-        try:
-            if obj is None:
-                await self._t(self._coord.create_namespaced_lease, ns, body)
-            else:
-                await self._t(self._coord.replace_namespaced_lease, name, ns, body)
-        except self._exc as exc:
-            if exc.status in (404, 409):
-                return False  # another replica wrote first: it leads this round
-            raise
-        return leader
 
     async def sync_agent_nodes(self) -> None:
         """Create/update a GPUNode for every running agent pod (see :class:`AgentDiscovery`)."""

@@ -21,7 +21,10 @@ hold it: every write carries the read ``resourceVersion``; a conflicting write l
 
 from __future__ import annotations
 
+import datetime as dt
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 PRIORITY_ANNOTATION = "warmserve.io/priority"
 PREEMPT_ANNOTATION = "warmserve.io/preempt-by"
@@ -57,3 +60,80 @@ def next_lease(
     if priority > rec.priority and rec.preempt_by != me:
         return False, replace(rec, preempt_by=me)
     return False, None
+
+
+def _micro(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _unix(value: Any) -> float:
+    if isinstance(value, dt.datetime):
+        return (value if value.tzinfo else value.replace(tzinfo=dt.UTC)).timestamp()
+    if not value:
+        return 0.0
+    return dt.datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+
+
+async def hold_lease(
+    coord: Any,
+    api_exception: type[Exception],
+    run: Callable[..., Any],
+    namespace: str,
+    name: str,
+    me: str,
+    priority: int,
+    duration_s: float,
+    manager: str,
+) -> bool:
+    """One round of :func:`next_lease` against the Lease ``namespace/name`` (``coord``: a
+    ``CoordinationV1Api``; ``run``: runs a blocking client call off the event loop)."""
+    from kubernetes import client
+
+    try:
+        obj = await run(coord.read_namespaced_lease, name, namespace)
+    except api_exception as exc:
+        if getattr(exc, "status", None) != 404:
+            raise
+        obj = None
+    rec = None
+    if obj is not None:
+        ann = obj.metadata.annotations or {}
+        rec = LeaseRecord(
+            obj.spec.holder_identity or "",
+            _unix(obj.spec.renew_time),
+            float(obj.spec.lease_duration_seconds or duration_s),
+            int(ann.get(PRIORITY_ANNOTATION, "0") or 0),
+            ann.get(PREEMPT_ANNOTATION, ""),
+            obj.metadata.resource_version or "",
+        )
+    now = dt.datetime.now(dt.UTC).timestamp()
+    leader, write = next_lease(rec, me, priority, now, duration_s)
+    if write is None:
+        return leader
+    body = client.V1Lease(
+        metadata=client.V1ObjectMeta(
+            name=name,
+            namespace=namespace,
+            resource_version=write.resource_version or None,
+            annotations={
+                PRIORITY_ANNOTATION: str(write.priority),
+                PREEMPT_ANNOTATION: write.preempt_by,
+            },
+            labels={"app.kubernetes.io/managed-by": manager},
+        ),
+        spec=client.V1LeaseSpec(
+            holder_identity=write.holder,
+            lease_duration_seconds=int(max(write.duration_s, 1)),
+            renew_time=_micro(write.renew_s) if write.holder else None,
+        ),
+    )
+    try:
+        if obj is None:
+            await run(coord.create_namespaced_lease, namespace, body)
+        else:
+            await run(coord.replace_namespaced_lease, name, namespace, body)
+    except api_exception as exc:
+        if getattr(exc, "status", None) in (404, 409):
+            return False  # another replica wrote first: it leads this round
+        raise
+    return leader

@@ -28,14 +28,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from warmserve.control.controller import ControlConfig, Controller, ModelEntry
+from warmserve.control.controller import ControlConfig, Controller
 from warmserve.control.decisions import Decisions
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import ModelSpec, PolicyInputError
 
-from . import history as history_io
 from .act import Actor
 from .agents import ActivateResult, AgentCallError, AgentPool, AgentPort, NodeSnapshot
+from .deployments import DeploymentBook
 from .identity import orphans
 from .kube import KubePort, ObjRef, md_ref
 from .metrics import Metrics
@@ -44,10 +44,7 @@ from .report import Deployment, Reporter
 from .spec import (
     DEFAULT_LOAD_BANDWIDTH,
     ModelDeploymentSpec,
-    SpecError,
     dedupe_models,
-    parse_model_deployment,
-    resolve_model,
 )
 from .status import Condition
 
@@ -141,22 +138,32 @@ class Reconciler:
             self.metrics,
             self._count_start,
         )
-        self.deployments: dict[str, Deployment] = {}  # by UID
+        self.book = DeploymentBook(
+            kube, self.reporter, self.controller, self.metrics, config, clock
+        )
         self.leader = False
         self._leader_streak = 0
         self._wake = asyncio.Event()
         self._watching = False  # only inside run(): unit tests drive tick() directly
         self._watchers: dict[str, tuple[str, asyncio.Task[None]]] = {}
-        # UIDs of deployments being (or just) torn down -> when teardown finished (inf while it
-        # runs); nothing is started or prewarmed for them until a later listing drops them.
-        self.deleting: dict[str, float] = {}
-        self.live_uids: frozenset[str] = frozenset()
         self.grace_started: dict[str, float] = {}
         self.held: Callable[[], Mapping[str, int]] = dict  # gateway demand feed (see wake())
         self.last: Decisions | None = None
         self._known: dict[str, tuple[str, Any]] = {}
 
     # ------------------------------------------------------------------ plumbing
+
+    @property
+    def deployments(self) -> dict[str, Deployment]:
+        return self.book.items
+
+    @property
+    def deleting(self) -> dict[str, float]:
+        return self.book.deleting
+
+    @property
+    def live_uids(self) -> frozenset[str]:
+        return self.book.live_uids
 
     @property
     def nodes(self) -> dict[str, Any]:
@@ -281,7 +288,7 @@ class Reconciler:
             self._sync_watchers()
             return
         self.metrics.polls.inc()
-        mds, invalid = await self._deployments()
+        mds, invalid = await self.book.sync()
         await self.observer.load_nodes()
         try:
             await self.kube.sync_agent_nodes()
@@ -290,11 +297,11 @@ class Reconciler:
         self.metrics.agents_up.set(await self.observer.describe_all(now))
         snaps = self.observer.live_snaps()
         owners, dups = dedupe_models(mds)
-        problems = await self._resolve(owners, dups, snaps, now)
+        problems = await self.book.resolve(owners, dups, snaps, now)
         managed = {
             m: d for m, d in owners.items() if d.uid not in self.deleting and self._spec(d.uid)
         }
-        await self._load_histories(managed, now)
+        await self.book.load_histories(managed, now)
         owner_uid = {m: d.uid for m, d in managed.items()}
         obs = observation(
             now,
@@ -312,7 +319,7 @@ class Reconciler:
         out = self.controller.decide(obs)
         if out.plan is not None:
             self.metrics.plan_seconds.observe(time.perf_counter() - t0)
-        self._record(out, managed)
+        self.book.record(out, managed)
         self.last = out
         self._note_grace(snaps, now)
         decisions = list(out.items)
@@ -326,111 +333,13 @@ class Reconciler:
                 self.cfg.autoscaler.max_grace_s,
             )
         self.actor.launch(decisions, owner_uid, set(self.deleting))
-        await self._persist()
+        await self.book.persist()
         self._track_lost(snaps)
         await self._report(snaps, dups, problems, now)
 
     def _spec(self, uid: str) -> ModelSpec | None:
         d = self.deployments.get(uid)
         return d.spec if d else None
-
-    async def _deployments(self) -> tuple[list[ModelDeploymentSpec], bool]:
-        listed_at = self.clock()
-        mds: list[ModelDeploymentSpec] = []
-        invalid = False
-        for body in await self.kube.list_model_deployments():
-            meta = body.get("metadata", {})
-            try:
-                md = parse_model_deployment(body)
-            except SpecError as exc:
-                invalid = True  # do not treat its model's slots as orphans
-                await self.reporter.problem(
-                    meta.get("namespace", ""),
-                    meta.get("name", ""),
-                    meta.get("uid", ""),
-                    "InvalidSpec",
-                    str(exc),
-                )
-                continue
-            mds.append(md)
-            d = self.deployments.get(md.uid)
-            if d is None:
-                d = self.deployments[md.uid] = Deployment(md, raw_status=body.get("status") or {})
-            d.md = md
-            if not d.counters_loaded:
-                d.counters_loaded = True
-                pre = (body.get("status") or {}).get("prewarm") or {}
-                d.hits, d.misses = int(pre.get("hits", 0)), int(pre.get("misses", 0))
-        self.live_uids = frozenset(md.uid for md in mds if md.uid)
-        for uid in list(self.deployments):
-            if uid not in self.live_uids:
-                del self.deployments[uid]
-        for uid, done in list(self.deleting.items()):
-            if listed_at > done:
-                self.deleting.pop(uid)
-        return mds, invalid
-
-    async def _resolve(
-        self,
-        owners: Mapping[str, ModelDeploymentSpec],
-        dups: list[ModelDeploymentSpec],
-        snaps: Mapping[str, NodeSnapshot],
-        now: float,
-    ) -> dict[str, Condition]:
-        """Each owner's policy spec (from its spec and the agents' catalogs), the controller's
-        managed models, and why a deployment cannot be acted on."""
-        catalog: dict[str, Any] = {}
-        for snap in snaps.values():
-            catalog.update(snap.models)
-        problems: dict[str, Condition] = {}
-        for md in dups:
-            msg = f"model {md.model!r} is already served by another ModelDeployment"
-            problems[md.uid] = Condition("Degraded", True, "DuplicateModel", msg)
-        entries: dict[str, ModelEntry] = {}
-        for model, md in owners.items():
-            d = self.deployments[md.uid]
-            try:
-                d.spec = resolve_model(md, catalog, self.cfg.load_bandwidth)
-            except SpecError as exc:
-                d.spec = None
-                problems[md.uid] = Condition("Degraded", True, "ModelNotFound", str(exc))
-                continue
-            if md.uid not in self.deleting:
-                entries[model] = ModelEntry(d.spec, md.min_instances, md.max_instances, md.prewarm)
-        self.controller.set_models(entries, now)
-        return problems
-
-    async def _load_histories(self, managed: Mapping[str, ModelDeploymentSpec], now: float) -> None:
-        for model, md in managed.items():
-            d = self.deployments[md.uid]
-            if d.history_loaded:
-                continue
-            d.history_loaded = True
-            data = await self.kube.read_history(md.uid)
-            if not data:
-                continue
-            try:
-                hist = history_io.from_data(data, self.cfg.window_s)
-            except history_io.HistoryError as exc:
-                log.warning("event=history_unreadable model=%s error=%r", model, str(exc))
-                continue
-            self.controller.seed_history(model, hist, now)
-
-    def _record(self, out: Decisions, managed: Mapping[str, ModelDeploymentSpec]) -> None:
-        for model, md in managed.items():
-            d = self.deployments[md.uid]
-            d.no_capacity = out.no_capacity.get(model, "")
-            if model in out.scale:
-                d.desired = out.scale[model].desired
-            if out.plan is not None:
-                d.replicas = tuple(r for r in out.plan.replicas if r.model == model)
-                un = [u for u in out.plan.unplaced if u.model == model]
-                d.unplaced, d.unplaced_reason = len(un), (un[0].reason if un else "")
-                self.metrics.unplaced.labels(model).set(len(un))
-        for model, fc in ((m, self.controller.forecast_of(m)) for m in managed):
-            if fc is not None:
-                self.metrics.predicted.labels(model, "avg").set(fc.avg)
-                self.metrics.predicted.labels(model, "peak").set(fc.peak)
 
     def _note_grace(self, snaps: Mapping[str, NodeSnapshot], now: float) -> None:
         seen = set()
@@ -450,39 +359,6 @@ class Reconciler:
                 if inst.grace_started_unix:
                     self.grace_started[inst.instance_id] = min(inst.grace_started_unix, first)
         return seen
-
-    async def _persist(self) -> None:
-        """Write the windows the controller closed (best effort; retried next window)."""
-        closed = self.controller.take_closed()
-        if closed:
-            self.metrics.windows.inc()
-        for model in closed:
-            owner = next((d for d in self.deployments.values() if d.md.model == model), None)
-            if owner is None:
-                continue
-            hist = self.controller.history(model)
-            last = self.controller.last_window(model)
-            if last is not None:
-                self.metrics.observed.labels(model, "avg").set(last[1])
-                self.metrics.observed.labels(model, "peak").set(last[2])
-            try:
-                await self.kube.write_history(
-                    owner.md.uid, history_io.to_data(hist, model), owner.md.key
-                )
-            except Exception as exc:
-                log.warning("event=history_write_failed model=%s error=%r", model, str(exc))
-        if closed:
-            await self._collect_histories()
-
-    async def _collect_histories(self) -> None:
-        """Delete stored histories whose deployment is gone (its finalizer was bypassed)."""
-        try:
-            for uid in await self.kube.list_history_uids():
-                if uid not in self.live_uids and uid not in self.deleting:
-                    log.info("event=history_orphan_deleted uid=%s", uid)
-                    await self.kube.delete_history(uid)
-        except Exception as exc:  # best effort; the next window retries
-            log.warning("event=history_gc_failed error=%r", str(exc))
 
     def _track_lost(self, snaps: Mapping[str, NodeSnapshot]) -> None:
         """An Event for instances that vanished without the operator ending them."""

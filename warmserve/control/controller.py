@@ -58,7 +58,7 @@ from .decisions import Decision, Decisions, Drain, EndGrace, Evict, Prewarm, Sta
 from .demand import observed_demand
 from .history import LoadHistory
 from .observation import Observation
-from .snapshot import ReplicaKey, ReplicaMeta, apply_start, build_state
+from .snapshot import ReplicaKey, ReplicaMeta, apply_start, build_state, instance_key
 
 FREE_GROWTH_BYTES = 2**20  # free memory must grow by more than this to trigger a re-plan
 SURPLUS: ReplicaMeta = (ReplicaKind.BURST, 0, 0.0)  # a replica kept though no longer wanted
@@ -247,7 +247,10 @@ class Controller:
         self._note_free(state)
         loads = observed_demand(obs, self.models)
         slot_of = {(s.model, s.node, s.gpus): s.id for s in obs.slots if not s.foreign and s.id}
-        phase = {i.id: i.phase for i in obs.instances}
+        by_key = {instance_key(i.node, i.gpus): i for i in obs.instances if not i.foreign}
+        grace_by_key = {
+            k: self.grace_seen[i.id] for k, i in by_key.items() if i.id in self.grace_seen
+        }
         items: list[Decision] = []
         scale: dict[str, ScaleDecision] = {}
         no_capacity: dict[str, str] = {}
@@ -262,7 +265,7 @@ class Controller:
                 self.cfg.autoscaler,
                 obs.now,
                 st.memory,
-                grace_started_s=dict(self.grace_seen),
+                grace_started_s=grace_by_key,
                 min_instances=entry.min_instances,
                 max_instances=entry.max_instances,
             )
@@ -288,16 +291,19 @@ class Controller:
                     self.meta.pop((r.model, r.node, r.gpus), None)
                 if choice.replica is not None:
                     self.meta.pop((model, choice.node, choice.gpus), None)
-                name = f"new:{choice.node}:{'.'.join(map(str, choice.gpus))}"
-                state = apply_start(state, choice, name)
+                state = apply_start(state, choice, "")
             for inst in d.drain:
-                if phase.get(inst.name) != InstancePhase.SERVING:
+                seen = by_key.get(inst.name)
+                if seen is None or seen.phase != InstancePhase.SERVING:
                     continue  # starting (or only planned): drained once it serves, if still low
-                items.append(Drain(model, inst.node, inst.gpus, inst.name, d.reason))
+                items.append(Drain(model, inst.node, inst.gpus, seen.id, d.reason))
             for inst in d.grace_ended:
+                seen = by_key.get(inst.name)
+                if seen is None:
+                    continue
                 why = "idle" if inst.running == 0 else "grace period over"
-                items.append(EndGrace(model, inst.node, inst.gpus, inst.name, why))
-                self.ended.add(inst.name)
+                items.append(EndGrace(model, inst.node, inst.gpus, seen.id, why))
+                self.ended.add(seen.id)
         plan = None
         if only is None and self.cfg.prewarm and self.replan_reasons:
             plan, plan_items = self._plan(state, slot_of)
@@ -365,5 +371,5 @@ class Controller:
                 if isinstance(choice, NoCapacity):
                     break
                 out.append(Start(model, choice.node, choice.gpus, False, "", (), "initial"))
-                state = apply_start(state, choice, f"new:{choice.node}:{choice.gpus}")
+                state = apply_start(state, choice, "")
         return out

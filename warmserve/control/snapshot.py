@@ -53,6 +53,13 @@ ReplicaKey = tuple[str, str, GpuSet]  # (model, node, gpus)
 ReplicaMeta = tuple[ReplicaKind, int, float]  # kind, rank, score
 
 
+def instance_key(node: str, gpus: GpuSet) -> str:
+    """The name an instance has in the policy: where it runs, not the executor's id (agents
+    name instances randomly, the simulator by a counter), so tie-breaks by name decide alike
+    in every executor and across restarts."""
+    return f"{node}/{'.'.join(map(str, gpus))}"
+
+
 def policy_instance(inst: InstanceObs) -> Instance:
     """The policy's view of an observed instance (R, M, K of Eq. 1; phase; identity)."""
     cap = max(inst.kv_capacity_bytes, 0)
@@ -64,7 +71,7 @@ def policy_instance(inst: InstanceObs) -> Instance:
         kv_capacity_bytes=cap,
         kv_used_bytes=min(max(inst.kv_used_bytes, 0), cap),
         phase=inst.phase,
-        name=inst.id,
+        name=instance_key(inst.node, inst.gpus),
     )
 
 
@@ -184,7 +191,13 @@ def apply_start(state: ClusterState, choice: StartChoice, name: str) -> ClusterS
         )
         for n in state.nodes
     )
-    inst = Instance(choice.model, choice.node, choice.gpus, phase=InstancePhase.STARTING, name=name)
+    inst = Instance(
+        choice.model,
+        choice.node,
+        choice.gpus,
+        phase=InstancePhase.STARTING,
+        name=name or instance_key(choice.node, choice.gpus),
+    )
     return replace(
         state,
         nodes=nodes,
