@@ -12,7 +12,7 @@ import pytest
 
 from warmserve import cli
 from warmserve.policy.cluster import GiB, PolicyInputError, WorkerState
-from warmserve.scenario import load_scenario, parse_scenario, parse_size
+from warmserve.scenario import load_cluster_state, parse_cluster_state, parse_size
 
 EXAMPLE = Path(str(resources.files("warmserve") / "data" / "examples" / "cluster.json"))
 
@@ -107,7 +107,7 @@ def test_sizes() -> None:
 
 
 def test_free_defaults() -> None:
-    s = load_scenario(EXAMPLE)
+    s = load_cluster_state(EXAMPLE)
     a = s.node("node-a")
     assert a.gpu(0).free_bytes == 0 and a.gpu(0).state == WorkerState.DEDICATED
     # grace GPU: Eq. 1 with R=3, C=32, M=60 GiB, K=4 GiB -> 54.125 GiB lendable
@@ -167,7 +167,7 @@ def test_bad_scenarios_one_line_exit_2(
 ) -> None:
     doc = _mutate(path, value)
     with pytest.raises(PolicyInputError, match=pattern):
-        parse_scenario(doc)
+        parse_cluster_state(doc)
     f = tmp_path / "s.json"
     f.write_text(json.dumps(doc))
     rc, out, err = run(["plan", str(f)], capsys)
@@ -182,7 +182,7 @@ def test_overlapping_instances_rejected() -> None:
         {"name": "x", "model": "llama2-7b-1", "node": "node-a", "gpus": [3], "phase": "serving"}
     )
     with pytest.raises(PolicyInputError, match="GPU 3 of node-a already serves 'llama2-70b-a'"):
-        parse_scenario(doc)
+        parse_cluster_state(doc)
 
 
 def test_missing_file_and_invalid_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

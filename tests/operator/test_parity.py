@@ -38,10 +38,10 @@ from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import GiB, InstancePhase, ModelSpec
 from warmserve.sim.cluster import GRACE, SERVING, STARTING, SimCluster
 from warmserve.sim.core import Simulation
-from warmserve.sim.engine import EngineModel, ModelArch
 from warmserve.sim.hardware import load_profile
 from warmserve.sim.hooks import Controlled
 from warmserve.sim.model import SimModel
+from warmserve.sim.perf import EngineModel, ModelArch
 from warmserve.sim.systems import get_system
 
 W = 60.0

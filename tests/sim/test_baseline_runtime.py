@@ -12,10 +12,10 @@ from warmserve.sim.baselines import muxserve, power_law_rates, prism
 from warmserve.sim.baselines.prism_runtime import PrismHooks
 from warmserve.sim.cluster import SimCluster
 from warmserve.sim.core import Simulation
-from warmserve.sim.engine import EngineModel, ModelArch
 from warmserve.sim.hardware import load_profile
 from warmserve.sim.hooks import StaticLayout
 from warmserve.sim.model import SimModel, StaticInstance
+from warmserve.sim.perf import EngineModel, ModelArch
 from warmserve.sim.sharing import Load, dynamic_slowdown
 from warmserve.sim.systems import get_system
 

@@ -24,8 +24,8 @@ from warmserve.sim.baselines import (
     prefill_engine,
 )
 from warmserve.sim.baselines.muxserve import base_tp, mesh_groups, node_splits
-from warmserve.sim.engine import EngineModel, ModelArch
 from warmserve.sim.hardware import load_profile
+from warmserve.sim.perf import EngineModel, ModelArch
 
 H800 = load_profile("h800")
 ARCHS = {"7b-0": "7b", "7b-1": "7b", "13b": "13b", "70b": "70b"}

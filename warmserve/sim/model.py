@@ -32,7 +32,7 @@ class SimModel:
 
     idx: int
     spec: ModelSpec
-    engine: Any  # warmserve.sim.engine.EngineModel
+    engine: Any  # warmserve.sim.perf.EngineModel
     kv_bytes_per_token: float
     kv_cap_tokens: int  # per instance, on GPUs holding only this model
     per_layer_load_s: float  # one layer's share per GPU over the host link

@@ -32,10 +32,10 @@ from warmserve.policy.scoring import instances_for
 from warmserve.sim import workload as wl
 from warmserve.sim.cluster import SimCluster
 from warmserve.sim.core import Simulation
-from warmserve.sim.engine import EngineModel, ModelArch
 from warmserve.sim.hardware import GpuProfile, load_profile
 from warmserve.sim.hooks import Controlled, StaticLayout, SystemHooks
 from warmserve.sim.model import Prepared, SimModel, SimOutput, StaticInstance
+from warmserve.sim.perf import EngineModel, ModelArch
 from warmserve.sim.scenario import Scenario, ScenarioError, start_minute_of
 from warmserve.sim.systems import get_system
 

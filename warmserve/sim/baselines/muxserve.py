@@ -20,7 +20,7 @@ What the paper specifies and this module implements
 
 Where the paper is silent (assumptions, and why)
 ------------------------------------------------
-* ``t_p``/``t_d`` come from our roofline (:mod:`warmserve.sim.engine`) instead of MuxServe's
+* ``t_p``/``t_d`` come from our roofline (:mod:`warmserve.sim.perf`) instead of MuxServe's
   offline profiling tables: same role, and grounded in the same profile as every other system.
   Decode uses the average context ``prompt + output/2``.
 * SM shares: decode MPS candidates 30-90 % in steps of 10 and prefill at 100 %, as in the public
@@ -64,8 +64,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from warmserve.policy.cluster import PolicyInputError
-from warmserve.sim.engine import EngineModel, ModelArch, scaled_profile
 from warmserve.sim.hardware import GpuProfile
+from warmserve.sim.perf import EngineModel, ModelArch, scaled_profile
 from warmserve.sim.sharing import (
     Load,
     busy_fraction,

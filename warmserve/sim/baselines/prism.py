@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from warmserve.policy.cluster import PolicyInputError
-from warmserve.sim.engine import EngineModel
+from warmserve.sim.perf import EngineModel
 from warmserve.sim.sharing import busy_fraction, sharing_slowdown
 
 if TYPE_CHECKING:
