@@ -106,6 +106,17 @@ class DeploymentBook:
                 d.spec = None
                 problems[md.uid] = Condition("Degraded", True, "ModelNotFound", str(exc))
                 continue
+            if snaps and md.model not in catalog and not getattr(md, "source", None):
+                # Sized by its spec but in no reachable agent's weight store: every prewarm or
+                # start would be refused, so the controller does not manage it (issue 16).
+                problems[md.uid] = Condition(
+                    "Degraded",
+                    True,
+                    "ModelNotInStore",
+                    f"model {md.model!r} is in the weight store of none of the {len(snaps)} "
+                    "reachable node agents; copy its weights to the nodes",
+                )
+                continue
             if md.uid not in self.deleting:
                 entries[model] = ModelEntry(d.spec, md.min_instances, md.max_instances, md.prewarm)
         self.controller.set_models(entries, now)

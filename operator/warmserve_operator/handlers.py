@@ -25,7 +25,7 @@ import asyncio
 import copy
 import logging
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import kopf
@@ -39,6 +39,18 @@ from .spec import GROUP, MD_PLURAL, NODE_PLURAL, VERSION, SpecError, parse_model
 log = logging.getLogger("warmserve.operator")
 
 FINALIZER = "warmserve.io/teardown"
+
+
+class RetryForever:
+    """API retry delays for kopf: 1, 1, 2, 3, 5, 8, 13, 21, then 30 s forever.  Re-iterable
+    (kopf iterates it once per request) and unsized (kopf then counts no last attempt)."""
+
+    def __iter__(self) -> Iterator[float]:
+        yield from (1, 1, 2, 3, 5, 8, 13, 21)
+        while True:
+            yield 30
+
+
 INDEX_SYNC_TIMEOUT_S = 60.0
 
 
@@ -115,6 +127,9 @@ async def startup(
     # loop places every model on the shared GPUs, so the peering object is the cluster one.
     settings.peering.clusterwide = True
     settings.watching.server_timeout = 60
+    # Retry API errors forever (capped at 30 s apart): kopf's default gives up after ~1 min of
+    # retries per request and the operator then exited with etcd down for long (issue 16).
+    settings.networking.error_backoffs = RetryForever()
     config: OperatorConfig = memo["config"]
     view = IndexView(model_deployments, gpu_nodes)
     kube = KubeApi(

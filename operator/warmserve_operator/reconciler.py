@@ -51,6 +51,7 @@ from .status import Condition
 log = logging.getLogger("warmserve.operator")
 
 MIN_TICK_S = 0.25
+REPEAT_EVENT_S = 300.0
 # Agent Watch events that may change a decision before the next poll (see docs/operator.md).
 WAKE_EVENTS = frozenset(
     {
@@ -193,7 +194,9 @@ class Reconciler:
         return md_ref(d.md.namespace, d.md.name, uid) if d else None
 
     async def _owner_event(self, uid: str, type_: str, reason: str, message: str) -> None:
-        await self.reporter.event(self._ref(uid), type_, reason, message)
+        # A refusal repeats while its cause lasts: one Event per REPEAT_EVENT_S, not per poll.
+        dedupe = REPEAT_EVENT_S if type_ == "Warning" else 0.0
+        await self.reporter.event(self._ref(uid), type_, reason, message, dedupe)
 
     def _count_start(self, uid: str, res: ActivateResult) -> None:
         d = self.deployments.get(uid)

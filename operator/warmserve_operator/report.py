@@ -123,6 +123,7 @@ class Reporter:
         if problem is not None and problem.reason in (
             "Unplaceable",
             "ModelNotFound",
+            "ModelNotInStore",
             "DuplicateModel",
             "NoAgents",
         ):

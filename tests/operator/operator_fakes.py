@@ -364,6 +364,7 @@ class FakeKube:
     events: list[tuple[str, str, str, str]] = field(default_factory=list)
     leader: bool = True
     status_writes: int = 0
+    writes_of: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def add_md(
         self,
@@ -404,6 +405,7 @@ class FakeKube:
     async def patch_md_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         if (namespace, name) in self.mds:
             self.status_writes += 1
+            self.writes_of[(namespace, name)] = self.writes_of.get((namespace, name), 0) + 1
             self.mds[(namespace, name)]["status"] = {
                 **self.mds[(namespace, name)].get("status", {}),
                 **status,

@@ -392,3 +392,37 @@ async def test_invalid_spec_is_reported_once_and_blocks_orphan_cleanup() -> None
     assert cond["reason"] == "InvalidSpec" and "spec.tensorParallel" in cond["message"]
     assert h.kube.status_writes == 1
     assert h.slots("llama-a"), "slots are not treated as orphans while a spec cannot be read"
+
+
+async def test_rough_edges_of_issue_16_statuses_and_events() -> None:
+    """A model in no weight store is Degraded (not refused every poll); a duplicate's status is
+    written once, not every poll; a scaled-to-zero deployment is not Ready."""
+    h = Harness()
+    h.kube.add_md("zero", "llama-a")  # minInstances 0: scaled to zero
+    h.kube.add_md("dup", "llama-a", created="2026-01-02T00:00:00Z")
+    h.kube.add_md("nostore", "llama-zz")
+    h.kube.mds[("default", "nostore")]["spec"]["model"].update(
+        {"weightBytes": 4 * GiB, "numLayers": 8}
+    )
+    await h.tick(6)
+    cond = h.cond("nostore", "Degraded")
+    assert cond["status"] == "True" and cond["reason"] == "ModelNotInStore", cond
+    assert not any(m == "llama-zz" for a in h.agents.values() for m in a.catalog)
+    assert not any("llama-zz" in rid for a in h.agents.values() for _v, rid in a.calls)
+    assert h.kube.reasons("ModelDeployment/nostore").count("ModelNotInStore") == 1
+    assert "AgentRefused" not in h.kube.reasons()
+    assert h.kube.writes_of[("default", "dup")] == 1, "a duplicate's status is written once"
+    ready = h.cond("zero", "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "ScaledToZero"
+
+
+async def test_a_deployment_asking_for_every_gpu_does_not_starve_the_others() -> None:
+    """Issue 16: minInstances 1000 used to take every free GPU; fair shares cap it."""
+    h = Harness()  # 2 nodes x 4 GPUs
+    h.kube.add_md("hog", "llama-a", minInstances=1000, maxInstances=1000)
+    await h.tick(2)
+    h.kube.add_md("b", "llama-b", tensorParallel=2, minInstances=1)
+    for _ in range(12):  # the hog drains to its share after the scale-down delay (1 s here)
+        await h.tick()
+    assert len(h.instances("llama-b")) == 1, "b got its instance"
+    assert len(h.instances("llama-a")) == 6, "the hog keeps the rest (6 of 8 GPUs)"

@@ -27,6 +27,9 @@ What the controller owns, so no executor re-decides it:
   model can still hit it.  (Measured against evicting at once: ``docs/policy.md``.)
 * **Replica priorities**: the kind, rank and score it gave each replica when it planned it.
 
+**Fairness**: the autoscaler's bounds are capped by each model's max-min fair share of the GPUs
+(:mod:`warmserve.policy.fairness`) whenever what the models want does not fit.
+
 Decision order per call: the autoscaler for each model (sorted): its starts where
 :func:`~warmserve.policy.placement.choose_start` says (each applied to the snapshot before the
 next), its drains, its grace ends; then, when a re-plan is due, Algorithm 1 on the snapshot
@@ -39,7 +42,12 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from warmserve.policy.autoscaler import AutoscalerConfig, ScaleDecision, ScaleMemory
+from warmserve.policy.autoscaler import (
+    AutoscalerConfig,
+    ScaleDecision,
+    ScaleMemory,
+    desired_instances,
+)
 from warmserve.policy.autoscaler import decide as autoscale
 from warmserve.policy.cluster import (
     ClusterState,
@@ -50,6 +58,7 @@ from warmserve.policy.cluster import (
     ReplicaKind,
     WorkerState,
 )
+from warmserve.policy.fairness import FairDemand, fair_caps
 from warmserve.policy.load import WindowLoadTracker
 from warmserve.policy.placement import NoCapacity, PrewarmPlan, choose_start, plan_prewarm
 from warmserve.policy.predictor import Predictor, forecast, season_length
@@ -254,10 +263,13 @@ class Controller:
         items: list[Decision] = []
         scale: dict[str, ScaleDecision] = {}
         no_capacity: dict[str, str] = {}
+        caps = self._fair_caps(state, obs, loads)
         models = sorted(self.models if only is None else set(only) & set(self.models))
         for model in models:
             st = self.models[model]
             entry = st.entry
+            cap = caps[model]
+            hi = cap if entry.max_instances is None else min(entry.max_instances, cap)
             d = autoscale(
                 entry.spec,
                 loads.get(model, 0.0),
@@ -266,8 +278,8 @@ class Controller:
                 obs.now,
                 st.memory,
                 grace_started_s=grace_by_key,
-                min_instances=entry.min_instances,
-                max_instances=entry.max_instances,
+                min_instances=min(entry.min_instances, hi),
+                max_instances=hi,
             )
             st.memory = d.memory
             scale[model] = d
@@ -309,6 +321,30 @@ class Controller:
             plan, plan_items = self._plan(state, slot_of)
             items += plan_items
         return Decisions(tuple(items), scale, plan, no_capacity)
+
+    def _fair_caps(
+        self, state: ClusterState, obs: Observation, loads: Mapping[str, float]
+    ) -> dict[str, int]:
+        """Each model's fair share in instances (:mod:`warmserve.policy.fairness`) of the GPUs
+        not held by instances of models the controller does not manage."""
+        foreign = sum(len(i.gpus) for i in obs.instances if i.foreign)
+        capacity = sum(len(n.gpus) for n in state.nodes) - foreign
+        wants = {}
+        for model, st in self.models.items():
+            e = st.entry
+            current = sum(
+                1 for i in state.instances if i.model == model and i.phase != InstancePhase.GRACE
+            )
+            want = desired_instances(
+                loads.get(model, 0.0),
+                e.spec.max_batch,
+                current,
+                self.cfg.autoscaler,
+                e.min_instances,
+                e.max_instances,
+            )
+            wants[model] = FairDemand(e.spec.tp, want)
+        return fair_caps(wants, max(capacity, 0))
 
     def _free_map(self, state: ClusterState) -> dict[tuple[str, int], int]:
         return {
