@@ -140,7 +140,7 @@ async def startup(
         namespaces=tuple(memo.get("namespaces") or ()),
         history_namespace=memo.get("history_namespace"),
         view=view,
-        lease_s=float(memo.get("lease_seconds", 15.0)),
+        lease_s=float(memo.get("lease_seconds", 10.0)),
     )
     await kube.ensure_peering()
     view.expect(

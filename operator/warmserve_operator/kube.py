@@ -29,6 +29,7 @@ log = logging.getLogger("warmserve.operator.kube")
 PEERING_GROUP = "kopf.dev"
 PEERING_PLURAL = "clusterkopfpeerings"
 COMPONENT = "warmserve-operator"
+REQUEST_TIMEOUT_S = 15.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +150,8 @@ class KubeApi:
         self.history_namespace = history_namespace or own_namespace()
 
     async def _t(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        # Bounded: with etcd unavailable a call fails after this, and the next poll retries.
+        kw.setdefault("_request_timeout", REQUEST_TIMEOUT_S)
         return await asyncio.to_thread(fn, *args, **kw)
 
     async def list_model_deployments(self) -> list[dict[str, Any]]:

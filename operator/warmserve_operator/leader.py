@@ -15,8 +15,9 @@ The rule (:func:`next_lease`, pure, unit-tested):
 * otherwise: wait.
 
 So a replacement with a lower priority than a dead leader waits at most one lease duration
-(default 15 s) — not kopf's peering lifetime (issue 16: 52.9 s) — and two replicas never both
-hold it: every write carries the read ``resourceVersion``; a conflicting write loses.
+(default 10 s; with the default 5 s poll a handover completes within 15 s), not kopf's peering
+lifetime (issue 16 measured 52.9 s); and two replicas never both hold it: every write carries
+the read ``resourceVersion``, so a conflicting write loses.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 PRIORITY_ANNOTATION = "warmserve.io/priority"
 PREEMPT_ANNOTATION = "warmserve.io/preempt-by"
-DEFAULT_LEASE_S = 15.0
+DEFAULT_LEASE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)

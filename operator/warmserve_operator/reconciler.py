@@ -77,8 +77,9 @@ class OperatorConfig:
     evict_aware: bool = True
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
     node_status_refresh_s: float = 30.0
-    # Consecutive polls this replica must see itself as leader before acting (docs/operator.md).
-    leader_settle_polls: int = 2
+    # Consecutive polls this replica must hold the Lease before acting (docs/operator.md); the
+    # Lease is written atomically, so one poll is enough.
+    leader_settle_polls: int = 1
 
     def __post_init__(self) -> None:
         from warmserve.policy.predictor import season_length

@@ -212,6 +212,7 @@ class Reporter:
             weight_bytes=spec.weight_bytes if spec else None,
             num_layers=spec.num_layers if spec else None,
             cold_start_s=spec.cold_start_s if spec else None,
+            desired=d.desired,
         )
         view.conditions = self.conditions(d, mine, problem)
         status = model_status(model, view, mine, slot_of, d.raw_status, now_iso(self.clock()))

@@ -161,6 +161,7 @@ def model_status(
     return {
         "observedGeneration": view.generation,
         "instanceCount": sum(1 for i in instances if i["phase"] != "grace"),
+        **({"desiredInstances": view.desired} if view.desired is not None else {}),
         "prewarmedCount": sum(1 for r in replicas if r["state"] in ("ready", "loading")),
         "instances": instances,
         "prewarmedReplicas": replicas,

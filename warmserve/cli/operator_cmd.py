@@ -109,7 +109,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--lease-seconds",
         type=float,
-        default=15.0,
+        default=10.0,
         help="duration of the loop's leader Lease: a replacement takes over at most this long "
         "after a leader dies",
     )
