@@ -123,12 +123,15 @@ class DeploymentBook:
         return problems
 
     async def load_histories(self, managed: Mapping[str, ModelDeploymentSpec], now: float) -> None:
-        for model, md in managed.items():
-            d = self.items[md.uid]
-            if d.history_loaded:
-                continue
-            d.history_loaded = True
-            data = await self.kube.read_history(md.uid)
+        todo = {
+            md.uid: model for model, md in managed.items() if not self.items[md.uid].history_loaded
+        }
+        if not todo:
+            return
+        stored = await self.kube.read_histories(list(todo))  # one call, however many
+        for uid, model in todo.items():
+            self.items[uid].history_loaded = True
+            data = stored.get(uid)
             if not data:
                 continue
             try:

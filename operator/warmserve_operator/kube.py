@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +32,7 @@ PEERING_GROUP = "kopf.dev"
 PEERING_PLURAL = "clusterkopfpeerings"
 COMPONENT = "warmserve-operator"
 REQUEST_TIMEOUT_S = 15.0
+API_THREADS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +74,7 @@ class KubePort(Protocol):
     async def list_gpu_nodes(self) -> list[dict[str, Any]]: ...
     async def patch_md_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
     async def patch_node_status(self, name: str, status: dict[str, Any]) -> None: ...
-    async def read_history(self, uid: str) -> dict[str, str] | None: ...
+    async def read_histories(self, uids: list[str]) -> dict[str, dict[str, str]]: ...
     async def write_history(self, uid: str, data: dict[str, str], owner_key: str) -> None: ...
     async def delete_history(self, uid: str) -> None: ...
     async def list_history_uids(self) -> list[str]: ...
@@ -133,11 +136,16 @@ class KubeApi:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
-        self._api = client.ApiClient()
+        conf = client.Configuration.get_default_copy()
+        conf.connection_pool_maxsize = API_THREADS  # one connection per API thread
+        self._api = client.ApiClient(conf)
         self._custom = client.CustomObjectsApi(self._api)
         self._core = client.CoreV1Api(self._api)
         self._coord = client.CoordinationV1Api(self._api)
         self._exc = client.ApiException
+        # The client is synchronous: its calls run on threads; enough for a poll's status writes
+        # and Events to go out together (the default executor has cores + 4 threads).
+        self._pool = ThreadPoolExecutor(max_workers=API_THREADS, thread_name_prefix="kube")
         self.view = view
         self.lease_s = lease_s
         self.peering = peering
@@ -152,7 +160,8 @@ class KubeApi:
     async def _t(self, fn: Any, *args: Any, **kw: Any) -> Any:
         # Bounded: with etcd unavailable a call fails after this, and the next poll retries.
         kw.setdefault("_request_timeout", REQUEST_TIMEOUT_S)
-        return await asyncio.to_thread(fn, *args, **kw)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kw))
 
     async def list_model_deployments(self) -> list[dict[str, Any]]:
         if self.view is None:
@@ -213,18 +222,22 @@ class KubeApi:
             if exc.status != 404:
                 raise
 
-    async def read_history(self, uid: str) -> dict[str, str] | None:
-        from .history import configmap_name
+    async def read_histories(self, uids: list[str]) -> dict[str, dict[str, str]]:
+        """The stored histories of ``uids`` (missing ones left out), in one LIST of the
+        operator's namespace: a restart with 1,000 deployments makes one call, not 1,000."""
+        from .history import OWNER_LABEL
 
-        try:
-            cm = await self._t(
-                self._core.read_namespaced_config_map, configmap_name(uid), self.history_namespace
-            )
-        except self._exc as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return dict(cm.data or {})
+        want = set(uids)
+        res = await self._t(
+            self._core.list_namespaced_config_map,
+            self.history_namespace,
+            label_selector=f"app.kubernetes.io/managed-by={COMPONENT},{OWNER_LABEL}",
+        )
+        return {
+            cm.metadata.labels[OWNER_LABEL]: dict(cm.data or {})
+            for cm in res.items
+            if cm.metadata.labels.get(OWNER_LABEL) in want
+        }
 
     async def write_history(self, uid: str, data: dict[str, str], owner_key: str) -> None:
         from .history import OWNER_LABEL, configmap_name

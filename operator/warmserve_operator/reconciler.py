@@ -40,7 +40,7 @@ from .identity import orphans
 from .kube import KubePort, ObjRef, md_ref
 from .metrics import Metrics
 from .observe import Observer, observation
-from .report import Deployment, Reporter
+from .report import Deployment, Reporter, by_owner
 from .spec import (
     DEFAULT_LOAD_BANDWIDTH,
     ModelDeploymentSpec,
@@ -52,6 +52,7 @@ log = logging.getLogger("warmserve.operator")
 
 MIN_TICK_S = 0.25
 REPEAT_EVENT_S = 300.0
+REPORT_CONCURRENCY = 16
 # Agent Watch events that may change a decision before the next poll (see docs/operator.md).
 WAKE_EVENTS = frozenset(
     {
@@ -288,8 +289,11 @@ class Reconciler:
         self._leader_streak = self._leader_streak + 1 if await self.kube.is_leader() else 0
         self.leader = self._leader_streak >= self.cfg.leader_settle_polls
         self.metrics.leader.set(1 if self.leader else 0)
-        if not self.leader or not await self.kube.ready():
+        if not self.leader:
             self._sync_watchers()
+            return
+        if not await self.kube.ready():  # kopf's indexes are still filling: look again soon
+            self._wake.set()
             return
         self.metrics.polls.inc()
         mds, invalid = await self.book.sync()
@@ -390,16 +394,27 @@ class Reconciler:
         problems: Mapping[str, Condition],
         now: float,
     ) -> None:
-        for uid, d in self.deployments.items():
-            if uid in self.deleting or d.md.deleting:
-                continue
-            if any(dup.uid == uid for dup in dups):
-                c = problems[uid]
-                await self.reporter.problem(d.md.namespace, d.md.name, uid, c.reason, c.message)
-                continue
-            await self.reporter.deployment(
-                d, self.controller, snaps, problems.get(uid), self.cfg.window_s
-            )
+        dup_uids = {dup.uid for dup in dups}
+        todo = [
+            (uid, d)
+            for uid, d in self.deployments.items()
+            if uid not in self.deleting and not d.md.deleting
+        ]
+        owned = by_owner(snaps, [uid for uid, _d in todo])
+        gate = asyncio.Semaphore(REPORT_CONCURRENCY)
+
+        async def one(uid: str, d: Deployment) -> None:
+            async with gate:
+                if uid in dup_uids:
+                    c = problems[uid]
+                    await self.reporter.problem(d.md.namespace, d.md.name, uid, c.reason, c.message)
+                else:
+                    await self.reporter.deployment(
+                        d, self.controller, owned[uid], problems.get(uid), self.cfg.window_s
+                    )
+
+        # Status writes of many deployments go out together, not one after the other (issue 16).
+        await asyncio.gather(*(one(uid, d) for uid, d in todo))
         for name, nrt in self.observer.nodes.items():
             await self.reporter.node(name, nrt, now, self.cfg.node_status_refresh_s)
 

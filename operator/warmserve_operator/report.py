@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from warmserve.control.controller import Controller
@@ -180,15 +181,15 @@ class Reporter:
         self,
         d: Deployment,
         ctl: Controller,
-        snaps: Mapping[str, NodeSnapshot],
+        mine: Mapping[str, NodeSnapshot],
         problem: Condition | None,
         window_s: float,
     ) -> None:
+        """``mine``: every node's snapshot with only what ``d`` owns (:func:`by_owner`)."""
         md, spec = d.md, d.spec
         model = md.model
         fc = ctl.forecast_of(model) if spec else None
         last = ctl.last_window(model) if spec else None
-        mine = {n: _owned(s, md.uid) for n, s in snaps.items()}
         slot_of = {
             (n, s.model, s.gpus): s.slot_id
             for n, snap in mine.items()
@@ -262,12 +263,26 @@ class Reporter:
             nrt.last_status, nrt.last_write, nrt.raw_status = key, now, status
 
 
-def _owned(snap: NodeSnapshot, uid: str) -> NodeSnapshot:
-    """``snap`` with only the slots and instances ``uid`` owns (or unowned ones)."""
-    from dataclasses import replace
-
-    return replace(
-        snap,
-        slots=tuple(s for s in snap.slots if s.owner in ("", uid)),
-        instances=tuple(i for i in snap.instances if i.owner in ("", uid)),
-    )
+def by_owner(
+    snaps: Mapping[str, NodeSnapshot], uids: Iterable[str]
+) -> dict[str, dict[str, NodeSnapshot]]:
+    """Per deployment UID, every node's snapshot with only the slots and instances it owns (or
+    that no one owns): one pass over the snapshots, not one per deployment."""
+    slots: dict[tuple[str, str], list[Any]] = defaultdict(list)
+    insts: dict[tuple[str, str], list[Any]] = defaultdict(list)
+    for n, snap in snaps.items():
+        for s in snap.slots:
+            slots[(s.owner, n)].append(s)
+        for i in snap.instances:
+            insts[(i.owner, n)].append(i)
+    return {
+        uid: {
+            n: replace(
+                snap,
+                slots=(*slots.get((uid, n), ()), *slots.get(("", n), ())),
+                instances=(*insts.get((uid, n), ()), *insts.get(("", n), ())),
+            )
+            for n, snap in snaps.items()
+        }
+        for uid in uids
+    }

@@ -350,6 +350,17 @@ class FakeAgent:
         self.generation += 1
         self.done[request_id] = (key, True)
 
+    async def watch(self) -> Any:
+        """The agent's Watch stream, coarsely: a KIND_SLOT event whenever its state changed."""
+        import asyncio
+
+        seen = self.generation
+        while True:
+            await asyncio.sleep(0.05)
+            if self.generation != seen:
+                seen = self.generation
+                yield "KIND_SLOT"
+
     async def close(self) -> None:
         return None
 
@@ -415,8 +426,8 @@ class FakeKube:
         if name in self.nodes:
             self.nodes[name]["status"] = status
 
-    async def read_history(self, uid: str) -> dict[str, str] | None:
-        return self.configmaps.get(uid)
+    async def read_histories(self, uids: list[str]) -> dict[str, dict[str, str]]:
+        return {u: dict(self.configmaps[u]) for u in uids if u in self.configmaps}
 
     async def write_history(self, uid: str, data: dict[str, str], owner_key: str) -> None:
         self.configmaps[uid] = dict(data)

@@ -290,10 +290,10 @@ def test_history_lives_in_the_operators_namespace_and_writes_elsewhere_are_refus
         async def round_trip() -> None:
             await api.write_history("uid-1", {"format": "x"}, "demo/code")
             await api.write_history("uid-1", {"format": "y"}, "demo/code")
-            assert await api.read_history("uid-1") == {"format": "y"}
+            assert await api.read_histories(["uid-1", "uid-x"]) == {"uid-1": {"format": "y"}}
             assert await api.list_history_uids() == ["uid-1"]
             await api.delete_history("uid-1")
-            assert await api.read_history("uid-1") is None
+            assert await api.read_histories(["uid-1"]) == {}
             foreign = KubeApi(peering=None, identity="t", priority=1, history_namespace="default")
             from kubernetes.client import ApiException
 

@@ -127,6 +127,7 @@ class Controller:
         self.known_instances: set[str] = set()
         self.ended: set[str] = set()  # instances this controller ended or drained away
         self.replan_reasons: set[str] = {"start"}
+        self.stale: set[str] = set()  # models whose forecast must be recomputed
         self.last_plan: PrewarmPlan | None = None
         self.plans = 0
 
@@ -172,6 +173,8 @@ class Controller:
         return out
 
     def forecast_of(self, model: str) -> LoadForecast | None:
+        if model in self.stale:
+            return None  # not computed yet (the next decision computes it)
         st = self.models.get(model)
         return st.forecast if st else None
 
@@ -180,13 +183,22 @@ class Controller:
         return st.last_window if st else None
 
     def _refresh_forecast(self, model: str, now: float) -> None:
-        st = self.models[model]
-        if not (self.cfg.prewarm and st.entry.prewarm):
-            st.forecast = None
-            return
+        """Mark ``model``'s forecast stale; :meth:`_forecasts` computes it once, when needed
+        (a forecast can cost tens of milliseconds: 1,000 models must not pay it twice)."""
+        self.stale.add(model)
+
+    def _forecasts(self, now: float) -> None:
         until = math.floor(now / self.cfg.window_s + 1e-9)
-        avg, peak = st.history.series(until, self.windows_per_day)
-        st.forecast = forecast(avg, peak, self.windows_per_day, self.cfg.predictor)
+        for model in sorted(self.stale):
+            st = self.models.get(model)
+            if st is None:
+                continue
+            if not (self.cfg.prewarm and st.entry.prewarm):
+                st.forecast = None
+                continue
+            avg, peak = st.history.series(until, self.windows_per_day)
+            st.forecast = forecast(avg, peak, self.windows_per_day, self.cfg.predictor)
+        self.stale.clear()
 
     # ------------------------------------------------------------------ observe
 
@@ -242,6 +254,7 @@ class Controller:
 
     def snapshot(self, obs: Observation) -> ClusterState:
         """The policy's view of ``obs`` for the managed models (:mod:`.snapshot`)."""
+        self._forecasts(obs.now)
         specs = {m: st.entry.spec for m, st in self.models.items()}
         forecasts = {m: st.forecast for m, st in self.models.items() if st.forecast is not None}
         return build_state(obs, specs, forecasts, meta=self.meta, proactive=self.cfg.proactive)
