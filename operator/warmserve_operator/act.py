@@ -104,9 +104,11 @@ class Actor:
 
     def launch(
         self, decisions: Iterable[Decision], owners: Mapping[str, str], skip: set[str]
-    ) -> None:
+    ) -> set[str]:
         """Start the calls of ``decisions``; ``owners``: model -> owner UID; models whose owner
-        is in ``skip`` (being deleted) get no prewarm or start."""
+        is in ``skip`` (being deleted) get no prewarm or start.  Returns the owners that got a
+        prewarm or a start (their status is best written once the call lands)."""
+        busy: set[str] = set()
         for d in decisions:
             owner = owners.get(d.model, "")
             if isinstance(d, Prewarm | Start) and (not owner or owner in skip):
@@ -124,9 +126,12 @@ class Actor:
                 self.pending_starts[(d.node, d.gpus)] = PendingStart(d.node, d.model, d.gpus, owner)
             elif isinstance(d, EndGrace):
                 self.ended.add(d.instance_id)
+            if isinstance(d, Prewarm | Start):
+                busy.add(owner)
             task = asyncio.get_running_loop().create_task(self.execute(d, owner))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
+        return busy
 
     def pending_of(self, owner: str) -> bool:
         return any(

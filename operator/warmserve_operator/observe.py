@@ -223,3 +223,16 @@ def observation(
                 )
             )
     return Observation(now, tuple(gpus), tuple(slots), tuple(insts), dict(held or {}))
+
+
+def note_grace(started: dict[str, float], snap: NodeSnapshot, now: float) -> set[str]:
+    """Record in ``started`` when each grace instance of ``snap`` began its grace (the agent's
+    record, else now: first sight); return their ids."""
+    seen = set()
+    for inst in snap.instances:
+        if inst.phase.value == "grace":
+            seen.add(inst.instance_id)
+            first = started.setdefault(inst.instance_id, now)
+            if inst.grace_started_unix:
+                started[inst.instance_id] = min(inst.grace_started_unix, first)
+    return seen

@@ -38,9 +38,9 @@ from .agents import ActivateResult, AgentCallError, AgentPool, AgentPort, NodeSn
 from .deployments import DeploymentBook
 from .identity import orphans
 from .kube import KubePort, ObjRef, md_ref
-from .metrics import Metrics
-from .observe import Observer, observation
-from .report import Deployment, Reporter, by_owner
+from .metrics import Metrics, Phases
+from .observe import Observer, note_grace, observation
+from .report import Deployment, Reporter
 from .spec import (
     DEFAULT_LOAD_BANDWIDTH,
     ModelDeploymentSpec,
@@ -52,7 +52,6 @@ log = logging.getLogger("warmserve.operator")
 
 MIN_TICK_S = 0.25
 REPEAT_EVENT_S = 300.0
-REPORT_CONCURRENCY = 16
 # Agent Watch events that may change a decision before the next poll (see docs/operator.md).
 WAKE_EVENTS = frozenset(
     {
@@ -296,6 +295,7 @@ class Reconciler:
             self._wake.set()
             return
         self.metrics.polls.inc()
+        phases = Phases(self.metrics)
         mds, invalid = await self.book.sync()
         await self.observer.load_nodes()
         try:
@@ -303,6 +303,7 @@ class Reconciler:
         except Exception as exc:  # discovery is best effort; registered GPUNodes still work
             log.warning("event=agent_discovery_failed error=%r", str(exc))
         self.metrics.agents_up.set(await self.observer.describe_all(now))
+        phases.done("observe")
         snaps = self.observer.live_snaps()
         owners, dups = dedupe_models(mds)
         problems = await self.book.resolve(owners, dups, snaps, now)
@@ -310,6 +311,7 @@ class Reconciler:
             m: d for m, d in owners.items() if d.uid not in self.deleting and self._spec(d.uid)
         }
         await self.book.load_histories(managed, now)
+        phases.done("resolve")
         owner_uid = {m: d.uid for m, d in managed.items()}
         obs = observation(
             now,
@@ -327,6 +329,7 @@ class Reconciler:
         out = self.controller.decide(obs)
         if out.plan is not None:
             self.metrics.plan_seconds.observe(time.perf_counter() - t0)
+        phases.done("decide")
         self.book.record(out, managed)
         self.last = out
         self._note_grace(snaps, now)
@@ -340,10 +343,15 @@ class Reconciler:
                 self.grace_started,
                 self.cfg.autoscaler.max_grace_s,
             )
-        self.actor.launch(decisions, owner_uid, set(self.deleting))
+        busy = self.actor.launch(decisions, owner_uid, set(self.deleting))
         await self.book.persist()
         self._track_lost(snaps)
-        await self._report(snaps, dups, problems, now)
+        phases.done("act")
+        # A deployment whose prewarm/start was just launched is reported once the call lands
+        # (the agent's event wakes the loop): one status write instead of two (issue 16, scale).
+        await self._report(snaps, dups, problems, now, busy if self._watching else set())
+        phases.done("report")
+        phases.log(len(self.deployments))
 
     def _spec(self, uid: str) -> ModelSpec | None:
         d = self.deployments.get(uid)
@@ -358,15 +366,7 @@ class Reconciler:
                 del self.grace_started[iid]
 
     def note_grace(self, snap: NodeSnapshot, now: float) -> set[str]:
-        """Record when each grace instance of ``snap`` began its grace; return their ids."""
-        seen = set()
-        for inst in snap.instances:
-            if inst.phase.value == "grace":
-                seen.add(inst.instance_id)
-                first = self.grace_started.setdefault(inst.instance_id, now)
-                if inst.grace_started_unix:
-                    self.grace_started[inst.instance_id] = min(inst.grace_started_unix, first)
-        return seen
+        return note_grace(self.grace_started, snap, now)
 
     def _track_lost(self, snaps: Mapping[str, NodeSnapshot]) -> None:
         """An Event for instances that vanished without the operator ending them."""
@@ -393,28 +393,16 @@ class Reconciler:
         dups: list[ModelDeploymentSpec],
         problems: Mapping[str, Condition],
         now: float,
+        later: set[str],
     ) -> None:
-        dup_uids = {dup.uid for dup in dups}
         todo = [
-            (uid, d)
+            d
             for uid, d in self.deployments.items()
-            if uid not in self.deleting and not d.md.deleting
+            if uid not in self.deleting and not d.md.deleting and uid not in later
         ]
-        owned = by_owner(snaps, [uid for uid, _d in todo])
-        gate = asyncio.Semaphore(REPORT_CONCURRENCY)
-
-        async def one(uid: str, d: Deployment) -> None:
-            async with gate:
-                if uid in dup_uids:
-                    c = problems[uid]
-                    await self.reporter.problem(d.md.namespace, d.md.name, uid, c.reason, c.message)
-                else:
-                    await self.reporter.deployment(
-                        d, self.controller, owned[uid], problems.get(uid), self.cfg.window_s
-                    )
-
-        # Status writes of many deployments go out together, not one after the other (issue 16).
-        await asyncio.gather(*(one(uid, d) for uid, d in todo))
+        await self.reporter.everything(
+            todo, {dup.uid for dup in dups}, problems, snaps, self.controller, self.cfg.window_s
+        )
         for name, nrt in self.observer.nodes.items():
             await self.reporter.node(name, nrt, now, self.cfg.node_status_refresh_s)
 
