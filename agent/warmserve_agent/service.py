@@ -35,6 +35,8 @@ from warmserve_agent.wire import PHASE_TO_PB, SLOT_TO_PB, WORKER_TO_PB
 
 log = logging.getLogger("warmserve.agent.service")
 
+CATALOG_TTL_S = 10.0  # see AgentService._catalog
+
 _WS = WORKER_TO_PB
 _SS = SLOT_TO_PB
 _IP = PHASE_TO_PB
@@ -71,6 +73,7 @@ class AgentService(pb_grpc.NodeAgentServicer):
         self.info = info
         self.max_request_ids = max_request_ids
         self._idem: OrderedDict[str, _Idem] = OrderedDict()
+        self._catalog_cache: tuple[int, float, list[pb.ModelInfo]] | None = None
         self._subs: set[asyncio.Queue[Event]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         core.subscribe(self._on_event)
@@ -163,26 +166,43 @@ class AgentService(pb_grpc.NodeAgentServicer):
             except Exception as exc:  # worker died: the monitor will reconcile
                 log.debug("event=stats_failed instance=%s err=%s", i.instance_id, exc)
 
+    def _catalog(self) -> list[pb.ModelInfo]:
+        """The weight store's models, re-scanned when the store's directory changed (a model
+        added or removed) and at most every ``CATALOG_TTL_S`` otherwise: with 1,000 models a
+        scan per Describe made every poll slow (issue 16)."""
+        store = self.core.store
+        try:
+            stamp = store.root.stat().st_mtime_ns
+        except OSError:
+            stamp = 0
+        now = time.monotonic()
+        cached = self._catalog_cache
+        if cached is not None and cached[0] == stamp and now - cached[1] < CATALOG_TTL_S:
+            return cached[2]
+        models = []
+        for name in store.list_models():
+            try:
+                m = store.model(name)
+            except Exception:  # a malformed model dir is reported by Prewarm, not here
+                continue
+            models.append(
+                pb.ModelInfo(
+                    name=name,
+                    num_layers=m.num_layers,
+                    weight_bytes=m.weight_bytes,
+                    num_tensors=len(m.tensors),
+                    max_batch=m.profile.max_batch,
+                )
+            )
+        self._catalog_cache = (stamp, now, models)
+        return models
+
     def describe_pb(self, refresh: bool = True) -> pb.NodeDescription:
         core = self.core
         with core._lock:
             if refresh:
                 self._refresh_stats()
-            models = []
-            for name in core.store.list_models():
-                try:
-                    m = core.store.model(name)
-                except Exception:  # a malformed model dir is reported by Prewarm, not here
-                    continue
-                models.append(
-                    pb.ModelInfo(
-                        name=name,
-                        num_layers=m.num_layers,
-                        weight_bytes=m.weight_bytes,
-                        num_tensors=len(m.tensors),
-                        max_batch=m.profile.max_batch,
-                    )
-                )
+            models = self._catalog()
             return pb.NodeDescription(
                 node_name=core.node_name,
                 agent_version=__version__,

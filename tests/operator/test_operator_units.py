@@ -343,3 +343,17 @@ def test_cli_errors_are_one_line_exit_2(
     assert "file not found" in capsys.readouterr().err
     assert main(["operator"]) == 2
     assert "no Kubernetes cluster configured" in capsys.readouterr().err
+
+
+def test_operator_cli_defaults_are_safe_outside_the_chart() -> None:
+    """Metrics bind loopback unless asked (the chart passes 0.0.0.0); a lease, not kopf's
+    peering lifetime, bounds a leader handover (issue 16)."""
+    import argparse
+
+    from warmserve.cli import operator_cmd
+
+    parser = argparse.ArgumentParser()
+    operator_cmd.register(parser.add_subparsers())
+    args = parser.parse_args(["operator"])
+    assert args.metrics_address == "127.0.0.1"
+    assert args.lease_seconds <= 10 and args.peering_lifetime <= 20
