@@ -141,6 +141,22 @@ class DeploymentBook:
                 continue
             self.controller.seed_history(model, hist, now)
 
+    def note_demand(
+        self,
+        managed: Mapping[str, ModelDeploymentSpec],
+        loads: Mapping[str, float],
+        held: Mapping[str, int],
+        gateway_replicas: int | None,
+        demand: object | None,
+    ) -> None:
+        """What status reports of demand: at the instances and held at the gateways."""
+        for model, md in managed.items():
+            d = self.items[md.uid]
+            h = float(held.get(model, 0))
+            d.inflight = loads.get(model, 0.0) - h
+            d.held = h if demand is not None else None
+            d.gateway_replicas = gateway_replicas
+
     def record(self, out: Decisions, managed: Mapping[str, ModelDeploymentSpec]) -> None:
         for model, md in managed.items():
             d = self.items[md.uid]

@@ -36,6 +36,7 @@ from warmserve.policy.cluster import ModelSpec, PolicyInputError
 from .act import Actor
 from .agents import ActivateResult, AgentCallError, AgentPool, AgentPort, NodeSnapshot
 from .deployments import DeploymentBook
+from .gateway_demand import GatewayDemand, GatewayHeld
 from .identity import orphans
 from .kube import KubePort, ObjRef, md_ref
 from .metrics import Metrics, Phases
@@ -113,6 +114,7 @@ class Reconciler:
         agents: AgentPool,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.time,
+        demand: GatewayDemand | None = None,
     ) -> None:
         from warmserve.policy.predictor import make_predictor
 
@@ -149,7 +151,11 @@ class Reconciler:
         self._watching = False  # only inside run(): unit tests drive tick() directly
         self._watchers: dict[str, tuple[str, asyncio.Task[None]]] = {}
         self.grace_started: dict[str, float] = {}
-        self.held: Callable[[], Mapping[str, int]] = dict  # gateway demand feed (see wake())
+        # Requests held at the gateways (None: no gateway configured; gateway_demand.py). A test
+        # without gateways may set ``held`` instead (model -> requests held).
+        self.demand = demand
+        self.held: Callable[[], Mapping[str, int]] = dict
+        self.gateway_replicas: int | None = None
         self.last: Decisions | None = None
         self._known: dict[str, tuple[str, Any]] = {}
 
@@ -166,6 +172,11 @@ class Reconciler:
     @property
     def live_uids(self) -> frozenset[str]:
         return self.book.live_uids
+
+    @property
+    def models(self) -> Mapping[str, Any]:
+        """The controller's per-model state (demand tracker, history, forecast), by model."""
+        return self.controller.models
 
     @property
     def nodes(self) -> dict[str, Any]:
@@ -221,6 +232,8 @@ class Reconciler:
     async def run(self, stop: asyncio.Event) -> None:
         """Poll until ``stop`` is set; errors of one poll are logged, never fatal."""
         self._watching = True
+        if self.demand is not None:
+            self.demand.watch(self.wake)  # a held request at a gateway wakes the loop
         try:
             while not stop.is_set():
                 started = self.clock()
@@ -232,6 +245,8 @@ class Reconciler:
                 await self._sleep(stop, started)
         finally:
             self._stop_watchers()
+            if self.demand is not None:
+                await self.demand.close()
             await self.drain_tasks(timeout=5.0)
 
     async def _sleep(self, stop: asyncio.Event, started: float) -> None:
@@ -320,11 +335,14 @@ class Reconciler:
             self.live_uids,
             self.actor.pending_prewarms.values(),
             self.actor.pending_starts.values(),
-            self.held(),
+            await self._gateway_held(),
         )
         loads = self.controller.observe(obs)
         for m, load in loads.items():
-            self.metrics.inflight.labels(m).set(load)
+            held = float(obs.held.get(m, 0))
+            self.metrics.inflight.labels(m).set(load - held)
+            self.metrics.gateway_held.labels(m).set(held)
+        self.book.note_demand(managed, loads, obs.held, self.gateway_replicas, self.demand)
         t0 = time.perf_counter()
         out = self.controller.decide(obs)
         if out.plan is not None:
@@ -352,6 +370,22 @@ class Reconciler:
         await self._report(snaps, dups, problems, now, busy if self._watching else set())
         phases.done("report")
         phases.log(len(self.deployments))
+
+    async def _gateway_held(self) -> Mapping[str, int]:
+        """Requests held at every gateway replica, per model (``held`` without gateways)."""
+        if self.demand is None:
+            return self.held()
+        try:
+            got: GatewayHeld = await self.demand.poll()
+        except Exception as exc:  # discovery failed: count no held demand this poll
+            log.warning("event=gateway_demand_failed error=%r", str(exc))
+            self.gateway_replicas = None
+            return {}
+        if got.failed:
+            log.info("event=gateway_unreachable gateways=%r", list(got.failed))
+        self.gateway_replicas = got.replicas
+        self.metrics.gateway_replicas.set(got.replicas)
+        return got.held
 
     def _spec(self, uid: str) -> ModelSpec | None:
         d = self.deployments.get(uid)

@@ -46,6 +46,9 @@ class Deployment:
     unplaced_reason: str = ""
     no_capacity: str = ""
     desired: int | None = None
+    inflight: float = 0.0  # demand at its instances, last poll
+    held: float | None = None  # ... and at the gateways (None: no gateway configured)
+    gateway_replicas: int | None = None
     last_status: Any = None
     raw_status: Mapping[str, Any] | None = None
 
@@ -217,6 +220,9 @@ class Reporter:
             num_layers=spec.num_layers if spec else None,
             cold_start_s=spec.cold_start_s if spec else None,
             desired=d.desired,
+            inflight=d.inflight,
+            held=d.held,
+            gateway_replicas=d.gateway_replicas,
         )
         view.conditions = self.conditions(d, mine, problem)
         status = model_status(model, view, mine, slot_of, d.raw_status, now_iso(self.clock()))

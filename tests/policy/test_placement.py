@@ -117,7 +117,9 @@ def _two_gpu_with_x_and_y(x_tc: float, y_tc: float, new: ModelSpec, fc: LoadFore
         Replica("x", BURST, 0, 0, "n", (0,), x.prewarm_bytes_per_gpu),
         Replica("y", BASIC, 0, 0, "n", (1,), y.prewarm_bytes_per_gpu),
     ]
-    return state([node("n", 2)], [x, y, new], {"x": ONE_BURST, "y": ONE_BASIC, new.name: fc}, reps)
+    return state(
+        [node("n", 2)], [x, y, new], {"x": ONE_BURST, "y": ONE_BASIC, new.name: fc}, reps
+    )
 
 
 def test_prefers_groups_whose_nested_replicas_are_all_lower_then_least_sum() -> None:
@@ -257,13 +259,8 @@ def clusters(draw) -> ClusterState:
     for i in range(rnd.randint(1, 6)):
         tp = rnd.choice([1, 1, 2, 2, 3, 4, 8])
         models[f"m{i}"] = ModelSpec(
-            f"m{i}",
-            rnd.randint(1, 60) * GiB * tp // 2,
-            tp,
-            rnd.choice([8, 32]),
-            rnd.uniform(0.0, 10.0),
-            32,
-            rnd.choice([None, 8, 32]),
+            f"m{i}", rnd.randint(1, 60) * GiB * tp // 2, tp, rnd.choice([8, 32]),
+            rnd.uniform(0.0, 10.0), 32, rnd.choice([None, 8, 32]),
         )
     names = sorted(models)
     nodes, instances, replicas = [], [], []
@@ -279,10 +276,12 @@ def clusters(draw) -> ClusterState:
             phase = rnd.choice([InstancePhase.SERVING, InstancePhase.GRACE])
             for g in gpus:
                 free_pos.remove(g)
-                states[g] = (
-                    WorkerState.GRACE if phase == InstancePhase.GRACE else (WorkerState.DEDICATED)
+                states[g] = WorkerState.GRACE if phase == InstancePhase.GRACE else (
+                    WorkerState.DEDICATED
                 )
-            instances.append(Instance(m.name, f"n{k}", gpus, rnd.randint(0, 8), 40 * GiB, 0, phase))
+            instances.append(
+                Instance(m.name, f"n{k}", gpus, rnd.randint(0, 8), 40 * GiB, 0, phase)
+            )
         gpus = []
         for g in range(n):
             mem = rnd.choice([24, 40, 80]) * GiB
@@ -295,9 +294,8 @@ def clusters(draw) -> ClusterState:
             blocks = aligned_groups(n, m.tp)
             if blocks:
                 replicas.append(
-                    Replica(
-                        m.name, BASIC, 0, 0.0, f"n{k}", rnd.choice(blocks), m.prewarm_bytes_per_gpu
-                    )
+                    Replica(m.name, BASIC, 0, 0.0, f"n{k}", rnd.choice(blocks),
+                            m.prewarm_bytes_per_gpu)
                 )
     forecasts = {}
     for name in names:
@@ -465,12 +463,8 @@ def test_start_ties_break_best_fit_keeping_free_blocks_whole() -> None:
     m = spec("m")
     a = node("a", 4, g3=WorkerState.DEDICATED)
     b = node("b", 4, g1=WorkerState.DEDICATED, g2=WorkerState.DEDICATED, g3=WorkerState.DEDICATED)
-    insts = [
-        Instance("o", "a", (3,), 1),
-        Instance("o", "b", (1,), 1),
-        Instance("o", "b", (2,), 1),
-        Instance("o", "b", (3,), 1),
-    ]
+    insts = [Instance("o", "a", (3,), 1), Instance("o", "b", (1,), 1),
+             Instance("o", "b", (2,), 1), Instance("o", "b", (3,), 1)]
     hits = [Replica("m", BURST, 0, 0.0, "a", (0,)), Replica("m", BURST, 0, 0.0, "b", (0,))]
     c = choose_start(state([a, b], [m, spec("o")], {}, hits, insts), "m")
     assert isinstance(c, StartChoice) and c.hit and (c.node, c.gpus) == ("b", (0,))

@@ -28,26 +28,12 @@ def test_paper_eval_writes_markdown_and_json_and_rerenders(tmp_path):
     scen.write_text(yaml.safe_dump(doc))
     out, res = tmp_path / "eval.md", tmp_path / "eval.json"
     mod = _load_module()
-    rc = mod.main(
-        [
-            "--scenario",
-            str(scen),
-            "--out",
-            str(out),
-            "--json",
-            str(res),
-            "--systems",
-            "warmserve,sllm-gpu,dedicated",
-        ]
-    )
+    rc = mod.main(["--scenario", str(scen), "--out", str(out), "--json", str(res),
+                   "--systems", "warmserve,sllm-gpu,dedicated"])
     assert rc == 0
     text = out.read_text()
-    for heading in (
-        "## Main table",
-        "## Our numbers next to the paper's",
-        "## Simulator speed",
-        "simulated requests per wall second",
-    ):
+    for heading in ("## Main table", "## Our numbers next to the paper's",
+                    "## Simulator speed", "simulated requests per wall second"):
         assert heading in text
     saved = json.loads(res.read_text())
     assert len(saved["points"]) == 2

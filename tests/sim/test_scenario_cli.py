@@ -69,20 +69,8 @@ def test_simulate_prints_table_and_writes_json_and_plot(tmp_path, capsys):
     path = _write(tmp_path, make_doc())
     out_json = tmp_path / "r.json"
     out_png = tmp_path / "r.png"
-    rc = main(
-        [
-            "simulate",
-            path,
-            "--systems",
-            "warmserve,reactive",
-            "--json",
-            str(out_json),
-            "--plot",
-            str(out_png),
-            "--seed",
-            "3",
-        ]
-    )
+    rc = main(["simulate", path, "--systems", "warmserve,reactive", "--json", str(out_json),
+               "--plot", str(out_png), "--seed", "3"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "TTFT p99" in text and "warmserve" in text and "reactive" in text
