@@ -155,8 +155,6 @@ class Actor:
             describe(d),
         )
         try:
-            if isinstance(d, Prewarm):
-                await self.event(owner, "Normal", "Prewarm", describe(d))
             res = await call(client, d, request, owner)
             if res is not None:
                 self._started(d, res, owner)
@@ -171,7 +169,7 @@ class Actor:
                         f"endpoint {res.instance.endpoint}"
                     ),
                 )
-            elif not isinstance(d, Prewarm):
+            elif not isinstance(d, Prewarm):  # a placed replica shows in status + "Prewarmed"
                 await self.event(owner, "Normal", EVENT[type(d)], describe(d))
             self.metrics.actions.labels(verb, "ok").inc()
         except AgentCallError as exc:

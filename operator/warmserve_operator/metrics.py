@@ -73,6 +73,11 @@ class Metrics:
             registry=r,
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
         )
+        self.events_dropped = Counter(
+            f"{PREFIX}_events_dropped_total",
+            "Events not posted because a burst exceeded the Event budget",
+            registry=r,
+        )
         self.poll_seconds = Histogram(
             f"{PREFIX}_poll_seconds",
             "Time one poll of the loop takes, by phase",
