@@ -356,7 +356,10 @@ class Controller:
                 e.min_instances,
                 e.max_instances,
             )
-            wants[model] = FairDemand(e.spec.tp, want)
+            need = desired_instances(
+                loads.get(model, 0.0), e.spec.max_batch, current, self.cfg.autoscaler, 0, None
+            )
+            wants[model] = FairDemand(e.spec.tp, want, need)
         return fair_caps(wants, max(capacity, 0))
 
     def _free_map(self, state: ClusterState) -> dict[tuple[str, int], int]:
