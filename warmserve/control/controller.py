@@ -27,8 +27,8 @@ What the controller owns, so no executor re-decides it:
   model can still hit it.  (Measured against evicting at once: ``docs/policy.md``.)
 * **Replica priorities**: the kind, rank and score it gave each replica when it planned it.
 
-**Fairness**: the autoscaler's bounds are capped by each model's max-min fair share of the GPUs
-(:mod:`warmserve.policy.fairness`) whenever what the models want does not fit.
+**Fairness**: the autoscaler's bounds are capped by each model's demand-weighted max-min share
+of the GPUs (:mod:`warmserve.policy.fairness`) whenever what the models want does not fit.
 
 Decision order per call: the autoscaler for each model (sorted): its starts where
 :func:`~warmserve.policy.placement.choose_start` says (each applied to the snapshot before the
