@@ -91,7 +91,7 @@ def test_prewarm_fetches_a_missing_model_with_progress(tmp_path: Path, hub: HubS
         t.join(10)
         fetch_events = [e.fetch for e in watched if e.kind == pb.WatchEvent.KIND_FETCH]
         assert fetch_events[-1].state == pb.FETCH_STATE_DONE and fetch_events[-1].model == NAME
-        assert any(f.bytes_done and f.bytes_total and f.eta_seconds for f in fetch_events)
+        assert any(f.bytes_done and f.bytes_total for f in fetch_events)
         # Present now: a second prewarm (other GPU) downloads nothing and streams no fetch.
         n = sum(hub.downloads.values())
         msgs = list(c.prewarm(NAME, [1], 2, source="hf://org/alpha", request_id="p2"))

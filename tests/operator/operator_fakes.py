@@ -15,6 +15,7 @@ from typing import Any
 from warmserve_operator.agents import (
     ActivateResult,
     AgentCallError,
+    FetchView,
     GpuView,
     InstanceView,
     NodeSnapshot,
@@ -55,11 +56,15 @@ class FakeAgent:
         gpus: int = 4,
         memory: int = 80 * GiB,
         catalog: dict[str, tuple[int, int]] | None = None,
+        remote: dict[str, tuple[int, int]] | None = None,
     ) -> None:
         self.node = node
         self.memory = memory
         self.n = gpus
         self.catalog = catalog or {}
+        # Model sources this agent can fetch from: source URI -> (weight bytes, layers).
+        self.remote = remote or {}
+        self.fetched: list[tuple[str, str]] = []
         self.slots: dict[str, _Slot] = {}
         self.instances: dict[str, _Inst] = {}
         self.generation = 1
@@ -154,14 +159,45 @@ class FakeAgent:
             self.node, self.agent_id, self.generation, gpus, slots, insts, models, "fake", "0"
         )
 
+    def _fetch(self, model: str, source: str, on_fetch: Any = None) -> None:
+        """As the real agent: a model missing from the store is fetched from ``source``."""
+        if model in self.catalog or not source:
+            return
+        if source not in self.remote:
+            raise AgentCallError("FAILED_PRECONDITION", f"{source}: repository not found")
+        weight, layers = self.remote[source]
+        if on_fetch is not None:
+            on_fetch(FetchView(model, source, "downloading", 0, weight, attempt=1))
+        self.catalog[model] = (weight, layers)
+        self.fetched.append((model, source))
+        if on_fetch is not None:
+            on_fetch(FetchView(model, source, "done", weight, weight, attempt=1))
+
+    async def inspect_model(self, model: str, source: str) -> CatalogEntry:
+        self._check_up()
+        if model in self.catalog:
+            w, n = self.catalog[model]
+        elif source in self.remote:
+            w, n = self.remote[source]
+        else:
+            raise AgentCallError("FAILED_PRECONDITION", f"{source}: repository not found")
+        return CatalogEntry(model, w, n, source)
+
     async def prewarm(
-        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str
+        self,
+        model: str,
+        gpus: tuple[int, ...],
+        layers: int,
+        request_id: str,
+        source: str = "",
+        on_fetch: Any = None,
     ) -> SlotView:
         self._check_up()
         self.calls.append(("prewarm", request_id))
-        key = ("prewarm", model, gpus, layers)
+        key = ("prewarm", model, gpus, layers, source)
         if (prev := self._idem(request_id, key)) is not None:
             return prev
+        self._fetch(model, source, on_fetch)
         if model not in self.catalog:
             raise AgentCallError("NOT_FOUND", f"unknown model {model}")
         weight, total = self.catalog[model]
@@ -191,13 +227,16 @@ class FakeAgent:
         self.done[request_id] = (("evict", slot_id), True)
 
     async def activate(
-        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str
+        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str, source: str = ""
     ) -> ActivateResult:
         self._check_up()
         self.calls.append(("activate", request_id))
-        key = ("activate", model, gpus, slot_id)
+        key = ("activate", model, gpus, slot_id, source)
         if (prev := self._idem(request_id, key)) is not None:
             return prev
+        self._fetch(model, source)
+        if model not in self.catalog and not slot_id:
+            raise AgentCallError("NOT_FOUND", f"unknown model {model}")
         for g in gpus:
             if self._state(g) in (WorkerState.DEDICATED, WorkerState.GRACE):
                 raise AgentCallError("FAILED_PRECONDITION", f"gpu {g} is serving")

@@ -34,7 +34,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -54,6 +54,8 @@ from warmserve_agent.store import (
 log = logging.getLogger("warmserve.agent.fetch")
 
 MANIFEST = ".warmserve-source.json"
+RATE_WINDOW_S = 5.0
+MIN_RATE_SPAN_S = 2.0
 STAGING = ".warmserve-staging"
 TRASH = ".warmserve-trash"
 
@@ -96,6 +98,7 @@ class Fetch:
 
     status: FetchStatus
     staging: Path | None = None
+    download_started: float = 0.0
     error: FetchFailed | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -321,6 +324,7 @@ class ModelFetcher:
         self._make_room(model, listing.total_bytes)
         staging = self.root / STAGING / uuid.uuid4().hex
         staging.mkdir(parents=True)
+        fetch.download_started = time.time()
         fetch.staging = staging
         pending = list(listing.files)
         problems: list[str] = []
@@ -583,21 +587,29 @@ class ModelFetcher:
         self.on_change(fetch.status)
 
     def _sample_loop(self) -> None:
-        last: dict[str, tuple[float, int]] = {}
+        """Bytes on disk of each download; the rate over the last ``RATE_WINDOW_S`` gives the
+        ETA (a sliding window: it follows a slowing or recovering source within seconds)."""
+        samples: dict[int, deque[tuple[float, int]]] = {}
         while not self._stop.wait(self.sample_s):
             with self._lock:
-                active = list(self._active.values())
+                active = [f for f in self._active.values() if f.staging is not None]
+            for key in set(samples) - {id(f) for f in active}:
+                del samples[key]
             for f in active:
-                if f.staging is None or f.status.state != FetchState.DOWNLOADING:
+                if f.status.state != FetchState.DOWNLOADING or f.staging is None:
                     continue
                 now, done = time.time(), min(_du(f.staging), f.status.bytes_total)
-                t0, b0 = last.get(f.status.model, (f.status.started_unix, 0))
-                inst = (done - b0) / max(now - t0, 1e-6)
-                rate = (
-                    inst if f.status.bytes_per_s == 0 else 0.7 * f.status.bytes_per_s + 0.3 * inst
-                )
+                win = samples.setdefault(id(f), deque([(f.download_started, 0)]))
+                if done < win[-1][1]:  # a rejected file was deleted: measure afresh
+                    win.clear()
+                win.append((now, done))
+                while len(win) > 2 and now - win[1][0] >= RATE_WINDOW_S:
+                    win.popleft()
+                (t0, b0), (t1, b1) = win[0], win[-1]
+                # 0 = unknown: no rate (nor ETA) from less than MIN_RATE_SPAN_S of samples.
+                span = t1 - t0
+                rate = (b1 - b0) / span if span >= MIN_RATE_SPAN_S else 0.0
                 eta = (f.status.bytes_total - done) / rate if rate > 0 else 0.0
-                last[f.status.model] = (now, done)
                 if done != f.status.bytes_done:
                     self._update(f, bytes_done=done, bytes_per_s=rate, eta_s=eta)
 

@@ -22,11 +22,15 @@ from warmserve_agent.sources.base import Listing, RemoteFile, SourceError, Sourc
 def _hub() -> Any:
     try:
         import huggingface_hub
+        import huggingface_hub.constants
         import huggingface_hub.errors
         import huggingface_hub.utils
     except ImportError as exc:  # pragma: no cover - a core dependency
         raise SourceError("hf:// sources need the huggingface_hub package") from exc
     huggingface_hub.utils.disable_progress_bars()  # progress goes to status/metrics, not stderr
+    # The client writes a download in chunks of this size (10 MiB by default); the fetcher's
+    # progress is what reached the disk, so a smaller chunk means finer progress and ETA.
+    huggingface_hub.constants.DOWNLOAD_CHUNK_SIZE = 1024 * 1024
     return huggingface_hub
 
 
