@@ -264,10 +264,11 @@ class HubServer:
 
 # ---- the real S3-compatible server ------------------------------------------------------------
 def built_server(name: str) -> Path:
-    """A test server binary built by hack/testbin/build.sh (built on first use, then cached)."""
-    env_dir = os.environ.get("WARMSERVE_TESTBIN")
-    if env_dir and (Path(env_dir) / name).is_file():
-        return Path(env_dir) / name
+    """A test server binary built by hack/testbin/build.sh (hack/test.sh builds them before
+    pytest; built here on first use otherwise, then cached)."""
+    linked = ROOT / ".testbin" / name
+    if linked.is_file() and os.access(linked, os.X_OK):
+        return linked
     out = subprocess.run(
         [str(ROOT / "hack" / "testbin" / "build.sh"), name],
         check=True,

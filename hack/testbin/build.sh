@@ -8,11 +8,13 @@
 #
 # usage: hack/testbin/build.sh NAME [NAME...]     hack/testbin/build.sh --print-versions
 # Binaries land in ${WARMSERVE_TESTBIN_CACHE:-$HOME/.cache/warmserve-testbin}/<name>-<key>/, where
-# <key> hashes the wrapper module, so a version bump never reuses an old binary. stdout: for each
-# NAME one line, the directory holding the binary. Progress goes to stderr. Idempotent; safe to run
-# concurrently (a lock per binary serialises builders). Fails loudly.
+# <key> hashes the wrapper module, so a version bump never reuses an old binary; the repo gets a
+# symlink .testbin/<name> to it (what the tests run). stdout: for each NAME one line, the directory
+# holding the binary. Progress goes to stderr. Idempotent; safe to run concurrently (a lock per
+# binary serialises builders). Fails loudly.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
 BUILD_REV=1   # bump when the build flags below change
 
 log() { printf '[testbin %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
@@ -50,9 +52,14 @@ for name in "$@"; do
   esac
   key=$( { echo "$BUILD_REV"; cat "$HERE/$name/go.mod" "$HERE/$name/go.sum"; } | sha256sum | cut -c1-12)
   dest="$CACHE/$name-$key"
+  link() {
+    mkdir -p "$ROOT/.testbin"
+    ln -sfn "$dest/$name" "$ROOT/.testbin/.$name.tmp" && mv -T "$ROOT/.testbin/.$name.tmp" "$ROOT/.testbin/$name"
+    echo "$dest"
+  }
   if [ -x "$dest/$name" ]; then
     log "$name: cached in $dest"
-    echo "$dest"
+    link
     continue
   fi
   mkdir -p "$dest"
@@ -68,5 +75,5 @@ for name in "$@"; do
     log "$name: built in $(( $(date +%s) - t0 ))s"
   fi
   exec 9>&-
-  echo "$dest"
+  link
 done
