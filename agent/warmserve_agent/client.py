@@ -134,6 +134,7 @@ class AgentClient:
         request_id: str | None = None,
         timeout_s: float | None = 600.0,
         source: str = "",
+        owner: str = "",
     ) -> AsyncIterator[pb.PrewarmProgress]:
         """Stream progress of loading ``model`` (first ``layers``, 0 = all) onto ``gpus``.
 
@@ -147,6 +148,7 @@ class AgentClient:
             gpus=list(gpus),
             layers=layers,
             source=source,
+            owner=owner,
         )
         call = self._stub.Prewarm(req, metadata=self._metadata, timeout=timeout_s)
         try:
@@ -165,11 +167,18 @@ class AgentClient:
         source: str = "",
         timeout_s: float | None = 600.0,
         on_progress: Callable[[pb.PrewarmProgress], Any] | None = None,
+        owner: str = "",
     ) -> pb.PrewarmProgress:
         """Prewarm and return the final progress message (``.slot`` is the resident slot)."""
         last: pb.PrewarmProgress | None = None
         async for msg in self.prewarm(
-            model, gpus, layers, request_id=request_id, source=source, timeout_s=timeout_s
+            model,
+            gpus,
+            layers,
+            request_id=request_id,
+            source=source,
+            timeout_s=timeout_s,
+            owner=owner,
         ):
             last = msg
             if on_progress is not None:
@@ -191,6 +200,7 @@ class AgentClient:
         request_id: str | None = None,
         timeout_s: float | None = 600.0,
         source: str = "",
+        owner: str = "",
     ) -> pb.ActivateResponse:
         req = pb.ActivateRequest(
             request_id=request_id or new_request_id("activate"),
@@ -198,6 +208,7 @@ class AgentClient:
             gpus=list(gpus),
             slot_id=slot_id,
             source=source,
+            owner=owner,
         )
         return await self._unary(self._stub.Activate, req, timeout_s)
 

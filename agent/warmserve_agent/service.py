@@ -147,6 +147,7 @@ class AgentService(pb_grpc.NodeAgentServicer):
             weight_bytes_per_gpu=s.layout.total_bytes,
             state=_SS[s.state],
             message=s.message,
+            owner=s.owner,
         )
 
     def instance_pb(self, i: InstanceRec) -> pb.InstanceInfo:
@@ -175,6 +176,8 @@ class AgentService(pb_grpc.NodeAgentServicer):
             layers_resident=slot.layers_resident if slot else 0,
             layers_total=slot.layers_total if slot else 0,
             started_unix=i.started_unix,
+            owner=i.owner,
+            grace_started_unix=i.grace_started_unix,
         )
 
     def _refresh_stats(self) -> None:
@@ -361,7 +364,13 @@ class AgentService(pb_grpc.NodeAgentServicer):
     async def Prewarm(
         self, request: pb.PrewarmRequest, context: Any
     ) -> AsyncIterator[pb.PrewarmProgress]:
-        fp = (request.model, tuple(sorted(request.gpus)), request.layers, request.source)
+        fp = (
+            request.model,
+            tuple(sorted(request.gpus)),
+            request.layers,
+            request.owner,
+            request.source,
+        )
         q: asyncio.Queue[Event] = asyncio.Queue()
         self._subs.add(q)
         pin = self._pin(request.model)
@@ -377,7 +386,9 @@ class AgentService(pb_grpc.NodeAgentServicer):
                 request.request_id,
                 fp,
                 context,
-                lambda: self.core.prewarm(request.model, request.gpus, request.layers),
+                lambda: self.core.prewarm(
+                    request.model, request.gpus, request.layers, request.owner
+                ),
             )
             last: tuple[Any, ...] | None = None
             while True:
@@ -440,7 +451,13 @@ class AgentService(pb_grpc.NodeAgentServicer):
         )
 
     async def Activate(self, request: pb.ActivateRequest, context: Any) -> pb.ActivateResponse:
-        fp = (request.model, tuple(sorted(request.gpus)), request.slot_id, request.source)
+        fp = (
+            request.model,
+            tuple(sorted(request.gpus)),
+            request.slot_id,
+            request.owner,
+            request.source,
+        )
         with self._pin(request.model):
             if request.source:
                 async for _ in self._fetch(
@@ -452,7 +469,9 @@ class AgentService(pb_grpc.NodeAgentServicer):
                 request.request_id,
                 fp,
                 context,
-                lambda: self.core.activate(request.model, request.gpus, request.slot_id),
+                lambda: self.core.activate(
+                    request.model, request.gpus, request.slot_id, request.owner
+                ),
             )
         if self.fetcher is not None:
             self.fetcher.touch(request.model)

@@ -60,6 +60,7 @@ class SlotView:
     resident_bytes_per_gpu: int
     weight_bytes_per_gpu: int
     state: str  # loading | ready | active | failed
+    owner: str = ""  # the owning ModelDeployment's UID ("" : set by no operator / older agent)
 
     @property
     def target_bytes_per_gpu(self) -> int:
@@ -89,6 +90,8 @@ class InstanceView:
     prewarm_hit: bool = False
     slot_id: str = ""
     started_unix: float = 0.0
+    owner: str = ""  # the owning ModelDeployment's UID (see SlotView.owner)
+    grace_started_unix: float = 0.0  # agent clock; 0 when not in grace or unknown
 
     @property
     def load(self) -> int:
@@ -174,6 +177,7 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
             resident_bytes_per_gpu=int(s.resident_bytes_per_gpu),
             weight_bytes_per_gpu=int(s.weight_bytes_per_gpu),
             state=_SLOT.get(int(s.state), "unknown"),
+            owner=s.owner,
         )
         for s in desc.slots
     )
@@ -194,6 +198,8 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
             prewarm_hit=bool(i.prewarm_hit),
             slot_id=i.slot_id,
             started_unix=float(i.started_unix),
+            owner=i.owner,
+            grace_started_unix=float(i.grace_started_unix),
         )
         for i in desc.instances
     )
@@ -241,7 +247,12 @@ class AgentPort(Protocol):
     async def describe(self) -> NodeSnapshot: ...
 
     async def prewarm(
-        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str
+        self,
+        model: str,
+        gpus: tuple[int, ...],
+        layers: int,
+        request_id: str,
+        owner: str = "",
     ) -> SlotView:
         """Also takes ``source=`` (fetch the model first if the node lacks it) and
         ``on_fetch=`` (called with each :class:`FetchView` while it is fetched)."""
@@ -249,7 +260,7 @@ class AgentPort(Protocol):
     async def evict(self, slot_id: str, request_id: str) -> None: ...
 
     async def activate(
-        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str
+        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str, owner: str = ""
     ) -> ActivateResult:
         """Also takes ``source=`` (fetch the model first if the node lacks it)."""
 
@@ -312,6 +323,8 @@ class GrpcAgent:
         gpus: tuple[int, ...],
         layers: int,
         request_id: str,
+        owner: str = "",
+        *,
         source: str = "",
         on_fetch: Callable[[FetchView], Any] | None = None,
     ) -> SlotView:
@@ -325,6 +338,7 @@ class GrpcAgent:
                 gpus,
                 layers,
                 request_id=request_id,
+                owner=owner,
                 source=source,
                 # A fetch of many GB can take a while; loading itself is bounded by the agent.
                 timeout_s=3600.0 if source else 600.0,
@@ -342,7 +356,14 @@ class GrpcAgent:
         await self._call(self._client.evict(slot_id, request_id=request_id))
 
     async def activate(
-        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str, source: str = ""
+        self,
+        model: str,
+        gpus: tuple[int, ...],
+        slot_id: str,
+        request_id: str,
+        owner: str = "",
+        *,
+        source: str = "",
     ) -> ActivateResult:
         resp = await self._call(
             self._client.activate(
@@ -350,6 +371,7 @@ class GrpcAgent:
                 gpus,
                 slot_id=slot_id,
                 request_id=request_id,
+                owner=owner,
                 source=source,
                 timeout_s=3600.0 if source else 600.0,
             )
