@@ -29,16 +29,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from e2e_support import REPO, Procs, W, _agent_test_helpers, get_json, seed_history, wait_for
 from k8s_support import apply_chart_operator_rbac
-from test_operator_e2e import (  # the e2e helpers (processes, waiting, history)
-    REPO,
-    Procs,
-    W,
-    get_json,
-    procs,  # noqa: F401 - the fixture
-    seed_history,
-    wait_for,
-)
 
 from tests.model_sources_support import HubServer, repo_from_dir
 
@@ -48,8 +40,6 @@ SETTLE_S = 60.0
 
 
 def _write(root: Path, name: str, **kw: Any) -> Path:
-    from test_operator_e2e import _agent_test_helpers
-
     return _agent_test_helpers().write_model(root, name, **kw)
 
 
@@ -63,7 +53,7 @@ def test_hf_source_prewarm_with_progress_corruption_retry_and_lru_budget(
     kubectl: Any,
     helm: Any,
     sa_kubeconfig: Any,
-    procs: Procs,  # noqa: F811
+    procs: Procs,
     tmp_path: Path,
 ) -> None:
     assert len(CHAT) == 200
@@ -180,6 +170,10 @@ def test_hf_source_prewarm_with_progress_corruption_retry_and_lru_budget(
                 },
             },
         ]
+        # The deployments first (their UIDs name the load histories), then the operator.
+        kubectl(
+            "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": mds})
+        )
         seed_history(kubectl, ns, "chat", CHAT, avg=6.0, peak=6.0)  # B=4: 2 basic replicas
         hub.rate = 450e3  # from here on downloads are slow enough to watch
         hub.corrupt[SHARD] = 1  # and the first download of this shard is corrupt
@@ -210,9 +204,6 @@ def test_hf_source_prewarm_with_progress_corruption_retry_and_lru_budget(
         def logs() -> str:
             return procs.log("operator") + "\n" + procs.log("agent")
 
-        kubectl(
-            "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": mds})
-        )
         admin_env = {**env, "KUBECONFIG": str(k8s_control_plane.kubeconfig)}
 
         def status(*extra: str) -> str:
