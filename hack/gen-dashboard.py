@@ -168,12 +168,16 @@ PANELS: list[tuple[str, str, str, str, list[tuple[str, str]], int]] = [
         [
             ("{{node}} used", 'sum by (node) (warmserve_agent_store_bytes{kind="used"})'),
             ("{{node}} budget", 'sum by (node) (warmserve_agent_store_bytes{kind="budget"})'),
-            (
-                "{{node}} evictions",
-                "sum by (node) (warmserve_agent_store_evictions_total)",
-            ),
         ],
-        24,
+        16,
+    ),
+    (
+        "Weight store evictions",
+        "Cold models evicted from the nodes' weight stores to make room for a fetch.",
+        "timeseries",
+        "short",
+        [("{{node}}", "sum by (node) (warmserve_agent_store_evictions_total)")],
+        8,
     ),
 ]
 

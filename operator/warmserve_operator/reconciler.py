@@ -530,6 +530,7 @@ class Reconciler:
             rt = self.models[md.model] = ModelRuntime(
                 md, WindowLoadTracker(self.cfg.window_s, start_s=now)
             )
+            self.metrics.model_seen(md.model)
         rt.md = md
         return rt
 

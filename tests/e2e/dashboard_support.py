@@ -168,7 +168,7 @@ def render_png(prom: Prometheus, start: float, end: float, out: Path) -> None:
         else:
             ax.set_xlabel("seconds", fontsize=8)
             if drawn:
-                ax.legend(fontsize=7, loc="upper left")
+                ax.legend(fontsize=6, loc="upper left", ncol=2 if drawn > 6 else 1, framealpha=0.6)
         if not drawn:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
         ax.tick_params(labelsize=7)
