@@ -41,10 +41,11 @@ SETTLE_S = 60.0
 GATEWAY_METRIC = "warmserve_gateway_"
 
 
-def gateway_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("warmserve_gateway") is not None
+def gateway_started() -> bool:
+    """Whether this test runs a gateway. Not yet: the gateway (issue 9) was not in main when
+    this test was written; its panels use the metric names of its branch and are listed as not
+    checked (printed) until this test starts one."""
+    return False
 
 
 def test_every_dashboard_panel_has_data_on_a_real_prometheus(
@@ -171,7 +172,7 @@ def test_every_dashboard_panel_has_data_on_a_real_prometheus(
             checked, dead, not_here = 0, [], []
             for p in panels():
                 for t in p["targets"]:
-                    if GATEWAY_METRIC in t["expr"] and not gateway_available():
+                    if GATEWAY_METRIC in t["expr"] and not gateway_started():
                         not_here.append(f"{p['title']} / {t['legendFormat']}")
                         continue
                     series = prom.range(promql(t["expr"], end - t0), t0, end)
@@ -180,8 +181,9 @@ def test_every_dashboard_panel_has_data_on_a_real_prometheus(
                         dead.append(f"{p['title']} / {t['legendFormat']}: {t['expr']}")
             assert not dead, "panels without data:\n" + "\n".join(dead)
             assert checked >= 15, checked
-            if not_here:  # said out loud, never silently: the gateway is not in this tree
-                print("not checked (no warmserve_gateway package here):", *not_here, sep="\n  ")
+            if not_here:  # said out loud, never silently
+                print("not checked (no gateway in this test yet):", *not_here, sep="\n  ")
+            assert len(not_here) <= 4, "only the gateway's panels may go unchecked"
             if os.environ.get("WARMSERVE_DASHBOARD_PNG"):
                 render_png(prom, t0, end, Path(os.environ["WARMSERVE_DASHBOARD_PNG"]))
         finally:
