@@ -28,12 +28,12 @@ from e2e_support import (
     W,
     _agent_test_helpers,
     get_json,
+    install_for_operator,
     instances_of,
     seed_history,
     wait_for,
     write_models,
 )
-from k8s_support import apply_chart_operator_rbac
 
 from tests.model_sources_support import HubServer, built_server, repo_from_dir
 
@@ -59,15 +59,7 @@ def test_every_dashboard_panel_has_data_on_a_real_prometheus(
 ) -> None:
     ns = k8s_namespace
     prom_bin = built_server("prometheus")
-    kubectl("apply", "-f", str(REPO / "crds"))
-    kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s",
-        "crd/modeldeployments.warmserve.io", "crd/gpunodes.warmserve.io",
-        "crd/clusterkopfpeerings.kopf.dev",
-    )  # fmt: skip
-    sa = apply_chart_operator_rbac(helm, kubectl, ns, f"dash{ns[-8:]}")
-    op_kubeconfig = sa_kubeconfig(ns, sa)
-    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "POD_NAMESPACE")}
+    op_kubeconfig, env = install_for_operator(kubectl, helm, sa_kubeconfig, ns, f"dash{ns[-8:]}")
     models = tmp_path / "models"
     write_models(models)
     up = _agent_test_helpers().write_model(tmp_path / "up", "fresh", layers=2, hidden=256)

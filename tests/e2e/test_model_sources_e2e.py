@@ -21,7 +21,6 @@ Shown, each within a bound:
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -29,8 +28,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from e2e_support import REPO, Procs, W, _agent_test_helpers, get_json, seed_history, wait_for
-from k8s_support import apply_chart_operator_rbac
+from e2e_support import (
+    REPO,
+    Procs,
+    W,
+    _agent_test_helpers,
+    get_json,
+    install_for_operator,
+    seed_history,
+    wait_for,
+)
 
 from tests.model_sources_support import HubServer, repo_from_dir
 
@@ -71,18 +78,7 @@ def test_hf_source_prewarm_with_progress_corruption_retry_and_lru_budget(
     # Room for everything but one of the cold models (each ~22 KB of safetensors + config).
     budget = sum(sizes.values()) - 1
 
-    kubectl("apply", "-f", str(REPO / "crds"))
-    kubectl(
-        "wait",
-        "--for=condition=Established",
-        "--timeout=60s",
-        "crd/modeldeployments.warmserve.io",
-        "crd/gpunodes.warmserve.io",
-        "crd/clusterkopfpeerings.kopf.dev",
-    )
-    sa = apply_chart_operator_rbac(helm, kubectl, ns, f"src{ns[-8:]}")
-    op_kubeconfig = sa_kubeconfig(ns, sa)
-    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "POD_NAMESPACE")}
+    op_kubeconfig, env = install_for_operator(kubectl, helm, sa_kubeconfig, ns, f"src{ns[-8:]}")
 
     with HubServer(repos) as hub:
         store = tmp_path / "store"

@@ -143,6 +143,15 @@ def select(files: Iterable[RemoteFile], uri: str) -> tuple[RemoteFile, ...]:
     return chosen
 
 
+def exact_range(data: bytes, what: str, start: int, length: int) -> bytes:
+    """``data`` if it is the ``length`` bytes asked for, else a retryable SourceError."""
+    if len(data) != length:
+        raise SourceError(
+            f"{what}: asked for {length} bytes at {start}, got {len(data)}", retryable=True
+        )
+    return data
+
+
 # ---- checksums --------------------------------------------------------------------------------
 def file_digests(path: Path, want: RemoteFile) -> dict[str, str]:
     """The digests ``want`` publishes, computed over ``path`` in one pass."""

@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from warmserve.modelref import HfRef
-from warmserve_agent.sources.base import Listing, RemoteFile, SourceError, SourceSettings, select
+from warmserve_agent.sources.base import (
+    Listing,
+    RemoteFile,
+    SourceError,
+    SourceSettings,
+    exact_range,
+    select,
+)
 
 
 def _hub() -> Any:
@@ -133,12 +140,7 @@ class HfSource:
         data = r.content
         if r.status_code == 200:  # the server ignored the range
             data = data[start : start + length]
-        if len(data) != length:
-            raise SourceError(
-                f"{self.uri} {path}: asked for {length} bytes at {start}, got {len(data)}",
-                retryable=True,
-            )
-        return data
+        return exact_range(data, f"{self.uri} {path}", start, length)
 
     def location(self) -> Path:
         raise NotImplementedError("hf:// sources are downloaded, not linked")

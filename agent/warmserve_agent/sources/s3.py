@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from warmserve.modelref import S3Ref
-from warmserve_agent.sources.base import Listing, RemoteFile, SourceError, SourceSettings, select
+from warmserve_agent.sources.base import (
+    Listing,
+    RemoteFile,
+    SourceError,
+    SourceSettings,
+    exact_range,
+    select,
+)
 
 _MD5_ETAG = re.compile(r'^"?([0-9a-fA-F]{32})"?$')
 
@@ -149,12 +156,7 @@ class S3Source:
             data = obj["Body"].read()
         except Exception as exc:
             raise self._error(exc, f"{self.uri} {path}") from None
-        if len(data) != length:
-            raise SourceError(
-                f"{self.uri} {path}: asked for {length} bytes at {start}, got {len(data)}",
-                retryable=True,
-            )
-        return data
+        return exact_range(data, f"{self.uri} {path}", start, length)
 
     def location(self) -> Path:
         raise NotImplementedError("s3:// sources are downloaded, not linked")
