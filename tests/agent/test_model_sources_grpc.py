@@ -88,6 +88,11 @@ def test_prewarm_fetches_a_missing_model_with_progress(tmp_path: Path, hub: HubS
         assert m.disk_bytes > 0 and m.last_used_unix > 0
         assert d.store.used_bytes >= m.disk_bytes
         assert d.fetches[0].state == pb.FETCH_STATE_DONE
+        from warmserve.cli.agent import render  # `warmserve agent inspect`
+
+        text = render(d)
+        assert "STORE  used" in text and "budget none" in text
+        assert "FETCHING" in text and "hf://org/alpha" in text and "done" in text
         t.join(10)
         fetch_events = [e.fetch for e in watched if e.kind == pb.WatchEvent.KIND_FETCH]
         assert fetch_events[-1].state == pb.FETCH_STATE_DONE and fetch_events[-1].model == NAME

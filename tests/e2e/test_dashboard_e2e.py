@@ -7,8 +7,9 @@ download — while Prometheus (built from the Go module proxy, tests/e2e/dashboa
 scrapes the operator's and the agents' /metrics every second.  Then every query of every panel
 (Grafana macros filled in as Grafana would) must return finite data over the test's range.
 
-``WARMSERVE_DASHBOARD_PNG=docs/dashboard.png pytest tests/e2e/test_dashboard_e2e.py`` also draws
-the dashboard from the same queries (matplotlib) into that file.
+``WARMSERVE_DASHBOARD_PNG=docs/dashboard.png WARMSERVE_DASHBOARD_SECONDS=150 pytest
+tests/e2e/test_dashboard_e2e.py`` also draws the dashboard from the same queries (matplotlib) into
+that file, after letting load come and go for that many more seconds.
 """
 
 from __future__ import annotations
@@ -159,6 +160,13 @@ def test_every_dashboard_panel_has_data_on_a_real_prometheus(
                 SETTLE_S,
                 logs,
             )
+            # For the picture (docs/dashboard.png): a while longer, with load coming and going.
+            extra = float(os.environ.get("WARMSERVE_DASHBOARD_SECONDS", "0"))
+            waves = [3, 8, 1, 10, 4, 0]
+            for i in range(int(extra // 15)):
+                if waves[i % len(waves)]:
+                    Load(inst.endpoint, "tiny-code", waves[i % len(waves)], max_tokens=250)
+                time.sleep(15)
             time.sleep(6 * 1.0)  # a few more scrapes after the last change
             end = time.time()
             checked, dead, not_here = 0, [], []

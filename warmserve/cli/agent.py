@@ -332,6 +332,29 @@ def render(d: Any) -> str:
         out.append(_table(rows))
     else:
         out.append("(none)")
+    if d.fetches or d.store.budget_bytes or d.store.used_bytes:
+        fstate = {v: k.removeprefix("FETCH_STATE_").lower() for k, v in pb.FetchState.items()}
+        budget = _gib(d.store.budget_bytes) if d.store.budget_bytes else "none"
+        out += [
+            "",
+            f"STORE  used {_gib(d.store.used_bytes)}  budget {budget}  "
+            f"evictions {d.store.evictions}",
+        ]
+        if d.fetches:
+            rows = [["FETCHING", "FROM", "STATE", "BYTES", "RATE", "ETA", "TRY"]]
+            for f in d.fetches:
+                rows.append(
+                    [
+                        f.model,
+                        f.source,
+                        fstate[f.state] + (f" ({f.message})" if f.message else ""),
+                        f"{_gib(f.bytes_done)}/{_gib(f.bytes_total)}",
+                        f"{_gib(int(f.bytes_per_second))}/s",
+                        f"{f.eta_seconds:.0f}s" if f.eta_seconds else "-",
+                        str(f.attempt),
+                    ]
+                )
+            out.append(_table(rows))
     out += ["", "INSTANCES"]
     if d.instances:
         rows = [
