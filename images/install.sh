@@ -38,8 +38,9 @@ if [ "$mode" = --resolve-only ]; then
   exit 0
 fi
 python3 -m venv "$venv"
-"$venv/bin/pip" install --quiet --no-cache-dir --upgrade "pip==$(sed -n 's/^pip==//p' "$constraints")"
-"$venv/bin/pip" install --quiet --no-cache-dir --constraint "$constraints" "${reqs[@]}"
+# (pip's cache: the Dockerfiles' build stage is thrown away; CI reuses its cache.)
+"$venv/bin/pip" install --quiet --upgrade "pip==$(sed -n 's/^pip==//p' "$constraints")"
+"$venv/bin/pip" install --quiet --constraint "$constraints" "${reqs[@]}"
 # Smoke: the entry points and every component import (and `operator` is still the stdlib one).
 "$venv/bin/warmserve" --version
 "$venv/bin/python" - <<'PY'

@@ -55,11 +55,19 @@ def test_chart_defaults_point_at_the_images() -> None:
         assert f"-t REGISTRY/{name}:" in path.read_text(), path
 
 
-@pytest.mark.slow
-def test_wheel_installs_into_a_fresh_venv_as_the_operator_image_does(tmp_path: Path) -> None:
-    whl = _run(str(IMAGES / "build-wheel.sh"), str(tmp_path / "wheels")).strip().splitlines()[-1]
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheels")
+    whl = _run(str(IMAGES / "build-wheel.sh"), str(out)).strip().splitlines()[-1]
     assert Path(whl).name == "warmserve-0.1.0-py3-none-any.whl"
-    _run(str(IMAGES / "install.sh"), "operator", str(tmp_path / "venv"), str(tmp_path / "wheels"))
+    return out
+
+
+@pytest.mark.slow
+def test_wheel_installs_into_a_fresh_venv_as_the_operator_image_does(
+    tmp_path: Path, wheels: Path
+) -> None:
+    _run(str(IMAGES / "install.sh"), "operator", str(tmp_path / "venv"), str(wheels))
     venv = tmp_path / "venv" / "bin"
     assert "warmserve 0.1.0" in _run(str(venv / "warmserve"), "--version")
     _run(str(venv / "warmserve"), "operator", "--help")
@@ -80,13 +88,12 @@ def test_wheel_installs_into_a_fresh_venv_as_the_operator_image_does(tmp_path: P
 
 
 @pytest.mark.slow
-def test_the_cuda_agent_image_pins_resolve_for_its_platform(tmp_path: Path) -> None:
-    _run(str(IMAGES / "build-wheel.sh"), str(tmp_path / "wheels"))
+def test_the_cuda_agent_image_pins_resolve_for_its_platform(tmp_path: Path, wheels: Path) -> None:
     out = _run(
         str(IMAGES / "install.sh"),
         "agent-cuda",
         str(tmp_path / "venv"),
-        str(tmp_path / "wheels"),
+        str(wheels),
         "--resolve-only",
     )
     assert "resolved agent-cuda for CPython 3.12" in out
