@@ -143,6 +143,7 @@ def render_png(prom: Prometheus, start: float, end: float, out: Path) -> None:
         ax.set_title(p["title"], fontsize=10, loc="left")
         ax.set_ylabel(ylabels.get(unit, ""), fontsize=8)
         drawn = 0
+        ax.set_prop_cycle(color=[plt.get_cmap("tab20")(i) for i in range(20)])
         for t in p["targets"]:
             for s in prom.range(promql(t["expr"], end - start), start, end):
                 xs = [float(x) - start for x, v in s["values"] if math.isfinite(float(v))]
@@ -157,7 +158,7 @@ def render_png(prom: Prometheus, start: float, end: float, out: Path) -> None:
                 for k, v in s["metric"].items():
                     label = label.replace("{{" + k + "}}", v)
                 if p["type"] == "stat":
-                    ax.bar(label[:28], ys[-1], color=f"C{drawn % 10}")
+                    ax.bar(label[:28], ys[-1], color=plt.get_cmap("tab20")(2 * drawn))
                     ax.text(drawn, ys[-1], f"{ys[-1]:.0%}", ha="center", va="bottom", fontsize=8)
                 else:
                     ax.plot(xs, ys, label=label[:40], linewidth=1.4)
