@@ -188,3 +188,6 @@ def test_every_dashboard_panel_has_data_on_a_real_prometheus(
                 render_png(prom, t0, end, Path(os.environ["WARMSERVE_DASHBOARD_PNG"]))
         finally:
             prom.stop()
+            # GPUNodes are cluster-scoped: never leave them to the tests after this one.
+            kubectl("delete", "gpunode", *addresses, "--ignore-not-found", "--wait=false",
+                    check=False)  # fmt: skip

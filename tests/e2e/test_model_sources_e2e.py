@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from e2e_support import (
     REPO,
     Procs,
@@ -62,6 +63,7 @@ def test_hf_source_prewarm_with_progress_corruption_retry_and_lru_budget(
     sa_kubeconfig: Any,
     procs: Procs,
     tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
     assert len(CHAT) == 200
     ns = k8s_namespace
@@ -131,6 +133,10 @@ def test_hf_source_prewarm_with_progress_corruption_retry_and_lru_budget(
                 "acme/filler",
             ]
         node = f"{ns}-node-a"
+        request.addfinalizer(  # GPUNodes are cluster-scoped: never leave them behind
+            lambda: kubectl("delete", "gpunode", node, "--ignore-not-found", "--wait=false",
+                            check=False)
+        )  # fmt: skip
         kubectl(
             "apply",
             "-f",
@@ -290,4 +296,3 @@ def test_hf_source_prewarm_with_progress_corruption_retry_and_lru_budget(
         with urllib.request.urlopen(req, timeout=30) as r:
             out = json.loads(r.read())
         assert out["model"] == CHAT and out["choices"][0]["text"]
-        kubectl("delete", "gpunode", node, "--ignore-not-found", "--wait=false", check=False)
