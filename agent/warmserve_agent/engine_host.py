@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from warmserve_agent.engine import SimulatedEngine, WeightsMismatch
-from warmserve_agent.worker import WorkerPool
+from warmserve_agent.worker import WorkerPool, timeout_for_bytes
 
 
 class InProcessEngine:
@@ -70,7 +70,13 @@ class WorkerEngine:
                 for i, t in enumerate(spec["tensors"])
                 if start <= t["layer"] < end
             ]
-            bad = self.pool.worker(self.gpus[rank]).call("verify", va=w["va"], tensors=tensors)
+            # Hashing reads every byte back from the GPU: the timeout grows with the shard.
+            bad = self.pool.worker(self.gpus[rank]).call(
+                "verify",
+                timeout_s=timeout_for_bytes(sum(t[2] for t in tensors)),
+                va=w["va"],
+                tensors=tensors,
+            )
             if bad:
                 raise WeightsMismatch(
                     f"weights in the slot differ from the store for {len(bad)} tensors "
@@ -81,12 +87,17 @@ class WorkerEngine:
         self._spec = spec
         self._layers = spec["layers_resident"]
         self._verify_remote(0, self._layers)
-        return self.worker.call("start_engine", timeout_s=120, spec=spec)["endpoint"]
+        local = sum(t["shard_len"][0] for t in spec["tensors"])  # the engine verifies rank 0
+        timeout = 60 + timeout_for_bytes(local)
+        return self.worker.call("start_engine", timeout_s=timeout, spec=spec)["endpoint"]
 
     def layers_ready(self, n: int) -> None:
         if n > self._layers:
             self._verify_remote(self._layers, n)
-        bad = self.worker.call("layers_ready", n=n)
+        layer_bytes = sum(
+            t["shard_len"][0] for t in self._spec["tensors"] if self._layers <= t["layer"] < n
+        )
+        bad = self.worker.call("layers_ready", timeout_s=timeout_for_bytes(layer_bytes), n=n)
         self._layers = max(self._layers, n)
         if bad:
             raise WeightsMismatch(f"weights differ from the store: {bad[:3]}")

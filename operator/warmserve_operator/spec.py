@@ -93,6 +93,9 @@ class ModelDeploymentSpec:
     engine_args: tuple[str, ...]
     deleting: bool = False
     source: str = ""  # spec.model.source: where agents fetch the weights ("" = pre-filled)
+    # spec.gateway: how the gateway holds requests while no instance has room (docs/gateway.md)
+    max_queue: int = 100
+    max_hold_s: float = 120.0
 
     @property
     def key(self) -> str:
@@ -145,6 +148,8 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         engine_args=tuple(args),
         deleting=bool(meta.get("deletionTimestamp")),
         source=source,
+        max_queue=_int(spec, "gateway.maxQueue", 100, 0, 100_000) or 0,
+        max_hold_s=_num(spec, "gateway.maxHoldSeconds", 120.0, 0.001, 3600.0) or 120.0,
     )
     if out.num_layers and out.prewarm_layers and out.prewarm_layers > out.num_layers:
         raise SpecError("spec.prewarm.layers must be <= spec.model.numLayers")

@@ -272,7 +272,7 @@ def test_watch_streams_changes(fast_agent) -> None:
         target=lambda: box.setdefault("ev", asyncio.run(watch_some())), daemon=True
     )
     t.start()
-    wait_for(lambda: a.server.service._subs, what="the watch to subscribe")
+    wait_for(lambda: a.server.service.watcher_count, what="the watch to subscribe")
     c.prewarm_wait("gamma", [1])
     t.join(20)
     assert "ev" in box, "the watch never saw the slot become ready"

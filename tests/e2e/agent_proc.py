@@ -25,6 +25,9 @@ async def main() -> None:
     ap.add_argument("--node", required=True)
     ap.add_argument("--address-file", required=True, type=Path)
     ap.add_argument("--memory-dir", required=True, type=Path)
+    ap.add_argument(
+        "--sim-copy-gbps", type=float, default=0.0, help="host-to-GPU GB/s (0: memcpy speed)"
+    )
     # Model sources (tests/e2e/test_model_sources_e2e.py) and metrics (the dashboard test).
     ap.add_argument("--hf-endpoint", default="")
     ap.add_argument("--store-budget", type=int, default=0)
@@ -43,6 +46,7 @@ async def main() -> None:
         use_workers=False,
         spare_workers=0,
         host_cache_bytes=64 * 1024**2,
+        sim_copy_bytes_per_s=args.sim_copy_gbps * 1e9,
         hf_endpoint=args.hf_endpoint,
         store_budget_bytes=args.store_budget,
         fetch_attempts=args.fetch_attempts,
