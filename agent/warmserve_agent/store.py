@@ -216,8 +216,11 @@ class WeightStore:
         """Where model ``name`` lives in the store (checked name; may not exist)."""
         try:
             check_model_name(name)
-        except SourceURIError as exc:
-            raise StoreError(str(exc)) from None
+        except SourceURIError:
+            raise StoreError(
+                f"malformed model name {shown(name)}: use NAME or ORG/NAME (1-200 characters), "
+                "each part of [A-Za-z0-9._-] starting with a letter or digit"
+            ) from None
         return self.root / name
 
     def has(self, name: str) -> bool:
