@@ -18,6 +18,7 @@ COPY pyproject.toml README.md LICENSE ./
 COPY warmserve ./warmserve
 COPY operator ./operator
 COPY agent ./agent
+COPY gateway ./gateway
 COPY images ./images
 RUN python3 -m venv /opt/buildenv \
  && PYTHON=/opt/buildenv/bin/python images/build-wheel.sh /wheels \

@@ -47,6 +47,7 @@ python3 -m venv "$venv"
 import importlib, operator
 assert operator.__file__ and "site-packages" not in operator.__file__, operator.__file__
 for m in ("warmserve.cli", "warmserve_operator.reconciler", "warmserve_agent.server",
+          "warmserve_gateway",
           "warmserve_agent.sources.hf", "warmserve_agent.sources.s3", "boto3", "huggingface_hub"):
     importlib.import_module(m)
 PY

@@ -15,6 +15,7 @@ COPY pyproject.toml README.md LICENSE ./
 COPY warmserve ./warmserve
 COPY operator ./operator
 COPY agent ./agent
+COPY gateway ./gateway
 COPY images ./images
 RUN images/build-wheel.sh /wheels \
  && images/install.sh operator /opt/warmserve /wheels

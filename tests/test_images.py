@@ -38,6 +38,8 @@ def test_dockerfiles_are_multi_stage_non_root_pinned_and_use_the_checked_scripts
     bases = re.findall(r"^ARG \w+_IMAGE=(\S+)$", text, re.MULTILINE)
     assert bases and all(re.search(r":\d+\.\d+\.\d+-", b) for b in bases), bases  # x.y.z tags
     assert "latest" not in text
+    for folder in ("warmserve", "operator", "agent", "gateway"):  # every package's sources
+        assert f"COPY {folder} ./{folder}" in text, folder
     assert re.search(r"^USER 65532:65532$", text, re.MULTILINE), "runs as the chart's uid"
     # The exact commands tests below run:
     assert "images/build-wheel.sh /wheels" in text
@@ -72,6 +74,7 @@ def test_wheel_installs_into_a_fresh_venv_as_the_operator_image_does(
     assert "warmserve 0.1.0" in _run(str(venv / "warmserve"), "--version")
     _run(str(venv / "warmserve"), "operator", "--help")
     _run(str(venv / "warmserve"), "agent", "--help")
+    _run(str(venv / "warmserve"), "gateway", "--help")
     # Every pin of the constraints file is what got installed.
     frozen = {
         ln.split("==")[0].lower().replace("_", "-"): ln.split("==")[1]
