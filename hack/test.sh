@@ -22,5 +22,12 @@ if [ -x hack/k8s/build.sh ]; then
   WARMSERVE_K8S_BIN=$(hack/k8s/build.sh --with-controllers)
   export WARMSERVE_K8S_BIN
 fi
+if [ -x hack/testbin/build.sh ]; then
+  # Real servers some tests run against: Prometheus (the dashboard test queries every panel)
+  # and an S3-compatible server (s3:// model sources), pinned in hack/testbin/*/go.mod; cached
+  # after the first build (~10 min cold on 2 cores, see hack/testbin/build.sh).
+  echo "== real test servers (hack/testbin/build.sh)"
+  hack/testbin/build.sh prometheus versitygw >/dev/null
+fi
 echo "== pytest"
 python -m pytest "$@"

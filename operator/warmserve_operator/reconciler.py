@@ -54,6 +54,7 @@ from .planning import (
     teardown_actions,
     window_actions,
 )
+from .sources import SourceCatalog, fetch_event
 from .spec import (
     DEFAULT_LOAD_BANDWIDTH,
     GPUNodeSpec,
@@ -193,6 +194,7 @@ class Reconciler:
         self.pending_prewarms: dict[tuple[str, str, tuple[int, ...]], PendingPrewarm] = {}
         self.pending_starts: dict[tuple[str, tuple[int, ...]], PendingStart] = {}
         self.grace_started: dict[str, float] = {}
+        self.sources = SourceCatalog(clock)  # sizes of models only at their spec.model.source
         self._live_uids: frozenset[str] = frozenset()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.last_built: Built | None = None
@@ -293,6 +295,11 @@ class Reconciler:
         mds, invalid = await self._observe(now)
         snaps = self._live_snaps()
         owners, dups = dedupe_models(mds)
+        await self.sources.refresh(
+            owners,
+            {m: e for snap in snaps.values() for m, e in snap.models.items()},
+            [self.agents.get(n, self.nodes[n].spec.address) for n in snaps],
+        )
         self._live_uids = frozenset(md.uid for md in mds if md.uid)
         specs, problems = self._resolve(owners, dups, snaps, now)
         await self._load_history_and_counters(specs)
@@ -335,7 +342,7 @@ class Reconciler:
         now: float,
     ) -> tuple[dict[str, ModelSpec], dict[str, Condition]]:
         """The policy's ModelSpec of every deployment it can act on, and why not for others."""
-        catalog: dict[str, Any] = {}
+        catalog: dict[str, Any] = dict(self.sources.entries())  # only at their sources yet
         for snap in snaps.values():
             catalog.update(snap.models)
         specs: dict[str, ModelSpec] = {}
@@ -354,7 +361,12 @@ class Reconciler:
                 specs[model] = rt.spec
             except SpecError as exc:
                 rt.spec = None
-                problems[md.key] = Condition("Degraded", True, "ModelNotFound", str(exc))
+                why = self.sources.error(md)
+                problems[md.key] = (
+                    Condition("Degraded", True, "SourceUnavailable", f"{md.source}: {why}")
+                    if why
+                    else Condition("Degraded", True, "ModelNotFound", str(exc))
+                )
         for model in list(self.models):
             if model not in owners:
                 self.models.pop(model)
@@ -530,6 +542,7 @@ class Reconciler:
             rt = self.models[md.model] = ModelRuntime(
                 md, WindowLoadTracker(self.cfg.window_s, start_s=now)
             )
+            self.metrics.model_seen(md.model)
         rt.md = md
         return rt
 
@@ -744,14 +757,32 @@ class Reconciler:
             describe(a),
         )
         try:
+            src = self.models[a.model].md.source if a.model in self.models else ""
+            fetch_kw: dict[str, Any] = {"source": src} if src else {}
             if isinstance(a, Prewarm):
                 await self._event(ref, "Normal", "Prewarm", describe(a))
-                await client.prewarm(a.model, a.gpus, a.layers, a.request_id, a.owner)
+                if src:
+                    fetch_kw["on_fetch"] = self._fetch_reporter(ref, a.node)
+                await client.prewarm(a.model, a.gpus, a.layers, a.request_id, a.owner, **fetch_kw)
             elif isinstance(a, Evict):
                 await client.evict(a.slot_id, a.request_id)
                 await self._event(ref, "Normal", "Evicted", describe(a))
             elif isinstance(a, Activate):
-                res = await client.activate(a.model, a.gpus, a.slot_id, a.request_id, a.owner)
+                fetching = bool(src) and (rt.snap is None or a.model not in rt.snap.models)
+                if fetching:  # a cold start on a node whose store lacks the model
+                    await self._event(
+                        ref,
+                        "Normal",
+                        "Fetching",
+                        f"node {a.node} is fetching {a.model} from {src} to start it",
+                    )
+                res = await client.activate(
+                    a.model, a.gpus, a.slot_id, a.request_id, a.owner, **fetch_kw
+                )
+                if fetching:
+                    await self._event(
+                        ref, "Normal", "Fetched", f"node {a.node} fetched {a.model} from {src}"
+                    )
                 start = "hit" if res.hit else "cold"
                 self.metrics.starts.labels(a.model, start).inc()
                 self.metrics.activation_seconds.labels(start).observe(res.activation_s)
@@ -891,6 +922,20 @@ class Reconciler:
         return seen
 
     # ------------------------------------------------------------------ report
+
+    def _fetch_reporter(self, ref: ObjRef | None, node: str) -> Callable[[Any], None]:
+        """Events for a fetch seen on one Prewarm stream: when it starts and when it ends."""
+        seen = [False]
+
+        def report(f: Any) -> None:
+            ev = fetch_event(f, node, first=not seen[0])
+            seen[0] = True
+            if ev is not None:
+                task = asyncio.get_running_loop().create_task(self._event(ref, *ev))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+
+        return report
 
     def _md_ref(self, model: str) -> ObjRef | None:
         rt = self.models.get(model)

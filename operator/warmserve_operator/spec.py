@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from warmserve.modelref import SourceURIError, parse_source
 from warmserve.policy.cluster import ModelSpec, PolicyInputError
 
 GROUP = "warmserve.io"
@@ -91,6 +92,7 @@ class ModelDeploymentSpec:
     prewarm_layers: int | None
     engine_args: tuple[str, ...]
     deleting: bool = False
+    source: str = ""  # spec.model.source: where agents fetch the weights ("" = pre-filled)
     # spec.gateway: how the gateway holds requests while no instance has room (docs/gateway.md)
     max_queue: int = 100
     max_hold_s: float = 120.0
@@ -117,6 +119,12 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
     args = _get(spec, "engine.args", []) or []
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         raise SpecError("spec.engine.args must be a list of strings")
+    source = _get(spec, "model.source", "") or ""
+    if source:
+        try:
+            parse_source(source)
+        except SourceURIError as exc:
+            raise SpecError(f"spec.model.source: {exc}") from None
     enabled = _get(spec, "prewarm.enabled", True)
     if not isinstance(enabled, bool):
         raise SpecError("spec.prewarm.enabled must be a boolean")
@@ -139,6 +147,7 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         prewarm_layers=_int(spec, "prewarm.layers", None, 1, 1024),
         engine_args=tuple(args),
         deleting=bool(meta.get("deletionTimestamp")),
+        source=source,
         max_queue=_int(spec, "gateway.maxQueue", 100, 0, 100_000) or 0,
         max_hold_s=_num(spec, "gateway.maxHoldSeconds", 120.0, 0.001, 3600.0) or 120.0,
     )
@@ -154,6 +163,8 @@ class CatalogEntry:
     name: str
     weight_bytes: int
     num_layers: int
+    source: str = ""  # where the node fetched it from ("" = pre-filled or not fetched)
+    disk_bytes: int = 0
 
 
 def resolve_model(
@@ -174,7 +185,8 @@ def resolve_model(
     if not weight or not layers:
         raise SpecError(
             f"model {md.model!r} is in no node agent's weight cache and spec.model.weightBytes/"
-            "numLayers are not set: copy the weights to the nodes or set them"
+            "numLayers are not set: set spec.model.source (agents fetch it), copy the weights "
+            "to the nodes, or set them"
         )
     if md.prewarm_layers and md.prewarm_layers > layers:
         raise SpecError(

@@ -253,8 +253,33 @@ def node_status(
                 for i in snap.instances
             ],
             "models": [
-                {"name": m.name, "weightBytes": m.weight_bytes, "numLayers": m.num_layers}
+                {
+                    "name": m.name,
+                    "weightBytes": m.weight_bytes,
+                    "numLayers": m.num_layers,
+                    **({"source": m.source, "diskBytes": m.disk_bytes} if m.source else {}),
+                }
                 for m in sorted(snap.models.values(), key=lambda m: m.name)
+            ],
+            "store": {
+                "usedBytes": snap.store[0],
+                "budgetBytes": snap.store[1],
+                "evictions": snap.store[2],
+            },
+            "fetches": [
+                {
+                    "model": f.model,
+                    "source": f.source,
+                    "state": f.state,
+                    "bytesDone": f.bytes_done,
+                    "bytesTotal": f.bytes_total,
+                    "bytesPerSecond": round(f.bytes_per_s, 1),
+                    "etaSeconds": round(f.eta_s, 1),
+                    "attempt": f.attempt,
+                    "message": f.message,
+                    **({"startedAt": now_iso(f.started_unix)} if f.started_unix else {}),
+                }
+                for f in snap.fetches
             ],
         }
     )

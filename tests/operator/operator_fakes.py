@@ -22,6 +22,7 @@ from typing import Any
 from warmserve_operator.agents import (
     ActivateResult,
     AgentCallError,
+    FetchView,
     GpuView,
     InstanceView,
     NodeSnapshot,
@@ -66,12 +67,16 @@ class FakeAgent:
         memory: int = 80 * GiB,
         catalog: dict[str, tuple[int, int]] | None = None,
         clock: Callable[[], float] = time.time,
+        remote: dict[str, tuple[int, int]] | None = None,
     ) -> None:
         self.node = node
         self.memory = memory
         self.n = gpus
         self.catalog = catalog or {}
         self.clock = clock
+        # Model sources this agent can fetch from: source URI -> (weight bytes, layers).
+        self.remote = remote or {}
+        self.fetched: list[tuple[str, str]] = []
         self.slots: dict[str, _Slot] = {}
         self.instances: dict[str, _Inst] = {}
         self.generation = 1
@@ -190,16 +195,53 @@ class FakeAgent:
             self.node, self.agent_id, self.generation, gpus, slots, insts, models, "fake", "0"
         )
 
+    def _fetch(
+        self, request_id: str, key: tuple[Any, ...], model: str, source: str, on_fetch: Any = None
+    ) -> None:
+        """As the real agent: a model missing from the store is fetched from ``source`` before
+        the call's own work; a failed fetch is not remembered for the request id (a replay
+        tries the fetch again), as at the real agent."""
+        if model in self.catalog or not source:
+            return
+        if source not in self.remote:
+            raise AgentCallError("FAILED_PRECONDITION", f"{source}: repository not found")
+        weight, layers = self.remote[source]
+        if on_fetch is not None:
+            on_fetch(FetchView(model, source, "downloading", 0, weight, attempt=1))
+        self.catalog[model] = (weight, layers)
+        self.fetched.append((model, source))
+        if on_fetch is not None:
+            on_fetch(FetchView(model, source, "done", weight, weight, attempt=1))
+
+    async def inspect_model(self, model: str, source: str) -> CatalogEntry:
+        self._check_up()
+        if model in self.catalog:
+            w, n = self.catalog[model]
+        elif source in self.remote:
+            w, n = self.remote[source]
+        else:
+            raise AgentCallError("FAILED_PRECONDITION", f"{source}: repository not found")
+        return CatalogEntry(model, w, n, source)
+
     async def prewarm(
-        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str, owner: str = ""
+        self,
+        model: str,
+        gpus: tuple[int, ...],
+        layers: int,
+        request_id: str,
+        owner: str = "",
+        *,
+        source: str = "",
+        on_fetch: Any = None,
     ) -> SlotView:
         self._check_up()
         self.calls.append(("prewarm", request_id))
-        key = ("prewarm", model, tuple(sorted(gpus)), layers, owner)
+        key = ("prewarm", model, tuple(sorted(gpus)), layers, owner, source)
         if (prev := self._idem(request_id, key)) is not None:
             return prev
         self._check_owner(request_id, key, owner)
         group = self._group(request_id, key, gpus)
+        self._fetch(request_id, key, model, source, on_fetch)
         if model not in self.catalog:
             self._refuse(request_id, key, "NOT_FOUND", f"unknown model {model}")
         weight, total = self.catalog[model]
@@ -248,15 +290,23 @@ class FakeAgent:
         self.done[request_id] = (key, True)
 
     async def activate(
-        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str, owner: str = ""
+        self,
+        model: str,
+        gpus: tuple[int, ...],
+        slot_id: str,
+        request_id: str,
+        owner: str = "",
+        *,
+        source: str = "",
     ) -> ActivateResult:
         self._check_up()
         self.calls.append(("activate", request_id))
-        key = ("activate", model, tuple(sorted(gpus)), slot_id, owner)
+        key = ("activate", model, tuple(sorted(gpus)), slot_id, owner, source)
         if (prev := self._idem(request_id, key)) is not None:
             return prev
         self._check_owner(request_id, key, owner)
         group = self._group(request_id, key, gpus)
+        self._fetch(request_id, key, model, source)
         if model not in self.catalog:
             self._refuse(request_id, key, "NOT_FOUND", f"unknown model {model}")
         for g in group:
