@@ -172,6 +172,8 @@ class AgentClient:
         gpus: Sequence[int],
         *,
         slot_id: str = "",
+        engine: str = "",
+        engine_args: Sequence[str] = (),
         request_id: str | None = None,
         timeout_s: float | None = 600.0,
     ) -> pb.ActivateResponse:
@@ -180,6 +182,8 @@ class AgentClient:
             model=model,
             gpus=list(gpus),
             slot_id=slot_id,
+            engine=engine,
+            engine_args=list(engine_args),
         )
         return await self._unary(self._stub.Activate, req, timeout_s)
 

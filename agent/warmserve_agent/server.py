@@ -104,6 +104,8 @@ class AgentConfig:
     # Simulated backend timing model (0: off): host-to-GPU copy bandwidth and map cost per page.
     sim_copy_bytes_per_s: float = 0.0
     sim_map_s_per_page: float = 0.0
+    engines: tuple[str, ...] = ("simulated",)  # what workers preload and may host
+    default_engine: str = ""  # for Activate calls naming none (default: engines[0])
 
 
 class _TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -254,7 +256,7 @@ class AgentServer:
             from warmserve_agent.engine_host import WorkerEngine
             from warmserve_agent.worker import WorkerPool
 
-            self.pool = WorkerPool(gpu_ids, spares=cfg.spare_workers)
+            self.pool = WorkerPool(gpu_ids, spares=cfg.spare_workers, engines=cfg.engines)
             await asyncio.to_thread(self.pool.start)
             pool = self.pool
 
@@ -279,6 +281,8 @@ class AgentServer:
             node_name=cfg.node_name,
             engine_host=cfg.engine_host,
             advertise_host=cfg.advertise_host,
+            engines=cfg.engines,
+            default_engine=cfg.default_engine,
         )
         info = ServiceInfo(agent_id=self.agent_id, started_unix=time.time())
         if self.pool is not None:

@@ -146,11 +146,11 @@ class AgentService(pb_grpc.NodeAgentServicer):
             gpus=list(i.gpus),
             endpoint=i.endpoint,
             phase=_IP[i.phase],
-            running=int(st.get("running", 0)),
-            waiting=int(st.get("waiting", 0)),
+            running=st.running,
+            waiting=st.waiting,
             max_batch=i.max_batch,
             kv_capacity_bytes=i.kv_pages * page * len(i.gpus),
-            kv_used_bytes=int(st.get("kv_used_bytes", 0)),
+            kv_used_bytes=st.kv_used_bytes,
             lendable_bytes=(
                 min(self.core.mm.available_pages(g) for g in i.gpus) * page
                 if i.phase == InstancePhase.GRACE
@@ -162,6 +162,11 @@ class AgentService(pb_grpc.NodeAgentServicer):
             layers_resident=slot.layers_resident if slot else 0,
             layers_total=slot.layers_total if slot else 0,
             started_unix=i.started_unix,
+            engine=i.engine_name,
+            ttft_p95_seconds=st.ttft_p95_s,
+            ttft_samples=st.ttft_samples,
+            ttft_window_seconds=st.ttft_window_s,
+            dropped_requests=st.dropped,
         )
 
     def _refresh_stats(self) -> None:
@@ -334,13 +339,16 @@ class AgentService(pb_grpc.NodeAgentServicer):
         )
 
     async def Activate(self, request: pb.ActivateRequest, context: Any) -> pb.ActivateResponse:
-        fp = (request.model, tuple(sorted(request.gpus)), request.slot_id)
+        args = tuple(request.engine_args)
+        fp = (request.model, tuple(sorted(request.gpus)), request.slot_id, request.engine, args)
         (inst, evicted), _ = await self._once(
             "Activate",
             request.request_id,
             fp,
             context,
-            lambda: self.core.activate(request.model, request.gpus, request.slot_id),
+            lambda: self.core.activate(
+                request.model, request.gpus, request.slot_id, request.engine, args
+            ),
         )
         return pb.ActivateResponse(
             instance=self.instance_pb(inst),

@@ -1,0 +1,77 @@
+"""The operator's side of the engine boundary: ``spec.engine`` at admission, TTFT in status.
+
+* :func:`parse_engine` validates ``spec.engine.name`` against the agent's engine registry and
+  ``spec.engine.args`` against the schema of vLLM's engine arguments that warmserve ships
+  (``warmserve_agent.engines.args``; the operator does not install vLLM).  A bad argument raises
+  :class:`SpecError` naming it, so the deployment is refused when it is admitted (``Degraded``
+  with reason ``InvalidSpec``, and kopf's Event) and no instance ever starts with it.
+* :func:`ttft_report` compares the engines' observed time to first token with
+  ``spec.ttftObjectiveSeconds`` for ``status.ttft`` and the ``TTFTObjectiveMet`` condition.
+  The observation is each instance's p95 over the agent's TTFT window (engines measure it; a
+  gateway, when it exists, can feed the same status); the deployment's figure is the worst
+  instance's (an objective is missed if any instance misses it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from warmserve_agent.engines import ENGINES
+from warmserve_agent.engines.args import EngineArgsError, validate_engine_args
+
+from .spec import SpecError
+
+TTFT_CONDITION = "TTFTObjectiveMet"
+
+
+def parse_engine(spec: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
+    """(engine name or "" for the agent's default, engine args) of a ModelDeployment spec."""
+    eng = spec.get("engine") or {}
+    if not isinstance(eng, Mapping):
+        raise SpecError("spec.engine must be an object")
+    name = eng.get("name") or ""
+    if not isinstance(name, str) or (name and name not in ENGINES):
+        raise SpecError(
+            f"spec.engine.name {name!r} is not an engine; choose from {sorted(ENGINES)}"
+        )
+    args = eng.get("args") or []
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise SpecError("spec.engine.args must be a list of strings")
+    try:
+        validate_engine_args(args)
+    except EngineArgsError as exc:
+        raise SpecError(str(exc)) from None
+    return name, tuple(args)
+
+
+def ttft_report(
+    observations: Sequence[tuple[float, int, float]], objective_s: float
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """``status.ttft`` and the ``TTFTObjectiveMet`` condition from per-instance
+    ``(p95 seconds, samples, window seconds)``; instances without samples are ignored."""
+    seen = [(p, n, w) for p, n, w in observations if n > 0]
+    status: dict[str, Any] = {"objectiveSeconds": objective_s, "source": "engines"}
+    if not seen:
+        status["samples"] = 0
+        return status, {
+            "type": TTFT_CONDITION,
+            "status": "Unknown",
+            "reason": "NoObservations",
+            "message": "no request reached a serving instance in the TTFT window",
+        }
+    worst = max(p for p, _, _ in seen)
+    samples = sum(n for _, n, _ in seen)
+    status.update(
+        observedP95Seconds=round(worst, 4),
+        samples=samples,
+        windowSeconds=max(w for _, _, w in seen),
+    )
+    met = worst <= objective_s
+    return status, {
+        "type": TTFT_CONDITION,
+        "status": "True" if met else "False",
+        "reason": "ObjectiveMet" if met else "ObjectiveMissed",
+        "message": f"p95 time to first token {worst:.3f}s over {samples} requests "
+        f"{'within' if met else 'exceeds'} the objective {objective_s:g}s",
+    }
