@@ -89,6 +89,10 @@ class InstanceView:
     prewarm_hit: bool = False
     slot_id: str = ""
     started_unix: float = 0.0
+    engine: str = ""
+    ttft_p95_s: float = 0.0  # the engine's p95 TTFT over its window (ttft_samples requests)
+    ttft_samples: int = 0
+    ttft_window_s: float = 0.0
 
     @property
     def load(self) -> int:
@@ -158,6 +162,10 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
             prewarm_hit=bool(i.prewarm_hit),
             slot_id=i.slot_id,
             started_unix=float(i.started_unix),
+            engine=getattr(i, "engine", ""),
+            ttft_p95_s=float(getattr(i, "ttft_p95_seconds", 0.0)),
+            ttft_samples=int(getattr(i, "ttft_samples", 0)),
+            ttft_window_s=float(getattr(i, "ttft_window_seconds", 0.0)),
         )
         for i in desc.instances
     )
@@ -197,7 +205,13 @@ class AgentPort(Protocol):
     async def evict(self, slot_id: str, request_id: str) -> None: ...
 
     async def activate(
-        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str
+        self,
+        model: str,
+        gpus: tuple[int, ...],
+        slot_id: str,
+        request_id: str,
+        engine: str = "",
+        engine_args: tuple[str, ...] = (),
     ) -> ActivateResult: ...
 
     async def begin_grace(self, instance_id: str, request_id: str) -> None: ...
@@ -263,10 +277,23 @@ class GrpcAgent:
         await self._call(self._client.evict(slot_id, request_id=request_id))
 
     async def activate(
-        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str
+        self,
+        model: str,
+        gpus: tuple[int, ...],
+        slot_id: str,
+        request_id: str,
+        engine: str = "",
+        engine_args: tuple[str, ...] = (),
     ) -> ActivateResult:
         resp = await self._call(
-            self._client.activate(model, gpus, slot_id=slot_id, request_id=request_id)
+            self._client.activate(
+                model,
+                gpus,
+                slot_id=slot_id,
+                request_id=request_id,
+                engine=engine,
+                engine_args=engine_args,
+            )
         )
         inst = snapshot_from_pb(self.node, _FakeDesc(instances=[resp.instance])).instances[0]
         return ActivateResult(

@@ -47,19 +47,20 @@ def parse_engine(spec: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
 
 def ttft_report(
     observations: Sequence[tuple[float, int, float]], objective_s: float
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """``status.ttft`` and the ``TTFTObjectiveMet`` condition from per-instance
-    ``(p95 seconds, samples, window seconds)``; instances without samples are ignored."""
+) -> tuple[dict[str, Any], tuple[str, bool | None, str, str]]:
+    """``status.ttft`` and the ``TTFTObjectiveMet`` condition (type, status, reason, message)
+    from per-instance ``(p95 seconds, samples, window seconds)``; instances without samples are
+    ignored."""
     seen = [(p, n, w) for p, n, w in observations if n > 0]
     status: dict[str, Any] = {"objectiveSeconds": objective_s, "source": "engines"}
     if not seen:
         status["samples"] = 0
-        return status, {
-            "type": TTFT_CONDITION,
-            "status": "Unknown",
-            "reason": "NoObservations",
-            "message": "no request reached a serving instance in the TTFT window",
-        }
+        return status, (
+            TTFT_CONDITION,
+            None,
+            "NoObservations",
+            "no request reached a serving instance in the TTFT window",
+        )
     worst = max(p for p, _, _ in seen)
     samples = sum(n for _, n, _ in seen)
     status.update(
@@ -68,10 +69,11 @@ def ttft_report(
         windowSeconds=max(w for _, _, w in seen),
     )
     met = worst <= objective_s
-    return status, {
-        "type": TTFT_CONDITION,
-        "status": "True" if met else "False",
-        "reason": "ObjectiveMet" if met else "ObjectiveMissed",
-        "message": f"p95 time to first token {worst:.3f}s over {samples} requests "
-        f"{'within' if met else 'exceeds'} the objective {objective_s:g}s",
-    }
+    return status, (
+        TTFT_CONDITION,
+        met,
+        "ObjectiveMet" if met else "ObjectiveMissed",
+        # no figures here (they move with every request): status.ttft has them
+        f"p95 time to first token {'is within' if met else 'exceeds'} the objective "
+        f"{objective_s:g}s (status.ttft.observedP95Seconds)",
+    )

@@ -701,7 +701,15 @@ class Reconciler:
                 await client.evict(a.slot_id, a.request_id)
                 await self._event(ref, "Normal", "Evicted", describe(a))
             elif isinstance(a, Activate):
-                res = await client.activate(a.model, a.gpus, a.slot_id, a.request_id)
+                owner = self.models.get(a.model)
+                res = await client.activate(
+                    a.model,
+                    a.gpus,
+                    a.slot_id,
+                    a.request_id,
+                    engine=owner.md.engine if owner else "",
+                    engine_args=owner.md.engine_args if owner else (),
+                )
                 start = "hit" if res.hit else "cold"
                 self.metrics.starts.labels(a.model, start).inc()
                 self.metrics.activation_seconds.labels(start).observe(res.activation_s)
@@ -951,6 +959,7 @@ class Reconciler:
                 weight_bytes=spec.weight_bytes if spec else None,
                 num_layers=spec.num_layers if spec else None,
                 cold_start_s=spec.cold_start_s if spec else None,
+                ttft_objective_s=md.ttft_s,
             )
             view.conditions = self._conditions(rt, snaps, problems.get(md.key))
             status = model_status(model, view, snaps, built.slot_of, rt.raw_status, stamp)
@@ -1017,6 +1026,8 @@ class Reconciler:
                 continue
             if c["type"] == "Degraded" and c["status"] == "True":
                 await self._event(ref, "Warning", c["reason"], c["message"])
+            elif c["type"] == "TTFTObjectiveMet" and c["status"] == "False":
+                await self._event(ref, "Warning", "TTFTObjectiveMissed", c["message"])
             elif c["type"] == "Prewarmed" and c["reason"] == "Unplaced":
                 await self._event(ref, "Warning", "Unplaced", c["message"])
             elif c["type"] == "Prewarmed" and c["reason"] == "AllPlaced":

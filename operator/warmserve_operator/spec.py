@@ -91,6 +91,7 @@ class ModelDeploymentSpec:
     prewarm_layers: int | None
     engine_args: tuple[str, ...]
     deleting: bool = False
+    engine: str = ""  # spec.engine.name; "" = the agent's default engine
 
     @property
     def key(self) -> str:
@@ -111,9 +112,9 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
     assert min_i is not None and max_i is not None
     if min_i > max_i:
         raise SpecError(f"spec.minInstances ({min_i}) must be <= spec.maxInstances ({max_i})")
-    args = _get(spec, "engine.args", []) or []
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise SpecError("spec.engine.args must be a list of strings")
+    from .engine import parse_engine  # spec.engine.name/args, checked against vLLM's schema
+
+    engine, args = parse_engine(spec)
     enabled = _get(spec, "prewarm.enabled", True)
     if not isinstance(enabled, bool):
         raise SpecError("spec.prewarm.enabled must be a boolean")
@@ -134,8 +135,9 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         max_instances=max_i,
         prewarm=enabled,
         prewarm_layers=_int(spec, "prewarm.layers", None, 1, 1024),
-        engine_args=tuple(args),
+        engine_args=args,
         deleting=bool(meta.get("deletionTimestamp")),
+        engine=engine,
     )
     if out.num_layers and out.prewarm_layers and out.prewarm_layers > out.num_layers:
         raise SpecError("spec.prewarm.layers must be <= spec.model.numLayers")

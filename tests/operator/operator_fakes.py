@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from warmserve_agent.engines.args import EngineArgsError, validate_engine_args
 from warmserve_operator.agents import (
     ActivateResult,
     AgentCallError,
@@ -46,6 +47,8 @@ class _Inst:
     hit: bool
     phase: InstancePhase = InstancePhase.SERVING
     running: int = 0
+    engine: str = ""
+    ttft: tuple[float, int] = (0.0, 0)  # (p95 seconds, samples) the engine reports
 
 
 class FakeAgent:
@@ -67,6 +70,8 @@ class FakeAgent:
         self.ids = itertools.count(1)
         self.done: dict[str, Any] = {}
         self.calls: list[tuple[str, str]] = []
+        # (model, gpus) -> (engine, engine args) of the last activation
+        self.engine_args: dict[tuple[str, tuple[int, ...]], tuple[str, tuple[str, ...]]] = {}
         self.down = False
 
     # ------------------------------------------------------------------ helpers
@@ -146,6 +151,10 @@ class FakeAgent:
                 kv_capacity_bytes=GiB,
                 prewarm_hit=i.hit,
                 slot_id=i.slot_id,
+                engine=i.engine,
+                ttft_p95_s=i.ttft[0],
+                ttft_samples=i.ttft[1],
+                ttft_window_s=300.0 if i.ttft[1] else 0.0,
             )
             for i in self.instances.values()
         )
@@ -191,10 +200,21 @@ class FakeAgent:
         self.done[request_id] = (("evict", slot_id), True)
 
     async def activate(
-        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str
+        self,
+        model: str,
+        gpus: tuple[int, ...],
+        slot_id: str,
+        request_id: str,
+        engine: str = "",
+        engine_args: tuple[str, ...] = (),
     ) -> ActivateResult:
         self._check_up()
         self.calls.append(("activate", request_id))
+        try:  # the real agent refuses what the engine-args schema refuses, before any change
+            validate_engine_args(engine_args)
+        except EngineArgsError as exc:
+            raise AgentCallError("INVALID_ARGUMENT", str(exc)) from None
+        self.engine_args[(model, gpus)] = (engine, tuple(engine_args))
         key = ("activate", model, gpus, slot_id)
         if (prev := self._idem(request_id, key)) is not None:
             return prev
@@ -222,7 +242,7 @@ class FakeAgent:
             hit = True
         self.slots[hit_slot].active = True
         iid = f"inst-{self.node}-{next(self.ids)}"
-        self.instances[iid] = _Inst(iid, model, gpus, hit_slot, hit)
+        self.instances[iid] = _Inst(iid, model, gpus, hit_slot, hit, engine=engine or "simulated")
         self.generation += 1
         snap = await self.describe()
         inst = next(i for i in snap.instances if i.instance_id == iid)

@@ -13,7 +13,7 @@ import os
 # keeps its in-process executor when V1 multiprocessing is off.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-import torch  # noqa: E402
+import torch
 import uvicorn  # noqa: F401
 import vllm  # noqa: F401
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401
