@@ -675,6 +675,7 @@ class NodeCore:
             self._start_loader(chosen)  # cold start, or the rest of a partial prewarm
             try:
                 inst.endpoint = engine.start(self._engine_spec(inst, chosen, tuple(engine_args)))
+                inst.max_batch = engine.stats().max_batch or inst.max_batch  # C of Eq. 1
                 inst.phase = InstancePhase.SERVING
                 if chosen.layers_resident > 0:
                     engine.layers_ready(chosen.layers_resident)

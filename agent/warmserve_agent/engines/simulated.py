@@ -222,7 +222,11 @@ class SimulatedEngine:
         self._st.cond = asyncio.Condition()
         self._metrics = _Metrics(self.spec.model)
         app = web.Application()
-        app.router.add_get("/health", lambda r: web.Response(text="ok"))
+
+        async def health(request: Any) -> Any:
+            return web.Response(text="ok")
+
+        app.router.add_get("/health", health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)

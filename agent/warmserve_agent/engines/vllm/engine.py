@@ -156,6 +156,24 @@ class VllmEngine:
         _cleanup_vllm_process_state()
         self._loop = self._thread = None
 
+    # ---- introspection (tests, benchmarks) ------------------------------------------------------
+    def model(self) -> Any:
+        """vLLM's ``nn.Module`` (the in-process executor's worker)."""
+        assert self._client is not None
+        return self._client.engine_core.model_executor.driver_worker.worker.model_runner.model
+
+    def slot_layout(self) -> dict[str, Any]:
+        """Where the slot is in this process and where vLLM's tensors are: for the zero-copy
+        checks (every parameter and KV tensor must lie inside the slot)."""
+        assert self._mem is not None and self._slot is not None
+        return {
+            "base": self._mem.base,
+            "weight_bytes": self._mem.region.weight_bytes,
+            "mapped_bytes": self._mem.region.mapped_bytes,
+            "kv_range": self._slot.kv_range,
+            "kv": {n: (t.data_ptr(), extent(t)) for n, t in self._slot.kv.items()},
+        }
+
     # ---- KV capacity (engine thread) -----------------------------------------------------------
     @property
     def _block_bytes(self) -> int:
@@ -416,6 +434,14 @@ def _ttft_logger_factory(window: TtftWindow) -> Any:
             pass
 
     return TtftLogger
+
+
+def extent(t: Any) -> int:
+    """Bytes from ``t.data_ptr()`` to the end of the last element ``t`` addresses."""
+    if t.numel() == 0:
+        return 0
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
 
 
 _TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
