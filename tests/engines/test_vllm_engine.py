@@ -87,11 +87,11 @@ def _post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
-def _tokens(endpoint: str, n: int = 16) -> list[int]:
+def _tokens(endpoint: str, n: int = 16, model: str = "tiny") -> list[int]:
     status, body = _post(
         f"{endpoint}/v1/completions",
         {
-            "model": "tiny",
+            "model": model,
             "prompt": PROMPT,
             "max_tokens": n,
             "temperature": 0,
