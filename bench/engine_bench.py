@@ -193,7 +193,8 @@ def main() -> int:
     print(f"{'time to first token (median)':38} {'total':>8} {'parts':>34}")
     print(
         f"{'pooled vLLM worker, prewarmed slot':38} {med(pooled, 'ttft_s'):7.2f}s "
-        f"   Activate {med(pooled, 'activate_s'):.2f}s + 1st token {med(pooled, 'first_token_s'):.2f}s"
+        f"   Activate {med(pooled, 'activate_s'):.2f}s "
+        f"+ 1st token {med(pooled, 'first_token_s'):.2f}s"
     )
     print(
         f"{'fresh process, vLLM from files':38} {med(fresh, 'ttft_s'):7.2f}s "

@@ -133,6 +133,7 @@ class AgentClient:
         *,
         request_id: str | None = None,
         timeout_s: float | None = 600.0,
+        owner: str = "",
     ) -> AsyncIterator[pb.PrewarmProgress]:
         """Stream progress of loading ``model`` (first ``layers``, 0 = all) onto ``gpus``.
 
@@ -143,6 +144,7 @@ class AgentClient:
             model=model,
             gpus=list(gpus),
             layers=layers,
+            owner=owner,
         )
         call = self._stub.Prewarm(req, metadata=self._metadata, timeout=timeout_s)
         try:
@@ -152,11 +154,17 @@ class AgentClient:
             raise _wrap(exc) from None
 
     async def prewarm_wait(
-        self, model: str, gpus: Sequence[int], layers: int = 0, *, request_id: str | None = None
+        self,
+        model: str,
+        gpus: Sequence[int],
+        layers: int = 0,
+        *,
+        request_id: str | None = None,
+        owner: str = "",
     ) -> pb.PrewarmProgress:
         """Prewarm and return the final progress message (``.slot`` is the resident slot)."""
         last: pb.PrewarmProgress | None = None
-        async for msg in self.prewarm(model, gpus, layers, request_id=request_id):
+        async for msg in self.prewarm(model, gpus, layers, request_id=request_id, owner=owner):
             last = msg
         if last is None:  # pragma: no cover - the server always sends a final message
             raise AgentError(grpc.StatusCode.UNKNOWN, "prewarm stream ended without a message")
@@ -176,6 +184,7 @@ class AgentClient:
         engine_args: Sequence[str] = (),
         request_id: str | None = None,
         timeout_s: float | None = 600.0,
+        owner: str = "",
     ) -> pb.ActivateResponse:
         req = pb.ActivateRequest(
             request_id=request_id or new_request_id("activate"),
@@ -184,6 +193,7 @@ class AgentClient:
             slot_id=slot_id,
             engine=engine,
             engine_args=list(engine_args),
+            owner=owner,
         )
         return await self._unary(self._stub.Activate, req, timeout_s)
 

@@ -108,6 +108,7 @@ class SlotRec:
     loader: threading.Thread | None = None
     loader_active: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)  # state/target vs the loader
+    owner: str = ""  # opaque, set by the client (the operator: the ModelDeployment's UID)
 
     @property
     def layers_total(self) -> int:
@@ -141,6 +142,8 @@ class InstanceRec:
     last_stats: EngineStats = field(default_factory=EngineStats)
     engine_name: str = DEFAULT_ENGINE
     reservation_target: int = 0  # per GPU, bytes (grace only)
+    owner: str = ""  # as SlotRec.owner
+    grace_started_unix: float = 0.0  # when BeginGrace took effect
 
 
 @dataclass
@@ -232,6 +235,15 @@ class NodeCore:
             raise Refusal("NOT_FOUND", str(exc)) from None
         except StoreError as exc:
             raise Refusal("INVALID_ARGUMENT", str(exc)) from None
+
+    @staticmethod
+    def _check_owner(owner: str) -> None:
+        if owner and not ID_RE.match(owner):
+            raise Refusal(
+                "INVALID_ARGUMENT",
+                "owner must be empty or 1-128 characters of [A-Za-z0-9._:-] "
+                f"(got {len(owner)} characters)",
+            )
 
     def _check_gpus(self, gpus: Iterable[int]) -> tuple[int, ...]:
         gl = list(gpus)
@@ -394,9 +406,10 @@ class NodeCore:
             return out
 
     # ---- prewarm ---------------------------------------------------------------------------
-    def prewarm(self, model: str, gpus: Iterable[int], layers: int = 0) -> SlotRec:
+    def prewarm(self, model: str, gpus: Iterable[int], layers: int = 0, owner: str = "") -> SlotRec:
         """Admit a prewarm and start its loader; returns the (loading) slot."""
         with self._lock:
+            self._check_owner(owner)
             group = self._check_gpus(gpus)
             layout = self._model_layout(model, len(group))
             n = layout.model.num_layers
@@ -443,7 +456,7 @@ class NodeCore:
             slot_id = f"slot-{uuid.uuid4().hex[:12]}"
             self.mm.create_slot(slot_id, group)
             self.mm.promise(slot_id, need)
-            slot = SlotRec(slot_id, model, group, layout, target)
+            slot = SlotRec(slot_id, model, group, layout, target, owner=owner)
             self.slots[slot_id] = slot
             self._transition(
                 [g for g in group if self.gpus[g].state == WorkerState.IDLE],
@@ -580,11 +593,13 @@ class NodeCore:
         slot_id: str = "",
         engine: str = "",
         engine_args: Sequence[str] = (),
+        owner: str = "",
     ) -> tuple[InstanceRec, list[str]]:
         """Start an instance of ``model`` on ``gpus`` (prewarm hit if a slot holds it) with
         ``engine`` (default: the node's) and vLLM-style ``engine_args``."""
         t0 = time.perf_counter()
         with self._lock:
+            self._check_owner(owner)
             group = self._check_gpus(gpus)
             layout = self._model_layout(model, len(group))
             engine_name = self._check_engine(engine, engine_args)
@@ -646,6 +661,7 @@ class NodeCore:
             with chosen.lock:
                 chosen.layers_target = layout.model.num_layers
                 chosen.state = "active"
+                chosen.owner = owner  # the slot now belongs to the instance's owner
             self.mm.promise(
                 chosen.slot_id, weight_pages - self.mm.mapped_prefix(chosen.slot_id, group[0])
             )
@@ -666,6 +682,7 @@ class NodeCore:
                 kv_pages,
                 prewarm_hit=hit,
                 engine_name=engine_name,
+                owner=owner,
             )
             self.instances[iid] = inst
             for g in group:
@@ -803,6 +820,7 @@ class NodeCore:
                 )
             self._transition(inst.gpus, WorkerState.GRACE)
             inst.phase = InstancePhase.GRACE
+            inst.grace_started_unix = time.time()
             self._emit("instance", instance_id, "grace")
             self._refresh_grace(inst)
             return inst

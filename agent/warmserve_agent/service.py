@@ -134,6 +134,7 @@ class AgentService(pb_grpc.NodeAgentServicer):
             weight_bytes_per_gpu=s.layout.total_bytes,
             state=_SS[s.state],
             message=s.message,
+            owner=s.owner,
         )
 
     def instance_pb(self, i: InstanceRec) -> pb.InstanceInfo:
@@ -167,6 +168,8 @@ class AgentService(pb_grpc.NodeAgentServicer):
             ttft_samples=st.ttft_samples,
             ttft_window_seconds=st.ttft_window_s,
             dropped_requests=st.dropped,
+            owner=i.owner,
+            grace_started_unix=i.grace_started_unix,
         )
 
     def _refresh_stats(self) -> None:
@@ -270,7 +273,7 @@ class AgentService(pb_grpc.NodeAgentServicer):
     async def Prewarm(
         self, request: pb.PrewarmRequest, context: Any
     ) -> AsyncIterator[pb.PrewarmProgress]:
-        fp = (request.model, tuple(sorted(request.gpus)), request.layers)
+        fp = (request.model, tuple(sorted(request.gpus)), request.layers, request.owner)
         q: asyncio.Queue[Event] = asyncio.Queue()
         self._subs.add(q)
         try:
@@ -279,7 +282,9 @@ class AgentService(pb_grpc.NodeAgentServicer):
                 request.request_id,
                 fp,
                 context,
-                lambda: self.core.prewarm(request.model, request.gpus, request.layers),
+                lambda: self.core.prewarm(
+                    request.model, request.gpus, request.layers, request.owner
+                ),
             )
             last: tuple[Any, ...] | None = None
             while True:
@@ -340,14 +345,21 @@ class AgentService(pb_grpc.NodeAgentServicer):
 
     async def Activate(self, request: pb.ActivateRequest, context: Any) -> pb.ActivateResponse:
         args = tuple(request.engine_args)
-        fp = (request.model, tuple(sorted(request.gpus)), request.slot_id, request.engine, args)
+        fp = (
+            request.model,
+            tuple(sorted(request.gpus)),
+            request.slot_id,
+            request.owner,
+            request.engine,
+            args,
+        )
         (inst, evicted), _ = await self._once(
             "Activate",
             request.request_id,
             fp,
             context,
             lambda: self.core.activate(
-                request.model, request.gpus, request.slot_id, request.engine, args
+                request.model, request.gpus, request.slot_id, request.engine, args, request.owner
             ),
         )
         return pb.ActivateResponse(

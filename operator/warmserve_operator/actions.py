@@ -46,6 +46,7 @@ class Prewarm:
     rank: int
     score: float
     request_id: str
+    owner: str = ""  # the owning ModelDeployment's UID, recorded on the slot by the agent
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,7 @@ class Activate:
     hit: bool
     evicts: tuple[str, ...]  # slot ids of other models the start evicts
     request_id: str
+    owner: str = ""  # recorded on the instance and its slot
 
 
 @dataclass(frozen=True, slots=True)

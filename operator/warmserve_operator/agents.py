@@ -60,6 +60,7 @@ class SlotView:
     resident_bytes_per_gpu: int
     weight_bytes_per_gpu: int
     state: str  # loading | ready | active | failed
+    owner: str = ""  # the owning ModelDeployment's UID ("" : set by no operator / older agent)
 
     @property
     def target_bytes_per_gpu(self) -> int:
@@ -93,6 +94,8 @@ class InstanceView:
     ttft_p95_s: float = 0.0  # the engine's p95 TTFT over its window (ttft_samples requests)
     ttft_samples: int = 0
     ttft_window_s: float = 0.0
+    owner: str = ""  # the owning ModelDeployment's UID (see SlotView.owner)
+    grace_started_unix: float = 0.0  # agent clock; 0 when not in grace or unknown
 
     @property
     def load(self) -> int:
@@ -142,6 +145,7 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
             resident_bytes_per_gpu=int(s.resident_bytes_per_gpu),
             weight_bytes_per_gpu=int(s.weight_bytes_per_gpu),
             state=_SLOT.get(int(s.state), "unknown"),
+            owner=s.owner,
         )
         for s in desc.slots
     )
@@ -166,6 +170,8 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
             ttft_p95_s=float(getattr(i, "ttft_p95_seconds", 0.0)),
             ttft_samples=int(getattr(i, "ttft_samples", 0)),
             ttft_window_s=float(getattr(i, "ttft_window_seconds", 0.0)),
+            owner=i.owner,
+            grace_started_unix=float(i.grace_started_unix),
         )
         for i in desc.instances
     )
@@ -199,7 +205,7 @@ class AgentPort(Protocol):
     async def describe(self) -> NodeSnapshot: ...
 
     async def prewarm(
-        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str
+        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str, owner: str = ""
     ) -> SlotView: ...
 
     async def evict(self, slot_id: str, request_id: str) -> None: ...
@@ -210,6 +216,7 @@ class AgentPort(Protocol):
         gpus: tuple[int, ...],
         slot_id: str,
         request_id: str,
+        owner: str = "",
         engine: str = "",
         engine_args: tuple[str, ...] = (),
     ) -> ActivateResult: ...
@@ -265,10 +272,10 @@ class GrpcAgent:
         return snapshot_from_pb(self.node, await self._call(self._client.describe()))
 
     async def prewarm(
-        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str
+        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str, owner: str = ""
     ) -> SlotView:
         last = await self._call(
-            self._client.prewarm_wait(model, gpus, layers, request_id=request_id)
+            self._client.prewarm_wait(model, gpus, layers, request_id=request_id, owner=owner)
         )
         snap = snapshot_from_pb(self.node, _FakeDesc(slots=[last.slot]))
         return snap.slots[0]
@@ -282,6 +289,7 @@ class GrpcAgent:
         gpus: tuple[int, ...],
         slot_id: str,
         request_id: str,
+        owner: str = "",
         engine: str = "",
         engine_args: tuple[str, ...] = (),
     ) -> ActivateResult:
@@ -291,6 +299,7 @@ class GrpcAgent:
                 gpus,
                 slot_id=slot_id,
                 request_id=request_id,
+                owner=owner,
                 engine=engine,
                 engine_args=engine_args,
             )

@@ -55,6 +55,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         priority=int(memo.get("priority", 0)),
         discovery=memo.get("discovery"),
         namespaces=tuple(memo.get("namespaces") or ()),
+        history_namespace=memo.get("history_namespace"),
     )
     await kube.ensure_peering()
     metrics = Metrics()

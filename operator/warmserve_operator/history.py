@@ -4,8 +4,12 @@ The predictor (WarmServe §5.1, Eq. 2-4) needs days of per-window average and pe
 averages the same window over the previous D days.  An operator restart must not lose that, so
 the history lives in the cluster, not in the operator's memory.
 
-Where and why: one ConfigMap per ModelDeployment, ``warmserve-history-<name>`` in the
-deployment's namespace, with the two series as base64 of little-endian float16 arrays.
+Where and why: one ConfigMap per ModelDeployment, ``warmserve-history-<deployment UID>`` in
+the *operator's own namespace* (the chart's release namespace), with the two series as base64
+of little-endian float16 arrays.  Least privilege (issue 16, H3): the operator may write
+ConfigMaps only there (a namespaced Role), never in the namespaces its users own; the UID
+names it uniquely across namespaces.  No ownerReference can cross namespaces, so the teardown
+deletes it with the deployment and the loop removes any whose UID no deployment has.
 
 * Compact: 8 days of 5-minute windows are 2 x 2,304 values x 2 bytes = 9 KiB (12 KiB as base64),
   far below the 1 MiB object limit; float16 keeps ~3 significant digits, plenty for "requests in
@@ -171,6 +175,10 @@ def _impute(values: np.ndarray, windows_per_day: int) -> np.ndarray:
     return out
 
 
-def configmap_name(md_name: str) -> str:
-    """Name of the history ConfigMap of a deployment (DNS-1123, <= 253 chars)."""
-    return f"warmserve-history-{md_name}"[:253]
+HISTORY_PREFIX = "warmserve-history-"
+OWNER_LABEL = "warmserve.io/owner-uid"
+
+
+def configmap_name(uid: str) -> str:
+    """Name of the history ConfigMap of the deployment with this UID (DNS-1123)."""
+    return f"{HISTORY_PREFIX}{uid}"[:253]

@@ -69,14 +69,35 @@ class KubePort(Protocol):
     async def list_gpu_nodes(self) -> list[dict[str, Any]]: ...
     async def patch_md_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
     async def patch_node_status(self, name: str, status: dict[str, Any]) -> None: ...
-    async def read_history(self, namespace: str, name: str) -> dict[str, str] | None: ...
-    async def write_history(
-        self, namespace: str, name: str, data: dict[str, str], owner_uid: str, owner_name: str
-    ) -> None: ...
-    async def delete_history(self, namespace: str, name: str) -> None: ...
+    async def read_history(self, uid: str) -> dict[str, str] | None: ...
+    async def write_history(self, uid: str, data: dict[str, str], owner_key: str) -> None: ...
+    async def delete_history(self, uid: str) -> None: ...
+    async def list_history_uids(self) -> list[str]: ...
     async def emit_event(self, ref: ObjRef, type_: str, reason: str, message: str) -> None: ...
     async def is_leader(self) -> bool: ...
     async def sync_agent_nodes(self) -> None: ...
+
+
+def own_namespace() -> str:
+    """The operator's namespace: $POD_NAMESPACE (the chart sets it), the in-cluster service
+    account's namespace, the kubeconfig context's namespace, else ``default``."""
+    ns = os.environ.get("POD_NAMESPACE")
+    if ns:
+        return ns
+    try:
+        with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as f:
+            return f.read().strip() or "default"
+    except OSError:
+        pass
+    try:
+        from kubernetes import config
+
+        _, active = config.list_kube_config_contexts(
+            config_file=os.environ.get("KUBECONFIG") or None
+        )
+        return str((active or {}).get("context", {}).get("namespace") or "default")
+    except Exception:  # no kubeconfig: the caller fails on its own, clearly
+        return "default"
 
 
 def is_leader(
@@ -115,6 +136,7 @@ class KubeApi:
         event_namespace: str = "default",
         discovery: AgentDiscovery | None = None,
         namespaces: tuple[str, ...] = (),
+        history_namespace: str | None = None,
     ) -> None:
         from kubernetes import client, config
 
@@ -132,6 +154,8 @@ class KubeApi:
         self.event_namespace = event_namespace
         self.discovery = discovery
         self.namespaces = namespaces  # empty: every namespace
+        # Load histories live in the operator's own namespace (see .history).
+        self.history_namespace = history_namespace or own_namespace()
 
     async def _t(self, fn: Any, *args: Any, **kw: Any) -> Any:
         return await asyncio.to_thread(fn, *args, **kw)
@@ -181,12 +205,12 @@ class KubeApi:
             if exc.status != 404:
                 raise
 
-    async def read_history(self, namespace: str, name: str) -> dict[str, str] | None:
+    async def read_history(self, uid: str) -> dict[str, str] | None:
         from .history import configmap_name
 
         try:
             cm = await self._t(
-                self._core.read_namespaced_config_map, configmap_name(name), namespace
+                self._core.read_namespaced_config_map, configmap_name(uid), self.history_namespace
             )
         except self._exc as exc:
             if exc.status == 404:
@@ -194,51 +218,50 @@ class KubeApi:
             raise
         return dict(cm.data or {})
 
-    async def write_history(
-        self, namespace: str, name: str, data: dict[str, str], owner_uid: str, owner_name: str
-    ) -> None:
-        from .history import configmap_name
+    async def write_history(self, uid: str, data: dict[str, str], owner_key: str) -> None:
+        from .history import OWNER_LABEL, configmap_name
 
+        name, ns = configmap_name(uid), self.history_namespace
         body = {
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": {
-                "name": configmap_name(name),
-                "namespace": namespace,
-                "labels": {
-                    "app.kubernetes.io/managed-by": COMPONENT,
-                    "warmserve.io/model-deployment": name[:63],
-                },
-                "ownerReferences": [
-                    {
-                        "apiVersion": API_VERSION,
-                        "kind": MD_KIND,
-                        "name": owner_name,
-                        "uid": owner_uid,
-                    }
-                ]
-                if owner_uid
-                else [],
+                "name": name,
+                "namespace": ns,
+                "labels": {"app.kubernetes.io/managed-by": COMPONENT, OWNER_LABEL: uid[:63]},
+                "annotations": {"warmserve.io/model-deployment": owner_key},
             },
             "data": data,
         }
         try:
+            await self._t(self._core.replace_namespaced_config_map, name, ns, body)
+        except self._exc as exc:
+            if exc.status != 404:
+                raise
+            await self._t(self._core.create_namespaced_config_map, ns, body)
+
+    async def delete_history(self, uid: str) -> None:
+        from .history import configmap_name
+
+        try:
             await self._t(
-                self._core.replace_namespaced_config_map, configmap_name(name), namespace, body
+                self._core.delete_namespaced_config_map,
+                configmap_name(uid),
+                self.history_namespace,
             )
         except self._exc as exc:
             if exc.status != 404:
                 raise
-            await self._t(self._core.create_namespaced_config_map, namespace, body)
 
-    async def delete_history(self, namespace: str, name: str) -> None:
-        from .history import configmap_name
+    async def list_history_uids(self) -> list[str]:
+        from .history import OWNER_LABEL
 
-        try:
-            await self._t(self._core.delete_namespaced_config_map, configmap_name(name), namespace)
-        except self._exc as exc:
-            if exc.status != 404:
-                raise
+        res = await self._t(
+            self._core.list_namespaced_config_map,
+            self.history_namespace,
+            label_selector=f"app.kubernetes.io/managed-by={COMPONENT},{OWNER_LABEL}",
+        )
+        return [cm.metadata.labels[OWNER_LABEL] for cm in res.items]
 
     async def emit_event(self, ref: ObjRef, type_: str, reason: str, message: str) -> None:
         from kubernetes import client

@@ -12,6 +12,17 @@ Pure functions, no I/O, so they are unit-tested without Kubernetes or gRPC:
   the snapshot before the next one so two starts never pick the same GPUs.
 * :func:`teardown_actions` lists what deleting a deployment must remove.
 
+Identity: what belongs to a deployment is what the agent recorded with its *UID* as owner
+(``SlotView.owner`` / ``InstanceView.owner``, set by the Prewarm/Activate calls), never what
+merely has the same model name: a ``DuplicateModel`` deployment in another namespace names the
+same model but owns nothing, so deleting it touches nothing (issue 16, H2).  Slots and
+instances without an owner (made by an operator before owners existed) keep the old rule:
+they belong to whichever deployment serves their model.
+
+Ending an instance always goes through its grace period: the agent refuses ``EndInstance`` for
+a serving instance, so teardown and orphan removal first ``BeginGrace`` and end the instance
+once it is idle or its grace is over (:func:`drain_actions`, issue 16, H1).
+
 No policy logic lives here: counts, scores, placement, start choice and hysteresis are the
 policy core's; this module only maps identities (slot ids, instance ids, request ids).
 
@@ -23,7 +34,9 @@ keeps no replica metadata that a restart could lose.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
 from warmserve.policy.autoscaler import AutoscalerConfig, ScaleDecision, ScaleMemory, decide
 from warmserve.policy.cluster import (
@@ -52,6 +65,7 @@ class PendingPrewarm:
     model: str
     gpus: tuple[int, ...]
     bytes_per_gpu: int
+    owner: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +73,33 @@ class PendingStart:
     node: str
     model: str
     gpus: tuple[int, ...]
+    owner: str = ""
+
+
+class Ownership(StrEnum):
+    MINE = "mine"  # the model's current owner deployment's (or legacy, unowned)
+    FOREIGN = "foreign"  # another live deployment's (e.g. one being deleted): hands off
+    ORPHAN = "orphan"  # no live deployment owns it: remove
+
+
+def ownership(
+    model: str,
+    owner: str,
+    models: Mapping[str, object],
+    owners: Mapping[str, str] | None,
+    live: AbstractSet[str],
+) -> Ownership:
+    """Whose a slot/instance of ``model`` with agent-recorded ``owner`` UID is.
+
+    ``owners``: model -> UID of the deployment that serves it now (``None``: ownership by model
+    name only, for callers without UIDs); ``live``: UIDs of every listed deployment (also
+    duplicates and those being deleted).
+    """
+    if owners is None or not owner:  # by model name (legacy: no owner recorded)
+        return Ownership.MINE if model in models else Ownership.ORPHAN
+    if model in models and owners.get(model) == owner:
+        return Ownership.MINE
+    return Ownership.FOREIGN if owner in live else Ownership.ORPHAN
 
 
 @dataclass(frozen=True)
@@ -70,6 +111,7 @@ class Built:
     orphan_slots: tuple[tuple[str, SlotView, str], ...] = ()
     orphan_instances: tuple[tuple[str, InstanceView], ...] = ()
     snaps: Mapping[str, NodeSnapshot] = field(default_factory=dict)
+    owners: Mapping[str, str] = field(default_factory=dict)  # model -> owner UID
 
 
 def _gpu(g: object) -> GPU:
@@ -87,8 +129,14 @@ def build_state(
     *,
     pending_prewarms: Iterable[PendingPrewarm] = (),
     pending_starts: Iterable[PendingStart] = (),
+    owners: Mapping[str, str] | None = None,
+    live: AbstractSet[str] = frozenset(),
 ) -> Built:
-    """The policy's view of the cluster from the agents' snapshots (see module docstring)."""
+    """The policy's view of the cluster from the agents' snapshots (see module docstring).
+
+    ``owners``/``live``: see :func:`ownership`; a foreign slot or instance is neither a replica
+    nor an orphan (its GPUs' free memory and state already account for it).
+    """
     nodes: list[Node] = []
     replicas: list[Replica] = []
     instances: list[Instance] = []
@@ -107,14 +155,18 @@ def build_state(
                 orphan_slots.append((name, s, "slot names GPUs the agent does not report"))
             elif s.state == "failed":
                 orphan_slots.append((name, s, "loading failed"))
-            elif s.model not in models:
-                orphan_slots.append((name, s, "no ModelDeployment serves this model"))
+            elif (own := ownership(s.model, s.owner, models, owners, live)) != Ownership.MINE:
+                if own == Ownership.ORPHAN:
+                    orphan_slots.append((name, s, "no ModelDeployment owns this slot"))
             elif (name, s.model, s.gpus) in slot_of:
                 orphan_slots.append((name, s, "duplicate slot of the same model on the same GPUs"))
             else:
                 slot_of[(name, s.model, s.gpus)] = s.slot_id
         for inst in snap.instances:
-            if inst.model not in models or not set(inst.gpus) <= valid or not inst.gpus:
+            own = ownership(inst.model, inst.owner, models, owners, live)
+            if own == Ownership.FOREIGN and set(inst.gpus) <= valid and inst.gpus:
+                continue
+            if own == Ownership.ORPHAN or not set(inst.gpus) <= valid or not inst.gpus:
                 orphan_instances.append((name, inst))
                 continue
             instances.append(
@@ -179,7 +231,14 @@ def build_state(
         instances=tuple(instances),
         forecasts={m: f for m, f in forecasts.items() if m in models},
     )
-    return Built(state, slot_of, tuple(orphan_slots), tuple(orphan_instances), dict(snaps))
+    return Built(
+        state,
+        slot_of,
+        tuple(orphan_slots),
+        tuple(orphan_instances),
+        dict(snaps),
+        dict(owners or {}),
+    )
 
 
 def _rid(built: Built, verb: str, model: str, node: str, subject: str) -> str:
@@ -224,13 +283,46 @@ def window_actions(built: Built, *, evict_aware: bool = True) -> tuple[PrewarmPl
                 r.rank,
                 r.score,
                 _rid(built, "prewarm", r.model, r.node, gpus_str(r.gpus)),
+                built.owners.get(r.model, ""),
             )
         )
     return plan, actions
 
 
-def orphan_actions(built: Built) -> list[Action]:
-    """Remove what no ModelDeployment owns (deleted while the operator was away, failed loads)."""
+def drain_actions(
+    node: str,
+    snap: NodeSnapshot | None,
+    inst: InstanceView,
+    reason: str,
+    now_s: float,
+    grace_started_s: Mapping[str, float],
+    max_grace_s: float,
+) -> list[Action]:
+    """Remove an instance the way the agent allows: serving -> BeginGrace; grace -> EndInstance
+    (evicting its weights) once no request is left or ``max_grace_s`` has passed since its grace
+    began (the agent's ``grace_started_unix``, else when this operator first saw it in grace);
+    starting -> nothing yet (the next poll sees it serving)."""
+    agent_id, gen = (snap.agent_id, snap.generation) if snap else ("", 0)
+    if inst.phase == InstancePhase.SERVING:
+        rid = request_id("grace", inst.model, node, inst.instance_id, agent_id, gen)
+        return [BeginGrace(node, inst.model, inst.instance_id, rid)]
+    if inst.phase != InstancePhase.GRACE:
+        return []
+    started = inst.grace_started_unix or grace_started_s.get(inst.instance_id, now_s)
+    if inst.load > 0 and now_s - started < max_grace_s:
+        return []
+    rid = request_id("end", inst.model, node, inst.instance_id, agent_id, gen)
+    return [EndInstance(node, inst.model, inst.instance_id, True, reason, rid)]
+
+
+def orphan_actions(
+    built: Built,
+    now_s: float = 0.0,
+    grace_started_s: Mapping[str, float] | None = None,
+    max_grace_s: float = 0.0,
+) -> list[Action]:
+    """Remove what no ModelDeployment owns (deleted while the operator was away, failed loads);
+    instances drain through grace (:func:`drain_actions`)."""
     out: list[Action] = []
     for node, s, reason in built.orphan_slots:
         out.append(
@@ -244,15 +336,14 @@ def orphan_actions(built: Built) -> list[Action]:
             )
         )
     for node, inst in built.orphan_instances:
-        out.append(
-            EndInstance(
-                node,
-                inst.model,
-                inst.instance_id,
-                True,
-                "no ModelDeployment serves this model",
-                _rid(built, "end", inst.model, node, inst.instance_id),
-            )
+        out += drain_actions(
+            node,
+            built.snaps.get(node),
+            inst,
+            "no ModelDeployment owns this instance",
+            now_s,
+            grace_started_s or {},
+            max_grace_s,
         )
     return out
 
@@ -346,6 +437,7 @@ def scaling_actions(
                     choice.hit and bool(slot_id),
                     evicts,
                     _rid(built, "activate", model, choice.node, gpus_str(choice.gpus)),
+                    built.owners.get(model, ""),
                 )
             )
             removed = [*choice.evicts, *([choice.replica] if choice.replica else [])]
@@ -372,35 +464,50 @@ def scaling_actions(
     return Scaling(actions, decisions, new_memory, no_capacity, state)
 
 
-def teardown_actions(model: str, snaps: Mapping[str, NodeSnapshot]) -> list[Action]:
-    """Everything of ``model`` on every agent: end its instances (evicting weights), evict slots."""
+def teardown_actions(
+    owner: str,
+    snaps: Mapping[str, NodeSnapshot],
+    now_s: float,
+    grace_started_s: Mapping[str, float],
+    max_grace_s: float,
+) -> tuple[list[Action], list[str]]:
+    """What deleting the deployment with UID ``owner`` must do now, and what is left after it.
+
+    Only slots and instances the agents recorded with this owner are touched (never by model
+    name: a duplicate deployment owns nothing).  Instances drain through grace
+    (:func:`drain_actions`); the second list names everything still present, for the
+    finalizer's "waiting for ..." message.
+    """
     out: list[Action] = []
+    left: list[str] = []
+    if not owner:
+        return out, left
     for name in sorted(snaps):
         snap = snaps[name]
         for inst in snap.instances:
-            if inst.model == model:
-                out.append(
-                    EndInstance(
-                        name,
-                        model,
-                        inst.instance_id,
-                        True,
-                        "ModelDeployment deleted",
-                        request_id(
-                            "end", model, name, inst.instance_id, snap.agent_id, snap.generation
-                        ),
-                    )
-                )
+            if inst.owner != owner:
+                continue
+            acts = drain_actions(
+                name, snap, inst, "ModelDeployment deleted", now_s, grace_started_s, max_grace_s
+            )
+            out += acts
+            left.append(
+                f"instance {inst.instance_id} of {inst.model} on {name} ({inst.phase.value}, "
+                f"{inst.load} request(s) in flight)"
+            )
         for s in snap.slots:
-            if s.model == model and s.state != "active":
+            if s.owner == owner and s.state != "active":
                 out.append(
                     Evict(
                         name,
-                        model,
+                        s.model,
                         s.slot_id,
                         s.gpus,
                         "ModelDeployment deleted",
-                        request_id("evict", model, name, s.slot_id, snap.agent_id, snap.generation),
+                        request_id(
+                            "evict", s.model, name, s.slot_id, snap.agent_id, snap.generation
+                        ),
                     )
                 )
-    return out
+                left.append(f"slot {s.slot_id} of {s.model} on {name}")
+    return out, left

@@ -178,14 +178,15 @@ class Reconciler:
         self._wake = asyncio.Event()
         self._watching = False  # only inside run(): unit tests drive tick() directly
         self._watchers: dict[str, tuple[str, asyncio.Task[None]]] = {}
-        # Models whose deployment is (or was just) torn down -> when teardown finished (inf while
-        # it runs).  Nothing but evictions is issued for them until a listing of deployments
+        # UIDs of deployments that are (or were just) torn down -> when teardown finished (inf
+        # while it runs).  Nothing but evictions is issued for them until a listing of deployments
         # that started after the teardown finished, so a poll that listed the deployment just
         # before its deletion cannot prewarm it again.
         self.deleting: dict[str, float] = {}
         self.pending_prewarms: dict[tuple[str, str, tuple[int, ...]], PendingPrewarm] = {}
         self.pending_starts: dict[tuple[str, tuple[int, ...]], PendingStart] = {}
         self.grace_started: dict[str, float] = {}
+        self._live_uids: frozenset[str] = frozenset()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.last_built: Built | None = None
         self.last_free: dict[tuple[str, int], int] = {}
@@ -281,6 +282,7 @@ class Reconciler:
         mds, invalid = await self._observe(now)
         snaps = self._live_snaps()
         owners, dups = dedupe_models(mds)
+        self._live_uids = frozenset(md.uid for md in mds if md.uid)
         specs, problems = self._resolve(owners, dups, snaps, now)
         await self._load_history_and_counters(specs)
         loads = self._measure(snaps, specs, now)
@@ -289,9 +291,10 @@ class Reconciler:
             self._replan = True
         if not self._replan and self._free_memory_grew(snaps):
             self._replan = True
-        built, actions = self._decide(specs, snaps, loads, now)
+        grace = self._grace_clock(snaps, now)
+        built, actions = self._decide(specs, snaps, loads, now, grace)
         if not invalid:
-            actions += orphan_actions(built)
+            actions += orphan_actions(built, now, grace, self.cfg.autoscaler.max_grace_s)
         self.last_built = built
         self._track_instances(snaps, now)
         self._launch(actions)
@@ -301,9 +304,9 @@ class Reconciler:
         """Deployments and GPU nodes from the API, then every agent's Describe."""
         listed_at = self.clock()
         mds, invalid = await self._load_deployments()
-        for model, done in list(self.deleting.items()):
+        for uid, done in list(self.deleting.items()):
             if listed_at > done:
-                self.deleting.pop(model)
+                self.deleting.pop(uid)
         try:
             await self.kube.sync_agent_nodes()
         except Exception as exc:  # discovery is best effort; registered GPUNodes still work
@@ -351,9 +354,10 @@ class Reconciler:
         snaps: Mapping[str, NodeSnapshot],
         loads: Mapping[str, float],
         now: float,
+        grace: Mapping[str, float],
     ) -> tuple[Built, list[Action]]:
         """Autoscaler starts/drains first, then (when due) Algorithm 1 on the state after them."""
-        active = {m: s for m, s in specs.items() if m not in self.deleting}
+        active = {m: s for m, s in specs.items() if self.models[m].md.uid not in self.deleting}
         forecasts = {
             m: rt.forecast
             for m, rt in self.models.items()
@@ -365,6 +369,8 @@ class Reconciler:
             forecasts,
             pending_prewarms=self.pending_prewarms.values(),
             pending_starts=self.pending_starts.values(),
+            owners={m: self.models[m].md.uid for m in active},
+            live=self._live_uids,
         )
         bounds = {
             m: (self.models[m].md.min_instances, self.models[m].md.max_instances) for m in specs
@@ -376,7 +382,7 @@ class Reconciler:
             self.cfg.autoscaler,
             now,
             {m: rt.scale_memory for m, rt in self.models.items() if rt.scale_memory},
-            self._grace_clock(built, now),
+            grace,
         )
         for m, memory in scaling.memory.items():
             if m in self.models:
@@ -393,6 +399,7 @@ class Reconciler:
                 built.orphan_slots,
                 built.orphan_instances,
                 built.snaps,
+                built.owners,
             )
             plan, prewarm_actions = window_actions(after_starts, evict_aware=self.cfg.evict_aware)
             self.metrics.plan_seconds.observe(time.perf_counter() - t0)
@@ -517,7 +524,7 @@ class Reconciler:
     async def _load_history_and_counters(self, specs: Mapping[str, ModelSpec]) -> None:
         for model, rt in self.models.items():
             if rt.history is None:
-                data = await self.kube.read_history(rt.md.namespace, rt.md.name)
+                data = await self.kube.read_history(rt.md.uid)
                 try:
                     rt.history = (
                         LoadHistory.from_data(data, self.cfg.window_s)
@@ -591,17 +598,12 @@ class Reconciler:
     async def _close_windows(self, now: float, specs: Mapping[str, ModelSpec]) -> None:
         """Closed windows were recorded by :meth:`_measure`; persist them and forecast anew."""
         self.metrics.windows.inc()
+        await self._collect_histories()
         for model, rt in self.models.items():
             if rt.history_dirty and rt.history is not None:
                 rt.history_dirty = False
                 try:
-                    await self.kube.write_history(
-                        rt.md.namespace,
-                        rt.md.name,
-                        rt.history.to_data(model),
-                        rt.md.uid,
-                        rt.md.name,
-                    )
+                    await self.kube.write_history(rt.md.uid, rt.history.to_data(model), rt.md.key)
                 except Exception as exc:  # history is best effort; the next window retries
                     log.warning("event=history_write_failed model=%s error=%r", model, str(exc))
                     rt.history_dirty = True
@@ -616,6 +618,17 @@ class Reconciler:
                 )
             else:
                 rt.forecast = None
+
+    async def _collect_histories(self) -> None:
+        """Delete stored histories whose deployment is gone (its finalizer was bypassed)."""
+        try:
+            stored = await self.kube.list_history_uids()
+            for uid in stored:
+                if uid not in self._live_uids and uid not in self.deleting:
+                    log.info("event=history_orphan_deleted uid=%s", uid)
+                    await self.kube.delete_history(uid)
+        except Exception as exc:  # best effort; the next window retries
+            log.warning("event=history_gc_failed error=%r", str(exc))
 
     def _free_map(self, snaps: Mapping[str, NodeSnapshot]) -> dict[tuple[str, int], int]:
         return {
@@ -641,13 +654,12 @@ class Reconciler:
             rt.unplaced_reason = un[0].reason if un else ""
             self.metrics.unplaced.labels(model).set(len(un))
 
-    def _grace_clock(self, built: Built, now: float) -> dict[str, float]:
-        """When each grace instance's grace began (first seen in grace by this operator)."""
+    def _grace_clock(self, snaps: Mapping[str, NodeSnapshot], now: float) -> dict[str, float]:
+        """When each grace instance's grace began: the agent's record, else when this operator
+        first saw it in grace (an older agent)."""
         seen = set()
-        for inst in built.state.instances:
-            if inst.phase.value == "grace":
-                seen.add(inst.name)
-                self.grace_started.setdefault(inst.name, now)
+        for snap in snaps.values():
+            seen |= self._note_grace(snap, now)
         for name in list(self.grace_started):
             if name not in seen:
                 self.grace_started.pop(name)
@@ -657,7 +669,7 @@ class Reconciler:
 
     def _launch(self, actions: list[Action]) -> None:
         for a in actions:
-            if a.model in self.deleting and not isinstance(a, EndInstance | Evict):
+            if isinstance(a, Prewarm | Activate) and a.owner in self.deleting:
                 continue
             if isinstance(a, Prewarm):
                 key = (a.node, a.model, a.gpus)
@@ -665,13 +677,13 @@ class Reconciler:
                     continue
                 spec = self.models[a.model].spec if a.model in self.models else None
                 self.pending_prewarms[key] = PendingPrewarm(
-                    a.node, a.model, a.gpus, spec.prewarm_bytes_per_gpu if spec else 0
+                    a.node, a.model, a.gpus, spec.prewarm_bytes_per_gpu if spec else 0, a.owner
                 )
             elif isinstance(a, Activate):
                 key2 = (a.node, a.gpus)
                 if key2 in self.pending_starts:
                     continue
-                self.pending_starts[key2] = PendingStart(a.node, a.model, a.gpus)
+                self.pending_starts[key2] = PendingStart(a.node, a.model, a.gpus, a.owner)
             elif isinstance(a, EndInstance):
                 self._ended_by_us.add(a.instance_id)
             task = asyncio.get_running_loop().create_task(self._execute(a))
@@ -696,19 +708,20 @@ class Reconciler:
         try:
             if isinstance(a, Prewarm):
                 await self._event(ref, "Normal", "Prewarm", describe(a))
-                await client.prewarm(a.model, a.gpus, a.layers, a.request_id)
+                await client.prewarm(a.model, a.gpus, a.layers, a.request_id, a.owner)
             elif isinstance(a, Evict):
                 await client.evict(a.slot_id, a.request_id)
                 await self._event(ref, "Normal", "Evicted", describe(a))
             elif isinstance(a, Activate):
-                owner = self.models.get(a.model)
+                spec_of = self.models.get(a.model)
                 res = await client.activate(
                     a.model,
                     a.gpus,
                     a.slot_id,
                     a.request_id,
-                    engine=owner.md.engine if owner else "",
-                    engine_args=owner.md.engine_args if owner else (),
+                    a.owner,
+                    engine=spec_of.md.engine if spec_of else "",
+                    engine_args=spec_of.md.engine_args if spec_of else (),
                 )
                 start = "hit" if res.hit else "cold"
                 self.metrics.starts.labels(a.model, start).inc()
@@ -764,51 +777,89 @@ class Reconciler:
                 self.pending_starts.pop((a.node, a.gpus), None)
 
     async def teardown(self, md: ModelDeploymentSpec, timeout_s: float = 30.0) -> list[str]:
-        """Remove every instance and slot of a deleted deployment's model; return what is left.
+        """Remove every instance and slot the deleted deployment owns; return what is left.
 
         Called from the kopf delete handler (the finalizer); the caller retries while the
         returned list is not empty, so the deployment disappears only once nothing is left.
+        Only what the agents recorded with the deployment's UID is touched (a duplicate owns
+        nothing).  Serving instances drain through a grace period first (the agent refuses to
+        end a serving instance) and end once idle or after ``max_grace_s``: deleting finishes
+        within the grace period plus a few retries (issue 16, H1).  An agent the loop declared
+        lost is skipped: what it still holds has no live owner once the deployment is gone, and
+        the loop's orphan removal ends it when the agent is back.
         """
-        self.deleting[md.model] = math.inf
-        # Let prewarms/starts of this model already in flight land first, so none finishes
+        uid = md.uid
+        self.deleting[uid] = math.inf
+        # Let prewarms/starts of this deployment already in flight land first, so none finishes
         # after the teardown and leaves a slot behind.
         deadline = self.clock() + timeout_s
         while self.clock() < deadline and any(
-            p.model == md.model
-            for p in (*self.pending_prewarms.values(), *self.pending_starts.values())
+            p.owner == uid for p in (*self.pending_prewarms.values(), *self.pending_starts.values())
         ):
             await asyncio.sleep(0.1)
         await self._load_nodes()
         left: list[str] = []
-        for rt in self.nodes.values():
+        max_grace = self.cfg.autoscaler.max_grace_s
+        for rt in list(self.nodes.values()):
+            if rt.lost:
+                continue
             client = self.agents.get(rt.spec.name, rt.spec.address)
             try:
-                snap = await asyncio.wait_for(client.describe(), timeout=timeout_s)
+                still = await self._teardown_node(uid, rt, client, timeout_s, max_grace)
             except (AgentCallError, TimeoutError, OSError) as exc:
                 left.append(f"{rt.spec.name}: agent unreachable ({exc})")
                 continue
-            for a in teardown_actions(md.model, {rt.spec.name: snap}):
+            left += still
+        if not left:
+            try:
+                await self.kube.delete_history(uid)
+            except Exception as exc:
+                log.warning("event=history_delete_failed model=%s error=%r", md.model, str(exc))
+            rt_model = self.models.get(md.model)
+            if rt_model is not None and rt_model.md.uid == uid:
+                self.models.pop(md.model, None)
+            self.deleting[uid] = self.clock()
+        return left
+
+    async def _teardown_node(
+        self, uid: str, rt: NodeRuntime, client: Any, timeout_s: float, max_grace: float
+    ) -> list[str]:
+        """A few rounds of teardown on one agent (BeginGrace, then End when idle, Evict)."""
+        name = rt.spec.name
+        still: list[str] = []
+        for _round in range(3):
+            snap = await asyncio.wait_for(client.describe(), timeout=timeout_s)
+            rt.snap = snap
+            now = self.clock()
+            self._note_grace(snap, now)
+            actions, still = teardown_actions(uid, {name: snap}, now, self.grace_started, max_grace)
+            if not actions:
+                break
+            for a in actions:
                 try:
-                    if isinstance(a, EndInstance):
+                    if isinstance(a, BeginGrace):
+                        await client.begin_grace(a.instance_id, a.request_id)
+                    elif isinstance(a, EndInstance):
                         self._ended_by_us.add(a.instance_id)
                         await client.end_instance(a.instance_id, True, a.request_id)
                     elif isinstance(a, Evict):
                         await client.evict(a.slot_id, a.request_id)
+                    log.info("event=teardown_action detail=%r", describe(a))
                 except AgentCallError as exc:
                     if exc.code != "NOT_FOUND":
-                        left.append(f"{describe(a)}: {exc}")
-            snap = await client.describe()
-            rt.snap = snap
-            for a in teardown_actions(md.model, {rt.spec.name: snap}):
-                left.append(describe(a))
-        if not left:
-            try:
-                await self.kube.delete_history(md.namespace, md.name)
-            except Exception as exc:
-                log.warning("event=history_delete_failed model=%s error=%r", md.model, str(exc))
-            self.models.pop(md.model, None)
-            self.deleting[md.model] = self.clock()
-        return left
+                        still.append(f"{describe(a)}: {exc}")
+        return still
+
+    def _note_grace(self, snap: NodeSnapshot, now: float) -> set[str]:
+        """Record when each grace instance of ``snap`` began its grace; return their ids."""
+        seen = set()
+        for inst in snap.instances:
+            if inst.phase.value == "grace":
+                seen.add(inst.instance_id)
+                first = self.grace_started.setdefault(inst.instance_id, now)
+                if inst.grace_started_unix:
+                    self.grace_started[inst.instance_id] = min(inst.grace_started_unix, first)
+        return seen
 
     # ------------------------------------------------------------------ report
 
@@ -937,7 +988,7 @@ class Reconciler:
         snaps = built.snaps
         stamp = now_iso(now)
         for model, rt in self.models.items():
-            if model in self.deleting:
+            if rt.md.uid in self.deleting:
                 continue
             md = rt.md
             spec = rt.spec

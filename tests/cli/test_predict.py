@@ -6,13 +6,14 @@ import argparse
 import gzip
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from warmserve import cli
-from warmserve.cli.predict import evaluation_start, windowed
-from warmserve.policy.predictor import DEFAULT_PREDICTOR, PREDICTORS, evaluate, make_predictor
+from warmserve.cli.predict import evaluate_predictor, evaluation_start, windowed
+from warmserve.policy.predictor import PREDICTORS
 
 
 @pytest.fixture(autouse=True)
@@ -50,21 +51,59 @@ def request_file(tmp_path: Path, text: str | None = None) -> Path:
     return path
 
 
+STAT_KEYS = {
+    "avg_rel_error", "peak_rel_error", "avg_vw_error", "peak_vw_error", "peak_coverage",
+    "peak_over_forecast", "peak_over_forecast_rel", "avg_under_rate", "peak_under_rate",
+    "windows", "avg", "peak",
+}
+QUALITY_KEYS = {
+    "windows", "mean_rel_error", "volume_weighted_error", "under_rate", "coverage",
+    "over_forecast", "over_forecast_rel",
+}
+
+
 def test_json_contract_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = series_file(tmp_path, ids=("a", "b"))
-    rc, out, err = run(["predict", str(path), "--window", "3600", "--compare", "--json"], capsys)
+    rc, out, err = run(
+        ["predict", str(path), "--window", "3600", "--compare", "--json", "--quiet"], capsys
+    )
     assert rc == 0, err
+    assert err == ""  # --quiet: no progress
     obj = json.loads(out)
-    assert set(obj) == {"series", "window_s", "predictors", "default"}
+    assert set(obj) == {"series", "window_s", "predictors", "default", "default_summary"}
     assert obj["series"] == "sum of 2 series (a,b)"
     assert obj["window_s"] == 3600 and obj["default"] == "warm"
     assert set(obj["predictors"]) == set(PREDICTORS)
     for stats in obj["predictors"].values():
-        assert set(stats) == {
-            "avg_rel_error", "peak_rel_error", "avg_under_rate", "peak_under_rate", "windows"
-        }
+        assert set(stats) == STAT_KEYS
+        assert set(stats["avg"]) == set(stats["peak"]) == QUALITY_KEYS
         assert stats["windows"] == 48  # 72 hourly windows, evaluated from the second day
         assert 0 <= stats["avg_under_rate"] <= 1 and stats["avg_rel_error"] >= 0
+        assert stats["peak_coverage"] == pytest.approx(1 - stats["peak_under_rate"])
+        assert stats["avg_vw_error"] == stats["avg"]["volume_weighted_error"]
+        assert stats["peak_over_forecast"] == stats["peak"]["over_forecast"]
+    summary = obj["default_summary"]
+    warm, best = obj["predictors"]["warm"], obj["predictors"][summary["best_baseline"]]
+    assert summary["best_baseline"] in ("csp", "persistence")
+    assert summary["avg_vw_error_ratio"] == pytest.approx(
+        warm["avg_vw_error"] / best["avg_vw_error"]
+    )
+    assert summary["coverage_goal_met"] == (
+        warm["peak_coverage"] >= 0.9 and warm["peak_over_forecast"] <= 0.3
+    )
+    # one predictor: no summary (it needs the baselines)
+    rc, out, _ = run(["predict", str(path), "--window", "3600", "--json", "--quiet"], capsys)
+    assert "default_summary" not in json.loads(out)
+
+
+def test_progress_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = series_file(tmp_path)
+    rc, out, err = run(["predict", str(path), "--window", "3600", "--json"], capsys)
+    assert rc == 0
+    json.loads(out)  # stdout is the result alone
+    lines = err.splitlines()
+    assert lines[0].startswith("predict: read ") and "72 windows of 3600 s" in lines[0]
+    assert lines[1].startswith("predict: [1/1] warm ... ") and lines[1].endswith(" s")
 
 
 def test_table_single_series(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -77,6 +116,12 @@ def test_table_single_series(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "evaluated windows 13..36 of 36" in out
     lines = [ln for ln in out.splitlines() if ln.startswith("csp")]
     assert len(lines) == 1 and lines[0].split()[-1] == "24"
+    header = next(ln for ln in out.splitlines() if ln.startswith("predictor"))
+    assert header.split() == [
+        "predictor", "avg", "MRE", "avg", "VWE", "peak", "MRE", "peak", "VWE", "peak", "cover",
+        "peak", "over", "avg", "under", "windows",
+    ]
+    assert "default warm" not in out  # the goal line needs --compare
 
 
 def test_sum_is_announced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -112,11 +157,32 @@ def test_request_load_uses_speed_profile(tmp_path: Path) -> None:
 
 
 def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = series_file(tmp_path, days=2)
+    path = series_file(tmp_path, days=3)
     png = tmp_path / "out.png"
-    rc, _, err = run(["predict", str(path), "--window", "3600", "--plot", str(png)], capsys)
+    rc, _, err = run(
+        ["predict", str(path), "--window", "3600", "--compare", "--plot", str(png),
+         "--plot-day", "2"],
+        capsys,
+    )
     assert rc == 0, err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot written to {png}" in err
+    rc, _, err = run(["predict", str(path), "--window", "86400", "--plot", str(png)], capsys)
+    assert rc == 0, err  # day-long windows: the panels show every evaluated window
+
+
+def test_plot_zoom_range() -> None:
+    from warmserve.cli import CliError
+    from warmserve.cli.predict_plot import zoom_range
+
+    assert zoom_range(72, 24, 24, None) == (48, 72)  # the last full day
+    assert zoom_range(80, 24, 24, 2) == (24, 48)
+    assert zoom_range(61, 1, 1, None) == (1, 61)
+    assert zoom_range(12, 24, 10, None) == (10, 12)  # under a day: all evaluated windows
+    with pytest.raises(CliError, match="between 2 and 3"):
+        zoom_range(72, 24, 24, 1)
+    with pytest.raises(CliError, match="needs windows shorter than a day"):
+        zoom_range(61, 1, 1, 3)
 
 
 @pytest.mark.parametrize(
@@ -135,6 +201,8 @@ def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["--series", "x"], "requests", "request-level trace with no series ids"),
         (["--decode-rate", "0"], "requests", "--decode-rate must be a positive number"),
         (["--plot", "/nonexistent-dir/x.png"], "series", "cannot write plot"),
+        (["--plot-day", "2"], "series", "--plot-day needs --plot"),
+        (["--plot", "PNG", "--plot-day", "1"], "series", "--plot-day must be between 2 and 2"),
     ],
 )
 def test_bad_input_exits_2(
@@ -152,6 +220,7 @@ def test_bad_input_exits_2(
         trace = str(request_file(tmp_path, "arrival_s,input_tokens,output_tokens\n0,1,1\n60,1,1\n"))
     else:
         trace = str(request_file(tmp_path, content))
+    extra = [str(tmp_path / "p.png") if x == "PNG" else x for x in extra]
     argv = ["predict", trace, "--window", "3600", *extra] if content == "series" else [
         "predict", trace, *extra
     ]
@@ -174,19 +243,39 @@ MULTI_DAY = [
 ]
 
 
-@pytest.mark.parametrize(("trace", "window", "series"), MULTI_DAY)
-def test_default_beats_csp_and_persistence(trace: str, window: int, series: str | None) -> None:
-    """The project's claim for its default, on every multi-day bundled trace (avg and peak)."""
+def _multi_day(trace: str, window: int, series: str | None) -> tuple[Any, int]:
     args = argparse.Namespace(
         trace=trace, series=series, window=float(window), prefill_rate=None, decode_rate=None
     )
     data = windowed(args)
     start, note = evaluation_start(data, 10)
     assert note is None and start == data.windows_per_day
-    for actual in (data.avg, data.peak):
-        err = {
-            name: evaluate(make_predictor(name), actual, data.windows_per_day, start).rel_error
-            for name in (DEFAULT_PREDICTOR, "csp", "persistence")
-        }
-        assert err[DEFAULT_PREDICTOR] < err["csp"], err
-        assert err[DEFAULT_PREDICTOR] < err["persistence"], err
+    return data, start
+
+
+@pytest.mark.parametrize(("trace", "window", "series"), MULTI_DAY)
+def test_default_claims_on_bundled_traces(trace: str, window: int, series: str | None) -> None:
+    """What docs/prediction.md claims for the default, on every multi-day bundled trace.
+
+    - the average: lower mean relative error than CSP and persistence (the point forecast
+      is unchanged from ``warm-point``);
+    - ``warm-point``'s peak: lower mean relative error than CSP's and persistence's;
+    - the peak: at least 90 % of windows covered (issue 12's goal), where every point
+      forecast covers about half;
+    - the mean over-forecast <= 30 % holds on the ServeGen series only (not asserted elsewhere:
+      docs/prediction.md gives the numbers and why).
+    """
+    data, start = _multi_day(trace, window, series)
+    r = {
+        name: evaluate_predictor(name, data, start)[0]
+        for name in ("warm", "warm-point", "csp", "persistence")
+    }
+    for base in ("csp", "persistence"):
+        assert r["warm"]["avg_rel_error"] < r[base]["avg_rel_error"], base
+        assert r["warm-point"]["peak_rel_error"] < r[base]["peak_rel_error"], base
+        assert r[base]["peak_coverage"] < 0.65, base
+    assert r["warm"]["avg"] == r["warm-point"]["avg"]
+    assert r["warm"]["peak_coverage"] >= 0.90
+    assert r["warm-point"]["peak_coverage"] < 0.56
+    if trace.startswith("servegen"):
+        assert r["warm"]["peak_over_forecast"] <= 0.30

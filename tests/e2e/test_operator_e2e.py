@@ -19,154 +19,31 @@ What it shows, each within a stated bound:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
+from e2e_support import (
+    REPO,
+    Load,
+    Procs,
+    W,
+    describe_agents,
+    get_json,
+    instances_of,
+    seed_history,
+    slots_of,
+    wait_for,
+    write_models,
+)
 from k8s_support import apply_chart_operator_rbac
 
-REPO = Path(__file__).resolve().parents[2]
-
-W = 5.0  # window seconds (divides a day)
 SETTLE_S = 40.0  # bound for each convergence below
-
-
-def _agent_test_helpers() -> Any:
-    """tests/agent/conftest.py (real safetensors test models), loaded under a private name."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "warmserve_agent_test_models", REPO / "tests" / "agent" / "conftest.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def write_models(root: Path) -> None:
-    write_model = _agent_test_helpers().write_model
-
-    slow = {"decode_tok_s": 20.0, "max_batch": 8, "kv_bytes_per_token": 256}
-    write_model(root, "tiny-chat", layers=4, hidden=64, seed=1, profile=slow)
-    write_model(root, "tiny-code", layers=4, hidden=64, seed=2, profile=slow)
-    write_model(root, "tiny-big", layers=2, hidden=32, seed=3, profile=slow)
-
-
-def wait_for(pred: Callable[[], Any], what: str, timeout: float, logs: Callable[[], str]) -> Any:
-    deadline = time.monotonic() + timeout
-    last_exc: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = pred()
-            if value:
-                return value
-        except Exception as exc:  # the API may answer 404 until the operator catches up
-            last_exc = exc
-        time.sleep(0.3)
-    raise AssertionError(f"not within {timeout:.0f}s: {what} (last error: {last_exc})\n{logs()}")
-
-
-class Procs:
-    """Processes this test starts; all are stopped at the end, whatever happens."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        self.procs[name] = p
-        return p
-
-    def log(self, name: str, lines: int = 40) -> str:
-        path = self.tmp / f"{name}.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return f"--- {name} log (last {lines} lines) ---\n" + "\n".join(text.splitlines()[-lines:])
-
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        p = self.procs.pop(name)
-        p.send_signal(sig)
-        p.wait(timeout=20)
-
-    def stop_all(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:  # an agent still streaming long completions may take a while: not worth waiting
-                p.wait(timeout=3)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
-        self.procs.clear()
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    p = Procs(tmp_path)
-    try:
-        yield p
-    finally:
-        p.stop_all()
-
-
-def seed_history(kubectl: Any, ns: str, md: str, model: str, avg: float, peak: float) -> None:
-    """A day and a bit of constant load, as if the operator had watched the model for a day."""
-    from warmserve_operator.history import LoadHistory, configmap_name
-
-    h = LoadHistory(W)
-    end = math.floor(time.time() / W)
-    per_day = round(86400 / W)
-    for i in range(end - per_day - 30, end):
-        h.record(i, avg, peak)
-    cm = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": configmap_name(md), "namespace": ns},
-        "data": h.to_data(model),
-    }
-    kubectl("apply", "-f", "-", input=json.dumps(cm))
-
-
-def get_json(kubectl: Any, *args: str) -> Any:
-    return json.loads(kubectl("get", *args, "-o", "json").stdout)
-
-
-def describe_agents(addresses: dict[str, str]) -> dict[str, Any]:
-    from warmserve_agent.client import SyncAgentClient
-    from warmserve_operator.agents import snapshot_from_pb
-
-    out = {}
-    for node, addr in addresses.items():
-        with SyncAgentClient(addr) as c:
-            out[node] = snapshot_from_pb(node, c.describe())
-    return out
-
-
-def slots_of(snaps: dict[str, Any], model: str) -> list[tuple[str, tuple[int, ...]]]:
-    return sorted(
-        (n, s.gpus)
-        for n, snap in snaps.items()
-        for s in snap.slots
-        if s.model == model and s.state != "active"
-    )
-
-
-def instances_of(snaps: dict[str, Any], model: str) -> list[Any]:
-    return [i for snap in snaps.values() for i in snap.instances if i.model == model]
 
 
 def policy_replicas(kubectl: Any, ns: str, snaps: dict[str, Any]) -> tuple[Any, Any]:
@@ -208,30 +85,6 @@ def policy_replicas(kubectl: Any, ns: str, snaps: dict[str, Any]) -> tuple[Any, 
     )
     scratch = replace(state, nodes=bare_nodes, replicas=())
     return plan_prewarm(state), plan_prewarm(scratch)
-
-
-class Load:
-    """Streaming completions held open against one endpoint (requests in flight)."""
-
-    def __init__(self, endpoint: str, model: str, n: int, max_tokens: int = 400) -> None:
-        self.threads = [
-            threading.Thread(target=self._one, args=(endpoint, model, max_tokens), daemon=True)
-            for _ in range(n)
-        ]
-        for t in self.threads:
-            t.start()
-
-    @staticmethod
-    def _one(endpoint: str, model: str, max_tokens: int) -> None:
-        body = json.dumps(
-            {"model": model, "prompt": "hello", "max_tokens": max_tokens, "stream": True}
-        ).encode()
-        req = urllib.request.Request(
-            f"{endpoint}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-        )
-        with contextlib.suppress(Exception), urllib.request.urlopen(req, timeout=60) as resp:
-            while resp.read(256):
-                pass
 
 
 def test_operator_end_to_end(
@@ -305,6 +158,16 @@ def test_operator_end_to_end(
         input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes_yaml}),
     )
     addresses = {f"{ns}-{n}": a for n, a in addresses.items()}
+    # The deployments first (their UIDs name the histories), then the operators.
+    kubectl(
+        "apply",
+        "-n",
+        ns,
+        "-f",
+        str(REPO / "examples/modeldeployment-chat.yaml"),
+        "-f",
+        str(REPO / "examples/modeldeployment-code.yaml"),
+    )
     seed_history(kubectl, ns, "chat", "tiny-chat", avg=6.0, peak=10.0)  # B=4: 2 basic + 1 burst
     seed_history(kubectl, ns, "code", "tiny-code", avg=5.0, peak=5.0)  # 2 instances, 1 serving
 
@@ -344,15 +207,6 @@ def test_operator_end_to_end(
         # with the higher priority act; the standby (priority 50) must never touch an agent.
         start_operator("operator-standby", 50)
         start_operator("operator-1", 100)
-        kubectl(
-            "apply",
-            "-n",
-            ns,
-            "-f",
-            str(REPO / "examples/modeldeployment-chat.yaml"),
-            "-f",
-            str(REPO / "examples/modeldeployment-code.yaml"),
-        )
 
         # 1. Prewarmed replicas placed as the policy core plans them.
         def placed() -> bool:
@@ -423,8 +277,11 @@ def test_operator_end_to_end(
         # The load history is persisted by the operator (here: under the chart's RBAC).
         from warmserve_operator.history import LoadHistory
 
+        code_uid = get_json(kubectl, "wsmd", "code", "-n", ns)["metadata"]["uid"]
+        chat_uid = get_json(kubectl, "wsmd", "chat", "-n", ns)["metadata"]["uid"]
+
         def history_written() -> bool:
-            cm = get_json(kubectl, "configmap", "warmserve-history-code", "-n", ns)
+            cm = get_json(kubectl, "configmap", f"warmserve-history-{code_uid}", "-n", ns)
             hist = LoadHistory.from_data(cm["data"], W)
             return hist.end > math.floor(time.time() / W) - 3 and max(hist.peak[-3:]) >= 6
 
@@ -468,7 +325,9 @@ def test_operator_end_to_end(
         snaps = describe_agents(addresses)
         assert not slots_of(snaps, "tiny-chat") and not instances_of(snaps, "tiny-chat")
         assert (
-            kubectl("get", "configmap", "warmserve-history-chat", "-n", ns, check=False).returncode
+            kubectl(
+                "get", "configmap", f"warmserve-history-{chat_uid}", "-n", ns, check=False
+            ).returncode
             != 0
         ), "its load history went with it"
 

@@ -1,14 +1,21 @@
 """In-memory stand-ins for the node agents and the Kubernetes API, for the operator's unit tests.
 
-``FakeAgent`` follows the agent API's contract (warmserve.agent.v1): idempotent request ids,
-memory accounting per GPU, prewarm hits when a slot of the model sits on exactly the GPUs,
-activation evicting other slots on the group, grace and end.  It is a test double of the
-*contract*, not of the real agent's internals; the e2e test runs the real agent.
+``FakeAgent`` follows the agent API's contract (warmserve.agent.v1): idempotent request ids
+(a replay gets the first outcome, a reuse with other arguments ALREADY_EXISTS), ids in the
+agent's formats, memory accounting per GPU, prewarm hits when a slot of the model sits on
+exactly the GPUs, activation evicting other slots on the group, the owner recorded on slots and
+instances, and — what once hid a deletion that never finished (issue 16, H1) — the same
+refusals as the real agent: EndInstance only for a grace instance, BeginGrace only for a serving
+one, no eviction of a serving slot, no prewarm or activation on a serving GPU, nesting of GPU
+groups.  It is a test double of the *contract*, not of the real agent's internals:
+``tests/operator/test_agent_contract.py`` runs the same cases against it and the real agent.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +43,7 @@ class _Slot:
     layers: int
     total: int
     active: bool = False
+    owner: str = ""
 
 
 @dataclass
@@ -49,6 +57,8 @@ class _Inst:
     running: int = 0
     engine: str = ""
     ttft: tuple[float, int] = (0.0, 0)  # (p95 seconds, samples) the engine reports
+    owner: str = ""
+    grace_started: float = 0.0
 
 
 class FakeAgent:
@@ -58,11 +68,13 @@ class FakeAgent:
         gpus: int = 4,
         memory: int = 80 * GiB,
         catalog: dict[str, tuple[int, int]] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.node = node
         self.memory = memory
         self.n = gpus
         self.catalog = catalog or {}
+        self.clock = clock
         self.slots: dict[str, _Slot] = {}
         self.instances: dict[str, _Inst] = {}
         self.generation = 1
@@ -78,6 +90,9 @@ class FakeAgent:
     def _check_up(self) -> None:
         if self.down:
             raise OSError(f"agent {self.node} unreachable")
+
+    def _new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self.ids):012x}"
 
     def _used(self, g: int) -> int:
         return sum(s.bytes_per_gpu for s in self.slots.values() if g in s.gpus and not s.active)
@@ -95,14 +110,32 @@ class FakeAgent:
         )
 
     def _idem(self, rid: str, key: tuple[Any, ...]) -> Any:
+        if not rid:
+            raise AgentCallError("INVALID_ARGUMENT", "request_id is required")
         if rid in self.done:
             prev_key, result = self.done[rid]
             if prev_key != key:
                 raise AgentCallError(
                     "ALREADY_EXISTS", f"request id {rid} reused with other arguments"
                 )
+            if isinstance(result, AgentCallError):
+                raise result
             return result
         return None
+
+    def _refuse(self, rid: str, key: tuple[Any, ...], code: str, message: str) -> None:
+        err = AgentCallError(code, message)
+        self.done[rid] = (key, err)  # a replay gets the same refusal, as at the real agent
+        raise err
+
+    def _group(self, rid: str, key: tuple[Any, ...], gpus: tuple[int, ...]) -> tuple[int, ...]:
+        if not gpus or len(set(gpus)) != len(gpus) or any(not 0 <= g < self.n for g in gpus):
+            self._refuse(rid, key, "INVALID_ARGUMENT", f"bad GPU group {list(gpus)}")
+        return tuple(sorted(gpus))
+
+    def _check_owner(self, rid: str, key: tuple[Any, ...], owner: str) -> None:
+        if len(owner) > 128:
+            self._refuse(rid, key, "INVALID_ARGUMENT", "owner longer than 128 characters")
 
     def set_load(self, model: str, running: int) -> None:
         for i in self.instances.values():
@@ -136,6 +169,7 @@ class FakeAgent:
                 s.bytes_per_gpu,
                 s.bytes_per_gpu * s.total // max(s.layers, 1),
                 "active" if s.active else "ready",
+                s.owner,
             )
             for s in self.slots.values()
         )
@@ -155,6 +189,8 @@ class FakeAgent:
                 ttft_p95_s=i.ttft[0],
                 ttft_samples=i.ttft[1],
                 ttft_window_s=300.0 if i.ttft[1] else 0.0,
+                owner=i.owner,
+                grace_started_unix=i.grace_started,
             )
             for i in self.instances.values()
         )
@@ -164,25 +200,36 @@ class FakeAgent:
         )
 
     async def prewarm(
-        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str
+        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str, owner: str = ""
     ) -> SlotView:
         self._check_up()
         self.calls.append(("prewarm", request_id))
-        key = ("prewarm", model, gpus, layers)
+        key = ("prewarm", model, tuple(sorted(gpus)), layers, owner)
         if (prev := self._idem(request_id, key)) is not None:
             return prev
+        self._check_owner(request_id, key, owner)
+        group = self._group(request_id, key, gpus)
         if model not in self.catalog:
-            raise AgentCallError("NOT_FOUND", f"unknown model {model}")
+            self._refuse(request_id, key, "NOT_FOUND", f"unknown model {model}")
         weight, total = self.catalog[model]
+        if layers < 0 or layers > total:
+            self._refuse(request_id, key, "INVALID_ARGUMENT", f"layers must be 0..{total}")
         n_layers = layers or total
-        per_gpu = -(-weight // len(gpus)) * n_layers // total
-        for g in gpus:
+        per_gpu = -(-weight // len(group)) * n_layers // total
+        for g in group:
             if self._state(g) == WorkerState.DEDICATED:
-                raise AgentCallError("FAILED_PRECONDITION", f"gpu {g} is dedicated")
+                self._refuse(request_id, key, "FAILED_PRECONDITION", f"gpu {g} is dedicated")
+        for s in self.slots.values():
+            a, b = set(group), set(s.gpus)
+            if a & b and not (a <= b or b <= a):
+                self._refuse(request_id, key, "FAILED_PRECONDITION", "groups must nest")
+            if s.model == model and a & b:
+                self._refuse(request_id, key, "FAILED_PRECONDITION", f"{model} already resident")
+        for g in group:
             if self.memory - self._used(g) < per_gpu:
-                raise AgentCallError("RESOURCE_EXHAUSTED", f"gpu {g} lacks memory")
-        sid = f"slot-{self.node}-{next(self.ids)}"
-        self.slots[sid] = _Slot(sid, model, gpus, per_gpu, n_layers, total)
+                self._refuse(request_id, key, "RESOURCE_EXHAUSTED", f"gpu {g} lacks memory")
+        sid = self._new_id("slot")
+        self.slots[sid] = _Slot(sid, model, group, per_gpu, n_layers, total, owner=owner)
         self.generation += 1
         view = (await self.describe()).slot(sid)
         self.done[request_id] = (key, view)
@@ -191,13 +238,23 @@ class FakeAgent:
     async def evict(self, slot_id: str, request_id: str) -> None:
         self._check_up()
         self.calls.append(("evict", request_id))
-        if self._idem(request_id, ("evict", slot_id)) is not None:
+        key = ("evict", slot_id)
+        if self._idem(request_id, key) is not None:
             return
-        if slot_id not in self.slots or self.slots[slot_id].active:
-            raise AgentCallError("NOT_FOUND", f"no slot {slot_id}")
+        if not slot_id.startswith("slot-"):
+            self._refuse(request_id, key, "INVALID_ARGUMENT", f"malformed slot id {slot_id!r}")
+        if slot_id not in self.slots:
+            self._refuse(request_id, key, "NOT_FOUND", f"no slot {slot_id}")
+        if self.slots[slot_id].active:
+            self._refuse(
+                request_id,
+                key,
+                "FAILED_PRECONDITION",
+                f"slot {slot_id} is serving; end the instance first",
+            )
         del self.slots[slot_id]
         self.generation += 1
-        self.done[request_id] = (("evict", slot_id), True)
+        self.done[request_id] = (key, True)
 
     async def activate(
         self,
@@ -205,44 +262,58 @@ class FakeAgent:
         gpus: tuple[int, ...],
         slot_id: str,
         request_id: str,
+        owner: str = "",
         engine: str = "",
         engine_args: tuple[str, ...] = (),
     ) -> ActivateResult:
         self._check_up()
         self.calls.append(("activate", request_id))
+        key = ("activate", model, tuple(sorted(gpus)), slot_id, owner, engine, tuple(engine_args))
+        if (prev := self._idem(request_id, key)) is not None:
+            return prev
+        self._check_owner(request_id, key, owner)
+        group = self._group(request_id, key, gpus)
         try:  # the real agent refuses what the engine-args schema refuses, before any change
             validate_engine_args(engine_args)
         except EngineArgsError as exc:
-            raise AgentCallError("INVALID_ARGUMENT", str(exc)) from None
-        self.engine_args[(model, gpus)] = (engine, tuple(engine_args))
-        key = ("activate", model, gpus, slot_id)
-        if (prev := self._idem(request_id, key)) is not None:
-            return prev
-        for g in gpus:
+            self._refuse(request_id, key, "INVALID_ARGUMENT", str(exc))
+        if model not in self.catalog:
+            self._refuse(request_id, key, "NOT_FOUND", f"unknown model {model}")
+        for g in group:
             if self._state(g) in (WorkerState.DEDICATED, WorkerState.GRACE):
-                raise AgentCallError("FAILED_PRECONDITION", f"gpu {g} is serving")
+                self._refuse(request_id, key, "FAILED_PRECONDITION", f"gpu {g} is serving")
+        if slot_id:
+            chosen = self.slots.get(slot_id)
+            if chosen is None:
+                self._refuse(request_id, key, "NOT_FOUND", f"no slot {slot_id}")
+            if chosen.model != model or chosen.gpus != group:
+                self._refuse(request_id, key, "FAILED_PRECONDITION", "slot holds another group")
         hit_slot = slot_id or next(
-            (s.slot_id for s in self.slots.values() if s.model == model and s.gpus == gpus), ""
+            (s.slot_id for s in self.slots.values() if s.model == model and s.gpus == group), ""
         )
         evicted = tuple(
             s.slot_id
             for s in self.slots.values()
-            if s.slot_id != hit_slot and set(s.gpus) & set(gpus)
+            if s.slot_id != hit_slot and set(s.gpus) & set(group)
         )
         for sid in evicted:
             del self.slots[sid]
         if not hit_slot:
             weight, total = self.catalog[model]
-            hit_slot = f"slot-{self.node}-{next(self.ids)}"
+            hit_slot = self._new_id("slot")
             self.slots[hit_slot] = _Slot(
-                hit_slot, model, gpus, -(-weight // len(gpus)), total, total
+                hit_slot, model, group, -(-weight // len(group)), total, total
             )
             hit = False
         else:
             hit = True
         self.slots[hit_slot].active = True
-        iid = f"inst-{self.node}-{next(self.ids)}"
-        self.instances[iid] = _Inst(iid, model, gpus, hit_slot, hit, engine=engine or "simulated")
+        self.slots[hit_slot].owner = owner
+        iid = self._new_id("inst")
+        self.instances[iid] = _Inst(
+            iid, model, group, hit_slot, hit, owner=owner, engine=engine or "simulated"
+        )
+        self.engine_args[(model, group)] = (engine, tuple(engine_args))
         self.generation += 1
         snap = await self.describe()
         inst = next(i for i in snap.instances if i.instance_id == iid)
@@ -250,29 +321,57 @@ class FakeAgent:
         self.done[request_id] = (key, res)
         return res
 
+    def _instance(self, rid: str, key: tuple[Any, ...], instance_id: str) -> _Inst:
+        if not instance_id.startswith("inst-"):
+            self._refuse(rid, key, "INVALID_ARGUMENT", f"malformed instance id {instance_id!r}")
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            self._refuse(rid, key, "NOT_FOUND", f"no instance {instance_id}")
+        return inst
+
     async def begin_grace(self, instance_id: str, request_id: str) -> None:
         self._check_up()
         self.calls.append(("grace", request_id))
-        if instance_id not in self.instances:
-            raise AgentCallError("NOT_FOUND", f"no instance {instance_id}")
-        self.instances[instance_id].phase = InstancePhase.GRACE
+        key = ("grace", instance_id)
+        if self._idem(request_id, key) is not None:
+            return
+        inst = self._instance(request_id, key, instance_id)
+        if inst.phase != InstancePhase.SERVING:
+            self._refuse(
+                request_id,
+                key,
+                "FAILED_PRECONDITION",
+                f"instance {instance_id} is {inst.phase.value}; only a serving instance can "
+                "begin a grace period",
+            )
+        inst.phase = InstancePhase.GRACE
+        inst.grace_started = self.clock()
         self.generation += 1
+        self.done[request_id] = (key, True)
 
     async def end_instance(self, instance_id: str, evict_weights: bool, request_id: str) -> None:
         self._check_up()
         self.calls.append(("end", request_id))
-        if self._idem(request_id, ("end", instance_id)) is not None:
+        key = ("end", instance_id, evict_weights)
+        if self._idem(request_id, key) is not None:
             return
-        inst = self.instances.pop(instance_id, None)
-        if inst is None:
-            raise AgentCallError("NOT_FOUND", f"no instance {instance_id}")
+        inst = self._instance(request_id, key, instance_id)
+        if inst.phase != InstancePhase.GRACE:
+            self._refuse(
+                request_id,
+                key,
+                "FAILED_PRECONDITION",
+                f"instance {instance_id} is {inst.phase.value}; begin its grace period first "
+                "(BeginGrace) so in-flight requests drain",
+            )
+        del self.instances[instance_id]
         slot = self.slots[inst.slot_id]
         if evict_weights:
             del self.slots[inst.slot_id]
         else:
             slot.active = False
         self.generation += 1
-        self.done[request_id] = (("end", instance_id), True)
+        self.done[request_id] = (key, True)
 
     async def close(self) -> None:
         return None
@@ -284,7 +383,7 @@ class FakeKube:
 
     mds: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    configmaps: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
+    configmaps: dict[str, dict[str, str]] = field(default_factory=dict)  # by owner UID
     events: list[tuple[str, str, str, str]] = field(default_factory=list)
     leader: bool = True
     status_writes: int = 0
@@ -334,16 +433,17 @@ class FakeKube:
         if name in self.nodes:
             self.nodes[name]["status"] = status
 
-    async def read_history(self, namespace: str, name: str) -> dict[str, str] | None:
-        return self.configmaps.get((namespace, name))
+    async def read_history(self, uid: str) -> dict[str, str] | None:
+        return self.configmaps.get(uid)
 
-    async def write_history(
-        self, namespace: str, name: str, data: dict[str, str], owner_uid: str, owner_name: str
-    ) -> None:
-        self.configmaps[(namespace, name)] = dict(data)
+    async def write_history(self, uid: str, data: dict[str, str], owner_key: str) -> None:
+        self.configmaps[uid] = dict(data)
 
-    async def delete_history(self, namespace: str, name: str) -> None:
-        self.configmaps.pop((namespace, name), None)
+    async def delete_history(self, uid: str) -> None:
+        self.configmaps.pop(uid, None)
+
+    async def list_history_uids(self) -> list[str]:
+        return list(self.configmaps)
 
     async def emit_event(self, ref: ObjRef, type_: str, reason: str, message: str) -> None:
         self.events.append((f"{ref.kind}/{ref.name}", type_, reason, message))

@@ -136,15 +136,25 @@ ALLOWED = [
     ("list", "gpunodes.warmserve.io", None),
     ("create", "gpunodes.warmserve.io", None),
     ("patch", "gpunodes.warmserve.io/status", None),
-    ("get", "configmaps", "other"),
-    ("create", "configmaps", "other"),
-    ("update", "configmaps", "other"),
-    ("delete", "configmaps", "other"),
+    ("get", "configmaps", "self"),
+    ("list", "configmaps", "self"),
+    ("create", "configmaps", "self"),
+    ("update", "configmaps", "self"),
+    ("delete", "configmaps", "self"),
     ("create", "events", "other"),
     ("create", "events.events.k8s.io", "other"),
     ("list", "pods", "self"),
 ]
 FORBIDDEN = [
+    # Issue 16 H3: no ConfigMap outside the operator's namespace (e.g. kube-system/aws-auth).
+    ("get", "configmaps", "other"),
+    ("create", "configmaps", "other"),
+    ("update", "configmaps", "other"),
+    ("patch", "configmaps", "other"),
+    ("delete", "configmaps", "other"),
+    ("update", "configmaps", "kube-system"),
+    ("delete", "configmaps", "kube-system"),
+    ("list", "configmaps", None),
     ("list", "secrets", "other"),
     ("delete", "modeldeployments.warmserve.io", "other"),
     ("list", "pods", "other"),
@@ -162,7 +172,8 @@ def test_chart_rbac_grants_exactly_what_the_operator_uses(
     who = f"system:serviceaccount:{ns}:{sa}"
 
     def can(verb: str, resource: str, where: str | None) -> bool:
-        scope = ["-A"] if where is None else ["-n", ns if where == "self" else "default"]
+        named = {"self": ns, "other": "default"}
+        scope = ["-A"] if where is None else ["-n", named.get(where, where)]
         proc = kubectl("auth", "can-i", verb, resource, "--as", who, *scope, check=False)
         return proc.stdout.strip() == "yes"
 
@@ -232,3 +243,60 @@ def test_agent_pods_are_discovered_as_gpunodes_under_chart_rbac(
         assert got["spec"]["agentAddress"] == "10.1.2.4:7000", "a moved agent is followed"
     finally:
         kubectl("delete", "gpunode", node, "--ignore-not-found", "--wait=false", check=False)
+
+
+def test_history_lives_in_the_operators_namespace_and_writes_elsewhere_are_refused(
+    crds: None,
+    kubectl: Any,
+    helm: Any,
+    k8s_namespace: str,
+    sa_kubeconfig: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 16 H3, on the real apiserver as the chart's ServiceAccount."""
+    ns = k8s_namespace
+    sa = _chart_rbac(helm, kubectl, ns)
+    who = f"system:serviceaccount:{ns}:{sa}"
+    victim = json.dumps(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": f"aws-auth-{ns[-8:]}", "namespace": "kube-system"},
+            "data": {"mapRoles": "[]"},
+        }
+    )
+    kubectl("apply", "-f", "-", input=victim)
+    try:
+        for verb in (("apply", "-f", "-"), ("delete", "-f", "-")):
+            proc = kubectl(*verb, "--as", who, input=victim, check=False)
+            assert proc.returncode != 0 and "forbidden" in proc.stderr.lower(), proc
+        for where in ("kube-system", "default"):
+            proc = kubectl(
+                "auth", "can-i", "update", "configmaps", "-n", where, "--as", who, check=False
+            )
+            assert proc.stdout.strip() == "no", where
+        monkeypatch.setenv("KUBECONFIG", str(sa_kubeconfig(ns, sa)))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        monkeypatch.delenv("POD_NAMESPACE", raising=False)
+        from warmserve_operator.kube import KubeApi
+
+        api = KubeApi(peering=None, identity="t", priority=1)
+        assert api.history_namespace == ns, "the SA kubeconfig's namespace is the operator's"
+
+        async def round_trip() -> None:
+            await api.write_history("uid-1", {"format": "x"}, "demo/code")
+            await api.write_history("uid-1", {"format": "y"}, "demo/code")
+            assert await api.read_history("uid-1") == {"format": "y"}
+            assert await api.list_history_uids() == ["uid-1"]
+            await api.delete_history("uid-1")
+            assert await api.read_history("uid-1") is None
+            foreign = KubeApi(peering=None, identity="t", priority=1, history_namespace="default")
+            from kubernetes.client import ApiException
+
+            with pytest.raises(ApiException) as info:
+                await foreign.write_history("uid-2", {"format": "x"}, "demo/code")
+            assert info.value.status == 403
+
+        asyncio.run(round_trip())
+    finally:
+        kubectl("delete", "-f", "-", input=victim, check=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -206,18 +207,48 @@ def snap(node: str, slots: tuple = (), instances: tuple = ()) -> NodeSnapshot:
 
 
 def test_orphans_and_teardown_actions() -> None:
-    slot = SlotView("s1", "gone", (0,), 4, 4, 4, GiB, GiB, "ready")
+    slot = SlotView("s1", "gone", (0,), 4, 4, 4, GiB, GiB, "ready", owner="uid-gone")
     failed = SlotView("s2", "m", (1,), 1, 4, 4, GiB, 4 * GiB, "failed")
-    inst = InstanceView("i1", "gone", (1,), "http://x", InstancePhase.SERVING)
+    inst = InstanceView("i1", "gone", (1,), "http://x", InstancePhase.SERVING, owner="uid-gone")
     from warmserve.policy.cluster import ModelSpec
 
     built = build_state({"m": ModelSpec("m", GiB)}, {"n": snap("n", (slot, failed), (inst,))}, {})
     acts = orphan_actions(built)
-    assert sorted(type(a).__name__ for a in acts) == ["EndInstance", "Evict", "Evict"]
+    # A serving orphan drains through grace first (the agent refuses to end it directly).
+    assert sorted(type(a).__name__ for a in acts) == ["BeginGrace", "Evict", "Evict"]
     assert {getattr(a, "reason", "") for a in acts} >= {"loading failed"}
-    td = teardown_actions("gone", {"n": snap("n", (slot,), (inst,))})
-    assert [type(a).__name__ for a in td] == ["EndInstance", "Evict"]
+    td, left = teardown_actions("uid-gone", {"n": snap("n", (slot,), (inst,))}, 0.0, {}, 30.0)
+    assert [type(a).__name__ for a in td] == ["BeginGrace", "Evict"]
+    assert len(left) == 2
+    grace = replace(inst, phase=InstancePhase.GRACE, running=1, grace_started_unix=100.0)
+    td, _ = teardown_actions("uid-gone", {"n": snap("n", (), (grace,))}, 110.0, {}, 30.0)
+    assert td == [], "a grace instance with a request in flight waits..."
+    td, _ = teardown_actions("uid-gone", {"n": snap("n", (), (grace,))}, 130.0, {}, 30.0)
+    assert [type(a).__name__ for a in td] == ["EndInstance"], "...until its grace is over"
     assert td[0].evict_weights is True
+    idle = replace(grace, running=0)
+    td, _ = teardown_actions("uid-gone", {"n": snap("n", (), (idle,))}, 101.0, {}, 30.0)
+    assert [type(a).__name__ for a in td] == ["EndInstance"], "an idle one ends at once"
+    # Identity is the owner UID, not the model name: another owner's slot is never touched.
+    td, left = teardown_actions("uid-dup", {"n": snap("n", (slot,), (inst,))}, 0.0, {}, 30.0)
+    assert td == [] and left == []
+
+
+def test_ownership_by_uid() -> None:
+    from warmserve.policy.cluster import ModelSpec
+
+    mine = SlotView("s1", "m", (0,), 4, 4, 4, GiB, GiB, "ready", owner="uid-a")
+    foreign = SlotView("s2", "m", (1,), 4, 4, 4, GiB, GiB, "ready", owner="uid-old")
+    dead = SlotView("s3", "m", (1,), 4, 4, 4, GiB, GiB, "ready", owner="uid-dead")
+    built = build_state(
+        {"m": ModelSpec("m", GiB)},
+        {"n": snap("n", (mine, foreign, dead))},
+        {},
+        owners={"m": "uid-a"},
+        live={"uid-a", "uid-old"},
+    )
+    assert list(built.slot_of.values()) == ["s1"], "only the owner's slot is a replica"
+    assert [s.slot_id for _n, s, _r in built.orphan_slots] == ["s3"], "a live UID is no orphan"
 
 
 # ---------------------------------------------------------------------------- status

@@ -100,7 +100,7 @@ async def test_grace_instance_lends_memory_to_a_prewarm(agent_address: str) -> N
     end = math.floor(time.time() / W)
     for i in range(end - 30, end):
         hist.record(i, 1.0, 1.0)  # B: one basic replica wanted (ceil(1/8) = 1)
-    kube.configmaps[("default", "b")] = hist.to_data("model-b")
+    kube.configmaps["uid-b"] = hist.to_data("model-b")
     cfg = OperatorConfig(
         window_s=W,
         poll_s=0.25,

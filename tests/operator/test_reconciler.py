@@ -26,7 +26,7 @@ def seed_history(
     end = math.floor(now / W)
     for i in range(end - windows, end):
         h.record(i, avg, peak)
-    kube.configmaps[("default", name)] = h.to_data(model)
+    kube.configmaps[f"uid-{name}"] = h.to_data(model)  # FakeKube.add_md's default UID
 
 
 class Harness:
@@ -34,7 +34,8 @@ class Harness:
         self.clock = Clock()
         self.kube = FakeKube()
         self.agents = {
-            f"node-{i}": FakeAgent(f"node-{i}", gpus, catalog=CATALOG) for i in range(nodes)
+            f"node-{i}": FakeAgent(f"node-{i}", gpus, catalog=CATALOG, clock=self.clock)
+            for i in range(nodes)
         }
         for name in self.agents:
             self.kube.add_node(name)
@@ -148,11 +149,53 @@ async def test_delete_tears_down_everything_of_the_model() -> None:
     left = await h.rec.teardown(md)
     assert left == []
     assert not h.slots("llama-a") and not h.instances("llama-a")
-    assert ("default", "a") not in h.kube.configmaps
+    assert "uid-a" not in h.kube.configmaps
     assert h.slots("llama-b"), "other models are untouched"
     del h.kube.mds[("default", "a")]
     await h.tick(3)
     assert not h.slots("llama-a") and not h.instances("llama-a")
+
+
+async def test_delete_drains_a_busy_instance_through_grace_within_the_bound() -> None:
+    """Issue 16 H1: the agent refuses to end a serving instance; teardown drains it."""
+    h = Harness()
+    h.kube.add_md("a", "llama-a", maxBatchSize=4, minInstances=1)
+    await h.tick(3)
+    ((node, _),) = h.instances("llama-a")
+    h.agents[node].set_load("llama-a", 2)  # requests in flight: grace cannot end early
+    md = h.rec.models["llama-a"].md
+    h.kube.mds[("default", "a")]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    t0 = h.clock.t
+    rounds = 0
+    while left := await h.rec.teardown(md):
+        rounds += 1
+        assert h.clock.t - t0 <= h.cfg.autoscaler.max_grace_s + 30, left
+        assert any("grace" in x for x in left), left
+        await h.tick()  # kopf retries the finalizer every 2 s; the loop runs meanwhile
+    assert rounds >= 2, "it waited for the grace period"
+    assert h.clock.t - t0 >= h.cfg.autoscaler.max_grace_s
+    assert not h.slots("llama-a") and not h.instances("llama-a")
+
+
+async def test_deleting_a_duplicate_in_another_namespace_touches_nothing_of_the_owner() -> None:
+    """Issue 16 H2: identity is the deployment's UID, not its model name."""
+    h = Harness()
+    h.kube.add_md("code", "llama-a", ns="demo", maxBatchSize=4, minInstances=1)
+    seed_history(h.kube, "code", "llama-a", h.clock.t, avg=6.0, peak=10.0)
+    h.kube.add_md("b16", "llama-a", ns="bad", created="2026-02-01T00:00:00Z")
+    await h.tick(3)
+    before = (h.slots("llama-a"), h.instances("llama-a"))
+    assert before[0] and before[1]
+    assert h.rec.models["llama-a"].md.key == "demo/code"
+    from warmserve_operator.spec import parse_model_deployment
+
+    b16 = parse_model_deployment(h.kube.mds[("bad", "b16")])
+    calls = sum(len(a.calls) for a in h.agents.values())
+    assert await h.rec.teardown(b16) == []
+    assert sum(len(a.calls) for a in h.agents.values()) == calls, "no agent call at all"
+    del h.kube.mds[("bad", "b16")]
+    await h.tick(3, dt=0.0)  # same window: the forecast (and so the plan) stays
+    assert (h.slots("llama-a"), h.instances("llama-a")) == before
 
 
 async def test_orphans_of_deleted_deployments_are_removed() -> None:
@@ -231,7 +274,7 @@ async def test_history_is_persisted_each_window() -> None:
     ((node, _),) = h.instances("llama-a")
     h.agents[node].set_load("llama-a", 3)
     await h.tick(10)  # 5 s = 2+ windows
-    data = h.kube.configmaps[("default", "a")]
+    data = h.kube.configmaps["uid-a"]
     hist = LoadHistory.from_data(data, W)
     assert len(hist) >= 2
     assert max(hist.peak) == pytest.approx(3.0)

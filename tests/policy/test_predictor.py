@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from warmserve.policy.cluster import LoadForecast, PolicyInputError
+from warmserve.policy.holt_winters import _fit_holt_winters, _holt_winters_filter
 from warmserve.policy.predictor import (
     DEFAULT_PREDICTOR,
     PREDICTORS,
@@ -19,11 +20,10 @@ from warmserve.policy.predictor import (
     PersistencePredictor,
     SeasonalPredictor,
     WarmPredictor,
-    _fit_holt_winters,
-    _holt_winters_filter,
     evaluate,
     forecast,
     make_predictor,
+    predict_peak_series,
     predict_series,
     recent_weights,
     season_length,
@@ -93,7 +93,7 @@ def test_season_length() -> None:
 def test_registry_and_forecast() -> None:
     assert DEFAULT_PREDICTOR == "warm"
     assert set(PREDICTORS) == {
-        "warm", "csp", "csp-printed", "seasonal", "persistence", "holt-winters"
+        "warm", "warm-point", "csp", "csp-printed", "seasonal", "persistence", "holt-winters"
     }
     for name in PREDICTORS:
         assert make_predictor(name).name == name
@@ -112,12 +112,40 @@ def test_registry_and_forecast() -> None:
         PersistencePredictor().predict([1.0, -1.0], 1)
 
 
+def test_forecast_uses_the_coverage_peak_of_the_default() -> None:
+    """``warm``'s peak is its calibrated upper forecast; ``warm-point``'s the point forecast."""
+    h = _series(4, 12, seed=11)
+    peak = h * 1.4
+    fc = forecast(h, peak, 12)
+    warm = make_predictor("warm")
+    assert isinstance(warm, WarmPredictor)
+    assert fc.avg == pytest.approx(warm.predict(h, 12))
+    assert fc.peak == pytest.approx(max(warm.predict_peak(peak, 12), fc.avg))
+    point = forecast(h, peak, 12, "warm-point")
+    assert point.avg == fc.avg
+    assert point.peak == pytest.approx(max(make_predictor("warm").predict(peak, 12), point.avg))
+    # on a noisy series the upper forecast sits above the point forecast
+    assert fc.peak > point.peak
+    assert forecast(h, peak, 12, "csp").peak == pytest.approx(
+        max(CorrectiveSeasonalPredictor().predict(peak, 12), forecast(h, peak, 12, "csp").avg)
+    )
+
+
 def test_evaluate_by_hand() -> None:
     ev = evaluate(PersistencePredictor(), [1.0, 2, 4, 0, 2], 1, start=1)
     # predictions 1, 2, 4, 0 for actuals 2, 4, 0 (excluded), 2
     assert ev.rel_error == pytest.approx((0.5 + 0.5 + 1.0) / 3)
     assert ev.under_rate == pytest.approx(3 / 4)
     assert ev.windows == 4
+    assert ev.quality is not None
+    assert ev.quality.volume_weighted_error == pytest.approx((1 + 2 + 4 + 2) / 8)
+    assert ev.quality.coverage == pytest.approx(1 / 4)  # only the 0 window is covered
+    # a floor (the average forecast) raises the predictions before scoring
+    ev = evaluate(PersistencePredictor(), [1.0, 2, 4, 0, 2], 1, start=1, floor=[9.0] * 5)
+    assert list(ev.predictions) == [0.0, 9.0, 9.0, 9.0, 9.0]
+    assert ev.quality is not None and ev.quality.coverage == 1.0
+    with pytest.raises(PolicyInputError, match="floor"):
+        evaluate(PersistencePredictor(), [1.0, 2, 4], 1, start=1, floor=[1.0])
     with pytest.raises(PolicyInputError, match="evaluation start"):
         evaluate(PersistencePredictor(), [1.0, 2.0], 1, start=2)
 
@@ -136,7 +164,7 @@ def test_holt_winters_filter_reproduces_statsmodels() -> None:
         fit = ExponentialSmoothing(
             h, trend="add", damped_trend=True, seasonal="add", seasonal_periods=period,
             initialization_method="heuristic",
-        ).fit()
+        ).fit(use_brute=False)
     ours = _holt_winters_filter(par, h, h.size + 1)
     np.testing.assert_allclose(ours[:-1], fit.fittedvalues, rtol=1e-9, atol=1e-9)
     assert ours[-1] == pytest.approx(float(fit.forecast(1)[0]))
@@ -149,26 +177,33 @@ def _series(days: int, per_day: int, seed: int) -> np.ndarray:
     return np.maximum(0.0, base * rng.lognormal(0, 0.2, t.size))
 
 
+@pytest.mark.parametrize("series_fn", [predict_series, predict_peak_series])
 @pytest.mark.parametrize("name", sorted(PREDICTORS))
-def test_no_look_ahead(name: str) -> None:
-    """Changing windows t.. never changes the predictions for windows 0..t."""
+def test_no_look_ahead(name: str, series_fn: object) -> None:
+    """Changing windows t.. never changes the predictions for windows 0..t (average and peak)."""
+    assert callable(series_fn)
     h = _series(4, 12, seed=3)
     pred = make_predictor(name)
-    base = predict_series(pred, h, 12)
+    base = series_fn(pred, h, 12)
     for cut in (5, 13, 30):
         changed = h.copy()
         changed[cut:] = changed[cut:] * 3 + 7
-        again = predict_series(make_predictor(name), changed, 12)
+        again = series_fn(make_predictor(name), changed, 12)
         np.testing.assert_allclose(again[: cut + 1], base[: cut + 1], rtol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["warm", "csp", "csp-printed", "seasonal", "persistence"])
+@pytest.mark.parametrize(
+    "name", ["warm", "warm-point", "csp", "csp-printed", "seasonal", "persistence"]
+)
 def test_predict_all_matches_predict(name: str) -> None:
     h = _series(3, 8, seed=5)
     pred = make_predictor(name)
     every = predict_series(pred, h, 8)
+    peaks = predict_peak_series(pred, h, 8)
+    peak_one = getattr(pred, "predict_peak", pred.predict)
     for t in (0, 1, 7, 8, 9, 20, h.size - 1):
         assert every[t] == pytest.approx(pred.predict(h[:t], 8), rel=1e-9, abs=1e-12)
+        assert peaks[t] == pytest.approx(peak_one(h[:t], 8), rel=1e-9, abs=1e-12)
 
 
 def test_holt_winters_predict_all_at_refit_points() -> None:
@@ -192,11 +227,15 @@ histories = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(h=histories, per_day=st.integers(min_value=1, max_value=12))
 def test_predictions_finite_and_non_negative(h: list[float], per_day: int) -> None:
-    for name in ("warm", "csp", "csp-printed", "seasonal", "persistence"):
+    for name in ("warm", "warm-point", "csp", "csp-printed", "seasonal", "persistence"):
         value = make_predictor(name).predict(h, per_day)
         assert math.isfinite(value) and value >= 0, name
         series = predict_series(make_predictor(name), h, per_day)
         assert np.all(np.isfinite(series)) and np.all(series >= 0), name
+        peaks = predict_peak_series(make_predictor(name), h, per_day)
+        assert np.all(np.isfinite(peaks)) and np.all(peaks >= 0), name
+        fc = forecast(h, h, per_day, name)
+        assert fc.peak >= fc.avg >= 0
 
 
 @settings(max_examples=10, deadline=None)

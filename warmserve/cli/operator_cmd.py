@@ -137,6 +137,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--agent-port", type=int, default=50051, help="agents' gRPC port")
     p.add_argument(
+        "--history-namespace",
+        default=None,
+        help="namespace of the per-model load history ConfigMaps (the operator's own; default: "
+        "$POD_NAMESPACE, the in-cluster namespace, else the kubeconfig context's namespace)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -196,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
         peering=peering,
         peering_lifetime=args.peering_lifetime,
         namespaces=tuple(args.namespaces),
+        history_namespace=args.history_namespace,
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
         agent_auth=AgentAuth(

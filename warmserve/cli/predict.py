@@ -1,9 +1,12 @@
 """``warmserve predict``: how well each load predictor would have done on a trace (§5.1, §7.4).
 
 For every window from the second day on, each predictor sees only the windows before it and
-predicts the window's average and peak load; we report the mean relative error (windows whose
-actual load is 0 left out), the under-prediction rate (under-prediction is what costs cold
-starts) and the number of windows evaluated.
+predicts the window's average and peak load exactly as the operator would (the peak raised to
+the average, :func:`~warmserve.policy.predictor.forecast`).  Reported per predictor
+(:mod:`warmserve.policy.forecast_quality`): mean relative error and volume-weighted error of the
+average and the peak, the peak's coverage (share of windows whose actual peak is at or below the
+predicted one) and mean over-forecast, and the average's under-prediction rate.  Progress goes
+to stderr (``--quiet`` silences it); results to stdout.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +72,19 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--compare", action="store_true", help="evaluate every predictor")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     parser.add_argument(
-        "--plot", metavar="FILE.png", help="save actual vs predicted load over time"
+        "--plot",
+        metavar="FILE.png",
+        help="save a plot: the whole trace, then one panel per predictor over one day",
+    )
+    parser.add_argument(
+        "--plot-day",
+        type=int,
+        metavar="DAY",
+        help="day of the trace (1 = first) the per-predictor panels show (default: the last "
+        "full day)",
+    )
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress lines on stderr"
     )
     parser.set_defaults(func=run)
 
@@ -170,45 +188,157 @@ def evaluation_start(data: WindowedTrace, lookback: int) -> tuple[int, str | Non
     )
 
 
+class Progress:
+    """Progress lines on stderr (silent with ``--quiet``); stdout stays the result alone."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+
+    def say(self, message: str, end: str = "\n") -> None:
+        if not self.quiet:
+            print(f"predict: {message}", file=sys.stderr, end=end, flush=True)
+
+    def step(self, label: str) -> float:
+        """Announce a step, ended by :meth:`done` on the same line; returns its start time."""
+        self.say(f"{label} ...", end="")
+        return time.monotonic()
+
+    def done(self, started: float) -> None:
+        if not self.quiet:
+            print(f" {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+
+
+def _check_plot_path(path: str) -> None:
+    """Fail before the work, not after it, when the plot cannot be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CliError(f"cannot write plot {path}: no such directory {folder}")
+    if not os.access(folder, os.W_OK):
+        raise CliError(f"cannot write plot {path}: directory {folder} is not writable")
+
+
+def evaluate_predictor(
+    name: str, data: WindowedTrace, start: int
+) -> tuple[dict[str, Any], tuple[Any, Any]]:
+    """Score one predictor on the trace's average and peak series (as the operator sees them)."""
+    from warmserve.policy.predictor import evaluate, make_predictor
+
+    pred = make_predictor(name)
+    ev_avg = evaluate(pred, data.avg, data.windows_per_day, start)
+    avg_all = ev_avg.predictions.copy()
+    # forecast() raises the peak to the average: score what the placement would receive
+    ev_peak = evaluate(
+        pred, data.peak, data.windows_per_day, start, peak=True, floor=avg_all
+    )
+    assert ev_avg.quality is not None and ev_peak.quality is not None
+    qa, qp = ev_avg.quality, ev_peak.quality
+    stats = {
+        "avg_rel_error": qa.mean_rel_error,
+        "peak_rel_error": qp.mean_rel_error,
+        "avg_vw_error": qa.volume_weighted_error,
+        "peak_vw_error": qp.volume_weighted_error,
+        "peak_coverage": qp.coverage,
+        "peak_over_forecast": qp.over_forecast,
+        "peak_over_forecast_rel": qp.over_forecast_rel,
+        "avg_under_rate": qa.under_rate,
+        "peak_under_rate": qp.under_rate,
+        "windows": qa.windows,
+        "avg": qa.as_dict(),
+        "peak": qp.as_dict(),
+    }
+    return stats, (ev_avg.predictions, ev_peak.predictions)
+
+
+BASELINES = ("csp", "persistence")
+GOAL_COVERAGE = 0.90
+GOAL_OVER_FORECAST = 0.30
+GOAL_VWE_RATIO = 0.85
+
+
+def default_summary(results: dict[str, dict[str, Any]], default: str) -> dict[str, Any] | None:
+    """The default against issue 12's goals (needs ``csp`` and ``persistence`` in ``results``).
+
+    Peak coverage >= 90 % with mean (volume-weighted) over-forecast <= 30 %, and average
+    volume-weighted error <= 0.85x the better of CSP and persistence.
+    """
+    if default not in results or any(b not in results for b in BASELINES):
+        return None
+    best = min(BASELINES, key=lambda b: _nan_last(results[b]["avg_vw_error"]))
+    base = results[best]["avg_vw_error"]
+    own = results[default]
+    ratio = own["avg_vw_error"] / base if base and math.isfinite(base) else float("nan")
+    return {
+        "predictor": default,
+        "peak_coverage": own["peak_coverage"],
+        "peak_over_forecast": own["peak_over_forecast"],
+        "coverage_goal_met": bool(
+            own["peak_coverage"] >= GOAL_COVERAGE
+            and own["peak_over_forecast"] <= GOAL_OVER_FORECAST
+        ),
+        "best_baseline": best,
+        "avg_vw_error_ratio": ratio,
+        "vw_error_goal_met": bool(ratio <= GOAL_VWE_RATIO),
+    }
+
+
+def _nan_last(x: float) -> float:
+    return x if math.isfinite(x) else math.inf
+
+
 def run(args: argparse.Namespace) -> int:
     from warmserve.policy.predictor import (
         DEFAULT_LOOKBACK,
         DEFAULT_PREDICTOR,
         PREDICTORS,
-        evaluate,
         make_predictor,
     )
 
     names = list(PREDICTORS) if args.compare else [args.predictor or DEFAULT_PREDICTOR]
-    predictors = [make_predictor(n) for n in names]  # unknown names fail before any work
+    for n in names:
+        make_predictor(n)  # unknown names fail before any work
+    if args.plot:
+        _check_plot_path(args.plot)
+    elif args.plot_day is not None:
+        raise CliError("--plot-day needs --plot")
+    progress = Progress(args.quiet)
+    started = time.monotonic()
     data = windowed(args)
     start, note = evaluation_start(data, DEFAULT_LOOKBACK)
     if note:
         data.notes.append(note)
+    if args.plot:
+        from warmserve.cli.predict_plot import zoom_range
+
+        zoom_range(len(data.avg), data.windows_per_day, start, args.plot_day)
+    progress.say(
+        f"read {args.trace} in {time.monotonic() - started:.1f} s: {len(data.avg)} windows of "
+        f"{data.window_s:g} s ({data.label}); evaluating {len(names)} predictor(s) on windows "
+        f"{start + 1}..{len(data.avg)}"
+    )
     results: dict[str, dict[str, Any]] = {}
     predictions: dict[str, tuple[Any, Any]] = {}
-    for name, pred in zip(names, predictors, strict=True):
-        ev_avg = evaluate(pred, data.avg, data.windows_per_day, start)
-        ev_peak = evaluate(pred, data.peak, data.windows_per_day, start)
-        results[name] = {
-            "avg_rel_error": ev_avg.rel_error,
-            "peak_rel_error": ev_peak.rel_error,
-            "avg_under_rate": ev_avg.under_rate,
-            "peak_under_rate": ev_peak.under_rate,
-            "windows": ev_avg.windows,
-        }
-        predictions[name] = (ev_avg.predictions, ev_peak.predictions)
+    for i, name in enumerate(names, start=1):
+        started = progress.step(f"[{i}/{len(names)}] {name}")
+        results[name], predictions[name] = evaluate_predictor(name, data, start)
+        progress.done(started)
     if args.plot:
-        _plot(args.plot, data, start, predictions)
+        from warmserve.cli.predict_plot import plot
+
+        plot(args.plot, data, start, predictions, results, DEFAULT_PREDICTOR, args.plot_day)
+        progress.say(f"plot written to {args.plot}")
+    summary = default_summary(results, DEFAULT_PREDICTOR)
     if args.json:
-        print(json.dumps(_json_safe({
+        out: dict[str, Any] = {
             "series": data.label,
             "window_s": data.window_s,
             "predictors": results,
             "default": DEFAULT_PREDICTOR,
-        })))
+        }
+        if summary is not None:
+            out["default_summary"] = summary
+        print(json.dumps(_json_safe(out)))
     else:
-        _print_table(args.trace, data, start, results, DEFAULT_PREDICTOR)
+        _print_table(args.trace, data, start, results, DEFAULT_PREDICTOR, summary)
     return 0
 
 
@@ -225,7 +355,12 @@ def _pct(x: float) -> str:
 
 
 def _print_table(
-    trace: str, data: WindowedTrace, start: int, results: dict[str, dict[str, Any]], default: str
+    trace: str,
+    data: WindowedTrace,
+    start: int,
+    results: dict[str, dict[str, Any]],
+    default: str,
+    summary: dict[str, Any] | None,
 ) -> None:
     for note in data.notes:
         print(f"note: {note}")
@@ -234,14 +369,20 @@ def _print_table(
         f"({data.windows_per_day} per day)  load unit: {data.unit}"
     )
     print(f"evaluated windows {start + 1}..{len(data.avg)} of {len(data.avg)}")
-    header = ("predictor", "avg rel err", "peak rel err", "avg under", "peak under", "windows")
+    header = (
+        "predictor", "avg MRE", "avg VWE", "peak MRE", "peak VWE", "peak cover", "peak over",
+        "avg under", "windows",
+    )
     rows = [
         (
             name + (" *" if name == default else ""),
             _pct(r["avg_rel_error"]),
+            _pct(r["avg_vw_error"]),
             _pct(r["peak_rel_error"]),
+            _pct(r["peak_vw_error"]),
+            _pct(r["peak_coverage"]),
+            _pct(r["peak_over_forecast"]),
             _pct(r["avg_under_rate"]),
-            _pct(r["peak_under_rate"]),
             str(r["windows"]),
         )
         for name, r in results.items()
@@ -250,36 +391,23 @@ def _print_table(
     for row in [header, *rows]:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                         enumerate(zip(row, widths, strict=True))))
-    print("rel err: mean |predicted - actual| / actual (windows with actual 0 excluded); "
-          "under: share of windows predicted below actual; * default")
-
-
-def _plot(path: str, data: WindowedTrace, start: int, predictions: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    span_days = len(data.avg) * data.window_s / 86400.0
-    scale, unit = (86400.0, "days") if span_days > 3 else (3600.0, "hours")
-    hours = np.arange(len(data.avg)) * data.window_s / scale
-    fig, axes = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
-    for ax, actual, idx, title in (
-        (axes[0], data.avg, 0, "average"),
-        (axes[1], data.peak, 1, "peak"),
+    for line in (
+        "MRE: mean |predicted - actual| / actual over windows with actual > 0",
+        "VWE: volume-weighted error, sum |predicted - actual| / sum actual",
+        "peak cover: share of windows whose actual peak is at or below the predicted peak",
+        "peak over: mean over-forecast of the peak, sum max(predicted - actual, 0) / sum actual",
+        "avg under: share of windows whose average is predicted below actual;  * default",
+        "peaks are scored as the placement receives them (raised to the predicted average)",
     ):
-        ax.plot(hours, actual, color="black", lw=1.0, label="actual")
-        for name, preds in predictions.items():
-            ax.plot(hours[start:], preds[idx][start:], lw=0.8, alpha=0.8, label=name)
-        ax.set_ylabel(f"{title} ({data.unit})")
-        ax.legend(loc="upper right", fontsize=8)
-    axes[1].set_xlabel(f"{unit} since trace start")
-    fig.suptitle(f"{data.label}: window {data.window_s:g} s")
-    fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except OSError as exc:
-        raise CliError(f"cannot write plot {path}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
+        print(line)
+    if summary is not None:
+        print(
+            f"default {summary['predictor']}: peak coverage {_pct(summary['peak_coverage'])} "
+            f"with over-forecast {_pct(summary['peak_over_forecast'])} "
+            f"(goal >= 90% with <= 30%: {'met' if summary['coverage_goal_met'] else 'not met'}); "
+            f"average VWE {summary['avg_vw_error_ratio']:.3f}x the better of csp and "
+            f"persistence ({summary['best_baseline']}) "
+            f"(goal <= 0.85x: {'met' if summary['vw_error_goal_met'] else 'not met'})"
+        )
+
+

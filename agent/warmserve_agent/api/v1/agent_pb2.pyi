@@ -71,7 +71,7 @@ class GpuInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., free_bytes: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., worker_pid: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., slot_ids: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class SlotInfo(_message.Message):
-    __slots__ = ("slot_id", "model", "gpus", "layers_resident", "layers_total", "layers_target", "resident_bytes_per_gpu", "weight_bytes_per_gpu", "state", "message")
+    __slots__ = ("slot_id", "model", "gpus", "layers_resident", "layers_total", "layers_target", "resident_bytes_per_gpu", "weight_bytes_per_gpu", "state", "message", "owner")
     SLOT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,7 @@ class SlotInfo(_message.Message):
     WEIGHT_BYTES_PER_GPU_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     slot_id: str
     model: str
     gpus: _containers.RepeatedScalarFieldContainer[int]
@@ -92,10 +93,11 @@ class SlotInfo(_message.Message):
     weight_bytes_per_gpu: int
     state: SlotState
     message: str
-    def __init__(self, slot_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., layers_target: _Optional[int] = ..., resident_bytes_per_gpu: _Optional[int] = ..., weight_bytes_per_gpu: _Optional[int] = ..., state: _Optional[_Union[SlotState, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    owner: str
+    def __init__(self, slot_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., layers_target: _Optional[int] = ..., resident_bytes_per_gpu: _Optional[int] = ..., weight_bytes_per_gpu: _Optional[int] = ..., state: _Optional[_Union[SlotState, str]] = ..., message: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "model", "gpus", "endpoint", "phase", "running", "waiting", "max_batch", "kv_capacity_bytes", "kv_used_bytes", "lendable_bytes", "lent_bytes", "prewarm_hit", "slot_id", "layers_resident", "layers_total", "started_unix", "engine", "ttft_p95_seconds", "ttft_samples", "ttft_window_seconds", "dropped_requests")
+    __slots__ = ("instance_id", "model", "gpus", "endpoint", "phase", "running", "waiting", "max_batch", "kv_capacity_bytes", "kv_used_bytes", "lendable_bytes", "lent_bytes", "prewarm_hit", "slot_id", "layers_resident", "layers_total", "started_unix", "owner", "grace_started_unix", "engine", "ttft_p95_seconds", "ttft_samples", "ttft_window_seconds", "dropped_requests")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +115,8 @@ class InstanceInfo(_message.Message):
     LAYERS_RESIDENT_FIELD_NUMBER: _ClassVar[int]
     LAYERS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    GRACE_STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     TTFT_P95_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TTFT_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -135,12 +139,14 @@ class InstanceInfo(_message.Message):
     layers_resident: int
     layers_total: int
     started_unix: float
+    owner: str
+    grace_started_unix: float
     engine: str
     ttft_p95_seconds: float
     ttft_samples: int
     ttft_window_seconds: float
     dropped_requests: int
-    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., endpoint: _Optional[str] = ..., phase: _Optional[_Union[InstancePhase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., lendable_bytes: _Optional[int] = ..., lent_bytes: _Optional[int] = ..., prewarm_hit: _Optional[bool] = ..., slot_id: _Optional[str] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., started_unix: _Optional[float] = ..., engine: _Optional[str] = ..., ttft_p95_seconds: _Optional[float] = ..., ttft_samples: _Optional[int] = ..., ttft_window_seconds: _Optional[float] = ..., dropped_requests: _Optional[int] = ...) -> None: ...
+    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., endpoint: _Optional[str] = ..., phase: _Optional[_Union[InstancePhase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., lendable_bytes: _Optional[int] = ..., lent_bytes: _Optional[int] = ..., prewarm_hit: _Optional[bool] = ..., slot_id: _Optional[str] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., started_unix: _Optional[float] = ..., owner: _Optional[str] = ..., grace_started_unix: _Optional[float] = ..., engine: _Optional[str] = ..., ttft_p95_seconds: _Optional[float] = ..., ttft_samples: _Optional[int] = ..., ttft_window_seconds: _Optional[float] = ..., dropped_requests: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "num_layers", "weight_bytes", "num_tensors", "max_batch")
@@ -189,16 +195,18 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrewarmRequest(_message.Message):
-    __slots__ = ("request_id", "model", "gpus", "layers")
+    __slots__ = ("request_id", "model", "gpus", "layers", "owner")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     gpus: _containers.RepeatedScalarFieldContainer[int]
     layers: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class PrewarmProgress(_message.Message):
     __slots__ = ("slot_id", "layers_loaded", "layers_target", "bytes_loaded", "bytes_target", "bandwidth_bytes_per_s", "done", "slot")
@@ -239,20 +247,22 @@ class EvictResponse(_message.Message):
     def __init__(self, slot_id: _Optional[str] = ..., freed_bytes_per_gpu: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ...) -> None: ...
 
 class ActivateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "gpus", "slot_id", "engine", "engine_args")
+    __slots__ = ("request_id", "model", "gpus", "slot_id", "owner", "engine", "engine_args")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SLOT_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ARGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     gpus: _containers.RepeatedScalarFieldContainer[int]
     slot_id: str
+    owner: str
     engine: str
     engine_args: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., slot_id: _Optional[str] = ..., engine: _Optional[str] = ..., engine_args: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., slot_id: _Optional[str] = ..., owner: _Optional[str] = ..., engine: _Optional[str] = ..., engine_args: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ActivateResponse(_message.Message):
     __slots__ = ("instance", "prewarm_hit", "activation_seconds", "evicted_slot_ids")

@@ -1,0 +1,169 @@
+"""One set of contract cases, run against the unit tests' ``FakeAgent`` AND the real agent.
+
+A fake that accepted what the real agent refuses (``EndInstance`` for a serving instance) once
+hid a deletion that never finished (issue 16, H1).  Every case here drives the operator's
+:class:`~warmserve_operator.agents.AgentPort` — the fake directly, the real agent
+(``warmserve_agent`` in-process on loopback, simulated GPUs) through
+:class:`~warmserve_operator.agents.GrpcAgent` — and asserts the same outcome, so the fake
+cannot drift from the agent without a failing test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from operator_fakes import FakeAgent
+from warmserve_operator.agents import AgentAuth, AgentCallError, GrpcAgent
+
+from warmserve.policy.cluster import InstancePhase, WorkerState
+
+REPO = Path(__file__).resolve().parents[2]
+A, B = "model-a", "model-b"
+
+
+def _write_models(root: Path) -> dict[str, tuple[int, int]]:
+    spec = importlib.util.spec_from_file_location(
+        "warmserve_agent_test_models", REPO / "tests" / "agent" / "conftest.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    prof = {"decode_tok_s": 50.0, "max_batch": 4, "kv_bytes_per_token": 256}
+    mod.write_model(root, A, layers=4, hidden=64, seed=1, profile=prof)
+    mod.write_model(root, B, layers=4, hidden=64, seed=2, profile=prof)
+    return {A: (200_000, 4), B: (200_000, 4)}
+
+
+@pytest.fixture(scope="module")
+def real_agent(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from warmserve_agent.server import AgentConfig, parse_simulated_gpus
+    from warmserve_agent.testing import AgentThread
+
+    tmp = tmp_path_factory.mktemp("contract")
+    _write_models(tmp / "models")
+    cfg = AgentConfig(
+        model_dir=tmp / "models",
+        simulate_gpus=parse_simulated_gpus("2x32MiB"),
+        listen="127.0.0.1:0",
+        node_name="n1",
+        memory_dir=tmp / "mem",
+        use_workers=False,
+        spare_workers=0,
+        host_cache_bytes=16 * 1024**2,
+    )
+    with AgentThread(cfg) as a:
+        yield a
+
+
+@pytest.fixture(params=["fake", "real"])
+async def agent(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    if request.param == "fake":
+        yield FakeAgent("n1", gpus=2, memory=32 * 1024**2, catalog=_write_models(tmp_path))
+        return
+    real = request.getfixturevalue("real_agent")
+    client = GrpcAgent("n1", real.address, AgentAuth())
+    try:
+        yield client
+    finally:
+        await _reset(client)
+        await client.close()
+
+
+_ids = iter(range(10**9))
+
+
+def rid(verb: str) -> str:
+    return f"contract-{verb}-{next(_ids)}"
+
+
+async def _reset(agent: Any) -> None:
+    """Leave the shared real agent empty for the next case."""
+    snap = await agent.describe()
+    for inst in snap.instances:
+        if inst.phase == InstancePhase.SERVING:
+            await agent.begin_grace(inst.instance_id, rid("grace"))
+        await agent.end_instance(inst.instance_id, True, rid("end"))
+    for s in (await agent.describe()).slots:
+        await agent.evict(s.slot_id, rid("evict"))
+
+
+async def refused(code: str, call: Callable[[], Awaitable[Any]]) -> str:
+    with pytest.raises(AgentCallError) as info:
+        await call()
+    assert info.value.code == code, info.value
+    return info.value.message
+
+
+async def test_a_serving_instance_ends_only_through_grace(agent: Any) -> None:
+    res = await agent.activate(A, (0,), "", rid("act"), "uid-1")
+    iid = res.instance.instance_id
+    msg = await refused("FAILED_PRECONDITION", lambda: agent.end_instance(iid, True, rid("end")))
+    assert "grace" in msg
+    await agent.begin_grace(iid, rid("grace"))
+    snap = await agent.describe()
+    (inst,) = snap.instances
+    assert inst.phase == InstancePhase.GRACE and inst.grace_started_unix > 0
+    assert {g.state for g in snap.gpus if g.index == 0} == {WorkerState.GRACE}
+    await refused("FAILED_PRECONDITION", lambda: agent.begin_grace(iid, rid("grace")))
+    await refused("FAILED_PRECONDITION", lambda: agent.activate(A, (0,), "", rid("act")))
+    await agent.end_instance(iid, True, rid("end"))
+    snap = await agent.describe()
+    assert not snap.instances and not snap.slots
+    await refused("NOT_FOUND", lambda: agent.end_instance(iid, True, rid("end")))
+
+
+async def test_request_ids_replay_the_first_outcome(agent: Any) -> None:
+    r = rid("pre")
+    first = await agent.prewarm(A, (0,), 0, r, "uid-1")
+    again = await agent.prewarm(A, (0,), 0, r, "uid-1")
+    assert again.slot_id == first.slot_id
+    assert len((await agent.describe()).slots) == 1
+    await refused("ALREADY_EXISTS", lambda: agent.prewarm(A, (1,), 0, r, "uid-1"))
+    await refused("ALREADY_EXISTS", lambda: agent.prewarm(A, (0,), 0, r, "uid-2"))
+    res = await agent.activate(A, (1,), "", rid("act"))
+    g = rid("grace")
+    await agent.begin_grace(res.instance.instance_id, g)
+    await agent.begin_grace(res.instance.instance_id, g)  # a replay, not a second grace
+
+
+async def test_owner_is_recorded_on_slots_and_instances(agent: Any) -> None:
+    slot = await agent.prewarm(A, (0,), 0, rid("pre"), "uid-1")
+    assert slot.owner == "uid-1"
+    (s,) = (await agent.describe()).slots
+    assert s.owner == "uid-1"
+    res = await agent.activate(A, (0,), slot.slot_id, rid("act"), "uid-2")
+    assert res.hit and res.instance.owner == "uid-2"
+    snap = await agent.describe()
+    assert snap.instances[0].owner == "uid-2" and snap.slots[0].owner == "uid-2"
+    await refused("INVALID_ARGUMENT", lambda: agent.prewarm(B, (1,), 0, rid("p"), "x" * 200))
+
+
+async def test_serving_gpus_and_slots_are_protected(agent: Any) -> None:
+    res = await agent.activate(A, (0,), "", rid("act"), "uid-1")
+    (slot,) = (await agent.describe()).slots
+    await refused("FAILED_PRECONDITION", lambda: agent.evict(slot.slot_id, rid("ev")))
+    await refused("FAILED_PRECONDITION", lambda: agent.prewarm(B, (0,), 0, rid("pre")))
+    await refused("FAILED_PRECONDITION", lambda: agent.activate(B, (0,), "", rid("act")))
+    assert res.instance.phase == InstancePhase.SERVING
+
+
+async def test_activation_evicts_other_slots_on_its_group(agent: Any) -> None:
+    b = await agent.prewarm(B, (0,), 0, rid("pre"), "uid-b")
+    res = await agent.activate(A, (0,), "", rid("act"), "uid-a")
+    assert not res.hit and res.evicted_slot_ids == (b.slot_id,)
+    snap = await agent.describe()
+    assert [s.model for s in snap.slots] == [A]
+
+
+async def test_unknown_and_malformed_ids(agent: Any) -> None:
+    await refused("NOT_FOUND", lambda: agent.evict("slot-0123456789ab", rid("ev")))
+    await refused("NOT_FOUND", lambda: agent.end_instance("inst-0123456789ab", True, rid("e")))
+    await refused("NOT_FOUND", lambda: agent.begin_grace("inst-0123456789ab", rid("g")))
+    await refused("INVALID_ARGUMENT", lambda: agent.evict("nonsense", rid("ev")))
+    await refused("NOT_FOUND", lambda: agent.prewarm("no-such-model", (0,), 0, rid("p")))
+    await refused("INVALID_ARGUMENT", lambda: agent.prewarm(A, (0, 0), 0, rid("p")))
+    await refused("INVALID_ARGUMENT", lambda: agent.prewarm(A, (7,), 0, rid("p")))
