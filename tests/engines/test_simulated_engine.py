@@ -102,3 +102,20 @@ def test_unknown_engine_and_bad_args_refused_before_any_change(
         core.activate("gamma", [0], engine="tgi")
     assert e.value.code == "INVALID_ARGUMENT"
     assert core.generation == before and not core.instances and not core.slots
+
+
+@pytest.mark.parametrize(
+    ("flags", "msg"),
+    [
+        (["--engines", "simulated,tgi"], "--engines 'simulated,tgi': choose from simulated, vllm"),
+        (["--engines", "simulated", "--engine", "vllm"], "--engine 'vllm' must be one of"),
+    ],
+)
+def test_agent_cli_refuses_unknown_engines(
+    flags: list[str], msg: str, model_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from warmserve.cli import main
+
+    argv = ["agent", "--simulate-gpus", "1x4MiB", "--model-dir", str(model_root), *flags]
+    assert main(argv) == 2
+    assert msg in capsys.readouterr().err
