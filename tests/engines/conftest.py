@@ -22,17 +22,11 @@ from warmserve_agent.memory import MemoryManager
 from warmserve_agent.node import NodeCore
 from warmserve_agent.store import WeightStore
 
-from tests.agent.conftest import PAGE, write_model
+from tests.agent import conftest as agent_conftest
 
 MiB = 1024**2
-
-
-@pytest.fixture
-def model_root(tmp_path: Path) -> Path:
-    root = tmp_path / "models"
-    write_model(root, "alpha", layers=4, hidden=64, seed=1)
-    write_model(root, "gamma", layers=2, hidden=32, seed=3, files=1)
-    return root
+PAGE = agent_conftest.PAGE
+model_root = agent_conftest.model_root  # the agent tests' small safetensors models (fixture)
 
 
 @pytest.fixture

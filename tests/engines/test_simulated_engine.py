@@ -6,24 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from warmserve_agent.node import NodeCore
 
-
-def _post(url: str, body: dict, timeout: float = 20) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+from tests.engines.helpers import post_json
 
 
 def _slow_core(make_core: Callable[..., NodeCore], model_root: Path) -> NodeCore:
@@ -69,7 +58,7 @@ def test_queue_is_bounded_and_abandoned_requests_are_dropped(
     assert (st.running, st.waiting, st.kv_used_bytes, st.kv_reserved_bytes) == (0, 0, 0, 0)
     assert st.dropped == 12, "refused + abandoned requests are counted"
     # the engine still serves afterwards
-    status, body = _post(f"{inst.endpoint}/v1/completions", {"prompt": "x", "max_tokens": 1})
+    status, body = post_json(f"{inst.endpoint}/v1/completions", {"prompt": "x", "max_tokens": 1})
     assert status == 200 and body["usage"]["completion_tokens"] == 1
     assert eng.stats().ttft_samples >= 1
 
@@ -79,9 +68,10 @@ def test_engine_args_are_honoured(make_core: Callable[..., NodeCore]) -> None:
     inst, _ = core.activate(
         "gamma", [0], engine="simulated", engine_args=["--max-model-len", "8", "--enforce-eager"]
     )
-    status, body = _post(f"{inst.endpoint}/v1/completions", {"prompt": "a b c", "max_tokens": 6})
+    url = f"{inst.endpoint}/v1/completions"
+    status, body = post_json(url, {"prompt": "a b c", "max_tokens": 6})
     assert status == 400 and "maximum context length is 8" in body["error"]["message"]
-    status, _ = _post(f"{inst.endpoint}/v1/completions", {"prompt": "a b c", "max_tokens": 5})
+    status, _ = post_json(url, {"prompt": "a b c", "max_tokens": 5})
     assert status == 200
 
 

@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 from warmserve_agent.node import NodeCore
 
+from tests.engines.helpers import post_json
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 PAGE = 64 * 1024
@@ -76,19 +78,8 @@ def reference(tiny_root: Path) -> list[int]:
     return json.loads(line[7:])
 
 
-def _post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
 def _tokens(endpoint: str, n: int = 16, model: str = "tiny") -> list[int]:
-    status, body = _post(
+    status, body = post_json(
         f"{endpoint}/v1/completions",
         {
             "model": model,
@@ -242,16 +233,16 @@ def test_openai_api_through_a_pooled_worker(tmp_path: Path, tiny_root: Path) -> 
         ep = res.instance.endpoint
         assert res.prewarm_hit and res.instance.engine == "vllm"
         # --max-model-len reached vLLM: a longer request is refused by vLLM itself
-        status, body = _post(
+        status, body = post_json(
             f"{ep}/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 100}
         )
         assert status == 400 and "64" in json.dumps(body)
-        status, body = _post(
+        status, body = post_json(
             f"{ep}/v1/completions",
             {"model": "tiny", "prompt": "hello world", "max_tokens": 5, "temperature": 0},
         )
         assert status == 200 and body["usage"]["completion_tokens"] == 5
-        status, body = _post(
+        status, body = post_json(
             f"{ep}/v1/chat/completions",
             {
                 "model": "tiny",

@@ -162,13 +162,14 @@ class SlotMemory:
                 "its virtual address (its memory belongs to another worker)"
             )
 
-    def _ppages(self) -> tuple[str, list[int]]:
+    def _ppages(self, upto: int | None = None) -> tuple[str, list[int]]:
+        """(file, physical page of each of the slot's first ``upto`` virtual pages)."""
         r = self.region
+        n = -(-r.mapped_bytes // r.page_bytes) if upto is None else upto
         if self.kind == "host-file":
-            return r.host_file, list(r.ppages)
+            return r.host_file, list(r.ppages[:n])
         tr = self.backend.translation(r.gpu)
         first = r.va // r.page_bytes
-        n = -(-r.mapped_bytes // r.page_bytes)
         try:
             return str(self.backend.path(r.gpu)), [tr[first + i] for i in range(n)]
         except KeyError as exc:

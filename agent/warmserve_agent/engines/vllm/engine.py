@@ -205,42 +205,47 @@ class VllmEngine:
         return min(hi, end - start)
 
     def _resize(self, nbytes: int) -> int:
-        """Lend/return whole blocks so at most ``nbytes`` of KV stay usable; answer the KV bytes
-        (from the KV start) the engine may still touch.  Runs between engine steps."""
+        """Keep usable exactly the blocks whose bytes lie within ``nbytes`` of the KV start (and
+        every block in use); lend the others.  Answers the KV bytes the engine may still touch.
+        Runs between engine steps (on the engine thread)."""
         bp = self._client.engine_core.scheduler.kv_cache_manager.block_pool
         nb = bp.num_gpu_blocks
-        in_use = [b.block_id for b in bp.blocks[1:] if b.ref_cnt > 0]
-        want = max(1, nbytes // self._block_bytes)  # usable blocks, null block excluded
-        cut = max(want + 1, (max(in_use) + 1) if in_use else 1)  # blocks [cut, nb) are lent
-        limit = self._phys_limit
-        if cut > nb - len(self._lent) and self._lent:  # grow: return lent blocks below cut
-            grow_to = min(cut, nb)
-            if self._touched_bytes(grow_to) > limit and not self._can_regrow():
-                grow_to = self._blocks_within(limit)
-            back = [b for b in self._lent if b.block_id < grow_to]
-            self._lent = [b for b in self._lent if b.block_id >= grow_to]
-            bp.free_block_queue.append_n(back)
-        elif cut < nb - len(self._lent):  # shrink: lend free blocks at or above cut
+        top = nb - len(self._lent)  # usable blocks are [1, top); block 0 is vLLM's null block
+        in_use = max((b.block_id for b in bp.blocks[1:] if b.ref_cnt > 0), default=0)
+        # Growth reaches only pages this process can see: with a shared file opened by its
+        # physical page list, pages the agent maps back later are other physical pages.
+        limit = nbytes if self._can_regrow() else min(nbytes, self._phys_limit)
+        target = max(self._blocks_within(limit), in_use + 1, 2)
+        if target < top:  # lend free blocks at and above target (all free: target > in_use)
             lent_ids = {b.block_id for b in self._lent}
             take = [
                 b
                 for b in bp.free_block_queue.get_all_free_blocks()
-                if b.block_id >= cut and b.block_id not in lent_ids
+                if b.block_id >= target and b.block_id not in lent_ids
             ]
             for b in take:
                 bp._maybe_evict_cached_block(b)
                 bp.free_block_queue.remove(b)
             self._lent.extend(take)
-        usable_top = nb - len(self._lent)
-        touched = self._touched_bytes(usable_top)
-        self._revoke_beyond(touched)
+        elif target > top:  # map first, then hand the blocks back to the scheduler
+            self._follow_mapping(self._touched_bytes(target))
+            back = sorted((b for b in self._lent if b.block_id < target), key=lambda b: b.block_id)
+            self._lent = [b for b in self._lent if b.block_id >= target]
+            bp.free_block_queue.append_n(back)
+        touched = self._touched_bytes(nb - len(self._lent))
+        self._follow_mapping(touched)
         return touched
 
     def _blocks_within(self, limit: int) -> int:
+        """The largest ``t`` such that blocks [0, t) touch no byte at or beyond ``limit``."""
         nb = self._client.engine_core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
-        lo = 1
-        while lo < nb and self._touched_bytes(lo + 1) <= limit:
-            lo += 1
+        lo, hi = 0, nb  # touched(lo) <= limit; binary search (touched grows with blocks)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._touched_bytes(mid) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
         return lo
 
     def _can_regrow(self) -> bool:
@@ -249,24 +254,25 @@ class VllmEngine:
         opened by physical page list cannot follow a remap."""
         return self._mem is not None and self._mem.kind in ("device", "host-backend")
 
-    def _revoke_beyond(self, touched: int) -> None:
-        """Pages past what blocks may touch may be unmapped by the agent now: make them
-        inaccessible here (host mappings), so a bug faults instead of corrupting a neighbour."""
+    def _follow_mapping(self, touched: int) -> None:
+        """Make this process's view of the KV pages match what the engine may touch: pages
+        beyond it may be unmapped and lent by the agent (made inaccessible here, so a bug
+        faults instead of corrupting a neighbour); pages regained are mapped again from the
+        backend's MMU.  CUDA VAs need nothing: the worker's own mappings are the memory."""
         mem = self._mem
         assert mem is not None
-        start, end = self._slot.kv_range
+        if mem.kind == "device" or touched == self._phys_limit:
+            self._phys_limit = touched
+            return
+        start, _ = self._slot.kv_range
         page = mem.region.page_bytes
-        first = math.ceil((start + touched) / page)
-        last = math.ceil(end / page)
-        if mem.kind == "host-backend" and touched > self._phys_limit:
-            _, ppages = mem._ppages()  # the agent mapped pages back: follow its MMU
-            lo = math.ceil((start + self._phys_limit) / page)
-            mem.host_mapping().remap(lo, ppages[lo:first])
-        elif mem.kind != "device" and first < last and touched < self._phys_limit:
-            lo = max(first, math.ceil((start + touched) / page))
-            hi = math.ceil((start + self._phys_limit) / page)
-            if hi > lo:
-                mem.host_mapping().revoke(lo, hi - lo)
+        new_hi = math.ceil((start + touched) / page)
+        old_hi = math.ceil((start + self._phys_limit) / page)
+        if new_hi < old_hi:
+            mem.host_mapping().revoke(new_hi, old_hi - new_hi)
+        elif new_hi > old_hi:
+            _, ppages = mem._ppages(new_hi)  # host-backend only (_can_regrow)
+            mem.host_mapping().remap(old_hi, ppages[old_hi:new_hi])
         self._phys_limit = touched
 
     # ---- the server thread ---------------------------------------------------------------------
