@@ -61,13 +61,15 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def fresh_run(model_dir: Path, kv_bytes: int, max_len: int) -> dict:
+def fresh_run(model_dir: Path, kv_bytes: int, max_len: int, gpu: bool = False) -> dict:
     kwargs = {
         "dtype": "float32",
         "enforce_eager": True,
         "max_model_len": max_len,
         "kv_cache_memory_bytes": kv_bytes,
     }
+    if gpu:
+        kwargs["gpu_memory_utilization"] = 0.9
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     t0 = time.time()
     out = subprocess.run(
@@ -96,6 +98,13 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=256)
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="real GPU 0 through the cuda backend (memory in the worker); the fresh runs then "
+        "follow the pooled ones (the agent holds the GPU's memory while it runs). Not yet run "
+        "on a GPU.",
+    )
     ap.add_argument("--out", default=str(REPO / "bench/results/engine_bench.json"))
     a = ap.parse_args()
 
@@ -123,7 +132,7 @@ def main() -> int:
         weight_mib = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20
         cfg = AgentConfig(
             model_dir=root,
-            simulate_gpus=[gpu],
+            simulate_gpus=None if a.gpu else [gpu],
             listen="127.0.0.1:0",
             page_bytes=page,
             memory_dir=Path(tmp) / "mem",
@@ -158,13 +167,17 @@ def main() -> int:
                 client.begin_grace(res.instance.instance_id)
                 client.end_instance(res.instance.instance_id)
                 load.append(loadavg())
-                fresh.append(fresh_run(model_dir, kv_bytes, a.max_model_len))
-                load.append(loadavg())
+                if not a.gpu:  # interleaved on CPU; on a GPU after the agent released it
+                    fresh.append(fresh_run(model_dir, kv_bytes, a.max_model_len))
+                    load.append(loadavg())
                 print(
-                    f"round {r + 1}/{a.rounds}: pooled {pooled[-1]['ttft_s']:.2f}s  "
-                    f"fresh {fresh[-1]['ttft_s']:.2f}s",
-                    file=sys.stderr,
+                    f"round {r + 1}/{a.rounds}: pooled {pooled[-1]['ttft_s']:.2f}s", file=sys.stderr
                 )
+        for _ in range(a.rounds if a.gpu else 0):
+            fresh.append(fresh_run(model_dir, kv_bytes, a.max_model_len, a.gpu))
+            load.append(loadavg())
+        for r, row in enumerate(fresh):
+            print(f"round {r + 1}: fresh {row['ttft_s']:.2f}s", file=sys.stderr)
 
     def med(rows: list[dict], key: str) -> float:
         return statistics.median(x[key] for x in rows)
@@ -187,7 +200,8 @@ def main() -> int:
     Path(a.out).write_text(json.dumps(result, indent=1))
     print(
         f"model: random-weight Llama, {a.layers} layers, hidden {a.hidden}, "
-        f"{weight_mib:.1f} MiB; vLLM CPU; args {' '.join(args)}; rounds={a.rounds}; "
+        f"{weight_mib:.1f} MiB; vLLM {'GPU' if a.gpu else 'CPU'}; args {' '.join(args)}; "
+        f"rounds={a.rounds}; "
         f"load avg {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} CPUs"
     )
     print(f"{'time to first token (median)':38} {'total':>8} {'parts':>34}")

@@ -348,6 +348,8 @@ class VllmEngine:
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
         engine_args = AsyncEngineArgs.from_cli_args(args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        if self._slot.device.type == "cuda":  # the worker's GPU (the slot's VMM mappings)
+            vllm_config.device_config.device = self._slot.device
         window = self.ttft
         with inproc_engine_core() as made, slot_kv_cache(self._slot):
             self._llm = AsyncLLM.from_vllm_config(

@@ -284,23 +284,35 @@ _KV_TLS = threading.local()
 def slot_kv_cache(slot: ActiveSlot) -> Iterator[None]:
     """While active (in this thread), vLLM's ``allocate_kv_cache`` returns views of the slot's
     KV pages instead of allocating (see module docstring)."""
-    import vllm.v1.worker.gpu_model_runner as gmr
+    import importlib
 
-    original = gmr.allocate_kv_cache
+    # Both model runners import vLLM's allocate_kv_cache by name (V1: gpu_model_runner, also
+    # the CPU runner's base; V2: gpu/attn_utils): wrap it where each looks it up.
+    mods = []
+    for name in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils"):
+        with contextlib.suppress(ImportError):
+            mod = importlib.import_module(name)
+            if hasattr(mod, "allocate_kv_cache"):
+                mods.append((mod, mod.allocate_kv_cache))
     _KV_TLS.slot = slot
 
-    def allocate(kv_cache_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
-        active: ActiveSlot | None = getattr(_KV_TLS, "slot", None)
-        if active is None:
-            return original(kv_cache_config, device, *args, **kwargs)
-        meta = original(kv_cache_config, torch.device("meta"), *args, **kwargs)
-        return _kv_views(active, meta)
+    def wrap(original: Any) -> Any:
+        def allocate(kv_cache_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
+            active: ActiveSlot | None = getattr(_KV_TLS, "slot", None)
+            if active is None:
+                return original(kv_cache_config, device, *args, **kwargs)
+            meta = original(kv_cache_config, torch.device("meta"), *args, **kwargs)
+            return _kv_views(active, meta)
 
-    gmr.allocate_kv_cache = allocate
+        return allocate
+
+    for mod, original in mods:
+        mod.allocate_kv_cache = wrap(original)
     try:
         yield
     finally:
-        gmr.allocate_kv_cache = original
+        for mod, original in mods:
+            mod.allocate_kv_cache = original
         _KV_TLS.slot = None
 
 
