@@ -97,6 +97,11 @@ class VllmNodeMachine(RuleBasedStateMachine):
         _check_inside_slot(inst.engine.engine)
         self._wait_loaders()
 
+    @rule(model=st.sampled_from(sorted(MODELS)), gpu=st.integers(0, 1))
+    def activate_too(self, model: str, gpu: int) -> None:
+        """Activations are what this machine is for: twice the odds of the other rules."""
+        self.activate(model, gpu)
+
     @precondition(lambda self: bool(self.core.instances))
     @rule(data=st.data())
     def begin_grace(self, data: st.DataObject) -> None:
