@@ -1,6 +1,12 @@
 #!/usr/bin/env python
-"""Node agent benchmark: activation latency from a pooled worker vs a freshly started process,
-and the gRPC round-trip time.
+"""Node agent benchmark: weight-load bandwidth through the worker data path, activation latency
+from a pooled worker vs a freshly started process, and the gRPC round-trip time.
+
+Load: a model is prewarmed into a slot whose memory a GPU worker process owns (simulated backend
+in the worker, as ``--gpus auto`` runs the cuda backend there).  "file ranges" is the current
+path (the worker reads the safetensors ranges itself through its staging ring); "pickled" is the
+path before issue 13 (the agent reads the bytes and sends them through the worker's pipe), kept
+here only as the baseline.  Interleaved rounds, medians, ratio.
 
 Activation = ``NodeCore.activate`` of a prewarmed model (a prewarm hit): map the KV cache, hand
 the slot to the engine in a worker process, the engine verifies its weights and starts serving
@@ -12,15 +18,18 @@ latency a user's first request sees).
 
 RTT: ``Describe`` and the standard health ``Check`` over loopback gRPC to a running agent.
 
-    python bench/agent_bench.py [--rounds 5] [--rtt-calls 200] [--out FILE.json]
+    python bench/agent_bench.py [--rounds 5] [--rtt-calls 200] [--load-mib 256] [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,9 +39,10 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 from warmserve_agent.backends.simulated import SimulatedBackend
+from warmserve_agent.backends.workers import WorkerMemoryBackend
 from warmserve_agent.client import SyncAgentClient
 from warmserve_agent.engine_host import FreshWorkerEngine, WorkerEngine
-from warmserve_agent.memory import MemoryManager
+from warmserve_agent.memory import MemoryManager, pages_for
 from warmserve_agent.node import NodeCore
 from warmserve_agent.server import AgentConfig
 from warmserve_agent.store import WeightStore
@@ -57,6 +67,66 @@ def write_model(root: Path, name: str, layers: int, hidden: int) -> None:
         )
     save_file(t, str(d / "model.safetensors"))
     (d / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+
+
+def load_pickled(mm: MemoryManager, store: WeightStore, layout, slot_id: str, gpus) -> None:
+    """The pre-issue-13 data path, verbatim in effect: the agent reads each tensor from its host
+    cache and ``MemoryManager.write`` pickles the bytes through the worker's pipe."""
+    for layer in range(layout.model.num_layers):
+        for pl in layout.layer_placements(layer):
+            host = store.host_view(pl.tensor)
+            for rank, gpu in enumerate(gpus):
+                s, n = pl.shard(rank)
+                mm.ensure_mapped(slot_id, pages_for(pl.slot_offset + n, mm.page_bytes))
+                mm.write(slot_id, gpu, pl.slot_offset, host[s : s + n])
+        for gpu in gpus:
+            mm.backend.sync(gpu)
+
+
+def bench_load(root: Path, tmp: Path, rounds: int) -> dict:
+    """Prewarm bandwidth of model "big" into worker-owned (simulated) memory, both paths."""
+    pool = WorkerPool([0], spares=0)
+    pool.start()
+    backend = WorkerMemoryBackend(pool, "simulated", 2 * MiB, directory=str(tmp / "load-gpus"))
+    core = NodeCore(
+        MemoryManager(backend),
+        WeightStore(root),
+        {0: 4 * 1024 * MiB},
+        lambda group: WorkerEngine(pool, group),
+        node_name="bench",
+    )
+    layout = core.store.layout("big", 1)
+    model_bytes = layout.model.weight_bytes
+    secs: dict[str, list[float]] = {"file_ranges": [], "pickled": []}
+    try:
+        for r in range(2 * rounds + 2):
+            kind = ("file_ranges", "pickled")[r % 2]
+            t0 = time.perf_counter()
+            if kind == "file_ranges":  # the production path: NodeCore's loader
+                slot = core.prewarm("big", [0])
+                slot.loader.join()
+                assert slot.state == "ready", slot.message
+                dt = time.perf_counter() - t0
+                core.evict(slot.slot_id)
+            else:
+                core.mm.create_slot("pickled", [0])
+                load_pickled(core.mm, core.store, layout, "pickled", [0])
+                dt = time.perf_counter() - t0
+                core.mm.destroy_slot("pickled")
+            if r >= 2:  # one warm-up round per kind (page cache, host cache, worker imports)
+                secs[kind].append(dt)
+    finally:
+        core.shutdown()
+        core.mm.close()
+        pool.close()
+    bw = {k: model_bytes / statistics.median(v) for k, v in secs.items()}
+    return {
+        "model_bytes": model_bytes,
+        "rounds": rounds,
+        "seconds": secs,
+        "bandwidth_bytes_per_s": bw,
+        "file_ranges_over_pickled": bw["file_ranges"] / bw["pickled"],
+    }
 
 
 def first_token(endpoint: str) -> None:
@@ -141,6 +211,76 @@ def bench_activation(root: Path, tmp: Path, rounds: int, copy_gbps: float = 0.0)
     }
 
 
+_STALLED_CLIENTS = """
+import sys, time, grpc
+from warmserve_agent.api.v1 import agent_pb2_grpc as g, agent_pb2 as pb
+opts = [("grpc.http2.bdp_probe", 0)]  # 64 KiB windows: the agent sees the stall early
+chans = [grpc.insecure_channel(sys.argv[1], options=opts) for _ in range(int(sys.argv[2]))]
+calls = [g.NodeAgentStub(c).Watch(pb.WatchRequest()) for c in chans]
+print("ready", flush=True)
+time.sleep(3600)
+"""
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def bench_watch(root: Path, tmp: Path, cycles: int, stalled: int = 20) -> dict:
+    """Prewarm+evict cycles over gRPC with no Watch clients, then with ``stalled`` clients that
+    opened a Watch and never read it (issue 16: they made the agent ~4x slower and held 8 MB).
+    The agent runs in this process, so RSS growth is the agent's."""
+    cfg = AgentConfig(
+        model_dir=root,
+        simulate_gpus=[256 * MiB],
+        listen="127.0.0.1:0",
+        memory_dir=tmp / "watch-gpus",
+        use_workers=False,
+        node_name="bench",
+    )
+    out: dict = {"cycles": cycles, "stalled_clients": stalled}
+    with AgentThread(cfg) as a, SyncAgentClient(a.address) as c:
+
+        def run() -> tuple[float, float]:
+            """(wall seconds, CPU seconds of this process: agent + the bench's own client)."""
+            t0, c0 = time.perf_counter(), os.times()
+            for _ in range(cycles):
+                c.evict(c.prewarm_wait("m", [0]).slot_id)
+            c1 = os.times()
+            return time.perf_counter() - t0, (c1.user - c0.user) + (c1.system - c0.system)
+
+        run()  # warm-up
+        out["alone_s"], out["alone_cpu_s"] = run()
+        rss0 = _rss_bytes()
+        # The stalled clients live in another process, so RSS growth here is the agent's.
+        clients = subprocess.Popen(
+            [sys.executable, "-c", _STALLED_CLIENTS, a.address, str(stalled)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert clients.stdout is not None and clients.stdout.readline().strip() == "ready"
+            svc = a.server.service
+            t0 = time.monotonic()
+            while svc.watcher_count < stalled and time.monotonic() - t0 < 30:
+                time.sleep(0.05)
+            # First run: the stalled clients are served until their flow-control windows fill,
+            # then dropped; second run: they are still connected but dropped.
+            out["with_stalled_s"], out["with_stalled_cpu_s"] = run()
+            out["after_drop_s"], out["after_drop_cpu_s"] = run()
+            out["rss_growth_bytes"] = _rss_bytes() - rss0
+            out["watchers_dropped"] = svc.watchers_dropped
+            out["events_queued_at_end"] = a.run(asyncio.to_thread(svc.queued_events))
+        finally:
+            clients.kill()
+            clients.wait()
+    out["slowdown"] = out["with_stalled_s"] / out["alone_s"]
+    out["cpu_ratio_with_stalled"] = out["with_stalled_cpu_s"] / out["alone_cpu_s"]
+    out["cpu_ratio_after_drop"] = out["after_drop_cpu_s"] / out["alone_cpu_s"]
+    return out
+
+
 def bench_rtt(root: Path, tmp: Path, calls: int) -> dict:
     cfg = AgentConfig(
         model_dir=root,
@@ -183,15 +323,34 @@ def main() -> int:
         default=0.0,
         help="simulated host-to-GPU copy bandwidth in GB/s (0: no timing model, memcpy speed)",
     )
+    ap.add_argument(
+        "--load-mib", type=int, default=256, help="model size for the load bandwidth part (256)"
+    )
+    ap.add_argument(
+        "--watch-cycles", type=int, default=200, help="prewarm+evict cycles per watch run (200)"
+    )
     ap.add_argument("--out", default="bench/results/agent_bench.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="agent-bench-") as td:
         tmp = Path(td)
         root = tmp / "models"
         write_model(root, "m", args.layers, args.hidden)
+        # 16 layers of hidden x 4*hidden float32 (+ embeddings) ~= load_mib
+        hidden = max(64, int((args.load_mib * MiB / (16 * 16)) ** 0.5))
+        write_model(root, "big", 16, hidden)
+        load = bench_load(root, tmp, args.rounds)
         act = bench_activation(root, tmp, args.rounds, args.copy_gbps)
         rtt = bench_rtt(root, tmp, args.rtt_calls)
+        watch = bench_watch(root, tmp, args.watch_cycles)
     timing = f"{args.copy_gbps} GB/s copies" if args.copy_gbps > 0 else "no timing model"
+    print(
+        f"load: {load['model_bytes'] / MiB:.0f} MiB model into worker-owned simulated memory, "
+        f"rounds={args.rounds}"
+    )
+    for k in ("pickled", "file_ranges"):
+        label = {"pickled": "before (pickled over the pipe)", "file_ranges": "after (file ranges)"}
+        print(f"{'load ' + label[k]:<40}{load['bandwidth_bytes_per_s'][k] / 1e9:>8.2f} GB/s")
+    print(f"{'ratio after / before':<40}{load['file_ranges_over_pickled']:>8.2f}x")
     print(
         f"model: {act['model_bytes'] / MiB:.1f} MiB, {args.layers} layers; "
         f"rounds={args.rounds}; {timing}"
@@ -206,7 +365,21 @@ def main() -> int:
     for name, r in rtt.items():
         label = f"gRPC RTT {name} (p99 {r['p99_ms']:.2f}ms)"
         print(f"{label:<36}{r['median_ms']:>9.2f}ms")
+    w = watch
+    print(f"watch: {w['cycles']} prewarm+evict cycles over gRPC (wall / CPU of agent+client)")
+    for label, k in (
+        ("  no Watch clients", "alone"),
+        (f"  {w['stalled_clients']} stalled clients connect", "with_stalled"),
+        ("  same clients, after they were dropped", "after_drop"),
+    ):
+        print(f"{label:<40}{w[k + '_s']:>7.2f} s {w[k + '_cpu_s']:>6.2f} s CPU")
+    print(
+        f"  dropped {w['watchers_dropped']}, events still queued {w['events_queued_at_end']}, "
+        f"RSS +{w['rss_growth_bytes'] / MiB:.1f} MiB"
+    )
     result = {
+        "watch": watch,
+        "load": load,
         "activation": act,
         "copy_gbps": args.copy_gbps,
         "rtt": rtt,

@@ -78,6 +78,7 @@ helm upgrade --install warmserve helm/warmserve --kube-context "$CTX" \
   --wait --timeout 5m
 kubectl --context "$CTX" -n "$NAMESPACE" rollout status deploy -l app.kubernetes.io/component=operator --timeout=120s
 kubectl --context "$CTX" -n "$NAMESPACE" rollout status ds -l app.kubernetes.io/component=agent --timeout=120s
+kubectl --context "$CTX" -n "$NAMESPACE" rollout status deploy -l app.kubernetes.io/component=gateway --timeout=120s
 
 step "applying the example ModelDeployments"
 EXAMPLES=()
@@ -97,4 +98,6 @@ echo
 echo "warmserve is up in kind cluster '$CLUSTER' (context $CTX). Try:"
 echo "  kubectl --context $CTX -n $NAMESPACE logs deploy/warmserve-operator -f"
 echo "  kubectl config use-context $CTX && warmserve status"
+echo "  kubectl --context $CTX -n $NAMESPACE port-forward svc/warmserve-gateway 8000:80 &"
+echo "  curl -s localhost:8000/v1/models"
 echo "Tear down with: CLUSTER=$CLUSTER e2e/kind-down.sh"

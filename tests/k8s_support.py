@@ -320,6 +320,45 @@ class ControlPlane:
         return path
 
 
+def _apply_chart_objects(
+    helm: Callable[..., subprocess.CompletedProcess[str]],
+    kubectl: Callable[..., subprocess.CompletedProcess[str]],
+    namespace: str,
+    release: str,
+    templates: Sequence[str],
+    kinds: frozenset[str],
+    set_args: Sequence[str] = (),
+) -> list[dict[str, Any]]:
+    """Render ``templates`` of the chart for ``release`` in ``namespace``, apply the objects of
+    ``kinds`` (each names its namespace) and return them."""
+    import yaml
+
+    shows = [a for t in templates for a in ("--show-only", f"templates/{t}")]
+    rendered = helm(
+        "template", release, str(REPO_ROOT / "helm" / "warmserve"), "-n", namespace, *shows,
+        *set_args,
+    ).stdout  # fmt: skip
+    docs = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in kinds]
+    kubectl(
+        "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})
+    )
+    return docs
+
+
+_RBAC_KINDS = frozenset(
+    {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+)
+
+
+def _service_account(docs: list[dict[str, Any]], component: str) -> str:
+    return next(
+        d["metadata"]["name"]
+        for d in docs
+        if d["kind"] == "ServiceAccount"
+        and d["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    )
+
+
 def apply_chart_operator_rbac(
     helm: Callable[..., subprocess.CompletedProcess[str]],
     kubectl: Callable[..., subprocess.CompletedProcess[str]],
@@ -329,27 +368,43 @@ def apply_chart_operator_rbac(
     """Render the chart's operator ServiceAccount and RBAC for ``release``, apply them in
     ``namespace`` and return the ServiceAccount's name (tests then run the operator with its token,
     so a missing RBAC rule fails them)."""
-    import yaml
-
-    rendered = helm(
-        "template",
-        release,
-        str(REPO_ROOT / "helm" / "warmserve"),
-        "-n",
-        namespace,
-        "--show-only",
-        "templates/serviceaccount.yaml",
-        "--show-only",
-        "templates/rbac.yaml",
-    ).stdout
-    kubectl("apply", "-n", namespace, "-f", "-", input=rendered)
-    return next(
-        d["metadata"]["name"]
-        for d in yaml.safe_load_all(rendered)
-        if d
-        and d["kind"] == "ServiceAccount"
-        and d["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+    docs = _apply_chart_objects(
+        helm, kubectl, namespace, release, ("serviceaccount.yaml", "rbac.yaml"), _RBAC_KINDS
     )
+    return _service_account(docs, "operator")
+
+
+def host_ip() -> str:
+    """This machine's non-loopback IPv4 address.
+
+    EndpointSlices refuse loopback addresses, so tests that stand in for the EndpointSlice
+    controller (no kubelet here) list local processes under this address."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("198.51.100.1", 9))  # no packet is sent: this only picks the route
+        ip = s.getsockname()[0]
+    if ip.startswith("127."):
+        ip = socket.gethostbyname(socket.gethostname())
+    if ip.startswith("127."):
+        raise RuntimeError("no non-loopback IPv4 address: EndpointSlices refuse loopback ones")
+    return ip
+
+
+def apply_chart_gateway_rbac(
+    helm: Callable[..., subprocess.CompletedProcess[str]],
+    kubectl: Callable[..., subprocess.CompletedProcess[str]],
+    namespace: str,
+    release: str,
+    *set_args: str,
+) -> str:
+    """Render the chart's gateway ServiceAccount and RBAC for ``release`` (extra ``--set``
+    arguments allowed), apply them in ``namespace`` and return the ServiceAccount's name."""
+    docs = _apply_chart_objects(
+        helm, kubectl, namespace, release, ("gateway.yaml", "gateway-rbac.yaml"), _RBAC_KINDS,
+        set_args,
+    )  # fmt: skip
+    return _service_account(docs, "gateway")
 
 
 def fake_node(

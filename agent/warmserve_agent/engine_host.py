@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from warmserve_agent.engine import Engine, WeightsMismatch
 from warmserve_agent.engines import engine_info
 from warmserve_agent.engines.spec import EngineSpec, EngineStats
-from warmserve_agent.worker import WorkerError, WorkerPool
+from warmserve_agent.worker import WorkerError, WorkerPool, timeout_for_bytes
 
 
 class InProcessEngine:
@@ -76,7 +76,13 @@ class WorkerEngine:
                 for i, t in enumerate(spec.tensors)
                 if start <= t.layer < end
             ]
-            bad = self.pool.worker(self.gpus[rank]).call("verify", va=region.va, tensors=tensors)
+            # Hashing reads every byte back from the GPU: the timeout grows with the shard.
+            bad = self.pool.worker(self.gpus[rank]).call(
+                "verify",
+                timeout_s=timeout_for_bytes(sum(t[2] for t in tensors)),
+                va=region.va,
+                tensors=tensors,
+            )
             if bad:
                 raise WeightsMismatch(
                     f"weights in the slot differ from the store for {len(bad)} tensors "
@@ -87,13 +93,21 @@ class WorkerEngine:
         self._spec = spec
         self._layers = spec.layers_resident
         self._verify_remote(0, self._layers)
-        return str(self.worker.call("start_engine", timeout_s=self.start_timeout_s, spec=spec))
+        # the simulated engine verifies rank 0's bytes; vLLM builds its engine (minutes on a
+        # loaded CPU, compilation on a GPU): the larger of the two bounds
+        local = sum(t.shard_len[0] for t in spec.tensors)
+        timeout = max(self.start_timeout_s, 60 + timeout_for_bytes(local))
+        return str(self.worker.call("start_engine", timeout_s=timeout, spec=spec))
 
     def layers_ready(self, n: int) -> None:
         if n > self._layers:
             self._verify_remote(self._layers, n)
+        assert self._spec is not None
+        layer_bytes = sum(
+            t.shard_len[0] for t in self._spec.tensors if self._layers <= t.layer < n
+        )
         try:
-            self.worker.call("layers_ready", timeout_s=120.0, n=n)
+            self.worker.call("layers_ready", timeout_s=timeout_for_bytes(layer_bytes), n=n)
         except WorkerError as exc:
             if "WeightsMismatch" in str(exc):
                 raise WeightsMismatch(str(exc)) from None

@@ -1,21 +1,25 @@
-"""Load a model's layers from the weight store into a slot, tensor by tensor (WarmServe §4, §4.2).
+"""Load a model's layers from the weight store into a slot, layer by layer (WarmServe §4, §4.2).
 
-The loader maps the slot's pages lazily, just ahead of each copy, from the pages promised to the
-slot at admission (``MemoryManager.promise``): the §4.2 pipeline in which a page is mapped and
-its copy is issued at once, so mapping latency hides behind the transfers (with the ``cuda``
-backend copies from pinned memory are asynchronous on a stream; ``sync`` drains it at the end of
-each layer, before the layer is reported resident).
+The loader maps each layer's pages from the pages promised to the slot at admission
+(``MemoryManager.promise``) and hands the memory owner **file ranges**, not bytes: the process
+that owns the GPU's memory (its worker, or the agent) reads the safetensors ranges itself into
+its staging ring and copies them (``MemoryBackend.load_ranges``; issue 13 item 2).  One layer is
+kept in flight: layer L+1 is mapped and issued before the loader waits for layer L's copies, so
+mapping, file reads and copies overlap across layer boundaries (the §4.2 map/copy pipeline).
 
 Layers are loaded in order, so "resident layers = N" always means the first N layers; loading can
 stop at any N and resume later (the rest of a partially prewarmed model loads while the instance
-already serves).
+already serves).  ``on_layer`` runs only after a layer's copies have landed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from warmserve_agent.memory import MemoryManager, pages_for
@@ -34,8 +38,18 @@ class LoadReport:
 
     @property
     def bandwidth(self) -> float:
-        """Bytes per second over the whole group."""
+        """Bytes per second (per GPU)."""
         return 0.0 if self.seconds <= 0 else self.bytes_loaded / self.seconds
+
+
+def layer_ranges(layout: SlotLayout, layer: int, rank: int) -> list[tuple[int, str, int, int]]:
+    """``(slot offset, file, file offset, nbytes)`` of rank's shards of one layer's tensors."""
+    out = []
+    for pl in layout.layer_placements(layer):
+        s, n = pl.shard(rank)
+        if n:
+            out.append((pl.slot_offset, str(pl.tensor.file), pl.tensor.offset + s, n))
+    return out
 
 
 def load_layers(
@@ -53,31 +67,61 @@ def load_layers(
     """Copy layers [start_layer, end_layer) of ``layout`` into ``slot_id`` on ``gpus``.
 
     ``on_layer(layers_resident, bytes_loaded_per_gpu, seconds)`` runs after each layer lands.
-    Raises :class:`LoadCancelled` if ``cancel`` is set between tensors.
+    Raises :class:`LoadCancelled` if ``cancel`` is set between layers; copies already issued
+    are waited for first, so nothing is in flight into pages the caller may unmap.
     """
     if len(gpus) != layout.tp:
         raise ValueError(f"layout is for {layout.tp} GPUs, got {len(gpus)}")
     t0 = time.perf_counter()
     loaded = 0
-    sync = getattr(mm.backend, "sync", None)
     page = mm.page_bytes
-    for layer in range(start_layer, end_layer):
-        for pl in layout.layer_placements(layer):
-            if cancel is not None and cancel.is_set():
-                raise LoadCancelled(slot_id)
-            host = store.host_view(pl.tensor)
-            for rank, gpu in enumerate(gpus):
-                s, n = pl.shard(rank)
-                if n == 0:
-                    continue
-                mm.ensure_mapped(slot_id, pages_for(pl.slot_offset + n, page))
-                mm.write(slot_id, gpu, pl.slot_offset, host[s : s + n])
-            loaded += pl.shard_bytes
-        if sync is not None:
-            for gpu in gpus:
-                sync(gpu)
+    # Tensor-parallel ranks load concurrently (each GPU's owner reads its own shards).
+    pool = ThreadPoolExecutor(len(gpus), thread_name_prefix="load") if len(gpus) > 1 else None
+    pending: deque[tuple[int, int, list[tuple[int, int]]]] = deque()
+
+    def issue(layer: int) -> list[tuple[int, int]]:
+        def one(rank: int, gpu: int) -> tuple[int, int]:
+            return gpu, mm.load(slot_id, gpu, layer_ranges(layout, layer, rank))
+
+        if pool is None:
+            return [one(0, gpus[0])]
+        futs = [pool.submit(one, r, g) for r, g in enumerate(gpus)]
+        done = [f.result() for f in futs if f.exception() is None]
+        errors = [exc for f in futs if (exc := f.exception()) is not None]
+        if errors:  # the ranks that did issue must land before the caller unmaps
+            for gpu, ticket in done:
+                with contextlib.suppress(Exception):
+                    mm.wait_loaded(gpu, ticket)
+            raise errors[0]
+        return done
+
+    def finish() -> None:
+        nonlocal loaded
+        layer, nbytes, tickets = pending.popleft()
+        for gpu, ticket in tickets:
+            mm.wait_loaded(gpu, ticket)
+        loaded += nbytes
         if on_layer is not None:
             on_layer(layer + 1, loaded, time.perf_counter() - t0)
+
+    try:
+        for layer in range(start_layer, end_layer):
+            if cancel is not None and cancel.is_set():
+                raise LoadCancelled(slot_id)
+            mm.ensure_mapped(slot_id, pages_for(layout.bytes_for_layers(layer + 1), page))
+            nbytes = sum(pl.shard_bytes for pl in layout.layer_placements(layer))
+            pending.append((layer, nbytes, issue(layer)))
+            if len(pending) > 1:
+                finish()
+        while pending:
+            finish()
+    finally:
+        for _, _, tickets in pending:  # an error or cancel: let issued copies land first
+            for gpu, ticket in tickets:
+                with contextlib.suppress(Exception):  # a dead worker has nothing in flight
+                    mm.wait_loaded(gpu, ticket)
+        if pool is not None:
+            pool.shutdown(wait=True)
     return LoadReport(end_layer - start_layer, loaded, time.perf_counter() - t0)
 
 

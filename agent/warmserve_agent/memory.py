@@ -25,7 +25,8 @@ nothing (no half-applied mappings).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,7 +67,16 @@ class MemoryBackend(Protocol):
         """Unmap ``npages`` consecutive virtual pages starting at ``va``."""
 
     def write(self, gpu: int, va: int, data: memoryview | bytes) -> None:
-        """Copy host bytes to mapped virtual addresses."""
+        """Copy host bytes to mapped virtual addresses (small writes; weights use
+        ``load_ranges``)."""
+
+    def load_ranges(self, gpu: int, ranges: Sequence[tuple[int, str, int, int]]) -> int:
+        """Copy file ranges ``(va, path, offset, nbytes)`` to mapped virtual addresses, read by
+        the process that owns the memory through its staging ring; returns a ticket.  Copies
+        may still be in flight on return."""
+
+    def wait_loaded(self, gpu: int, ticket: int) -> None:
+        """Block until the copies of ``ticket`` landed (raises if they failed)."""
 
     def read(self, gpu: int, va: int, nbytes: int) -> bytes: ...
 
@@ -114,6 +124,28 @@ class MemoryManager:
             n = self.backend.open_gpu(gpu, memory_bytes)
             # LIFO free list popping the lowest page first keeps layouts easy to read in tests.
             self._gpus[gpu] = GpuPool(gpu, memory_bytes, n, list(range(n - 1, -1, -1)))
+
+    def add_gpus(self, sizes: Mapping[int, int]) -> None:
+        """Open several GPUs **in parallel** (issue 13 item 5): creating ~40k page handles per
+        80 GB GPU takes seconds each, so an 8-GPU node opened one by one nears the liveness
+        probe's limit.  All-or-nothing: if one GPU fails, the others are closed again."""
+        with self._lock:
+            dup = [g for g in sizes if g in self._gpus]
+            if dup:
+                raise PageTableError(f"gpu {dup[0]} already added")
+        if not sizes:
+            return
+        with ThreadPoolExecutor(max_workers=len(sizes), thread_name_prefix="open-gpu") as ex:
+            futs = {g: ex.submit(self.backend.open_gpu, g, mem) for g, mem in sizes.items()}
+        errors = {g: exc for g, f in futs.items() if (exc := f.exception()) is not None}
+        if errors:
+            # The backend releases a GPU whose open failed; the ones that opened stay open in
+            # the backend and are released with it (MemoryManager.close / backend.close).
+            raise errors[min(errors)]
+        with self._lock:
+            for g, mem in sizes.items():
+                n = futs[g].result()
+                self._gpus[g] = GpuPool(g, mem, n, list(range(n - 1, -1, -1)))
 
     @property
     def gpus(self) -> list[int]:
@@ -348,6 +380,20 @@ class MemoryManager:
             self._check_mapped(slot_id, sp, offset, len(data))
             va = sp.va_base + offset
         self.backend.write(gpu, va, data)
+
+    def load(self, slot_id: str, gpu: int, items: Sequence[tuple[int, str, int, int]]) -> int:
+        """Copy file ranges ``(slot offset, path, file offset, nbytes)`` into the slot on
+        ``gpu`` (all must be mapped); returns the backend's ticket for :meth:`wait_loaded`."""
+        with self._lock:
+            sp = self._slot(slot_id)[gpu]
+            ranges = []
+            for off, path, foff, n in items:
+                self._check_mapped(slot_id, sp, off, n)
+                ranges.append((sp.va_base + off, path, foff, n))
+        return self.backend.load_ranges(gpu, ranges)
+
+    def wait_loaded(self, gpu: int, ticket: int) -> None:
+        self.backend.wait_loaded(gpu, ticket)
 
     def read(self, slot_id: str, gpu: int, offset: int, nbytes: int) -> bytes:
         with self._lock:

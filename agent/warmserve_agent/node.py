@@ -54,6 +54,7 @@ from warmserve_agent.engines.spec import (
 )
 from warmserve_agent.loader import LoadCancelled, load_layers
 from warmserve_agent.memory import MemoryManager, pages_for
+from warmserve_agent.safe_text import shown
 from warmserve_agent.store import SlotLayout, StoreError, UnknownModel, WeightStore
 
 log = logging.getLogger("warmserve.agent.node")
@@ -194,8 +195,8 @@ class NodeCore:
         self.engine_factory = engine_factory
         self.page = mm.page_bytes
         self.gpus: dict[int, GpuRec] = {}
-        for g, mem in sorted(gpu_memory.items()):
-            mm.add_gpu(g, mem)
+        mm.add_gpus(dict(sorted(gpu_memory.items())))  # in parallel (GPU nodes: seconds each)
+        for g in sorted(gpu_memory):
             self.gpus[g] = GpuRec(g, mm.num_pages(g) * self.page)
         self.slots: dict[str, SlotRec] = {}
         self.instances: dict[str, InstanceRec] = {}
@@ -250,12 +251,12 @@ class NodeCore:
         if not gl:
             raise Refusal("INVALID_ARGUMENT", "name at least one GPU (gpus is empty)")
         if len(set(gl)) != len(gl):
-            raise Refusal("INVALID_ARGUMENT", f"GPU group {gl} names a GPU twice")
+            raise Refusal("INVALID_ARGUMENT", f"GPU group {shown(gl)} names a GPU twice")
         missing = [g for g in gl if g not in self.gpus]
         if missing:
             raise Refusal(
                 "INVALID_ARGUMENT",
-                f"GPU(s) {missing} are not on node {self.node_name}, which has GPUs "
+                f"GPU(s) {shown(missing)} are not on node {self.node_name}, which has GPUs "
                 f"{sorted(self.gpus)}; send the request to the node that owns them",
             )
         down = [g for g in gl if not self.gpus[g].available]
@@ -270,7 +271,7 @@ class NodeCore:
         if not SLOT_ID_RE.match(slot_id or ""):
             raise Refusal(
                 "INVALID_ARGUMENT",
-                f"malformed slot id {slot_id!r}: slot ids look like slot-0123456789ab "
+                f"malformed slot id {shown(slot_id)}: slot ids look like slot-0123456789ab "
                 "(take them from Describe or Prewarm)",
             )
         slot = self.slots.get(slot_id)
@@ -282,7 +283,7 @@ class NodeCore:
         if not INSTANCE_ID_RE.match(instance_id or ""):
             raise Refusal(
                 "INVALID_ARGUMENT",
-                f"malformed instance id {instance_id!r}: instance ids look like "
+                f"malformed instance id {shown(instance_id)}: instance ids look like "
                 "inst-0123456789ab (take them from Activate or Describe)",
             )
         inst = self.instances.get(instance_id)

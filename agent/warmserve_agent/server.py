@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import logging
 import re
 import socket
@@ -31,6 +32,7 @@ from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
 from warmserve_agent.memory import MemoryManager
 from warmserve_agent.node import NodeCore
 from warmserve_agent.service import AgentService, ServiceInfo
+from warmserve_agent.shm import PREFIX, MemoryDir, MemoryDirBusy, remove_stale
 from warmserve_agent.store import WeightStore
 
 log = logging.getLogger("warmserve.agent")
@@ -83,7 +85,9 @@ class AgentConfig:
     listen: str = "127.0.0.1:50051"
     node_name: str = field(default_factory=socket.gethostname)
     page_bytes: int = 2 * 1024**2
-    memory_dir: Path | None = None  # simulated GPU memory files (default: /dev/shm/...)
+    memory_dir: Path | None = None  # simulated GPU memory files (default: <memory_root>/...)
+    # Parent of per-agent memory directories; dead agents' directories there are removed at start.
+    memory_root: Path = Path("/dev/shm")
     keep_memory: bool = False  # keep simulated memory files at exit
     spare_workers: int = 1
     recycle_workers: bool = False  # replace a GPU's worker process after each instance ends
@@ -94,13 +98,22 @@ class AgentConfig:
     tls_key: Path | None = None
     client_ca: Path | None = None
     token_file: Path | None = None
+    # Accept serving the API on a non-loopback address with no authentication (logged loudly).
+    allow_insecure_listen: bool = False
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"  # 0.0.0.0 in a pod, so Prometheus can scrape it
     engine_host: str = "127.0.0.1"  # where engines bind their OpenAI endpoints
     advertise_host: str = ""  # host in the endpoints Activate returns (default: engine_host)
     grace_interval_s: float = 0.25
+    # Watch streams: events buffered per client, and how long a client may take to accept one
+    # before it is dropped (it stopped reading).
+    watch_queue_max: int = 1024
+    watch_write_timeout_s: float = 30.0
     monitor_interval_s: float = 0.5
     host_cache_bytes: int = 8 * 1024**3
+    # Real GPUs: device memory left outside the page pool for an engine's own allocations
+    # (activations, CUDA graphs, workspaces); the pool is sized from *free* memory minus this.
+    gpu_reserve_bytes: int = 4 * 1024**3
     # Simulated backend timing model (0: off): host-to-GPU copy bandwidth and map cost per page.
     sim_copy_bytes_per_s: float = 0.0
     sim_map_s_per_page: float = 0.0
@@ -145,8 +158,52 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny_unary)
 
 
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def check_exposure(cfg: AgentConfig) -> str | None:
+    """Refuse an unauthenticated API on a reachable address; returns a warning to log, if any.
+
+    The agent's API drives every GPU of the node (load, start and stop models), so serving it on
+    0.0.0.0 without TLS client certificates or a token lets anyone who can reach the port do so.
+    """
+    host = cfg.listen.rsplit(":", 1)[0]
+    if _is_loopback(host):
+        return None
+    mtls = cfg.tls_cert is not None and cfg.client_ca is not None
+    if mtls:
+        return None
+    if cfg.token_file is not None:
+        if cfg.tls_cert is None:
+            return (
+                f"event=plaintext_token listen={cfg.listen}: the bearer token travels "
+                "unencrypted; add --tls-cert/--tls-key"
+            )
+        return None
+    if not cfg.allow_insecure_listen:
+        raise ConfigError(
+            f"refusing to serve the agent API on {cfg.listen} without authentication: anyone "
+            "who can reach that port could load, start and stop models on this node's GPUs. "
+            "Add --tls-cert/--tls-key/--client-ca (mutual TLS) or --token-file, listen on "
+            "127.0.0.1, or pass --allow-insecure-listen to accept the risk (test clusters only)"
+        )
+    return (
+        f"event=insecure_listen listen={cfg.listen} WARNING: the agent API is served WITHOUT "
+        "authentication or encryption (--allow-insecure-listen); anyone who can reach this port "
+        "can drive this node's GPUs. Use only on a throwaway test cluster"
+    )
+
+
 def _memory_dir(cfg: AgentConfig) -> Path:
-    return cfg.memory_dir or Path("/dev/shm") / f"warmserve-{cfg.node_name}-{uuid.uuid4().hex[:8]}"
+    name = f"{PREFIX}{cfg.node_name}-{uuid.uuid4().hex[:8]}"
+    return cfg.memory_dir or cfg.memory_root / name
 
 
 def memory_in_workers(cfg: AgentConfig) -> bool:
@@ -163,7 +220,7 @@ def _sim_timing(cfg: AgentConfig) -> dict[str, Any]:
     }
 
 
-def _make_backend(cfg: AgentConfig, pool: Any = None) -> Any:
+def _make_backend(cfg: AgentConfig, pool: Any = None, memdir: Path | None = None) -> Any:
     if memory_in_workers(cfg):
         from warmserve_agent.backends.workers import WorkerMemoryBackend
 
@@ -172,42 +229,32 @@ def _make_backend(cfg: AgentConfig, pool: Any = None) -> Any:
                 pool,
                 "simulated",
                 cfg.page_bytes,
-                directory=str(_memory_dir(cfg)),
+                directory=str(memdir),
                 keep_files=cfg.keep_memory,
                 **_sim_timing(cfg),
             )
-        return WorkerMemoryBackend(pool, "cuda", cfg.page_bytes)
+        return WorkerMemoryBackend(
+            pool, "cuda", cfg.page_bytes, reserve_bytes=cfg.gpu_reserve_bytes
+        )
     if cfg.simulate_gpus is not None:
         from warmserve_agent.backends.simulated import SimulatedBackend
 
         return SimulatedBackend(
-            _memory_dir(cfg),
+            memdir,
             page_bytes=cfg.page_bytes,
             keep_files=cfg.keep_memory,
             **_sim_timing(cfg),
         )
     from warmserve_agent.backends.cuda import CudaBackend
 
-    return CudaBackend(page_bytes=cfg.page_bytes)
+    return CudaBackend(page_bytes=cfg.page_bytes, reserve_bytes=cfg.gpu_reserve_bytes)
 
 
 def _cuda_gpu_sizes() -> list[int]:
     """GPU count and memory from the driver (no contexts, no allocations)."""
-    from warmserve_agent.backends.cuda import CudaError, import_driver
+    from warmserve_agent.backends import cuda
 
-    drv = import_driver()
-
-    def call(name: str, *args: Any) -> Any:
-        err, *rest = getattr(drv, name)(*args)
-        if err != drv.CUresult.CUDA_SUCCESS:
-            raise CudaError(f"{name} failed: {err}")
-        return rest[0] if rest else None
-
-    call("cuInit", 0)
-    return [
-        int(call("cuDeviceTotalMem", call("cuDeviceGet", i)))
-        for i in range(call("cuDeviceGetCount"))
-    ]
+    return cuda.device_sizes()
 
 
 class AgentServer:
@@ -224,6 +271,7 @@ class AgentServer:
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics_server: Any = None
         self._health: Any = None
+        self._memdir: MemoryDir | None = None
 
     @property
     def address(self) -> str:
@@ -240,6 +288,7 @@ class AgentServer:
 
     async def _start(self) -> AgentServer:
         cfg = self.cfg
+        exposure_warning = check_exposure(cfg)  # before anything is started
         in_workers = memory_in_workers(cfg)
         if in_workers and not cfg.use_workers:
             raise ConfigError("memory owned by workers needs worker processes (use_workers)")
@@ -251,6 +300,15 @@ class AgentServer:
         sizes = cfg.simulate_gpus if cfg.simulate_gpus is not None else _cuda_gpu_sizes()
         if not sizes:
             raise ConfigError("no GPUs found; use --simulate-gpus to run without GPUs")
+        memdir = None
+        if cfg.simulate_gpus is not None:
+            if cfg.memory_dir is None:  # our siblings of agents that died (kill -9, OOM kill)
+                await asyncio.to_thread(remove_stale, cfg.memory_root)
+            try:
+                self._memdir = MemoryDir.claim(_memory_dir(cfg))
+            except MemoryDirBusy as exc:
+                raise ConfigError(str(exc)) from None
+            memdir = self._memdir.path
         gpu_ids = list(range(len(sizes)))
         if cfg.use_workers:
             from warmserve_agent.engine_host import WorkerEngine
@@ -268,11 +326,9 @@ class AgentServer:
             def factory(group: Any) -> Any:
                 return InProcessEngine(group)
 
-        backend = _make_backend(cfg, self.pool)
-        alloc_host = getattr(backend, "alloc_host", None)
-        store = WeightStore(
-            cfg.model_dir, host_cache_bytes=cfg.host_cache_bytes, alloc_host=alloc_host
-        )
+        backend = _make_backend(cfg, self.pool, memdir)
+        store = WeightStore(cfg.model_dir, host_cache_bytes=cfg.host_cache_bytes)
+        t_open = time.perf_counter()
         self.core = NodeCore(
             MemoryManager(backend),
             store,
@@ -283,6 +339,12 @@ class AgentServer:
             advertise_host=cfg.advertise_host,
             engines=cfg.engines,
             default_engine=cfg.default_engine,
+        )
+        log.info(
+            "event=gpus_opened gpus=%d backend=%s seconds=%.2f",
+            len(sizes),
+            backend.name,
+            time.perf_counter() - t_open,
         )
         info = ServiceInfo(agent_id=self.agent_id, started_unix=time.time())
         if self.pool is not None:
@@ -299,7 +361,12 @@ class AgentServer:
                     pool.replace(g)
 
             self.core.on_instance_ended = recycle
-        self.service = AgentService(self.core, info)
+        self.service = AgentService(
+            self.core,
+            info,
+            max_watch_queue=cfg.watch_queue_max,
+            watch_write_timeout_s=cfg.watch_write_timeout_s,
+        )
         self.service.bind_loop(asyncio.get_running_loop())
 
         interceptors = []
@@ -345,6 +412,8 @@ class AgentServer:
         self._tasks.append(asyncio.create_task(self._grace_loop()))
         if self.pool is not None:
             self._tasks.append(asyncio.create_task(self._monitor_loop()))
+        if exposure_warning:
+            log.warning(exposure_warning)
         log.info(
             "event=agent_started node=%s listen=%s gpus=%d backend=%s agent_id=%s",
             cfg.node_name,
@@ -416,3 +485,6 @@ class AgentServer:
             self.core.mm.close()
         if self.pool is not None:
             await asyncio.to_thread(self.pool.close)
+        if self._memdir is not None:
+            self._memdir.release(keep=self.cfg.keep_memory)
+            self._memdir = None

@@ -9,7 +9,14 @@ Responsibilities beyond translating messages:
 * **Status codes.** :class:`~warmserve_agent.node.Refusal` carries the gRPC status name and a
   message a person can act on; it becomes ``context.abort(code, message)``.
 * **Streams.** ``Prewarm`` streams progress of its slot until the requested layers are resident;
-  ``Watch`` streams every state change (the core's event bus) with the changed object.
+  ``Watch`` streams every state change (the core's event bus) with the changed object.  Each event
+  is fanned out once (one hop onto the event loop, converted to protobuf once for all watchers) into
+  per-watcher queues of at most ``max_watch_queue`` events; a watcher whose queue overflows or that
+  does not take a message for ``watch_write_timeout_s`` (a client that stopped reading) is dropped
+  with RESOURCE_EXHAUSTED and must re-Watch with a snapshot (issue 16: 20 stalled watchers made the
+  agent ~4x slower and held 8 MB).
+* **Error messages** echo client input only through :mod:`~warmserve_agent.safe_text` and are
+  bounded as a whole (printable, at most 1 KiB).
 * Core calls run in threads (``asyncio.to_thread``): loading and engine start-up block.
 """
 
@@ -19,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +38,7 @@ from warmserve_agent import __version__
 from warmserve_agent.api.v1 import agent_pb2 as pb
 from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
 from warmserve_agent.node import ID_RE, Event, InstanceRec, NodeCore, Refusal, SlotRec
+from warmserve_agent.safe_text import bounded, shown
 
 log = logging.getLogger("warmserve.agent.service")
 
@@ -69,6 +77,22 @@ class _Idem:
     final: Any = None  # Prewarm: the last progress message sent
 
 
+@dataclass(eq=False)  # identity: watchers live in a set
+class _Watcher:
+    """One Watch stream's bounded queue."""
+
+    queue: deque[Event] = field(default_factory=deque)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    dropped: asyncio.Event = field(default_factory=asyncio.Event)
+    reason: str = ""
+    deadline: asyncio.Timeout | None = None  # of the write in progress, if any
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """Every refusal leaves through here: the message bounded and printable."""
+    await context.abort(code, bounded(message))
+
+
 @dataclass
 class ServiceInfo:
     agent_id: str
@@ -79,25 +103,73 @@ class ServiceInfo:
 
 
 class AgentService(pb_grpc.NodeAgentServicer):
-    def __init__(self, core: NodeCore, info: ServiceInfo, *, max_request_ids: int = 10000) -> None:
+    def __init__(
+        self,
+        core: NodeCore,
+        info: ServiceInfo,
+        *,
+        max_request_ids: int = 10000,
+        max_watch_queue: int = 1024,
+        watch_write_timeout_s: float = 30.0,
+    ) -> None:
         self.core = core
         self.info = info
         self.max_request_ids = max_request_ids
+        self.max_watch_queue = max_watch_queue
+        self.watch_write_timeout_s = watch_write_timeout_s
         self._idem: OrderedDict[str, _Idem] = OrderedDict()
-        self._subs: set[asyncio.Queue[Event]] = set()
+        self._watchers: set[_Watcher] = set()
+        self._wakers: set[asyncio.Event] = set()  # Prewarm streams: "something changed"
+        self._pb_cache: OrderedDict[int, pb.WatchEvent] = OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.watchers_dropped = 0
         core.subscribe(self._on_event)
 
     # ---- event fan-out ---------------------------------------------------------------------
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
 
+    @property
+    def watcher_count(self) -> int:
+        return len(self._watchers)
+
+    def queued_events(self) -> int:
+        """Events waiting in all watchers' queues (bounded by watchers x max_watch_queue)."""
+        return sum(len(w.queue) for w in self._watchers)
+
     def _on_event(self, ev: Event) -> None:
         loop = self._loop
-        if loop is None or loop.is_closed():
+        if loop is None or loop.is_closed() or not (self._watchers or self._wakers):
             return
-        for q in list(self._subs):
-            loop.call_soon_threadsafe(q.put_nowait, ev)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(self._fanout, ev)
+
+    def _fanout(self, ev: Event) -> None:
+        """On the event loop: one pass over the subscribers per event."""
+        for w in list(self._watchers):
+            if len(w.queue) >= self.max_watch_queue:
+                self._drop(
+                    w,
+                    f"watch client fell {self.max_watch_queue} events behind (it reads too "
+                    "slowly); Watch again with include_snapshot",
+                )
+                continue
+            w.queue.append(ev)
+            w.wake.set()
+        for waker in self._wakers:
+            waker.set()
+
+    def _drop(self, w: _Watcher, reason: str) -> None:
+        if w in self._watchers:
+            self._watchers.discard(w)
+            w.queue.clear()  # its memory goes now, not when the client finally reads
+            w.reason = reason
+            w.dropped.set()
+            w.wake.set()
+            if w.deadline is not None and self._loop is not None:
+                w.deadline.reschedule(self._loop.time())  # end a write blocked on the client
+            self.watchers_dropped += 1
+            log.warning("event=watch_dropped reason=%s", reason.split(";")[0])
 
     def publish(self, ev: Event) -> None:
         self._on_event(ev)
@@ -219,13 +291,15 @@ class AgentService(pb_grpc.NodeAgentServicer):
     # ---- idempotency -----------------------------------------------------------------------
     async def _check_request_id(self, rid: str, context: grpc.aio.ServicerContext) -> None:
         if not rid:
-            await context.abort(
+            await _abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "request_id is required: send a unique id per intended action and reuse it "
                 "when retrying",
             )
         if not ID_RE.match(rid):
-            await context.abort(
+            await _abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"malformed request_id {rid[:40]!r}: use 1-128 characters of [A-Za-z0-9._:-]",
             )
@@ -243,10 +317,12 @@ class AgentService(pb_grpc.NodeAgentServicer):
         entry = self._idem.get(rid)
         if entry is not None:
             if entry.method != method or entry.fingerprint != fingerprint:
-                await context.abort(
+                await _abort(
+                    context,
                     grpc.StatusCode.ALREADY_EXISTS,
                     f"request_id {rid} was already used for a different request "
-                    f"({entry.method} {entry.fingerprint}); use a new id for a new action",
+                    f"({entry.method} {shown(entry.fingerprint, 160)}); use a new id for a new "
+                    "action",
                 )
         else:
             # The work runs in its own task: a caller that disconnects (cancelling this RPC)
@@ -260,10 +336,10 @@ class AgentService(pb_grpc.NodeAgentServicer):
         try:
             return await asyncio.shield(entry.future), entry
         except Refusal as r:
-            await context.abort(grpc.StatusCode[r.code], r.message)
+            await _abort(context, grpc.StatusCode[r.code], r.message)
         except Exception as exc:
             log.exception("event=internal_error method=%s", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {exc}")
+            await _abort(context, grpc.StatusCode.INTERNAL, f"{method} failed: {exc}")
         raise AssertionError("unreachable")  # pragma: no cover - abort raises
 
     # ---- RPCs ------------------------------------------------------------------------------
@@ -274,8 +350,8 @@ class AgentService(pb_grpc.NodeAgentServicer):
         self, request: pb.PrewarmRequest, context: Any
     ) -> AsyncIterator[pb.PrewarmProgress]:
         fp = (request.model, tuple(sorted(request.gpus)), request.layers, request.owner)
-        q: asyncio.Queue[Event] = asyncio.Queue()
-        self._subs.add(q)
+        changed = asyncio.Event()
+        self._wakers.add(changed)
         try:
             slot, entry = await self._once(
                 "Prewarm",
@@ -288,18 +364,21 @@ class AgentService(pb_grpc.NodeAgentServicer):
             )
             last: tuple[Any, ...] | None = None
             while True:
+                changed.clear()  # before reading the state: a change from here on wakes us
                 live = self.core.slots.get(slot.slot_id) is slot
                 if not live:
                     if entry.final is not None:  # replay after the slot went away
                         yield entry.final
                         return
-                    await context.abort(
+                    await _abort(
+                        context,
                         grpc.StatusCode.ABORTED,
                         f"slot {slot.slot_id} was evicted before {request.model} finished "
                         "loading; prewarm again with a new request_id",
                     )
                 if slot.state == "failed":
-                    await context.abort(
+                    await _abort(
+                        context,
                         grpc.StatusCode.INTERNAL,
                         f"slot {slot.slot_id}: {slot.message}; evict it and retry",
                     )
@@ -325,9 +404,9 @@ class AgentService(pb_grpc.NodeAgentServicer):
                 if done:
                     return
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(q.get(), timeout=0.5)
+                    await asyncio.wait_for(changed.wait(), timeout=0.5)
         finally:
-            self._subs.discard(q)
+            self._wakers.discard(changed)
 
     async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:
         (slot, freed), _ = await self._once(
@@ -402,28 +481,62 @@ class AgentService(pb_grpc.NodeAgentServicer):
         try:
             rows = await asyncio.to_thread(self.core.lendable, list(request.instance_ids))
         except Refusal as r:
-            await context.abort(grpc.StatusCode[r.code], r.message)
+            await _abort(context, grpc.StatusCode[r.code], r.message)
         return pb.LendableResponse(
             instances=[pb.LendableInfo(**{**r, "gpus": list(r["gpus"])}) for r in rows]
         )
 
-    async def Watch(self, request: pb.WatchRequest, context: Any) -> AsyncIterator[pb.WatchEvent]:
-        q: asyncio.Queue[Event] = asyncio.Queue()
-        self._subs.add(q)
+    async def Watch(self, request: pb.WatchRequest, context: Any) -> None:
+        w = _Watcher()
+        self._watchers.add(w)
         try:
             if request.include_snapshot:
                 snap = await asyncio.to_thread(self.describe_pb, False)
-                yield pb.WatchEvent(
-                    kind=pb.WatchEvent.KIND_SNAPSHOT,
-                    generation=snap.generation,
-                    time_unix=time.time(),
-                    snapshot=snap,
+                await self._write(
+                    context,
+                    w,
+                    pb.WatchEvent(
+                        kind=pb.WatchEvent.KIND_SNAPSHOT,
+                        generation=snap.generation,
+                        time_unix=time.time(),
+                        snapshot=snap,
+                    ),
                 )
             while True:
-                ev = await q.get()
-                yield self._event_pb(ev)
+                while not w.queue and not w.dropped.is_set():
+                    w.wake.clear()
+                    await w.wake.wait()
+                if w.dropped.is_set():
+                    await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, w.reason)
+                await self._write(context, w, self._event_pb_once(w.queue.popleft()))
         finally:
-            self._subs.discard(q)
+            self._watchers.discard(w)
+
+    async def _write(self, context: Any, w: _Watcher, msg: pb.WatchEvent) -> None:
+        """Send one message; a client that does not take it in time, or whose queue overflows
+        meanwhile (``_drop`` moves the deadline to now), is dropped with RESOURCE_EXHAUSTED."""
+        try:
+            async with asyncio.timeout(self.watch_write_timeout_s) as w.deadline:
+                await context.write(msg)
+        except TimeoutError:
+            self._drop(
+                w,
+                f"watch client took no message for {self.watch_write_timeout_s:g} s (it stopped "
+                "reading); Watch again with include_snapshot",
+            )
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, w.reason)
+        finally:
+            w.deadline = None
+
+    def _event_pb_once(self, ev: Event) -> pb.WatchEvent:
+        """Convert each event once, whatever the number of watchers (cached by generation)."""
+        msg = self._pb_cache.get(ev.generation)
+        if msg is None:
+            msg = self._event_pb(ev)
+            self._pb_cache[ev.generation] = msg
+            while len(self._pb_cache) > max(64, self.max_watch_queue):
+                self._pb_cache.popitem(last=False)
+        return msg
 
     def _event_pb(self, ev: Event) -> pb.WatchEvent:
         out = pb.WatchEvent(

@@ -23,8 +23,9 @@ shards of ``ceil(n/D)`` bytes (the last may be shorter); rank r's shard sits at 
 offset on GPU r.  This is a byte split, not a semantic (row/column) split: the simulated engine
 only needs verifiable bytes; a vLLM adapter would shard by its own rules (later issue).
 
-Host copies: a model's file bytes are read once into host memory (pinned when the backend
-provides ``alloc_host``) and kept in an LRU cache bounded by ``host_cache_bytes``.
+Host copies: a model's file bytes are read once into (pageable) host memory for hashing and kept
+in an LRU cache bounded by ``host_cache_bytes``.  Loading does not use them: the process owning a
+GPU's memory reads the file ranges itself (``loader.layer_ranges``, ``backends/staging.py``).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ import re
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from warmserve_agent.safe_text import shown, shown_names
 
 ALIGN = 256
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
@@ -186,11 +188,9 @@ class WeightStore:
         root: str | Path,
         *,
         host_cache_bytes: int = 8 * 1024**3,
-        alloc_host: Callable[[int], memoryview] | None = None,
     ) -> None:
         self.root = Path(root)
         self.host_cache_bytes = host_cache_bytes
-        self._alloc_host = alloc_host
         self._lock = threading.Lock()
         self._models: dict[str, tuple[float, ModelEntry]] = {}
         self._host: OrderedDict[str, memoryview] = OrderedDict()
@@ -206,13 +206,13 @@ class WeightStore:
     def model(self, name: str) -> ModelEntry:
         if not MODEL_NAME_RE.match(name or ""):
             raise StoreError(
-                f"malformed model name {name!r}: use 1-128 of [A-Za-z0-9._-], starting with a "
+                f"malformed model name {shown(name)}: use 1-128 of [A-Za-z0-9._-], starting with a "
                 "letter or digit"
             )
         path = self.root / name
         cfg = path / "config.json"
         if not cfg.is_file():
-            have = ", ".join(self.list_models()) or "none"
+            have = shown_names(self.list_models()) or "none"
             raise UnknownModel(
                 f"unknown model {name!r}: no {cfg} in the weight store (models here: {have})"
             )
@@ -268,7 +268,7 @@ class WeightStore:
 
     # ---- host copies ---------------------------------------------------------------------
     def host_view(self, t: TensorEntry) -> memoryview:
-        """The tensor's bytes in host memory (pinned if the backend offers it), cached per file."""
+        """The tensor's bytes in host memory, cached per file."""
         key = str(t.file)
         with self._lock:
             buf = self._host.get(key)
@@ -276,12 +276,7 @@ class WeightStore:
                 self._host.move_to_end(key)
                 self.stats["host_hits"] += 1
                 return buf[t.offset : t.offset + t.nbytes]
-        data = t.file.read_bytes()
-        if self._alloc_host is not None:
-            buf = self._alloc_host(len(data))
-            buf[:] = data
-        else:
-            buf = memoryview(bytearray(data))
+        buf = memoryview(t.file.read_bytes())
         with self._lock:
             self._host[key] = buf
             self._host_bytes += len(buf)

@@ -41,6 +41,16 @@ class WorkerError(RuntimeError):
     """A worker refused a command or died; the message says which and why."""
 
 
+def timeout_for_bytes(
+    nbytes: int, *, floor_s: float = 60.0, min_bytes_per_s: float = 100e6
+) -> float:
+    """Timeout of a worker call that moves or hashes ``nbytes`` (issue 13 item 6): a floor for
+    the fixed costs plus the bytes at a deliberately slow rate (100 MB/s, well under disk reads,
+    PCIe copies and blake2b), so a 70 GB model's verification is not cut off at 30 s while a
+    hung worker is still noticed."""
+    return floor_s + max(0, nbytes) / min_bytes_per_s
+
+
 # ---- the worker process -------------------------------------------------------------------
 def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> None:
     """Entry point of a worker process (spawned).
@@ -163,6 +173,10 @@ _MEM_OPS = frozenset(
         "map",
         "unmap",
         "write",
+        "load_ranges",
+        "wait_loaded",
+        "staging_bytes",
+        "pool_info",
         "read",
         "sync",
         "translation",

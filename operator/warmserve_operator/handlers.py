@@ -62,7 +62,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     if memo.get("metrics_port"):
         metrics.serve(int(memo["metrics_port"]), memo.get("metrics_address", "0.0.0.0"))
     auth: AgentAuth = memo.get("agent_auth") or AgentAuth()
-    reconciler = Reconciler(config, kube, AgentPool(auth), metrics)
+    gateways = memo.get("gateways")
+    demand = gateways.build() if gateways is not None else None
+    reconciler = Reconciler(config, kube, AgentPool(auth), metrics, demand=demand)
     stop = asyncio.Event()
     memo["reconciler"] = reconciler
     memo["stop"] = stop

@@ -50,6 +50,15 @@ class Metrics:
         self.hit_ratio = Gauge(
             f"{PREFIX}_prewarm_hit_ratio", "Prewarm hits / starts", ["model"], registry=r
         )
+        self.gateway_held = Gauge(
+            f"{PREFIX}_gateway_held",
+            "Requests held at the gateways now (summed over replicas), part of the demand",
+            ["model"],
+            registry=r,
+        )
+        self.gateway_replicas = Gauge(
+            f"{PREFIX}_gateway_replicas", "Gateway replicas read at the last poll", registry=r
+        )
         self.agents_up = Gauge(
             f"{PREFIX}_agents_reachable", "Agents answering Describe", registry=r
         )

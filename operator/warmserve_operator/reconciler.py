@@ -40,6 +40,7 @@ from warmserve.policy.placement import PrewarmPlan
 
 from .actions import Action, Activate, BeginGrace, EndInstance, Evict, Prewarm, describe
 from .agents import AgentCallError, AgentPool, NodeSnapshot
+from .gateway_demand import GatewayDemand, GatewayHeld
 from .history import HistoryError, LoadHistory
 from .kube import KubePort, ObjRef, md_ref, node_ref
 from .metrics import Metrics
@@ -135,6 +136,8 @@ class ModelRuntime:
     spec: ModelSpec | None = None
     desired: int | None = None
     history_dirty: bool = False
+    inflight: float = 0.0  # at its instances, last poll
+    held: float = 0.0  # at the gateways, last poll
 
 
 @dataclass
@@ -160,10 +163,14 @@ class Reconciler:
         agents: AgentPool,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.time,
+        demand: GatewayDemand | None = None,
     ) -> None:
         from warmserve.policy.predictor import make_predictor, season_length
 
         self.cfg = config
+        # Requests held at the gateways (None: no gateway configured); see gateway_demand.py.
+        self.demand = demand
+        self.gateway_replicas: int | None = None
         self.kube = kube
         self.agents = agents
         self.metrics = metrics or Metrics()
@@ -204,6 +211,8 @@ class Reconciler:
     async def run(self, stop: asyncio.Event) -> None:
         """Poll until ``stop`` is set; errors of one poll are logged, never fatal."""
         self._watching = True
+        if self.demand is not None:
+            self.demand.watch(self._wake.set)  # held demand at a gateway wakes the loop
         try:
             while not stop.is_set():
                 started = self.clock()
@@ -215,6 +224,8 @@ class Reconciler:
                 await self._sleep(stop, started)
         finally:
             self._stop_watchers()
+            if self.demand is not None:
+                await self.demand.close()
             await self.drain_tasks(timeout=5.0)
 
     async def _sleep(self, stop: asyncio.Event, started: float) -> None:
@@ -285,7 +296,8 @@ class Reconciler:
         self._live_uids = frozenset(md.uid for md in mds if md.uid)
         specs, problems = self._resolve(owners, dups, snaps, now)
         await self._load_history_and_counters(specs)
-        loads = self._measure(snaps, specs, now)
+        held = await self._gateway_held()
+        loads = self._measure(snaps, specs, now, held)
         if self._window_due(now):
             await self._close_windows(now, specs)
             self._replan = True
@@ -542,14 +554,40 @@ class Reconciler:
                 pre = rt.raw_status.get("prewarm") or {}
                 rt.hits, rt.misses = int(pre.get("hits", 0)), int(pre.get("misses", 0))
 
+    async def _gateway_held(self) -> Mapping[str, int]:
+        """Requests held at every gateway replica, per model (empty without gateways)."""
+        if self.demand is None:
+            return {}
+        try:
+            got: GatewayHeld = await self.demand.poll()
+        except Exception as exc:  # discovery failed: count no held demand this poll
+            log.warning("event=gateway_demand_failed error=%r", str(exc))
+            self.gateway_replicas = None
+            return {}
+        if got.failed:
+            log.info("event=gateway_unreachable gateways=%r", list(got.failed))
+        self.gateway_replicas = got.replicas
+        self.metrics.gateway_replicas.set(got.replicas)
+        return got.held
+
     def _measure(
-        self, snaps: Mapping[str, NodeSnapshot], specs: Mapping[str, ModelSpec], now: float
+        self,
+        snaps: Mapping[str, NodeSnapshot],
+        specs: Mapping[str, ModelSpec],
+        now: float,
+        held: Mapping[str, int] | None = None,
     ) -> dict[str, float]:
+        """Demand per model: requests in flight at its instances + held at the gateways."""
         loads = {m: 0.0 for m in specs}
         for snap in snaps.values():
             for inst in snap.instances:
                 if inst.model in loads:
                     loads[inst.model] += inst.load
+        for m in loads:
+            rt = self.models[m]
+            rt.inflight, rt.held = loads[m], float((held or {}).get(m, 0))
+            loads[m] += rt.held
+            self.metrics.gateway_held.labels(m).set(rt.held)
         for m, load in loads.items():
             rt = self.models[m]
             # Close at wall-clock aligned boundaries (the first window may have started late).
@@ -560,7 +598,7 @@ class Reconciler:
                 self._record_window(rt, w.start_s, w.avg, w.peak)
                 boundary += w_s
             rt.tracker.update(now, load)
-            self.metrics.inflight.labels(m).set(load)
+            self.metrics.inflight.labels(m).set(rt.inflight)
         return loads
 
     # ------------------------------------------------------------------ windows
@@ -1010,6 +1048,9 @@ class Reconciler:
                 weight_bytes=spec.weight_bytes if spec else None,
                 num_layers=spec.num_layers if spec else None,
                 cold_start_s=spec.cold_start_s if spec else None,
+                inflight=rt.inflight,
+                held=rt.held if self.demand is not None else None,
+                gateway_replicas=self.gateway_replicas,
                 ttft_objective_s=md.ttft_s,
             )
             view.conditions = self._conditions(rt, snaps, problems.get(md.key))

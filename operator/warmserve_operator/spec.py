@@ -91,6 +91,9 @@ class ModelDeploymentSpec:
     prewarm_layers: int | None
     engine_args: tuple[str, ...]
     deleting: bool = False
+    # spec.gateway: how the gateway holds requests while no instance has room (docs/gateway.md)
+    max_queue: int = 100
+    max_hold_s: float = 120.0
     engine: str = ""  # spec.engine.name; "" = the agent's default engine
 
     @property
@@ -137,6 +140,8 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         prewarm_layers=_int(spec, "prewarm.layers", None, 1, 1024),
         engine_args=args,
         deleting=bool(meta.get("deletionTimestamp")),
+        max_queue=_int(spec, "gateway.maxQueue", 100, 0, 100_000) or 0,
+        max_hold_s=_num(spec, "gateway.maxHoldSeconds", 120.0, 0.001, 3600.0) or 120.0,
         engine=engine,
     )
     if out.num_layers and out.prewarm_layers and out.prewarm_layers > out.num_layers:

@@ -87,6 +87,9 @@ class ModelView:
     num_layers: int | None = None
     cold_start_s: float | None = None
     desired: int | None = None
+    inflight: float | None = None  # demand now: at the instances ...
+    held: float | None = None  # ... + at the gateways (None: no gateway configured)
+    gateway_replicas: int | None = None
     conditions: list[Condition] = field(default_factory=list)
     ttft_objective_s: float | None = None  # spec.ttftObjectiveSeconds
 
@@ -145,11 +148,15 @@ def model_status(
         ("predictedPeak", view.predicted_peak),
         ("observedAverage", view.observed_avg),
         ("observedPeak", view.observed_peak),
+        ("inFlight", view.inflight),
+        ("held", view.held),
     ):
         if value is not None:
             load[key] = _round(value)
     if view.window_start is not None:
         load["windowStart"] = now_iso(view.window_start)
+    if view.gateway_replicas is not None:
+        load["gatewayReplicas"] = view.gateway_replicas
     model_facts: dict[str, Any] = {}
     if view.weight_bytes:
         model_facts["weightBytes"] = int(view.weight_bytes)

@@ -85,6 +85,7 @@ def test_agent_cli_runs_and_inspects(model_root: Path, tmp_path: Path, capsys) -
             ">= 0",
         ),
         (["agent", "inspect", "127.0.0.1:9", "--timeout", "5"], "agent at 127.0.0.1:9: "),
+        (["agent", "--gpus", "auto", "--model-dir", ".", "--gpu-reserve", "lots"], "bad size"),
     ],
 )
 def test_agent_cli_errors(argv: list[str], needle: str, capsys) -> None:
@@ -104,3 +105,24 @@ def test_agent_cli_without_cuda_python(monkeypatch: pytest.MonkeyPatch, capsys) 
     assert main(["agent", "--gpus", "auto", "--model-dir", "."]) == 2
     err = capsys.readouterr().err
     assert "pip install 'warmserve[cuda]'" in err and "Traceback" not in err
+
+
+def test_agent_cli_without_an_nvidia_driver(capsys) -> None:
+    """cuda-python installed (a dev dependency) but no driver: one clear line, no traceback."""
+    if Path("/dev/nvidiactl").exists():
+        return  # a GPU machine: covered by hack/gpu-check.sh
+    assert main(["agent", "--gpus", "auto", "--model-dir", "."]) == 2
+    err = capsys.readouterr().err
+    assert "no usable NVIDIA driver" in err and "--simulate-gpus" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_gpu_reserve_reaches_the_config() -> None:
+    import argparse
+
+    from warmserve.cli.agent import _config, register
+
+    ap = argparse.ArgumentParser()
+    register(ap.add_subparsers())
+    args = ap.parse_args(["agent", "--gpus", "auto", "--model-dir", ".", "--gpu-reserve", "6GiB"])
+    assert _config(args).gpu_reserve_bytes == 6 * 1024**3

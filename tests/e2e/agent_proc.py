@@ -25,6 +25,9 @@ async def main() -> None:
     ap.add_argument("--node", required=True)
     ap.add_argument("--address-file", required=True, type=Path)
     ap.add_argument("--memory-dir", required=True, type=Path)
+    ap.add_argument(
+        "--sim-copy-gbps", type=float, default=0.0, help="host-to-GPU GB/s (0: memcpy speed)"
+    )
     args = ap.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s agent=" + args.node + " %(message)s"
@@ -38,6 +41,7 @@ async def main() -> None:
         use_workers=False,
         spare_workers=0,
         host_cache_bytes=64 * 1024**2,
+        sim_copy_bytes_per_s=args.sim_copy_gbps * 1e9,
     )
     server = await AgentServer(cfg).start()
     stop = asyncio.Event()

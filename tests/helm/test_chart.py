@@ -80,6 +80,11 @@ def test_defaults_render_the_documented_objects(k8s_bin_dir: Path) -> None:
     args = agent["containers"][0]["args"]
     assert args[:2] == ["agent", "--gpus=auto"]
     assert "--client-ca=/etc/warmserve/tls/ca.crt" in args  # mTLS on by default
+    assert "--allow-insecure-listen" not in args
+    startup = agent["containers"][0]["startupProbe"]
+    # Opening 8 GPUs takes a while before the port opens: a startup probe, not a liveness kill.
+    assert startup["failureThreshold"] * startup["periodSeconds"] >= 300
+    assert "initialDelaySeconds" not in agent["containers"][0]["livenessProbe"]
     assert agent["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert agent["hostIPC"] is False
     # Both TLS secrets come from one generated CA.
@@ -102,6 +107,8 @@ def test_values_change_gpu_requests_node_selector_and_tls(k8s_bin_dir: Path) -> 
         "agent.simulateGpus=2x16GiB",
         "--set",
         "tls.enabled=false",
+        "--set",
+        "tls.allowInsecure=true",
     )
     agent = _find(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
     assert agent["nodeSelector"] == {"pool": "gpu-a100"}
@@ -109,6 +116,7 @@ def test_values_change_gpu_requests_node_selector_and_tls(k8s_bin_dir: Path) -> 
     args = agent["containers"][0]["args"]
     assert "--simulate-gpus=2x16GiB" in args and not any(a.startswith("--gpus") for a in args)
     assert not any(a.startswith("--tls") for a in args)
+    assert "--allow-insecure-listen" in args  # the agent refuses plaintext 0.0.0.0 otherwise
     assert not [d for d in docs if d["kind"] == "Secret"]
     none = _render(k8s_bin_dir, "--set", "agent.gpuResource.count=0")
     limits = _find(none, "DaemonSet", "-agent")["spec"]["template"]["spec"]["containers"][0][
@@ -168,6 +176,9 @@ def test_existing_secret_and_cert_manager_modes(k8s_bin_dir: Path) -> None:
         ),
         (["--set", "metrics.podMonitor.interval=often"], "at '/metrics/podMonitor/interval'"),
         (["--set", "metrics.scrapeAnnotations=yes"], "at '/metrics/scrapeAnnotations': got string"),
+        # plaintext, unauthenticated agents only when asked for explicitly (issue 16)
+        (["--set", "tls.enabled=false"], "also set tls.allowInsecure=true"),
+        (["--set", "agent.gpuReserve=lots"], "at '/agent/gpuReserve'"),
     ],
 )
 def test_bad_values_fail_with_a_message(
@@ -200,7 +211,16 @@ def _env_refs_are_defined(container: dict[str, Any]) -> None:
     "set_args",
     [
         [],
-        ["--set", "tls.enabled=false", "--set", "operator.logLevel=debug"],
+        [
+            "--set",
+            "tls.enabled=false",
+            "--set",
+            "tls.allowInsecure=true",
+            "--set",
+            "operator.logLevel=debug",
+            "--set",
+            "agent.gpuReserve=6GiB",
+        ],
         [
             "--set",
             "agent.simulateGpus=8x80GiB",
@@ -218,7 +238,8 @@ def test_container_args_are_accepted_by_the_warmserve_cli(
 ) -> None:
     # The chart and the CLI are written separately; a renamed flag would crash-loop the pods.
     docs = _render(k8s_bin_dir, *set_args)
-    for kind, suffix in (("Deployment", "-operator"), ("DaemonSet", "-agent")):
+    objs = (("Deployment", "-operator"), ("DaemonSet", "-agent"), ("Deployment", "-gateway"))
+    for kind, suffix in objs:
         container = _find(docs, kind, suffix)["spec"]["template"]["spec"]["containers"][0]
         assert container["command"] == ["warmserve"]
         _parse_cli(container["args"])
@@ -277,7 +298,8 @@ def test_operator_metrics_bind_all_interfaces_on_a_named_port(k8s_bin_dir: Path)
 def test_metrics_off_declares_no_port_and_no_scrape_annotations(k8s_bin_dir: Path) -> None:
     docs = _render(
         k8s_bin_dir, "--set", "operator.metricsPort=0", "--set", "agent.metricsPort=0",
-        "--set", "tls.enabled=false", "--set", "metrics.podMonitor.enabled=true",
+        "--set", "tls.enabled=false", "--set", "tls.allowInsecure=true",
+        "--set", "metrics.podMonitor.enabled=true",
     )  # fmt: skip
     op = _pod(docs, "Deployment", "-operator")
     ag = _pod(docs, "DaemonSet", "-agent")
@@ -288,7 +310,9 @@ def test_metrics_off_declares_no_port_and_no_scrape_annotations(k8s_bin_dir: Pat
     assert _parse_cli(op["spec"]["containers"][0]["args"]).metrics_port == 0
     agent_ns = _parse_cli(ag["spec"]["containers"][0]["args"])
     assert agent_ns.metrics_port is None and agent_ns.engine_host == "0.0.0.0"
-    assert not [d for d in docs if d["kind"] == "PodMonitor"]
+    # The gateway's admin port also serves /demand to the operator, so it is always there.
+    pms = [d["metadata"]["name"] for d in docs if d["kind"] == "PodMonitor"]
+    assert pms == ["ws-warmserve-gateway"]
 
 
 def test_scrape_annotations_can_be_turned_off_or_overridden(k8s_bin_dir: Path) -> None:
@@ -321,8 +345,12 @@ def test_pod_monitors_select_the_pods_and_their_metrics_port(k8s_bin_dir: Path) 
     monitors = [d for d in docs if d["kind"] == "PodMonitor"]
     assert sorted(m["metadata"]["name"] for m in monitors) == [
         "ws-warmserve-agent",
+        "ws-warmserve-gateway",
         "ws-warmserve-operator",
     ]
+    gw_monitor = _find(docs, "PodMonitor", "-gateway")
+    assert gw_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "admin"
+    assert "admin" in _ports(_pod(docs, "Deployment", "-gateway")["spec"]["containers"][0])
     for kind, suffix in (("Deployment", "-operator"), ("DaemonSet", "-agent")):
         pod = _pod(docs, kind, suffix)
         monitor = _find(docs, "PodMonitor", suffix)
@@ -342,8 +370,9 @@ def test_pod_monitors_select_the_pods_and_their_metrics_port(k8s_bin_dir: Path) 
     assert not op_selector.items() <= agent_labels.items()
     # Agents off: only the operator's.
     no_agent = _render(
-        k8s_bin_dir, "--set", "metrics.podMonitor.enabled=true", "--set", "agent.enabled=false"
-    )
+        k8s_bin_dir, "--set", "metrics.podMonitor.enabled=true", "--set", "agent.enabled=false",
+        "--set", "gateway.enabled=false",
+    )  # fmt: skip
     assert [d["metadata"]["name"] for d in no_agent if d["kind"] == "PodMonitor"] == [
         "ws-warmserve-operator"
     ]
@@ -465,7 +494,8 @@ def release(k8s_control_plane: ControlPlane, k8s_namespace: str) -> Iterator[Rel
 def test_helm_install_upgrade_uninstall(release: Release) -> None:
     # No --wait: without kubelet the Deployment and DaemonSet never become ready.
     name, full = release.name, release.fullname
-    release.helm("install", name, str(CHART), "--set", f"operator.peering={release.peering}")
+    out = release.helm("install", name, str(CHART), "--set", f"operator.peering={release.peering}")
+    assert "is installed in namespace" in out.stdout and "WARNING" not in out.stdout
     status = json.loads(release.helm("status", name, "-o", "json").stdout)
     assert status["info"]["status"] == "deployed"
     for obj in (
@@ -499,6 +529,20 @@ def test_helm_install_upgrade_uninstall(release: Release) -> None:
     deployment = json.loads(release.get("deployment", f"{full}-operator", "-o", "json").stdout)
     assert "--window=60" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert json.loads(release.helm("status", name, "-o", "json").stdout)["version"] == 2
+    # Plaintext agents: the install notes say loudly what that means.
+    out = release.helm(
+        "upgrade",
+        name,
+        str(CHART),
+        "--reuse-values",
+        "--set",
+        "tls.enabled=false",
+        "--set",
+        "tls.allowInsecure=true",
+    )
+    assert "WITHOUT authentication or encryption" in out.stdout
+    ds = json.loads(release.get("daemonset", f"{full}-agent", "-o", "json").stdout)
+    assert "--allow-insecure-listen" in ds["spec"]["template"]["spec"]["containers"][0]["args"]
 
     release.helm("uninstall", name)
     leftover = release.get(
@@ -594,3 +638,56 @@ def test_kind_values_install_and_become_ready_on_kind_like_nodes(
         for node in nodes:
             plane.kubectl("delete", "node", node, "--wait=false", check=False)
         plane.delete_namespace(ns)
+
+
+def test_gateway_objects_and_the_operator_wiring(k8s_bin_dir: Path) -> None:
+    docs = _render(k8s_bin_dir, "--set", "gateway.apiKeys.existingSecret=keys")
+    dep = _find(docs, "Deployment", "-gateway")
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "ws-warmserve-gateway"
+    c = pod["containers"][0]
+    ns = _parse_cli(c["args"])
+    assert (ns.port, ns.admin_port, ns.api_keys) == (8000, 9092, Path("/etc/warmserve/api-keys"))
+    assert _ports(c) == {"http": 8000, "admin": 9092}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "admin"}
+    keys = {"name": "api-keys", "secret": {"secretName": "keys", "defaultMode": 0o440}}
+    assert keys in pod["volumes"]
+    assert pod["terminationGracePeriodSeconds"] == ns.drain_seconds + 5
+    assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9092"
+    pdb = _find(docs, "PodDisruptionBudget", "-gateway")
+    assert pdb["spec"]["minAvailable"] == 1
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    api_svc = _find(docs, "Service", "-gateway")
+    assert api_svc["spec"]["ports"] == [
+        {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}
+    ]
+    demand = _find(docs, "Service", "-gateway-demand")
+    assert demand["spec"]["clusterIP"] == "None" and demand["spec"]["publishNotReadyAddresses"]
+    assert demand["spec"]["ports"][0]["name"] == "admin"
+    # The operator reads the replicas' held requests from that Service's EndpointSlices.
+    op = _parse_cli(_pod(docs, "Deployment", "-operator")["spec"]["containers"][0]["args"])
+    assert op.gateway_service == "warmserve/ws-warmserve-gateway-demand"
+    assert op.gateway_port_name == "admin"
+    # One replica: no PDB (it would block every node drain); gateway off: nothing of it.
+    one = _render(k8s_bin_dir, "--set", "gateway.replicas=1")
+    assert not [d for d in one if d["kind"] == "PodDisruptionBudget"]
+    off = _render(k8s_bin_dir, "--set", "gateway.enabled=false")
+    assert not [d for d in off if "gateway" in d["metadata"]["name"]]
+    op_off = _parse_cli(_pod(off, "Deployment", "-operator")["spec"]["containers"][0]["args"])
+    assert op_off.gateway_service is None
+
+
+def test_gateway_values_are_checked(k8s_bin_dir: Path) -> None:
+    for set_args, message in (
+        (["--set", "gateway.adminPort=8000"], "gateway.port and gateway.adminPort must differ"),
+        (["--set", "gateway.replicas=-1"], "replicas"),
+        (["--set", "gateway.maxBodyBytes=lots"], "maxBodyBytes"),
+        (["--set", "gateway.service.type=Ingress"], "type"),
+        (["--set", "gateway.typo=1"], "typo"),
+    ):
+        proc = _helm(k8s_bin_dir, "template", "ws", str(CHART), *set_args, check=False)
+        assert proc.returncode != 0 and message in proc.stderr, (set_args, proc.stderr)

@@ -58,6 +58,8 @@ BAD = [
     (md("badname", model={"name": "Bad Name!"}), "spec.model.name"),
     (md("args", engine={"args": [1, 2]}), "spec.engine.args"),
     (md("prewarm-type", prewarm={"enabled": "yes"}), "spec.prewarm.enabled"),
+    (md("queue-neg", gateway={"maxQueue": -1}), "spec.gateway.maxQueue"),
+    (md("hold-zero", gateway={"maxHoldSeconds": 0}), "spec.gateway.maxHoldSeconds"),
     (
         {
             "apiVersion": "warmserve.io/v1alpha1",
@@ -88,6 +90,7 @@ def test_defaults_and_printer_columns(crds: None, kubectl: Any, k8s_namespace: s
     assert spec["tensorParallel"] == 1 and spec["maxBatchSize"] == 32
     assert spec["minInstances"] == 0 and spec["maxInstances"] == 8
     assert spec["prewarm"] == {"enabled": True} and spec["ttftObjectiveSeconds"] == 1.0
+    assert spec["gateway"] == {"maxQueue": 100, "maxHoldSeconds": 120}
     header = kubectl("get", "warmserve", "-n", k8s_namespace).stdout.splitlines()[0].split()
     assert header == [
         "NAME",
@@ -144,6 +147,7 @@ ALLOWED = [
     ("create", "events", "other"),
     ("create", "events.events.k8s.io", "other"),
     ("list", "pods", "self"),
+    ("list", "endpointslices.discovery.k8s.io", "self"),  # gateway replicas (held demand)
 ]
 FORBIDDEN = [
     # Issue 16 H3: no ConfigMap outside the operator's namespace (e.g. kube-system/aws-auth).
@@ -158,6 +162,7 @@ FORBIDDEN = [
     ("list", "secrets", "other"),
     ("delete", "modeldeployments.warmserve.io", "other"),
     ("list", "pods", "other"),
+    ("list", "endpointslices.discovery.k8s.io", "other"),
     ("create", "pods", "self"),
     ("delete", "gpunodes.warmserve.io", None),
     ("*", "*", None),

@@ -131,6 +131,28 @@ def test_decide_scales_up_immediately() -> None:
     assert (d.current, d.desired, d.scale_up, d.drain) == (1, 4, 3, ())
 
 
+@given(
+    held=st.integers(1, 10_000),
+    b=st.integers(1, 512),
+    hi=st.integers(0, 64),
+    low_since=st.one_of(st.none(), st.floats(0, 1e6)),
+    grace=st.integers(0, 3),
+)
+def test_demand_at_zero_instances_starts_at_once(held, b, hi, low_since, grace) -> None:
+    """Scale from zero (issue 9): demand held at the gateways while a model has no active
+    instance (grace ones do not count) starts min(ceil(demand / B), maxInstances) instances in
+    the same decision: no hysteresis band or delay holds a start back, whatever the memory."""
+    spec = ModelSpec("m", 10**9, 1, b, 1.0)
+    draining = [
+        Instance("m", "n", (k,), running=1, phase=InstancePhase.GRACE, name=f"g{k}")
+        for k in range(grace)
+    ]
+    mem = ScaleMemory(low_since)
+    d = decide(spec, float(held), draining, CFG, 1e6 + 1, mem, min_instances=0, max_instances=hi)
+    assert d.current == 0
+    assert d.scale_up == min(-(-held // b), hi) and not d.drain
+
+
 def test_decide_waits_the_delay_then_drains_least_running_first() -> None:
     pool = [inst("i0", 9), inst("i1", 2), inst("i2", 5), inst("i3", 2)]
     d1 = decide(SPEC, 20, pool, CFG, now_s=100.0)  # wants ceil(20/16) = 2

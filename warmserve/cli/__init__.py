@@ -30,6 +30,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "operator_cmd",
     "status",
     "agent",
+    "gateway",
 )
 
 

@@ -55,6 +55,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--node-name", help="node name reported to the operator (default: hostname)")
     p.add_argument("--page-size", default="2MiB", help="page size of the GPU page pool (2MiB)")
     p.add_argument(
+        "--gpu-reserve",
+        default="4GiB",
+        help="real GPUs: memory left outside the page pool on each GPU for an engine's own "
+        "allocations (activations, CUDA graphs, workspaces); the pool is sized from the memory "
+        "free at start minus this (default 4GiB)",
+    )
+    p.add_argument(
         "--spare-workers", type=int, default=1, help="pre-started spare worker processes (1)"
     )
     p.add_argument(
@@ -81,11 +88,28 @@ def register(subparsers: Any) -> None:
         default=0.0,
         help="simulated GPUs: cost of mapping one page, in microseconds (0: free)",
     )
-    p.add_argument("--memory-dir", help="directory for simulated GPU memory (default /dev/shm)")
+    p.add_argument(
+        "--memory-dir",
+        help="directory for simulated GPU memory (default: a new warmserve-<node>-<id> under "
+        "--memory-root)",
+    )
+    p.add_argument(
+        "--memory-root",
+        default="/dev/shm",
+        help="where per-agent simulated memory directories go (default /dev/shm); directories "
+        "of agents that died there are removed at start",
+    )
     p.add_argument("--tls-cert", help="server certificate (PEM); enables TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--client-ca", help="CA (PEM) that client certificates must chain to (mTLS)")
     p.add_argument("--token-file", help="file holding the bearer token every call must carry")
+    p.add_argument(
+        "--allow-insecure-listen",
+        action="store_true",
+        help="serve the API on a non-loopback --listen address without TLS client certificates "
+        "or a token (refused otherwise: anyone reaching the port could drive the GPUs); logs a "
+        "warning. Test clusters only",
+    )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on PORT")
     p.add_argument(
         "--metrics-host",
@@ -147,6 +171,7 @@ def _config(args: argparse.Namespace) -> Any:
         elif args.gpus != "auto":
             raise CliError("choose --gpus auto (real GPUs) or --simulate-gpus NxSIZE")
         page = parse_size(args.page_size)
+        reserve = parse_size(args.gpu_reserve)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
     if page < 4096 or page & (page - 1):
@@ -178,7 +203,9 @@ def _config(args: argparse.Namespace) -> Any:
         simulate_gpus=sim,
         listen=args.listen,
         page_bytes=page,
+        gpu_reserve_bytes=reserve,
         memory_dir=Path(args.memory_dir) if args.memory_dir else None,
+        memory_root=Path(args.memory_root),
         spare_workers=args.spare_workers,
         recycle_workers=args.recycle_workers,
         memory_in_workers=args.memory_in_workers,
@@ -186,6 +213,7 @@ def _config(args: argparse.Namespace) -> Any:
         tls_key=Path(args.tls_key) if args.tls_key else None,
         client_ca=Path(args.client_ca) if args.client_ca else None,
         token_file=Path(args.token_file) if args.token_file else None,
+        allow_insecure_listen=args.allow_insecure_listen,
         metrics_port=args.metrics_port,
         sim_copy_bytes_per_s=args.sim_copy_gbps * 1e9,
         sim_map_s_per_page=args.sim_map_us * 1e-6,

@@ -137,6 +137,34 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--agent-port", type=int, default=50051, help="agents' gRPC port")
     p.add_argument(
+        "--gateway-service",
+        default=os.environ.get("WARMSERVE_GATEWAY_SERVICE") or None,
+        metavar="NAMESPACE/NAME",
+        help="read the requests held at every gateway replica (demand for scale from zero) "
+        "from the replicas listed in this Service's EndpointSlices (env "
+        "WARMSERVE_GATEWAY_SERVICE; the chart sets <release>-gateway-demand)",
+    )
+    p.add_argument(
+        "--gateway-port-name",
+        default="admin",
+        help="name of the Service port that serves the gateways' /demand",
+    )
+    p.add_argument(
+        "--gateway-url",
+        action="append",
+        default=[],
+        dest="gateway_urls",
+        metavar="URL",
+        help="admin URL of a gateway replica, e.g. http://127.0.0.1:9092 (repeatable; for "
+        "gateways run outside the cluster; with --gateway-service both are read)",
+    )
+    p.add_argument(
+        "--gateway-timeout",
+        type=float,
+        default=1.0,
+        help="seconds a gateway replica may take to report its held requests",
+    )
+    p.add_argument(
         "--history-namespace",
         default=None,
         help="namespace of the per-model load history ConfigMaps (the operator's own; default: "
@@ -167,6 +195,12 @@ def run(args: argparse.Namespace) -> int:
     for path in (args.agent_token_file, args.agent_ca, args.agent_cert, args.agent_key):
         if path and not os.path.isfile(path):
             raise CliError(f"file not found: {path}")
+    gateway_service = _gateway_service(args.gateway_service)
+    for url in args.gateway_urls:
+        if not url.startswith(("http://", "https://")):
+            raise CliError(f"--gateway-url must be an http(s) URL, got {url!r}")
+    if not args.gateway_timeout > 0:
+        raise CliError(f"--gateway-timeout must be > 0, got {args.gateway_timeout}")
     try:
         from warmserve_operator.reconciler import OperatorConfig
 
@@ -190,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
     import kopf
     import warmserve_operator.handlers  # noqa: F401  (registers the handlers)
     from warmserve_operator.agents import AgentAuth
+    from warmserve_operator.gateway_demand import GatewaySources
     from warmserve_operator.kube import AgentDiscovery
 
     identity = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
@@ -217,6 +252,9 @@ def run(args: argparse.Namespace) -> int:
             if args.agent_namespace
             else None
         ),
+        gateways=GatewaySources(
+            gateway_service, args.gateway_port_name, tuple(args.gateway_urls), args.gateway_timeout
+        ),
     )
     asyncio.run(
         kopf.operator(
@@ -231,6 +269,17 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _gateway_service(value: str | None) -> tuple[str, str] | None:
+    from warmserve.cli import CliError
+
+    if not value:
+        return None
+    ns, sep, name = value.partition("/")
+    if not sep or not ns or not name or "/" in name:
+        raise CliError(f"--gateway-service must be NAMESPACE/NAME, got {value!r}")
+    return ns, name
 
 
 def _check_cluster() -> None:

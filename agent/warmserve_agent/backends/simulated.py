@@ -9,6 +9,10 @@ Physical page ``p`` of GPU ``g`` is bytes ``[p*P, (p+1)*P)`` of ``<dir>/gpu<g>.m
 addresses are plain integers handed out per GPU; :meth:`SimulatedBackend.translation` exposes the
 emulated MMU (virtual page -> physical page) so tests can compare it with the page tables.
 
+Weights are loaded with :meth:`SimulatedBackend.load_ranges`: the same staging ring as the
+``cuda`` backend (:mod:`~warmserve_agent.backends.staging`) reads the safetensors file ranges
+into host buffers and copies them in (synchronously here), so CI runs the GPU data path.
+
 The optional timing model (``map_s_per_page``, ``copy_bytes_per_s``) sleeps to mimic driver and
 PCIe costs in benchmarks; it is off by default so tests are fast.
 """
@@ -24,6 +28,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from warmserve.policy.cluster import PAGE_BYTES
+from warmserve_agent.backends.staging import (
+    FileRange,
+    StagingRing,
+    SyncCopyTarget,
+)
 
 _VA_START = 0x7F00_0000_0000
 _VA_ALIGN = 1 << 30
@@ -42,6 +51,11 @@ class SimulatedBackend:
         keep_files: bool = False,
         map_s_per_page: float = 0.0,
         copy_bytes_per_s: float | None = None,
+        # A smaller ring than the cuda backend's: the copies here are memcpys into a shared
+        # file, and a node may simulate many GPUs in little RAM.
+        staging_chunk_bytes: int = 4 * 1024**2,
+        staging_depth: int = 4,
+        staging_readers: int = 2,
     ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -54,6 +68,8 @@ class SimulatedBackend:
         self._mmu: dict[int, dict[int, int]] = {}  # gpu -> {virtual page number: ppage}
         self._next_va: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._staging = (staging_chunk_bytes, staging_depth, staging_readers)
+        self._rings: dict[int, StagingRing] = {}
 
     def path(self, gpu: int) -> Path:
         return self.dir / f"gpu{gpu}.mem"
@@ -141,6 +157,30 @@ class SimulatedBackend:
         if self.copy_bytes_per_s:
             time.sleep(len(mv) / self.copy_bytes_per_s)
 
+    def load_ranges(self, gpu: int, ranges: Sequence[tuple[int, str, int, int]]) -> int:
+        """Copy file ranges ``(va, path, offset, nbytes)`` in through the staging ring (the
+        cuda backend's code path, with synchronous copies); returns a ticket."""
+        with self._lock:
+            ring = self._rings.get(gpu)
+            if ring is None:
+                chunk, depth, readers = self._staging
+                ring = StagingRing(
+                    SyncCopyTarget(lambda va, view: self.write(gpu, va, view)),
+                    chunk_bytes=chunk,
+                    depth=depth,
+                    readers=readers,
+                )
+                self._rings[gpu] = ring
+        ring.load([FileRange(*r) for r in ranges])
+        return 0
+
+    def wait_loaded(self, gpu: int, ticket: int) -> None:
+        """Copies are synchronous here: everything is already in place."""
+
+    def staging_bytes(self, gpu: int) -> int:
+        ring = self._rings.get(gpu)
+        return 0 if ring is None else ring.host_bytes
+
     def read(self, gpu: int, va: int, nbytes: int) -> bytes:
         with self._lock:
             spans = self._spans(gpu, va, nbytes)
@@ -152,6 +192,9 @@ class SimulatedBackend:
             return dict(self._mmu[gpu])
 
     def close(self) -> None:
+        for ring in self._rings.values():
+            ring.close()
+        self._rings.clear()
         for mm in self._mm.values():
             mm.close()
         self._mm.clear()

@@ -12,8 +12,11 @@ drops every slot touching that GPU (``NodeCore.gpu_lost``) and the replacement w
 fresh, empty page pool (``MemoryManager.reopen_gpu``).  Recycling workers after each instance
 would throw the kept weights away, so ``recycle_workers`` is refused in this mode.
 
-Weight bytes travel over the worker's pipe (pickled); on a GPU node the host copies would sit in
-shared pinned memory the worker copies from (future work, see docs/agent.md).
+Weights never cross the pipe: ``load_ranges`` sends ``(virtual address, file, offset, length)``
+descriptors and the worker reads the safetensors ranges itself into a staging ring it owns
+(pinned with ``cuda``) and copies them asynchronously (:mod:`~warmserve_agent.backends.staging`).
+Timeouts of the calls that move or hash weights grow with the bytes they move
+(:func:`~warmserve_agent.worker.timeout_for_bytes`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from warmserve_agent.worker import WorkerPool
+from warmserve_agent.worker import WorkerPool, timeout_for_bytes
 
 
 class WorkerMemoryBackend:
@@ -37,6 +40,7 @@ class WorkerMemoryBackend:
         self.name = kind
         self.page_bytes = page_bytes
         self._options = {"page_bytes": page_bytes, **options}
+        self._ticket_bytes: dict[tuple[int, int], int] = {}
         self._dir = Path(options["directory"]) if kind == "simulated" else None
         if kind != "simulated":  # only the simulated MMU can be inspected; no shared file
             self.translation = None  # type: ignore[assignment]
@@ -69,8 +73,23 @@ class WorkerMemoryBackend:
     def write(self, gpu: int, va: int, data: memoryview | bytes) -> None:
         self._call(gpu, "write", gpu, va, bytes(data))
 
+    def load_ranges(self, gpu: int, ranges: Sequence[tuple[int, str, int, int]]) -> int:
+        nbytes = sum(r[3] for r in ranges)
+        ticket = int(
+            self._call(gpu, "load_ranges", gpu, list(ranges), timeout_s=timeout_for_bytes(nbytes))
+        )
+        self._ticket_bytes[(gpu, ticket)] = nbytes
+        return ticket
+
+    def wait_loaded(self, gpu: int, ticket: int) -> None:
+        nbytes = self._ticket_bytes.pop((gpu, ticket), 0)
+        self._call(gpu, "wait_loaded", gpu, ticket, timeout_s=timeout_for_bytes(nbytes))
+
+    def staging_bytes(self, gpu: int) -> int:
+        return int(self._call(gpu, "staging_bytes", gpu))
+
     def read(self, gpu: int, va: int, nbytes: int) -> bytes:
-        return self._call(gpu, "read", gpu, va, nbytes)
+        return self._call(gpu, "read", gpu, va, nbytes, timeout_s=timeout_for_bytes(nbytes))
 
     def sync(self, gpu: int) -> None:
         if self.name == "cuda":

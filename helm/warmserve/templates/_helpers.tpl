@@ -64,6 +64,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{- define "warmserve.gatewayServiceAccountName" -}}
+{{- if .Values.gateway.serviceAccount.create }}
+{{- default (printf "%s-gateway" (include "warmserve.fullname" .)) .Values.gateway.serviceAccount.name }}
+{{- else }}
+{{- required "gateway.serviceAccount.name is required when gateway.serviceAccount.create is false" .Values.gateway.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
 {{/* Secret holding the agents' server certificate (keys ca.crt, tls.crt, tls.key). */}}
 {{- define "warmserve.tlsServerSecret" -}}
 {{- if eq .Values.tls.mode "existingSecret" }}
@@ -123,5 +131,9 @@ metrics, then the user's podAnnotations, which win on a clash. Call with
 {{- $ag := .Values.agent }}
 {{- if and $ag.enabled $ag.metricsPort (eq (int $ag.metricsPort) (int $ag.grpcPort)) }}
 {{- fail "agent.metricsPort and agent.grpcPort must differ" }}
+{{- end }}
+{{- $gw := .Values.gateway }}
+{{- if and $gw.enabled (eq (int $gw.port) (int $gw.adminPort)) }}
+{{- fail "gateway.port and gateway.adminPort must differ" }}
 {{- end }}
 {{- end }}

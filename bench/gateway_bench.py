@@ -1,0 +1,481 @@
+#!/usr/bin/env python
+"""Gateway benchmark: what the gateway adds in front of one engine, and a cold-start burst.
+
+1. **Overhead** — ``--concurrency`` (64) closed-loop clients send chat completions for
+   ``--seconds`` per round, alternately straight to one simulated engine and through a gateway
+   replica in front of it (rounds interleaved, so both paths see the same machine noise).  Per
+   path: requests/s and end-to-end latency percentiles; then the gateway's added latency
+   (p50/p99 via the gateway minus direct) and its throughput as a ratio of direct.  The engine is
+   the simulated one (``warmserve agent --simulate-gpus``, engine in a worker process) with a
+   large batch, so the engine never queues; the gateway reads the instance from
+   ``--models-file`` (the same code path as the Kubernetes watch).  Everything runs on this
+   machine: load generator, gateway and engine share its cores, so absolute numbers say little
+   (no GPU); the ratios are the result.
+2. **Cold-start burst** — on a real kube-apiserver (hack/k8s binaries; built once if missing):
+   an agent with simulated GPUs whose weight loads are paced like a ``--copy-gbps`` host-to-GPU
+   link, the operator and a gateway as the chart wires them.  ``--burst`` streaming requests hit
+   a model with zero instances, once with a prewarmed replica resident (a prewarm hit) and once
+   without (a cold start).  Per request: time to first token measured by the client; plus the
+   time from the first held request to the operator's start request (from their logs) and the
+   agent's activation time.
+
+    python bench/gateway_bench.py [--concurrency 64] [--seconds 8] [--rounds 3]
+                                  [--burst 16] [--no-burst] [--out bench/results/gateway_bench.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "e2e")]
+
+MiB = 1024**2
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs)) - 1))] if xs else float("nan")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def load_avg() -> float:
+    return os.getloadavg()[0]
+
+
+# ------------------------------------------------------------------------------------ overhead
+
+
+async def closed_loop(url: str, body: bytes, concurrency: int, seconds: float) -> dict[str, Any]:
+    import aiohttp
+
+    lat: list[float] = []
+    errors = 0
+    stop_at = time.perf_counter() + seconds
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+
+        async def worker() -> None:
+            nonlocal errors
+            while time.perf_counter() < stop_at:
+                t0 = time.perf_counter()
+                try:
+                    async with s.post(
+                        url, data=body, headers={"Content-Type": "application/json"}
+                    ) as r:
+                        await r.read()
+                        ok = r.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                if ok:
+                    lat.append(time.perf_counter() - t0)
+                else:
+                    errors += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return {"n": len(lat), "errors": errors, "rps": len(lat) / wall, "lat": lat}
+
+
+def cpu_seconds(pid: int, tree: bool = False) -> float:
+    """User + system CPU seconds of a process (and its descendants with ``tree``)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if tree:
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                for child in (task / "children").read_text().split():
+                    total += cpu_seconds(int(child), tree=True)
+        return total
+    except OSError:
+        return 0.0
+
+
+def _wait_file(path: Path, what: str, log: Path) -> str:
+    for _ in range(1200):
+        if path.exists():
+            return path.read_text()
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not start; see {log}")
+
+
+def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """One agent (simulated GPU per engine speed), one instance per speed, one gateway."""
+    from gateway_stack import write_model
+    from warmserve_agent.client import SyncAgentClient
+
+    models = tmp / "models"
+    speeds = [float(x) for x in args.decode_tok_s.split(",")]
+    for k, speed in enumerate(speeds):
+        profile = {"max_batch": 1024, "decode_tok_s": speed, "prefill_tok_s": 1e6}
+        write_model(models, f"bench-{k}", layers=2, hidden=32, seed=k + 1, profile=profile)
+    procs: list[subprocess.Popen[bytes]] = []
+    log_path = tmp / "overhead.log"
+    log = open(log_path, "ab")  # noqa: SIM115 - closed below
+    out: dict[str, Any] = {}
+    try:
+        agent_addr = f"127.0.0.1:{free_port()}"
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "warmserve", "agent", "--simulate-gpus",
+             f"{len(speeds)}x64MiB", "--model-dir", str(models), "--listen", agent_addr,
+             "--memory-dir", str(tmp / "mem"), "--log-level", "WARNING"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        procs.append(agent)
+        client = None
+        for _ in range(1200):
+            try:
+                client = SyncAgentClient(agent_addr)
+                client.describe()
+                break
+            except Exception:
+                if client is not None:
+                    client.close()
+                client = None
+                time.sleep(0.1)
+        if client is None:
+            raise RuntimeError(f"the agent did not start; see {log_path}")
+        instances = [client.activate(f"bench-{k}", [k]).instance for k in range(len(speeds))]
+        client.close()
+        mds = [
+            {
+                "apiVersion": "warmserve.io/v1alpha1",
+                "kind": "ModelDeployment",
+                "metadata": {"name": f"bench-{k}", "namespace": "bench", "uid": f"u{k}"},
+                "spec": {"model": {"name": f"bench-{k}"}, "maxBatchSize": 1024},
+                "status": {
+                    "instances": [
+                        {"id": inst.instance_id, "endpoint": inst.endpoint, "phase": "serving"}
+                    ]
+                },
+            }
+            for k, inst in enumerate(instances)
+        ]
+        (tmp / "models.json").write_text(json.dumps(mds))
+        addr = tmp / "gw.json"
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "warmserve", "gateway", "--models-file",
+             str(tmp / "models.json"), "--host", "127.0.0.1", "--port", "0",
+             "--admin-host", "127.0.0.1", "--admin-port", "0", "--address-file", str(addr),
+             "--log-level", "warning"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        procs.append(gateway)
+        gw = json.loads(_wait_file(addr, "the gateway", log_path))["api"]
+        for k, (speed, inst) in enumerate(zip(speeds, instances, strict=True)):
+            print(f" engine decode {speed:g} tokens/s:", flush=True)
+            out[f"{speed:g}"] = _overhead_one(
+                args, f"bench-{k}", {"direct": inst.endpoint, "gateway": gw}, gateway.pid, agent.pid
+            )
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+    return out
+
+
+def _overhead_one(
+    args: argparse.Namespace, model: str, urls: dict[str, str], gw_pid: int, agent_pid: int
+) -> dict[str, Any]:
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "how fast is the gateway"}],
+            "max_tokens": args.max_tokens,
+        }
+    ).encode()
+    for url in urls.values():  # warm up connections and caches
+        asyncio.run(closed_loop(url + "/v1/chat/completions", body, 8, 1.0))
+    rounds: dict[str, list[dict[str, Any]]] = {"direct": [], "gateway": []}
+    cpu: dict[str, list[float]] = {"gateway": [], "engine": []}
+    loads = []
+    for r in range(args.rounds):
+        order = ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct")
+        for path in order:
+            loads.append(load_avg())
+            g0, e0 = cpu_seconds(gw_pid), cpu_seconds(agent_pid, tree=True)
+            res = asyncio.run(
+                closed_loop(
+                    urls[path] + "/v1/chat/completions", body, args.concurrency, args.seconds
+                )
+            )
+            n = max(res["n"], 1)
+            if path == "gateway":
+                cpu["gateway"].append(1e6 * (cpu_seconds(gw_pid) - g0) / n)
+            cpu["engine"].append(1e6 * (cpu_seconds(agent_pid, tree=True) - e0) / n)
+            rounds[path].append(res)
+            print(
+                f"  round {r + 1} {path:<8} {res['rps']:8.1f} req/s  "
+                f"p50 {1000 * pct(res['lat'], 50):7.2f} ms  "
+                f"p99 {1000 * pct(res['lat'], 99):7.2f} ms  errors {res['errors']}",
+                flush=True,
+            )
+    out: dict[str, Any] = {
+        "load_avg_1m": loads,
+        "gateway_cpu_us_per_request": statistics.median(cpu["gateway"]),
+        "engine_cpu_us_per_request": statistics.median(cpu["engine"]),
+    }
+    for path, rs in rounds.items():
+        lat = [x for res in rs for x in res["lat"]]
+        out[path] = {
+            "rps_per_round": [round(res["rps"], 1) for res in rs],
+            "rps": statistics.median(res["rps"] for res in rs),
+            "p50_ms": 1000 * pct(lat, 50),
+            "p90_ms": 1000 * pct(lat, 90),
+            "p99_ms": 1000 * pct(lat, 99),
+            "requests": len(lat),
+            "errors": sum(res["errors"] for res in rs),
+        }
+    d, g = out["direct"], out["gateway"]
+    out["added_p50_ms"] = g["p50_ms"] - d["p50_ms"]
+    out["added_p99_ms"] = g["p99_ms"] - d["p99_ms"]
+    out["throughput_ratio"] = g["rps"] / d["rps"]
+    out["p50_ratio"] = g["p50_ms"] / d["p50_ms"]
+    out["p99_ratio"] = g["p99_ms"] / d["p99_ms"]
+    return out
+
+
+# ------------------------------------------------------------------------------- cold burst
+
+
+async def stream_burst(api: str, model: str, k: int) -> list[dict[str, Any]]:
+    import aiohttp
+
+    async def one(s: aiohttp.ClientSession, i: int) -> dict[str, Any]:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"burst {i}"}],
+            "max_tokens": 8,
+            "stream": True,
+        }
+        t0 = time.perf_counter()
+        ttft = None
+        async with s.post(f"{api}/v1/chat/completions", json=body) as r:
+            async for line in r.content:
+                if ttft is None and line.startswith(b"data:"):
+                    ttft = time.perf_counter() - t0
+            return {"status": r.status, "ttft_s": ttft, "total_s": time.perf_counter() - t0}
+
+    async with aiohttp.ClientSession() as s:
+        return await asyncio.gather(*(one(s, i) for i in range(k)))
+
+
+def bench_burst(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    from e2e_support import Procs, seed_history, wait_for
+    from gateway_stack import Stack, log_times, write_model
+    from k8s_support import ControlPlane, ensure_binaries
+
+    plane = ControlPlane.start(tmp / "plane", bin_dir=ensure_binaries())
+    procs = Procs(tmp)
+    results: dict[str, Any] = {}
+    try:
+        ns = plane.create_namespace("gwbench")
+        st = Stack(plane, ns, tmp, procs)
+        st.install()
+        models = tmp / "burst-models"
+        profile = {"max_batch": 64, "decode_tok_s": 100.0}
+        for seed, name in enumerate(("bench-hit", "bench-cold")):
+            write_model(models, name, layers=8, hidden=256, seed=seed, profile=profile)
+        st.start_agents(models, {"node-a": "2x128MiB"}, copy_gbps=args.copy_gbps)
+        mds = [
+            {
+                "apiVersion": "warmserve.io/v1alpha1",
+                "kind": "ModelDeployment",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": {
+                    "model": {"name": model},
+                    "maxBatchSize": 64,
+                    "maxInstances": 1,
+                    "prewarm": {"enabled": name == "hit"},
+                },
+            }
+            for name, model in (("hit", "bench-hit"), ("cold", "bench-cold"))
+        ]
+        plane.kubectl(
+            "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": mds})
+        )
+        seed_history(plane.kubectl, ns, "hit", "bench-hit", avg=1.0, peak=1.0)
+        st.start_operator("operator", 100, poll_s=5.0)
+        gw = st.start_gateway("gw")
+
+        def status(name: str) -> dict[str, Any]:
+            return st.get("wsmd", name).get("status") or {}
+
+        def settled() -> bool:
+            reps = status("hit").get("prewarmedReplicas") or []
+            return (
+                bool(reps)
+                and all(r["state"] == "ready" for r in reps)
+                and bool(status("cold").get("conditions"))
+            )
+
+        wait_for(settled, "the hit model's replica resident", 120, st.logs)
+        time.sleep(2 * 5.0)  # a couple of polls: the operator leads and streams from the gateway
+        for case, name, model in (
+            ("prewarm hit", "hit", "bench-hit"),
+            ("cold start", "cold", "bench-cold"),
+        ):
+            t_send = time.time()
+            answers = asyncio.run(stream_burst(gw.api, name, args.burst))
+            held = [
+                t
+                for t in log_times(tmp / "gw.log", f"event=holding model={model}")
+                if t >= t_send - 1
+            ]
+            starts = [
+                t
+                for t in log_times(tmp / "operator.log", f"verb=activate .*model={model}")
+                if t >= t_send - 1
+            ]
+            act = re.findall(
+                rf"event=activated .*model={model} .*hit=(\w+) seconds=([0-9.]+)",
+                (tmp / "node-a.log").read_text(),
+            )
+            ttfts = sorted(a["ttft_s"] for a in answers if a["ttft_s"] is not None)
+            results[case] = {
+                "requests": args.burst,
+                "ok": sum(1 for a in answers if a["status"] == 200),
+                "ttft_s": [round(x, 3) for x in ttfts],
+                "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+                "ttft_max_s": max(ttfts) if ttfts else None,
+                "start_requested_after_first_held_s": (starts[0] - held[0])
+                if held and starts
+                else None,
+                "prewarm_hit": act[-1][0] == "True" if act else None,
+                "activation_s": float(act[-1][1]) if act else None,
+            }
+        results["copy_gbps"] = args.copy_gbps
+        results["model_mib"] = round(
+            sum(f.stat().st_size for f in (models / "bench-cold").glob("*.safetensors")) / MiB, 1
+        )
+    finally:
+        procs.stop_all()
+        plane.stop()
+    return results
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=8.0, help="length of one round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per path (interleaved)")
+    ap.add_argument("--max-tokens", type=int, default=16, help="tokens per completion")
+    ap.add_argument(
+        "--decode-tok-s",
+        default="30,400",
+        help="engine decode speeds, tokens/s per request (comma-separated; one engine each): "
+        "30 is a 7-13B model under load (the policy core's default), 400 saturates this "
+        "machine's CPUs (max requests/s)",
+    )
+    ap.add_argument("--burst", type=int, default=16, help="requests in the cold-start burst")
+    ap.add_argument("--no-burst", action="store_true", help="skip the cold-start burst")
+    ap.add_argument(
+        "--copy-gbps", type=float, default=0.005, help="simulated host-to-GPU GB/s (burst)"
+    )
+    ap.add_argument("--out", default="bench/results/gateway_bench.json")
+    args = ap.parse_args()
+    result: dict[str, Any] = {
+        "args": vars(args),
+        "python": sys.version.split()[0],
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "time_unix": time.time(),
+    }
+    with tempfile.TemporaryDirectory(prefix="gateway-bench-") as td:
+        print(
+            f"overhead: concurrency {args.concurrency}, {args.rounds} x {args.seconds:g}s "
+            f"per path, {args.max_tokens} tokens per request, engines at {args.decode_tok_s} tok/s "
+            f"(load avg before: {load_avg():.1f} on {os.cpu_count()} CPUs)",
+            flush=True,
+        )
+        ov = bench_overhead(args, Path(td) / "overhead")
+        result["overhead"] = ov
+        if not args.no_burst:
+            print(
+                "cold-start burst (real kube-apiserver, operator, agent, gateway) ...", flush=True
+            )
+            result["burst"] = bench_burst(args, Path(td) / "burst")
+    print()
+    print(
+        f"{'engine':<12}{'path':<9}{'req/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'errors':>7}"
+    )
+    for speed, o in ov.items():
+        for name in ("direct", "gateway"):
+            r = o[name]
+            print(
+                f"{speed + ' tok/s':<12}{name:<9}{r['rps']:>9.1f}{r['p50_ms']:>9.2f}"
+                f"{r['p90_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['errors']:>7}"
+            )
+        print(
+            f"{'':<12}gateway/direct: throughput x{o['throughput_ratio']:.2f}, "
+            f"p50 +{o['added_p50_ms']:.2f} ms (x{o['p50_ratio']:.2f}), "
+            f"p99 +{o['added_p99_ms']:.2f} ms (x{o['p99_ratio']:.2f}); CPU per request: "
+            f"gateway {o['gateway_cpu_us_per_request']:.0f} us, "
+            f"engine {o['engine_cpu_us_per_request']:.0f} us; load avg "
+            f"{min(o['load_avg_1m']):.1f}-{max(o['load_avg_1m']):.1f}"
+        )
+        print(
+            f"{'':<12}goal added p99 <= 5 ms: "
+            + ("met" if o["added_p99_ms"] <= 5 else "NOT met")
+            + "; throughput >= 0.8x direct: "
+            + ("met" if o["throughput_ratio"] >= 0.8 else "NOT met")
+        )
+    if "burst" in result:
+        b = result["burst"]
+        print()
+        print(
+            f"cold-start burst: {args.burst} streaming requests at a model with 0 instances "
+            f"({b['model_mib']} MiB weights, loads paced at {b['copy_gbps']} GB/s)"
+        )
+        print(
+            f"{'case':<13}{'ok':>6}{'held->start':>13}{'activation':>12}"
+            f"{'TTFT p50':>10}{'TTFT max':>10}"
+        )
+        for case in ("prewarm hit", "cold start"):
+            r = b[case]
+            hs, act = r["start_requested_after_first_held_s"], r["activation_s"]
+            held_start = f"{1000 * hs:.0f} ms" if hs is not None else "-"
+            activation = f"{act:.2f} s" if act is not None else "-"
+            print(
+                f"{case:<13}{r['ok']:>3}/{r['requests']:<2}{held_start:>13}{activation:>12}"
+                f"{r['ttft_p50_s']:>9.2f}s{r['ttft_max_s']:>9.2f}s"
+            )
+            print(f"  per-request TTFT (s): {' '.join(f'{x:.2f}' for x in r['ttft_s'])}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"saved {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+OpenAI's SDKs read ``error.message`` and the HTTP status (they retry 429 and 5xx, honouring
+``Retry-After``), so every answer the gateway makes itself uses this shape.
+"""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+
+def error_body(message: str, kind: str, code: str | None, param: str | None = None) -> bytes:
+    return json.dumps(
+        {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    ).encode()
+
+
+def openai_error(
+    status: int,
+    message: str,
+    *,
+    kind: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
+    retry_after: int | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    hdrs = dict(headers or {})
+    if retry_after is not None:
+        hdrs["Retry-After"] = str(int(retry_after))
+    return web.Response(
+        status=status,
+        body=error_body(message, kind, code, param),
+        content_type="application/json",
+        headers=hdrs,
+    )

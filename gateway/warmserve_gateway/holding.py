@@ -1,0 +1,260 @@
+"""Holding: per-model FIFO queues in front of the instances, with caps (issue 9 "Holding").
+
+A request for a model goes straight to an instance with room (:mod:`.routing`) when nobody is
+queued for that model; otherwise it waits at the end of the model's queue.  Whenever room
+appears (a request finished, an instance started serving, an ejection ran out) the head of the
+queue is dispatched first, so requests leave in arrival order.  Caps:
+
+* per model and replica: ``spec.gateway.maxQueue`` held requests — one more gets
+  :class:`QueueFull` (429);
+* per replica: ``max_held`` over all models (``--max-held``) — :class:`QueueFull` (429);
+* per request: ``spec.gateway.maxHoldSeconds`` from its arrival — :class:`HoldTimeout` (503).
+
+A held request whose client disconnects is cancelled (aiohttp cancels the handler) and leaves
+the queue at once; its count goes down immediately, so the demand the operator reads never
+includes it.  Every change of a model's held count is reported to ``on_held`` (the demand
+tracker).
+
+Invariant (tested): after every operation, a model's queue is empty or none of its instances
+has room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .catalog import Deployment
+from .routing import Endpoint, has_room, pick
+
+
+class Rejected(Exception):
+    """A request the gateway answers itself; ``status``/``code`` go into the OpenAI error."""
+
+    status = 503
+    code = "unavailable"
+    kind = "server_error"
+
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+
+class QueueFull(Rejected):
+    status = 429
+    code = "queue_full"
+    kind = "rate_limit_error"
+
+
+class HoldTimeout(Rejected):
+    status = 503
+    code = "hold_timeout"
+
+
+class NotServable(Rejected):
+    status = 503
+    code = "model_unavailable"
+
+
+class ModelGone(Rejected):
+    status = 404
+    code = "model_not_found"
+    kind = "invalid_request_error"
+
+
+@dataclass(slots=True)
+class _Waiter:
+    fut: asyncio.Future[Endpoint]
+    avoid: frozenset[str]
+    queued: bool = True
+
+
+@dataclass(slots=True)
+class ModelState:
+    """One model's routes, queue and counts at this replica."""
+
+    model: str
+    dep: Deployment
+    endpoints: dict[str, Endpoint] = field(default_factory=dict)
+    queue: deque[_Waiter] = field(default_factory=deque)
+    held: int = 0
+    inflight: int = 0
+    pump_at: asyncio.TimerHandle | None = None
+
+
+class Dispatcher:
+    """All models' queues at one gateway replica."""
+
+    def __init__(
+        self,
+        max_held: int = 10_000,
+        on_held: Callable[[str, int], None] | None = None,
+        on_left: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        retry_after_full_s: int = 1,
+        retry_after_timeout_s: int = 5,
+    ) -> None:
+        if max_held < 0:
+            raise ValueError(f"max_held must be >= 0, got {max_held}")
+        self.max_held = max_held
+        self.held_total = 0
+        self.models: dict[str, ModelState] = {}
+        self._on_held = on_held or (lambda m, n: None)
+        self._on_left = on_left or (lambda m: None)
+        self.clock = clock
+        self.retry_after_full_s = retry_after_full_s
+        self.retry_after_timeout_s = retry_after_timeout_s
+
+    # ---- routes ----
+
+    def update(self, model: str, dep: Deployment | None) -> None:
+        """The deployment serving ``model`` changed (instances, caps) or went away."""
+        st = self.models.get(model)
+        if dep is None:
+            if st is None:
+                return
+            del self.models[model]
+            if st.pump_at is not None:
+                st.pump_at.cancel()
+            gone = ModelGone(
+                f"model {model!r} is no longer served (its ModelDeployment was deleted)"
+            )
+            for w in st.queue:
+                if w.queued and not w.fut.done():
+                    w.queued = False
+                    self._held(st, -1)
+                    w.fut.set_exception(gone)
+            st.queue.clear()
+            return
+        if st is None:
+            st = self.models[model] = ModelState(model, dep)
+        st.dep = dep
+        eps: dict[str, Endpoint] = {}
+        for inst in dep.serving:
+            old = st.endpoints.get(inst.instance_id)
+            eps[inst.instance_id] = (
+                old
+                if old is not None and old.url == inst.url
+                else Endpoint(inst.instance_id, inst.url)
+            )
+        st.endpoints = eps
+        self._pump(st)
+
+    def state(self, model: str) -> ModelState | None:
+        return self.models.get(model)
+
+    # ---- requests ----
+
+    async def acquire(
+        self, st: ModelState, deadline: float, avoid: frozenset[str] = frozenset()
+    ) -> Endpoint:
+        """An endpoint with room for one request (counted as outstanding there), waiting in the
+        model's queue until ``deadline`` (monotonic) if none has room now.  Raises
+        :class:`Rejected` subclasses; a cancelled caller leaves the queue."""
+        if not st.held:
+            ep = pick(st.endpoints.values(), st.dep.spec.max_batch, self.clock(), avoid)
+            if ep is not None:
+                self._take(st, ep)
+                return ep
+        why = st.dep.unservable()
+        if why:
+            raise NotServable(why, self.retry_after_timeout_s)
+        if st.held >= st.dep.spec.max_queue:
+            raise QueueFull(
+                f"model {st.model!r}: {st.held} requests already held, the deployment's "
+                f"spec.gateway.maxQueue is {st.dep.spec.max_queue}",
+                self.retry_after_full_s,
+            )
+        if self.held_total >= self.max_held:
+            raise QueueFull(
+                f"the gateway holds {self.held_total} requests, its limit (--max-held)",
+                self.retry_after_full_s,
+            )
+        w = _Waiter(asyncio.get_running_loop().create_future(), avoid)
+        st.queue.append(w)
+        self._held(st, +1)
+        got = False
+        try:
+            async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
+                ep = await w.fut
+            got = True
+            return ep
+        except TimeoutError:
+            raise HoldTimeout(
+                f"model {st.model!r}: no instance had room within "
+                f"spec.gateway.maxHoldSeconds ({st.dep.spec.max_hold_s:g} s)",
+                self._retry_after(st),
+            ) from None
+        except asyncio.CancelledError:
+            if w.queued:
+                self._on_left(st.model)
+            raise
+        finally:
+            if w.queued:
+                w.queued = False
+                self._held(st, -1)
+            elif not got and w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
+                # Dispatched in the same instant as the timeout/cancellation: give it back.
+                self.release(st, w.fut.result())
+
+    def release(self, st: ModelState, ep: Endpoint) -> None:
+        """A request forwarded to ``ep`` finished (or was never sent)."""
+        ep.outstanding -= 1
+        st.inflight -= 1
+        if st.held:
+            self._pump(st)
+
+    def eject(self, st: ModelState, ep: Endpoint, seconds: float) -> None:
+        """``ep`` failed a connection: no new request for ``seconds`` (then the queue moves)."""
+        ep.ejected_until = self.clock() + seconds
+        loop = asyncio.get_running_loop()
+        if st.pump_at is not None:
+            st.pump_at.cancel()
+        st.pump_at = loop.call_later(seconds, self._pump, st)
+
+    # ---- internals ----
+
+    def _retry_after(self, st: ModelState) -> int:
+        return max(1, min(self.retry_after_timeout_s, math.ceil(st.dep.spec.max_hold_s)))
+
+    def _take(self, st: ModelState, ep: Endpoint) -> None:
+        ep.outstanding += 1
+        st.inflight += 1
+
+    def _held(self, st: ModelState, delta: int) -> None:
+        st.held += delta
+        self.held_total += delta
+        self._on_held(st.model, st.held)
+
+    def _pump(self, st: ModelState) -> None:
+        """Dispatch the head of the queue while an instance has room."""
+        now = self.clock()
+        mb = st.dep.spec.max_batch
+        while st.queue:
+            w = st.queue[0]
+            if not w.queued or w.fut.done():
+                st.queue.popleft()
+                continue
+            ep = pick(st.endpoints.values(), mb, now, w.avoid)
+            if ep is None:
+                return
+            st.queue.popleft()
+            w.queued = False
+            self._take(st, ep)
+            w.fut.set_result(ep)
+            self._held(st, -1)
+
+    def check_invariant(self, st: ModelState) -> bool:
+        """Queue empty, or no endpoint has room (tests)."""
+        live = sum(1 for w in st.queue if w.queued)
+        if live != st.held:
+            return False
+        now = self.clock()
+        return live == 0 or not any(
+            has_room(e, st.dep.spec.max_batch, now) for e in st.endpoints.values()
+        )

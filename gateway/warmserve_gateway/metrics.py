@@ -1,0 +1,125 @@
+"""Prometheus metrics of the gateway (prefix ``warmserve_gateway_``; listed in docs/gateway.md).
+
+A private registry per :class:`Metrics`, served on the admin port's ``/metrics``.  The ``model``
+label is always a served ``spec.model.name`` (or ``_unknown`` / ``_none``), never a string a
+client made up, so clients cannot blow up the label cardinality.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "warmserve_gateway"
+UNKNOWN_MODEL = "_unknown"  # a request whose model no deployment serves
+NO_MODEL = "_none"  # a request rejected before its model was known (400, 401, 413)
+
+# From a few ms (a warm route) to minutes (a cold start held in the queue).
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelMetrics:
+    """One model's children of the per-request metrics, resolved once (``labels()`` per request
+    costs more than the observation itself)."""
+
+    queue_wait: Any
+    ttft_stream: Any
+    ttft_unary: Any
+    inflight: Any
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self._models: dict[str, ModelMetrics] = {}
+        self._answered: dict[tuple[str, int], Any] = {}
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_requests_total",
+            "Requests answered, by model and HTTP status code",
+            ["model", "code"],
+            registry=r,
+        )
+        self.held = Gauge(
+            f"{PREFIX}_held_requests",
+            "Requests held in the model's queue now (no instance with room)",
+            ["model"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            f"{PREFIX}_inflight_requests",
+            "Requests forwarded to an instance and not finished",
+            ["model"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            f"{PREFIX}_queue_wait_seconds",
+            "Time from arrival to dispatch to an instance (0 when not held)",
+            ["model"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_ttft_seconds",
+            "Time from arrival to the first response byte sent to the client",
+            ["model", "stream"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.held_left = Counter(
+            f"{PREFIX}_held_disconnects_total",
+            "Held requests whose client disconnected (they left the queue)",
+            ["model"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            f"{PREFIX}_rejected_total",
+            "Requests the gateway refused, by reason (queue_full, hold_timeout, ...)",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.retries = Counter(
+            f"{PREFIX}_retries_total",
+            "Requests retried on another instance after an engine failed before the first byte",
+            ["model"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            f"{PREFIX}_upstream_errors_total",
+            "Engine failures seen (connect, status, reset mid-stream)",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.instances = Gauge(
+            f"{PREFIX}_serving_instances",
+            "Serving instances this replica routes to",
+            ["model"],
+            registry=r,
+        )
+        self.catalog_synced = Gauge(
+            f"{PREFIX}_catalog_synced",
+            "1 once the ModelDeployments were listed (the replica is ready)",
+            registry=r,
+        )
+
+    def model(self, model: str) -> ModelMetrics:
+        m = self._models.get(model)
+        if m is None:
+            m = self._models[model] = ModelMetrics(
+                self.queue_wait.labels(model),
+                self.ttft.labels(model, "true"),
+                self.ttft.labels(model, "false"),
+                self.inflight.labels(model),
+            )
+        return m
+
+    def answered(self, model: str, code: int) -> None:
+        """Count one answer (``warmserve_gateway_requests_total``)."""
+        child = self._answered.get((model, code))
+        if child is None:
+            child = self._answered[(model, code)] = self.requests.labels(model, str(code))
+        child.inc()

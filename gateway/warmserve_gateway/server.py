@@ -1,0 +1,205 @@
+"""One gateway replica: wiring, the two HTTP servers, start/drain/stop.
+
+Two listeners:
+
+* the **API** (``--port``, default 8000): ``/v1/*`` and ``/healthz``; the only port the chart's
+  ``<release>-gateway`` Service exposes to clients;
+* the **admin** port (``--admin-port``, default 9092): ``/metrics`` (Prometheus), ``/demand``
+  (held requests for the operator, :mod:`.demand`) and ``/healthz``; the chart's headless
+  ``<release>-gateway-demand`` Service names it for the operator's discovery.
+
+Readiness (``/healthz``) is 200 once the ModelDeployments were listed, 503 before and while
+draining.  On SIGTERM the replica drains: ``/healthz`` turns 503 (Kubernetes takes it out of the
+Service), requests keep being served and held requests keep waiting, and the process exits when
+none is left or after ``drain_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import generate_latest
+from warmserve_operator.gateway_demand import ModelDemand
+
+from .api import Api
+from .auth import ApiKeys
+from .catalog import Catalog
+from .config import GatewayConfig
+from .demand import DemandTracker
+from .discovery import Source
+from .holding import Dispatcher
+from .metrics import Metrics
+from .proxy import Proxy, new_session
+
+log = logging.getLogger("warmserve.gateway")
+
+
+class Gateway:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        source: Source,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.source = source
+        self.metrics = metrics or Metrics()
+        self.clock = clock
+        self.replica = (
+            config.replica or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
+        self.catalog = Catalog()
+        self.keys = ApiKeys(config.api_keys) if config.api_keys else None
+        self.demand = DemandTracker(self.replica, self._counts)
+        self.dispatcher = Dispatcher(
+            config.max_held, on_held=self._held_changed, on_left=self._held_left, clock=clock
+        )
+        self.synced = False  # every watched namespace (or the cluster, or the file) listed once
+        self._listed: set[str | None] = set()
+        self._needed: set[str | None] = set(source.scopes)
+        self.draining = False
+        self._last_held: dict[str, int] = {}
+        self.proxy: Proxy  # set in start() (the client session needs the running loop)
+        self._runners: list[web.AppRunner] = []
+        self._stop_streams = asyncio.Event()
+        self.urls: dict[str, str] = {}
+
+    # ---- catalog -> dispatcher ----
+
+    def _on_list(self, namespace: str | None, items: list[Mapping[str, Any]]) -> None:
+        self._apply(self.catalog.replace(items, namespace))
+        self._listed.add(namespace)
+        if not self.synced and self._needed <= self._listed:
+            self.synced = True
+            self.metrics.catalog_synced.set(1)
+            log.info("event=catalog_synced deployments=%d", len(self.catalog.owners))
+
+    def _on_event(self, typ: str, body: Mapping[str, Any]) -> None:
+        changed = self.catalog.delete(body) if typ == "DELETED" else self.catalog.upsert(body)
+        self._apply(changed)
+
+    def _apply(self, models: set[str]) -> None:
+        for model in models:
+            dep = self.catalog.owners.get(model)
+            self.dispatcher.update(model, dep)
+            self.metrics.instances.labels(model).set(len(dep.serving) if dep else 0)
+            if dep is not None:
+                log.debug("event=route model=%s serving=%d", model, len(dep.serving))
+
+    def _counts(self) -> dict[str, ModelDemand]:
+        return {
+            m: ModelDemand(st.held, st.inflight)
+            for m, st in self.dispatcher.models.items()
+            if st.held or st.inflight
+        }
+
+    def _held_changed(self, model: str, held: int) -> None:
+        self.metrics.held.labels(model).set(held)
+        if held == 1 and self._last_held.get(model, 0) == 0:
+            # The start of a hold (e.g. a model at zero instances): what scale-from-zero
+            # latency is measured from.
+            log.info("event=holding model=%s", model)
+        self._last_held[model] = held
+        self.demand.held_changed(model, held)
+
+    def _held_left(self, model: str) -> None:
+        self.metrics.held_left.labels(model).inc()
+        log.info("event=held_client_left model=%s", model)
+
+    # ---- admin endpoints ----
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(generate_latest, self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def _demand(self, request: web.Request) -> web.StreamResponse:
+        if request.query.get("watch") not in ("1", "true"):
+            return web.json_response(self.demand.report().to_json())
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        await self.demand.stream(resp.write, self._stop_streams)
+        return resp
+
+    def admin_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/demand", self._demand)
+        app.router.add_get("/healthz", Api(self).healthz)
+        app.router.add_get("/livez", self._livez)  # the event loop answers: alive
+        return app
+
+    async def _livez(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    def public_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        Api(self).routes(app)
+        return app
+
+    # ---- lifecycle ----
+
+    async def _serve(self, app: web.Application, host: str, port: int, name: str) -> None:
+        c = self.config
+        runner = web.AppRunner(
+            app,
+            access_log=logging.getLogger("warmserve.gateway.access") if c.access_log else None,
+            handler_cancellation=True,  # a held client that disconnects leaves the queue
+            shutdown_timeout=1.0,
+            max_line_size=c.max_header_bytes,
+            max_field_size=c.max_header_bytes,
+            max_headers=c.max_headers,
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        self._runners.append(runner)
+        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        bound = sock.getsockname()
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        self.urls[name] = f"http://{shown}:{bound[1]}"
+
+    async def start(self) -> None:
+        c = self.config
+        self.proxy = Proxy(
+            new_session(c.connect_timeout_s, c.read_timeout_s),
+            self.dispatcher,
+            self.metrics,
+            eject_s=c.eject_s,
+            clock=self.clock,
+        )
+        self.source.start(asyncio.get_running_loop(), self._on_list, self._on_event)
+        await self._serve(self.public_app(), c.host, c.port, "api")
+        await self._serve(self.admin_app(), c.admin_host, c.admin_port, "admin")
+        log.info(
+            "event=gateway_started replica=%s api=%s admin=%s api_keys=%s",
+            self.replica, self.urls.get("api"), self.urls.get("admin"),
+            len(self.keys) if self.keys else "off",
+        )  # fmt: skip
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop being ready; wait until nothing is held or in flight (or ``timeout_s``)."""
+        self.draining = True
+        deadline = self.clock() + timeout_s
+        while self.clock() < deadline:
+            busy = sum(st.held + st.inflight for st in self.dispatcher.models.values())
+            if not busy:
+                break
+            await asyncio.sleep(0.1)
+
+    async def stop(self) -> None:
+        self._stop_streams.set()
+        self.source.stop()
+        for runner in reversed(self._runners):
+            await runner.cleanup()
+        self._runners.clear()
+        if getattr(self, "proxy", None) is not None:
+            await self.proxy.session.close()

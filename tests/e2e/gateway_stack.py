@@ -1,0 +1,267 @@
+"""warmserve as the Helm chart wires it, on a real kube-apiserver, minus the container runtime:
+node agents with simulated GPUs, the operator and gateway replicas as local processes, each
+under its chart ServiceAccount's token (so a missing RBAC rule fails), and the gateway's demand
+Service whose EndpointSlices list the gateway replicas (written here, as the EndpointSlice
+controller would for the pods).
+
+Used by ``tests/e2e/test_gateway_e2e.py`` and ``bench/gateway_bench.py`` (cold-start burst).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from e2e_support import Procs, _agent_test_helpers, wait_for
+from k8s_support import host_ip
+
+REPO = Path(__file__).resolve().parents[2]
+DEMAND_SERVICE = "gw-demand"
+
+
+def write_model(*args: Any, **kw: Any) -> Path:
+    """tests/agent/conftest.py's real safetensors test model."""
+    return _agent_test_helpers().write_model(*args, **kw)
+
+
+@dataclass
+class GatewayProc:
+    name: str
+    api: str
+    admin: str
+
+
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+def log_times(path: Path, pattern: str) -> list[float]:
+    """Unix times of the log lines (``%(asctime)s`` first) that match ``pattern``."""
+    out = []
+    if not path.exists():
+        return out
+    rx = re.compile(pattern)
+    for line in path.read_text(errors="replace").splitlines():
+        m = _STAMP.match(line)
+        if m and rx.search(line):
+            out.append(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp())
+    return out
+
+
+class Stack:
+    """Processes and objects of one warmserve installation in namespace ``ns``."""
+
+    def __init__(self, plane: Any, ns: str, tmp: Path, procs: Procs) -> None:
+        self.plane = plane
+        self.ns = ns
+        self.tmp = tmp
+        self.procs = procs
+        self.env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "POD_NAMESPACE")}
+        self.gateways: dict[str, GatewayProc] = {}
+        self.agents: dict[str, str] = {}
+        self.ip = host_ip()
+        self.op_kubeconfig: Path | None = None
+        self.gw_kubeconfig: Path | None = None
+
+    def kubectl(self, *args: str, **kw: Any) -> Any:
+        return self.plane.kubectl(*args, **kw)
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", *args, "-n", self.ns, "-o", "json").stdout)
+
+    # ---- cluster objects --------------------------------------------------------------------
+
+    def install(self) -> None:
+        """CRDs, the chart's operator and gateway ServiceAccounts + RBAC, the demand Service."""
+        from k8s_support import apply_chart_gateway_rbac, apply_chart_operator_rbac
+
+        self.kubectl("apply", "-f", str(REPO / "crds"))
+        self.kubectl(
+            "wait", "--for=condition=Established", "--timeout=60s",
+            "crd/modeldeployments.warmserve.io", "crd/gpunodes.warmserve.io",
+            "crd/clusterkopfpeerings.kopf.dev",
+        )  # fmt: skip
+        release = f"e2e{self.ns[-8:]}"
+        op_sa = apply_chart_operator_rbac(self.plane.helm, self.kubectl, self.ns, release)
+        gw_sa = apply_chart_gateway_rbac(self.plane.helm, self.kubectl, self.ns, release)
+        self.op_kubeconfig = self.plane.sa_kubeconfig(self.ns, op_sa)
+        self.gw_kubeconfig = self.plane.sa_kubeconfig(self.ns, gw_sa)
+        svc = {  # the chart's <release>-gateway-demand Service (headless)
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": DEMAND_SERVICE, "namespace": self.ns},
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "ports": [{"name": "admin", "port": 9092, "targetPort": "admin"}],
+            },
+        }
+        self.kubectl("apply", "-f", "-", input=json.dumps(svc))
+
+    # ---- agents -----------------------------------------------------------------------------
+
+    def start_agents(self, models: Path, nodes: dict[str, str], copy_gbps: float = 0.0) -> None:
+        """One agent process per node (``{"node-a": "4x64MiB"}``), registered as GPUNodes;
+        ``copy_gbps`` > 0 paces weight loads like a host-to-GPU link of that speed."""
+        files = {}
+        for node, gpus in nodes.items():
+            files[node] = self.tmp / f"{node}.addr"
+            self.procs.start(
+                node,
+                [
+                    sys.executable, str(REPO / "tests/e2e/agent_proc.py"),
+                    "--models", str(models), "--gpus", gpus, "--node", node,
+                    "--address-file", str(files[node]),
+                    "--memory-dir", str(self.tmp / f"mem-{node}"),
+                    "--sim-copy-gbps", str(copy_gbps),
+                ],
+                self.env,
+            )  # fmt: skip
+        for node, f in files.items():
+            self.agents[f"{self.ns}-{node}"] = wait_for(
+                lambda f=f: f.exists() and f.read_text(),
+                f"agent {node} up",
+                90,
+                lambda n=node: self.procs.log(n),
+            )
+        items = [
+            {
+                "apiVersion": "warmserve.io/v1alpha1",
+                "kind": "GPUNode",
+                "metadata": {"name": name},
+                "spec": {"agentAddress": addr},
+            }
+            for name, addr in self.agents.items()
+        ]
+        self.kubectl(
+            "apply", "-f", "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}),
+        )  # fmt: skip
+
+    # ---- operator ---------------------------------------------------------------------------
+
+    def start_operator(
+        self, name: str, priority: int, *, poll_s: float = 5.0, window_s: float = 5.0
+    ) -> None:
+        assert self.op_kubeconfig is not None
+        self.procs.start(
+            name,
+            [
+                sys.executable, "-m", "warmserve", "operator",
+                "--window-seconds", str(window_s), "--poll-seconds", str(poll_s),
+                "--predictor", "seasonal", "--peering", f"{self.ns}-peering",
+                "--priority", str(priority), "--metrics-port", "0",
+                "--scale-down-delay", "600", "--namespace", self.ns,
+                "--gateway-service", f"{self.ns}/{DEMAND_SERVICE}",
+            ],
+            {**self.env, "KUBECONFIG": str(self.op_kubeconfig)},
+        )  # fmt: skip
+
+    # ---- gateways ---------------------------------------------------------------------------
+
+    def start_gateway(self, name: str, *extra: str) -> GatewayProc:
+        """A gateway replica; its EndpointSlice in the demand Service is written once it serves."""
+        assert self.gw_kubeconfig is not None
+        addr = self.tmp / f"{name}.urls"
+        addr.unlink(missing_ok=True)
+        self.procs.start(
+            name,
+            [
+                sys.executable, "-m", "warmserve", "gateway",
+                "--port", "0", "--admin-port", "0", "--namespace", self.ns,
+                "--replica", name, "--address-file", str(addr), "--drain-seconds", "1",
+                *extra,
+            ],
+            {**self.env, "KUBECONFIG": str(self.gw_kubeconfig)},
+        )  # fmt: skip
+        urls = json.loads(
+            wait_for(
+                lambda: addr.exists() and addr.read_text(),
+                f"gateway {name} up",
+                60,
+                lambda: self.procs.log(name),
+            )
+        )
+        gw = GatewayProc(name, urls["api"], urls["admin"])
+        wait_for(
+            lambda: _get_status(gw.api + "/healthz") == 200,
+            f"gateway {name} ready (ModelDeployments listed)",
+            60,
+            lambda: self.procs.log(name),
+        )
+        self._endpoint_slice(name, int(gw.admin.rsplit(":", 1)[1]))
+        self.gateways[name] = gw
+        return gw
+
+    def _endpoint_slice(self, name: str, port: int) -> None:
+        body = {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": f"{DEMAND_SERVICE}-{name}",
+                "namespace": self.ns,
+                "labels": {"kubernetes.io/service-name": DEMAND_SERVICE},
+            },
+            "addressType": "IPv4",
+            "ports": [{"name": "admin", "port": port, "protocol": "TCP"}],
+            "endpoints": [
+                {
+                    "addresses": [self.ip],
+                    "conditions": {"ready": True},
+                    "targetRef": {"kind": "Pod", "name": name, "namespace": self.ns},
+                }
+            ],
+        }
+        self.kubectl("apply", "-f", "-", input=json.dumps(body))
+
+    def kill_gateway(self, name: str) -> None:
+        """SIGKILL: the pod dies; its EndpointSlice entry stays until a controller would notice."""
+        self.procs.kill(name, signal.SIGKILL)
+        self.gateways.pop(name, None)
+
+    def logs(self) -> str:
+        return "\n".join(self.procs.log(n) for n in list(self.procs.procs))
+
+
+def _get_status(url: str) -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+def demand_of(admin_url: str) -> dict[str, Any]:
+    import urllib.request
+
+    with urllib.request.urlopen(admin_url + "/demand", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def metric(admin_url: str, name: str, **labels: str) -> float:
+    """One sample of the gateway's /metrics (0 when absent)."""
+    import urllib.request
+
+    with urllib.request.urlopen(admin_url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(name + "{" + want + "}") or (not labels and line.startswith(name + " ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def now() -> float:
+    return time.time()

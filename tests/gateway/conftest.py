@@ -1,0 +1,69 @@
+"""Fixtures for the gateway tests: a real node agent with simulated GPUs whose instances serve the
+simulated engine's OpenAI API, and an in-process gateway fed ModelDeployment objects directly.
+
+The deployment source here hands objects to the gateway through the same two callbacks the
+Kubernetes watch uses (``on_list``, ``on_event``); the watch itself runs against the real API
+server in ``tests/e2e/test_gateway_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from typing import Any
+
+import pytest
+from gw_support import Engines, ListSource, write_model
+from warmserve_agent.client import SyncAgentClient
+from warmserve_agent.server import AgentConfig, parse_simulated_gpus
+from warmserve_agent.testing import AgentThread
+from warmserve_gateway.config import GatewayConfig
+from warmserve_gateway.server import Gateway
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    root = tmp_path_factory.mktemp("gw-agent")
+    models = root / "models"
+    # fast: 2000 tokens/s; slow: 20 tokens/s (a request of 40 tokens takes 2 s)
+    write_model(models, "tiny", layers=2, hidden=32, seed=1, profile={"max_batch": 64})
+    write_model(
+        models,
+        "slow",
+        layers=2,
+        hidden=32,
+        seed=2,
+        profile={"max_batch": 64, "decode_tok_s": 20.0},
+    )
+    cfg = AgentConfig(
+        model_dir=models,
+        simulate_gpus=parse_simulated_gpus("4x64MiB"),
+        listen="127.0.0.1:0",
+        node_name="gw-test",
+        memory_dir=root / "mem",
+        use_workers=False,
+        spare_workers=0,
+        host_cache_bytes=32 * 1024**2,
+    )
+    with AgentThread(cfg) as agent, SyncAgentClient(agent.address) as client:
+        yield Engines(agent, client)
+
+
+@pytest.fixture
+async def make_gateway() -> AsyncIterator[Callable[..., Any]]:
+    """``await make_gateway(objects, **config) -> (Gateway, ListSource)``; stopped afterwards."""
+    started: list[Gateway] = []
+
+    async def make(items: list[Mapping[str, Any]], **kw: Any) -> tuple[Gateway, ListSource]:
+        src = ListSource(list(items))
+        base: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "admin_host": "127.0.0.1"}
+        cfg = GatewayConfig(**{**base, "admin_port": 0, "replica": "test", **kw})
+        gw = Gateway(cfg, src)
+        await gw.start()
+        started.append(gw)
+        return gw, src
+
+    yield make
+    for gw in started:
+        await gw.stop()
+    await asyncio.sleep(0)

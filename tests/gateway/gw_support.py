@@ -1,0 +1,112 @@
+"""Helpers of the gateway tests (fixtures are in conftest.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from warmserve_agent.client import SyncAgentClient
+from warmserve_agent.testing import AgentThread
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_model(*args: Any, **kw: Any) -> Path:
+    """tests/agent/conftest.py's real safetensors test model, loaded under a private name."""
+    spec = importlib.util.spec_from_file_location(
+        "warmserve_agent_test_models_gw", REPO / "tests" / "agent" / "conftest.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.write_model(*args, **kw)
+
+
+@dataclass
+class Engines:
+    """A running agent; ``start(model, gpu)`` activates an instance and returns (id, URL)."""
+
+    agent: AgentThread
+    client: SyncAgentClient
+
+    def start(self, model: str, gpu: int) -> tuple[str, str]:
+        r = self.client.activate(model, [gpu])
+        return r.instance.instance_id, r.instance.endpoint
+
+    def end(self, instance_id: str) -> None:
+        self.client.begin_grace(instance_id)
+        self.client.end_instance(instance_id)
+
+
+def md(
+    name: str,
+    model: str,
+    instances: list[tuple[str, str]] | list[tuple[str, str, str]] = (),  # type: ignore[assignment]
+    *,
+    namespace: str = "default",
+    max_batch: int = 32,
+    max_queue: int | None = None,
+    max_hold_s: float | None = None,
+    created: str = "2026-01-01T00:00:00Z",
+    ready_reason: str = "",
+    max_instances: int = 8,
+) -> dict[str, Any]:
+    """A ModelDeployment object as the API server returns it (status as the operator writes)."""
+    gw: dict[str, Any] = {}
+    if max_queue is not None:
+        gw["maxQueue"] = max_queue
+    if max_hold_s is not None:
+        gw["maxHoldSeconds"] = max_hold_s
+    status: dict[str, Any] = {
+        "instances": [
+            {"id": i[0], "endpoint": i[1], "phase": i[2] if len(i) > 2 else "serving"}
+            for i in instances
+        ]
+    }
+    if ready_reason:
+        status["conditions"] = [{"type": "Ready", "status": "False", "reason": ready_reason}]
+    return {
+        "apiVersion": "warmserve.io/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": f"uid-{namespace}-{name}",
+            "creationTimestamp": created,
+        },
+        "spec": {
+            "model": {"name": model},
+            "maxBatchSize": max_batch,
+            "maxInstances": max_instances,
+            "gateway": gw,
+        },
+        "status": status,
+    }
+
+
+@dataclass
+class ListSource:
+    """Hands objects to the gateway through the watch's callbacks."""
+
+    items: list[Mapping[str, Any]] = field(default_factory=list)
+    scopes: tuple[str | None, ...] = (None,)
+    on_list: Callable[..., None] | None = None
+    on_event: Callable[..., None] | None = None
+
+    def start(self, loop: Any, on_list: Callable[..., None], on_event: Callable[..., None]) -> None:
+        self.on_list, self.on_event = on_list, on_event
+        on_list(None, list(self.items))
+
+    def stop(self) -> None:
+        pass
+
+    def modified(self, obj: Mapping[str, Any]) -> None:
+        assert self.on_event is not None
+        self.on_event("MODIFIED", obj)
+
+    def deleted(self, obj: Mapping[str, Any]) -> None:
+        assert self.on_event is not None
+        self.on_event("DELETED", obj)

@@ -1,0 +1,235 @@
+"""``warmserve gateway``: the OpenAI-compatible endpoint in front of every ModelDeployment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _size(text: str) -> int:
+    """``4194304``, ``4MiB``, ``16KiB``, ``1M`` -> bytes."""
+    units = {"k": 1000, "ki": 1024, "m": 1000**2, "mi": 1024**2, "g": 1000**3, "gi": 1024**3}
+    t = text.strip().lower().removesuffix("b")
+    for suffix in sorted(units, key=len, reverse=True):
+        if t.endswith(suffix):
+            try:
+                return int(float(t[: -len(suffix)]) * units[suffix])
+            except ValueError:
+                break
+    try:
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (e.g. 4MiB, 16KiB, 65536)"
+        ) from None
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "gateway",
+        help="run the OpenAI-compatible gateway (routes by model, holds through cold starts)",
+        description=(
+            "Run one gateway replica: an OpenAI-compatible API (/v1/models, /v1/completions, "
+            "/v1/chat/completions with SSE streaming, other /v1/* routes passed through) that "
+            "routes each request to a serving instance of the ModelDeployment its 'model' names, "
+            "holds requests in a per-model queue while no instance has room (scale from zero), "
+            "and reports the held requests to the operator on the admin port (/demand). "
+            "ModelDeployments are watched through the kubeconfig ($KUBECONFIG or "
+            "~/.kube/config) or the in-cluster service account; --models-file reads them from "
+            "a file instead (no Kubernetes)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", default="0.0.0.0", help="address of the API listener")
+    p.add_argument("--port", type=int, default=8000, help="API port (0: any free port)")
+    p.add_argument("--admin-host", default="0.0.0.0", help="address of the admin listener")
+    p.add_argument(
+        "--admin-port",
+        type=int,
+        default=9092,
+        help="admin port: /metrics, /demand (read by the operator), /healthz (0: any free port)",
+    )
+    p.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        default=[],
+        dest="namespaces",
+        help="serve ModelDeployments of this namespace only (repeatable; default: all)",
+    )
+    p.add_argument(
+        "--models-file",
+        type=Path,
+        default=None,
+        help="read ModelDeployment objects (with status.instances) from this YAML/JSON file "
+        "instead of the Kubernetes API; re-read when it changes (development, benchmarks)",
+    )
+    p.add_argument(
+        "--api-keys",
+        type=Path,
+        default=os.environ.get("WARMSERVE_GATEWAY_API_KEYS") or None,
+        help="require 'Authorization: Bearer <key>': a directory with one key per file (a "
+        "mounted Secret) or a file with one key per line; re-read when it changes "
+        "(env WARMSERVE_GATEWAY_API_KEYS; default: no keys, anyone may call)",
+    )
+    p.add_argument("--max-body-bytes", type=_size, default="4MiB", help="larger bodies get 413")
+    p.add_argument(
+        "--max-header-bytes", type=_size, default="16KiB", help="longest request line / header"
+    )
+    p.add_argument("--max-headers", type=int, default=64, help="most request headers")
+    p.add_argument(
+        "--max-held",
+        type=int,
+        default=10_000,
+        help="requests held over all models at this replica; more get 429",
+    )
+    p.add_argument("--connect-timeout", type=float, default=3.0, help="seconds to reach an engine")
+    p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=600.0,
+        help="seconds an engine may stay silent in the middle of an answer",
+    )
+    p.add_argument(
+        "--eject-seconds",
+        type=float,
+        default=2.0,
+        help="an instance refusing connections gets no request for this long",
+    )
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=25.0,
+        help="on SIGTERM, keep serving held and running requests this long at most",
+    )
+    p.add_argument(
+        "--replica",
+        default=os.environ.get("POD_NAME") or "",
+        help="this replica's name in /demand reports (default: $POD_NAME, else host-pid-random)",
+    )
+    p.add_argument(
+        "--address-file",
+        type=Path,
+        default=None,
+        help='once serving, write {"api": URL, "admin": URL} as JSON to this file',
+    )
+    p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument(
+        "--event-loop",
+        choices=["auto", "uvloop", "asyncio"],
+        default="auto",
+        help="asyncio event loop: uvloop (faster proxying) when installed with auto",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    from warmserve.cli import CliError
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+    )
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    from warmserve_gateway.auth import ApiKeyError
+    from warmserve_gateway.config import ConfigError, GatewayConfig
+
+    try:
+        config = GatewayConfig(
+            host=args.host,
+            port=args.port,
+            admin_host=args.admin_host,
+            admin_port=args.admin_port,
+            namespaces=tuple(args.namespaces),
+            static_models=args.models_file,
+            api_keys=args.api_keys,
+            max_body_bytes=args.max_body_bytes,
+            max_header_bytes=args.max_header_bytes,
+            max_headers=args.max_headers,
+            max_held=args.max_held,
+            connect_timeout_s=args.connect_timeout,
+            read_timeout_s=args.read_timeout,
+            eject_s=args.eject_seconds,
+            drain_s=args.drain_seconds,
+            replica=args.replica,
+            access_log=args.access_log,
+        )
+    except ConfigError as exc:
+        raise CliError(str(exc)) from exc
+    if config.api_keys is not None and not config.api_keys.exists():
+        raise CliError(f"--api-keys: {config.api_keys} does not exist")
+    runner = _loop_runner(args.event_loop)
+    try:
+        source = _source(config)
+        runner(_serve(config, source, args.address_file))
+    except ApiKeyError as exc:
+        raise CliError(str(exc)) from exc
+    return 0
+
+
+def _loop_runner(choice: str) -> Any:
+    """``asyncio.run`` on the chosen event loop."""
+    import asyncio
+
+    from warmserve.cli import CliError
+
+    if choice == "asyncio":
+        return asyncio.run
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise CliError("--event-loop uvloop: uvloop is not installed") from None
+        return asyncio.run
+    return uvloop.run
+
+
+def _source(config: Any) -> Any:
+    from warmserve.cli import CliError
+
+    if config.static_models is not None:
+        from warmserve_gateway.discovery import FileSource
+
+        try:
+            return FileSource(config.static_models)
+        except (OSError, ValueError) as exc:
+            raise CliError(f"--models-file: {exc}") from exc
+    from kubernetes import config as kconfig
+    from warmserve_gateway.discovery import KubeSource
+
+    try:
+        return KubeSource(config.namespaces)
+    except (kconfig.ConfigException, FileNotFoundError, TypeError) as exc:
+        raise CliError(
+            f"no Kubernetes cluster configured ({exc}); set KUBECONFIG, run in a cluster, "
+            "or give --models-file"
+        ) from exc
+
+
+async def _serve(config: Any, source: Any, address_file: Path | None) -> None:
+    import asyncio
+    import json
+    import signal
+
+    from warmserve_gateway.server import Gateway
+
+    gw = Gateway(config, source)
+    await gw.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if address_file is not None:
+        tmp = address_file.with_name(address_file.name + ".tmp")
+        tmp.write_text(json.dumps(gw.urls))
+        tmp.replace(address_file)
+    try:
+        await stop.wait()
+        await gw.drain(config.drain_s)
+    finally:
+        await gw.stop()
