@@ -40,11 +40,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from warmserve.engine_args import EngineArgsError, validate_engine_args
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve.policy.proactive import reservation_target
 from warmserve_agent.engine import Engine, WeightsMismatch
 from warmserve_agent.engines import DEFAULT_ENGINE, ENGINES
-from warmserve_agent.engines.args import EngineArgsError, validate_engine_args
 from warmserve_agent.engines.spec import (
     EngineProfile,
     EngineSpec,

@@ -1,4 +1,4 @@
-"""Write agent/warmserve_agent/engines/vllm_engine_args.json from vLLM's own argument parser.
+"""Write warmserve/vllm_engine_args.json from vLLM's own argument parser.
 
 Run with the vLLM venv's python (hack/vllm/setup.sh prints it):
     $(hack/vllm/setup.sh) hack/vllm/gen-engine-args.py [--check]
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[2] / "agent/warmserve_agent/engines/vllm_engine_args.json"
+OUT = Path(__file__).resolve().parents[2] / "warmserve/vllm_engine_args.json"
 
 
 def _probe(fn: object) -> str:

@@ -2,7 +2,7 @@
 
 * :func:`parse_engine` validates ``spec.engine.name`` against the agent's engine registry and
   ``spec.engine.args`` against the schema of vLLM's engine arguments that warmserve ships
-  (``warmserve_agent.engines.args``; the operator does not install vLLM).  A bad argument raises
+  (``warmserve.engine_args``; the operator does not install vLLM).  A bad argument raises
   :class:`SpecError` naming it, so the deployment is refused when it is admitted (``Degraded``
   with reason ``InvalidSpec``, and kopf's Event) and no instance ever starts with it.
 * :func:`ttft_report` compares the engines' observed time to first token with
@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from warmserve_agent.engines import ENGINES
-from warmserve_agent.engines.args import EngineArgsError, validate_engine_args
+from warmserve.engine_args import ENGINE_NAMES, EngineArgsError, validate_engine_args
 
 from .spec import SpecError
 
@@ -31,9 +30,9 @@ def parse_engine(spec: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
     if not isinstance(eng, Mapping):
         raise SpecError("spec.engine must be an object")
     name = eng.get("name") or ""
-    if not isinstance(name, str) or (name and name not in ENGINES):
+    if not isinstance(name, str) or (name and name not in ENGINE_NAMES):
         raise SpecError(
-            f"spec.engine.name {name!r} is not an engine; choose from {sorted(ENGINES)}"
+            f"spec.engine.name {name!r} is not an engine; choose from {list(ENGINE_NAMES)}"
         )
     args = eng.get("args") or []
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):

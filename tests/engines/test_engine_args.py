@@ -5,14 +5,15 @@ The same cases run against vLLM's real parser in test_vllm_schema.py (vllm group
 from __future__ import annotations
 
 import pytest
-from warmserve_agent.engines.args import (
+from warmserve_operator.engine import parse_engine, ttft_report
+from warmserve_operator.spec import SpecError
+
+from warmserve.engine_args import (
     EngineArgsError,
     load_schema,
     parse_engine_args,
     validate_engine_args,
 )
-from warmserve_operator.engine import parse_engine, ttft_report
-from warmserve_operator.spec import SpecError
 
 # (args, dest -> value) that vLLM accepts
 GOOD = [
@@ -83,3 +84,11 @@ def test_ttft_report() -> None:
     assert met is False and reason == "ObjectiveMissed"
     assert status["samples"] == 13 and status["observedP95Seconds"] == 1.5
     assert "exceeds the objective 1s" in message
+
+
+def test_engine_names_match_the_agent_registry() -> None:
+    from warmserve_agent.engines import ENGINES
+
+    from warmserve.engine_args import ENGINE_NAMES
+
+    assert set(ENGINE_NAMES) == set(ENGINES)

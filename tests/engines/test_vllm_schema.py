@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from warmserve_agent.engines.args import MANAGED, EngineArgsError, parse_engine_args
 
 from tests.engines.test_engine_args import BAD, GOOD
+from warmserve.engine_args import MANAGED, EngineArgsError, parse_engine_args
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]

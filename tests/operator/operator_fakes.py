@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from warmserve_agent.engines.args import EngineArgsError, validate_engine_args
 from warmserve_operator.agents import (
     ActivateResult,
     AgentCallError,
@@ -31,6 +30,7 @@ from warmserve_operator.agents import (
 from warmserve_operator.kube import ObjRef
 from warmserve_operator.spec import CatalogEntry
 
+from warmserve.engine_args import EngineArgsError, validate_engine_args
 from warmserve.policy.cluster import GiB, InstancePhase, WorkerState
 
 

@@ -8,8 +8,8 @@ point of pooled processes, WarmServe §6), ``factory`` is imported when an insta
 
 Which engine an instance uses: ``spec.engine.name`` on the ModelDeployment (sent on
 ``Activate``), else the agent's ``--engine`` default.  ``spec.engine.args`` are vLLM's engine
-arguments for every engine (``engines.args``), validated by the operator at admission and again
-by the agent before anything starts.
+arguments for every engine (``warmserve.engine_args``), validated by the operator at admission
+and again by the agent before anything starts.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from warmserve.engine_args import parse_engine_args
 from warmserve_agent.engine import TtftWindow, WeightsMismatch, WeightVerificationError
-from warmserve_agent.engines.args import parse_engine_args
 from warmserve_agent.engines.slotmem import SlotMemory
 from warmserve_agent.engines.spec import EngineSpec, EngineStats
 

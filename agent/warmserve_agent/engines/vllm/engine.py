@@ -41,8 +41,8 @@ import threading
 import time
 from typing import Any
 
+from warmserve.engine_args import parse_engine_args
 from warmserve_agent.engine import EngineError, TtftWindow
-from warmserve_agent.engines.args import parse_engine_args
 from warmserve_agent.engines.slotmem import SlotMemory
 from warmserve_agent.engines.spec import EngineSpec, EngineStats
 

@@ -1,5 +1,8 @@
 """``spec.engine.args``: vLLM's engine arguments, checked without vLLM installed.
 
+Home of the engine names and argument schema that the operator, the gateway (through the CRD
+types) and the agent share; it imports nothing of theirs.
+
 The operator (which does not install vLLM) must refuse an unknown or invalid argument when a
 ModelDeployment is admitted, naming the argument — never at the first request.  So warmserve
 ships a schema of vLLM's engine arguments (``vllm_engine_args.json``), generated from vLLM's own
@@ -29,6 +32,9 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_FILE = "vllm_engine_args.json"
+# Engine names of the node agent's registry (warmserve_agent.engines.ENGINES, checked equal by a
+# test): here so the operator and the gateway can validate spec.engine.name without the agent.
+ENGINE_NAMES = ("simulated", "vllm")
 
 # dest -> why warmserve owns it
 MANAGED: dict[str, str] = {
