@@ -197,6 +197,8 @@ class AgentClient:
         gpus: Sequence[int],
         *,
         slot_id: str = "",
+        engine: str = "",
+        engine_args: Sequence[str] = (),
         request_id: str | None = None,
         timeout_s: float | None = 600.0,
         source: str = "",
@@ -208,6 +210,8 @@ class AgentClient:
             gpus=list(gpus),
             slot_id=slot_id,
             source=source,
+            engine=engine,
+            engine_args=list(engine_args),
             owner=owner,
         )
         return await self._unary(self._stub.Activate, req, timeout_s)

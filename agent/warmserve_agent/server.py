@@ -115,6 +115,8 @@ class AgentConfig:
     s3_region: str = ""
     pvc_root: Path = Path("/mnt/warmserve/pvc")
     allowed_paths: tuple[Path, ...] = ()
+    engines: tuple[str, ...] = ("simulated",)  # what workers preload and may host
+    default_engine: str = ""  # for Activate calls naming none (default: engines[0])
 
 
 class _TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -311,7 +313,7 @@ class AgentServer:
             from warmserve_agent.engine_host import WorkerEngine
             from warmserve_agent.worker import WorkerPool
 
-            self.pool = WorkerPool(gpu_ids, spares=cfg.spare_workers)
+            self.pool = WorkerPool(gpu_ids, spares=cfg.spare_workers, engines=cfg.engines)
             await asyncio.to_thread(self.pool.start)
             pool = self.pool
 
@@ -334,6 +336,8 @@ class AgentServer:
             node_name=cfg.node_name,
             engine_host=cfg.engine_host,
             advertise_host=cfg.advertise_host,
+            engines=cfg.engines,
+            default_engine=cfg.default_engine,
         )
         log.info(
             "event=gpus_opened gpus=%d backend=%s seconds=%.2f",

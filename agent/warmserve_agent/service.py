@@ -226,11 +226,11 @@ class AgentService(pb_grpc.NodeAgentServicer):
             gpus=list(i.gpus),
             endpoint=i.endpoint,
             phase=_IP[i.phase],
-            running=int(st.get("running", 0)),
-            waiting=int(st.get("waiting", 0)),
+            running=st.running,
+            waiting=st.waiting,
             max_batch=i.max_batch,
             kv_capacity_bytes=i.kv_pages * page * len(i.gpus),
-            kv_used_bytes=int(st.get("kv_used_bytes", 0)),
+            kv_used_bytes=st.kv_used_bytes,
             lendable_bytes=(
                 min(self.core.mm.available_pages(g) for g in i.gpus) * page
                 if i.phase == InstancePhase.GRACE
@@ -242,6 +242,11 @@ class AgentService(pb_grpc.NodeAgentServicer):
             layers_resident=slot.layers_resident if slot else 0,
             layers_total=slot.layers_total if slot else 0,
             started_unix=i.started_unix,
+            engine=i.engine_name,
+            ttft_p95_seconds=st.ttft_p95_s,
+            ttft_samples=st.ttft_samples,
+            ttft_window_seconds=st.ttft_window_s,
+            dropped_requests=st.dropped,
             owner=i.owner,
             grace_started_unix=i.grace_started_unix,
         )
@@ -524,13 +529,21 @@ class AgentService(pb_grpc.NodeAgentServicer):
         )
 
     async def Activate(self, request: pb.ActivateRequest, context: Any) -> pb.ActivateResponse:
+        args = tuple(request.engine_args)
         fp = (
             request.model,
             tuple(sorted(request.gpus)),
             request.slot_id,
             request.owner,
             request.source,
+            request.engine,
+            args,
         )
+        if request.source:
+            try:  # a bad engine or argument is refused before a fetch changes the store
+                self.core.check_engine(request.engine, args)
+            except Refusal as r:
+                await _abort(context, grpc.StatusCode[r.code], r.message)
         with self._pin(request.model):
             if request.source:
                 async for _ in self._fetch(
@@ -543,7 +556,12 @@ class AgentService(pb_grpc.NodeAgentServicer):
                 fp,
                 context,
                 lambda: self.core.activate(
-                    request.model, request.gpus, request.slot_id, request.owner
+                    request.model,
+                    request.gpus,
+                    request.slot_id,
+                    request.engine,
+                    args,
+                    request.owner,
                 ),
             )
         if self.fetcher is not None:

@@ -18,8 +18,9 @@ belongs to layer ``i``; tensors outside the layer stack are assigned by role —
 them), everything else (final norm, ``lm_head``) with the last layer (only the last layer needs
 them).  So "first N layers" is well defined and N = num_layers is the whole model.
 
-Slot layout: tensors are placed in layer order (then by name), each at a 256-byte aligned offset
-from the slot start; the weights of the first N layers are a prefix of the slot.
+Slot layout: tensors are placed in layer order (then by name, with the projections an engine
+fuses — q/k/v, gate/up — adjacent and in that order), each at a 256-byte aligned offset from the
+slot start; the weights of the first N layers are a prefix of the slot.
 
 Tensor parallelism (a group of D GPUs): each tensor's bytes are split evenly into D contiguous
 shards of ``ceil(n/D)`` bytes (the last may be shorter); rank r's shard sits at the same slot
@@ -149,6 +150,23 @@ def config_num_layers(cfg: object) -> int | None:
         return None
     n = next((cfg[k] for k in _LAYER_KEYS if k in cfg), None)
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
+# Projections an engine fuses into one parameter (vLLM's ``packed_modules_mapping``: qkv_proj =
+# q, k, v; gate_up_proj = gate, up): placing them adjacent and in this order lets an engine view
+# them as one tensor over the slot without a copy (engines/vllm/loader.py).
+_FUSED = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2)}
+_FUSED |= {"gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1)}
+
+
+def _slot_order(name: str) -> tuple[str, int]:
+    """Sort key within a layer: by name, except that fused projections sit together in order."""
+    module, _, leaf = name.rpartition(".")
+    parent, _, last = module.rpartition(".")
+    if last in _FUSED:
+        group, idx = _FUSED[last]
+        return f"{parent}.{group}.{leaf}", idx
+    return name, 0
 
 
 def _layer_of(name: str, num_layers: int) -> int:
@@ -282,7 +300,7 @@ class WeightStore:
                         tname, layer, f, start + b, e - b, meta["dtype"], tuple(meta["shape"])
                     )
                 )
-        tensors.sort(key=lambda t: (t.layer, t.name))
+        tensors.sort(key=lambda t: (t.layer, _slot_order(t.name)))
         ws = cfg.get("warmserve", {})
         try:
             profile = EngineProfile(**{k: ws[k] for k in EngineProfile.__annotations__ if k in ws})

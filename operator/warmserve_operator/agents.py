@@ -90,6 +90,10 @@ class InstanceView:
     prewarm_hit: bool = False
     slot_id: str = ""
     started_unix: float = 0.0
+    engine: str = ""
+    ttft_p95_s: float = 0.0  # the engine's p95 TTFT over its window (ttft_samples requests)
+    ttft_samples: int = 0
+    ttft_window_s: float = 0.0
     owner: str = ""  # the owning ModelDeployment's UID (see SlotView.owner)
     grace_started_unix: float = 0.0  # agent clock; 0 when not in grace or unknown
 
@@ -198,6 +202,10 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
             prewarm_hit=bool(i.prewarm_hit),
             slot_id=i.slot_id,
             started_unix=float(i.started_unix),
+            engine=getattr(i, "engine", ""),
+            ttft_p95_s=float(getattr(i, "ttft_p95_seconds", 0.0)),
+            ttft_samples=int(getattr(i, "ttft_samples", 0)),
+            ttft_window_s=float(getattr(i, "ttft_window_seconds", 0.0)),
             owner=i.owner,
             grace_started_unix=float(i.grace_started_unix),
         )
@@ -260,7 +268,14 @@ class AgentPort(Protocol):
     async def evict(self, slot_id: str, request_id: str) -> None: ...
 
     async def activate(
-        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str, owner: str = ""
+        self,
+        model: str,
+        gpus: tuple[int, ...],
+        slot_id: str,
+        request_id: str,
+        owner: str = "",
+        engine: str = "",
+        engine_args: tuple[str, ...] = (),
     ) -> ActivateResult:
         """Also takes ``source=`` (fetch the model first if the node lacks it)."""
 
@@ -362,6 +377,8 @@ class GrpcAgent:
         slot_id: str,
         request_id: str,
         owner: str = "",
+        engine: str = "",
+        engine_args: tuple[str, ...] = (),
         *,
         source: str = "",
     ) -> ActivateResult:
@@ -372,6 +389,8 @@ class GrpcAgent:
                 slot_id=slot_id,
                 request_id=request_id,
                 owner=owner,
+                engine=engine,
+                engine_args=engine_args,
                 source=source,
                 timeout_s=3600.0 if source else 600.0,
             )

@@ -776,8 +776,16 @@ class Reconciler:
                         "Fetching",
                         f"node {a.node} is fetching {a.model} from {src} to start it",
                     )
+                spec_of = self.models.get(a.model)
                 res = await client.activate(
-                    a.model, a.gpus, a.slot_id, a.request_id, a.owner, **fetch_kw
+                    a.model,
+                    a.gpus,
+                    a.slot_id,
+                    a.request_id,
+                    a.owner,
+                    engine=spec_of.md.engine if spec_of else "",
+                    engine_args=spec_of.md.engine_args if spec_of else (),
+                    **fetch_kw,
                 )
                 if fetching:
                     await self._event(
@@ -1087,6 +1095,7 @@ class Reconciler:
                 inflight=rt.inflight,
                 held=rt.held if self.demand is not None else None,
                 gateway_replicas=self.gateway_replicas,
+                ttft_objective_s=md.ttft_s,
             )
             view.conditions = self._conditions(rt, snaps, problems.get(md.key))
             status = model_status(model, view, snaps, built.slot_of, rt.raw_status, stamp)
@@ -1153,6 +1162,8 @@ class Reconciler:
                 continue
             if c["type"] == "Degraded" and c["status"] == "True":
                 await self._event(ref, "Warning", c["reason"], c["message"])
+            elif c["type"] == "TTFTObjectiveMet" and c["status"] == "False":
+                await self._event(ref, "Warning", "TTFTObjectiveMissed", c["message"])
             elif c["type"] == "Prewarmed" and c["reason"] == "Unplaced":
                 await self._event(ref, "Warning", "Unplaced", c["message"])
             elif c["type"] == "Prewarmed" and c["reason"] == "AllPlaced":

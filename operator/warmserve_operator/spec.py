@@ -96,6 +96,7 @@ class ModelDeploymentSpec:
     # spec.gateway: how the gateway holds requests while no instance has room (docs/gateway.md)
     max_queue: int = 100
     max_hold_s: float = 120.0
+    engine: str = ""  # spec.engine.name; "" = the agent's default engine
 
     @property
     def key(self) -> str:
@@ -116,9 +117,9 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
     assert min_i is not None and max_i is not None
     if min_i > max_i:
         raise SpecError(f"spec.minInstances ({min_i}) must be <= spec.maxInstances ({max_i})")
-    args = _get(spec, "engine.args", []) or []
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise SpecError("spec.engine.args must be a list of strings")
+    from .engine import parse_engine  # spec.engine.name/args, checked against vLLM's schema
+
+    engine, args = parse_engine(spec)
     source = _get(spec, "model.source", "") or ""
     if source:
         try:
@@ -145,11 +146,12 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         max_instances=max_i,
         prewarm=enabled,
         prewarm_layers=_int(spec, "prewarm.layers", None, 1, 1024),
-        engine_args=tuple(args),
+        engine_args=args,
         deleting=bool(meta.get("deletionTimestamp")),
         source=source,
         max_queue=_int(spec, "gateway.maxQueue", 100, 0, 100_000) or 0,
         max_hold_s=_num(spec, "gateway.maxHoldSeconds", 120.0, 0.001, 3600.0) or 120.0,
+        engine=engine,
     )
     if out.num_layers and out.prewarm_layers and out.prewarm_layers > out.num_layers:
         raise SpecError("spec.prewarm.layers must be <= spec.model.numLayers")

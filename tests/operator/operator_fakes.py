@@ -31,6 +31,7 @@ from warmserve_operator.agents import (
 from warmserve_operator.kube import ObjRef
 from warmserve_operator.spec import CatalogEntry
 
+from warmserve.engine_args import EngineArgsError, validate_engine_args
 from warmserve.policy.cluster import GiB, InstancePhase, WorkerState
 
 
@@ -55,6 +56,8 @@ class _Inst:
     hit: bool
     phase: InstancePhase = InstancePhase.SERVING
     running: int = 0
+    engine: str = ""
+    ttft: tuple[float, int] = (0.0, 0)  # (p95 seconds, samples) the engine reports
     owner: str = ""
     grace_started: float = 0.0
 
@@ -84,6 +87,8 @@ class FakeAgent:
         self.ids = itertools.count(1)
         self.done: dict[str, Any] = {}
         self.calls: list[tuple[str, str]] = []
+        # (model, gpus) -> (engine, engine args) of the last activation
+        self.engine_args: dict[tuple[str, tuple[int, ...]], tuple[str, tuple[str, ...]]] = {}
         self.down = False
 
     # ------------------------------------------------------------------ helpers
@@ -185,6 +190,10 @@ class FakeAgent:
                 kv_capacity_bytes=GiB,
                 prewarm_hit=i.hit,
                 slot_id=i.slot_id,
+                engine=i.engine,
+                ttft_p95_s=i.ttft[0],
+                ttft_samples=i.ttft[1],
+                ttft_window_s=300.0 if i.ttft[1] else 0.0,
                 owner=i.owner,
                 grace_started_unix=i.grace_started,
             )
@@ -296,16 +305,31 @@ class FakeAgent:
         slot_id: str,
         request_id: str,
         owner: str = "",
+        engine: str = "",
+        engine_args: tuple[str, ...] = (),
         *,
         source: str = "",
     ) -> ActivateResult:
         self._check_up()
         self.calls.append(("activate", request_id))
-        key = ("activate", model, tuple(sorted(gpus)), slot_id, owner, source)
+        key = (
+            "activate",
+            model,
+            tuple(sorted(gpus)),
+            slot_id,
+            owner,
+            source,
+            engine,
+            tuple(engine_args),
+        )
         if (prev := self._idem(request_id, key)) is not None:
             return prev
         self._check_owner(request_id, key, owner)
         group = self._group(request_id, key, gpus)
+        try:  # the real agent refuses what the engine-args schema refuses, before any change
+            validate_engine_args(engine_args)
+        except EngineArgsError as exc:
+            self._refuse(request_id, key, "INVALID_ARGUMENT", str(exc))
         self._fetch(request_id, key, model, source)
         if model not in self.catalog:
             self._refuse(request_id, key, "NOT_FOUND", f"unknown model {model}")
@@ -340,7 +364,10 @@ class FakeAgent:
         self.slots[hit_slot].active = True
         self.slots[hit_slot].owner = owner
         iid = self._new_id("inst")
-        self.instances[iid] = _Inst(iid, model, group, hit_slot, hit, owner=owner)
+        self.instances[iid] = _Inst(
+            iid, model, group, hit_slot, hit, owner=owner, engine=engine or "simulated"
+        )
+        self.engine_args[(model, group)] = (engine, tuple(engine_args))
         self.generation += 1
         snap = await self.describe()
         inst = next(i for i in snap.instances if i.instance_id == iid)

@@ -127,6 +127,18 @@ def register(subparsers: Any) -> None:
         help="host put in the endpoints Activate returns (default --engine-host; required "
         "with --engine-host 0.0.0.0, e.g. the pod IP)",
     )
+    p.add_argument(
+        "--engines",
+        default="simulated",
+        help="comma-separated engines this node hosts; worker processes preload their "
+        "libraries (simulated, vllm; default simulated)",
+    )
+    p.add_argument(
+        "--engine",
+        default="",
+        help="engine of instances whose ModelDeployment names none (spec.engine.name); "
+        "default: the first of --engines",
+    )
     src = p.add_argument_group(
         "model sources",
         "filling the weight store on demand from a ModelDeployment's spec.model.source "
@@ -233,6 +245,14 @@ def _config(args: argparse.Namespace) -> Any:
             raise CliError(f"--allow-path {d}: give an absolute directory")
     if args.sim_copy_gbps < 0 or args.sim_map_us < 0:
         raise CliError("--sim-copy-gbps and --sim-map-us must be >= 0")
+    from warmserve_agent.engines import ENGINES
+
+    engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    bad = [e for e in engines if e not in ENGINES]
+    if not engines or bad:
+        raise CliError(f"--engines {args.engines!r}: choose from {', '.join(ENGINES)}")
+    if args.engine and args.engine not in engines:
+        raise CliError(f"--engine {args.engine!r} must be one of --engines ({', '.join(engines)})")
     kw: dict[str, Any] = {}
     if args.node_name:
         kw["node_name"] = args.node_name
@@ -266,6 +286,8 @@ def _config(args: argparse.Namespace) -> Any:
         s3_region=args.s3_region,
         pvc_root=Path(args.pvc_root),
         allowed_paths=tuple(Path(d) for d in args.allow_path),
+        engines=engines,
+        default_engine=args.engine or engines[0],
         **kw,
     )
 

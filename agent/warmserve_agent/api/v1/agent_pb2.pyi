@@ -112,7 +112,7 @@ class SlotInfo(_message.Message):
     def __init__(self, slot_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., layers_target: _Optional[int] = ..., resident_bytes_per_gpu: _Optional[int] = ..., weight_bytes_per_gpu: _Optional[int] = ..., state: _Optional[_Union[SlotState, str]] = ..., message: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "model", "gpus", "endpoint", "phase", "running", "waiting", "max_batch", "kv_capacity_bytes", "kv_used_bytes", "lendable_bytes", "lent_bytes", "prewarm_hit", "slot_id", "layers_resident", "layers_total", "started_unix", "owner", "grace_started_unix")
+    __slots__ = ("instance_id", "model", "gpus", "endpoint", "phase", "running", "waiting", "max_batch", "kv_capacity_bytes", "kv_used_bytes", "lendable_bytes", "lent_bytes", "prewarm_hit", "slot_id", "layers_resident", "layers_total", "started_unix", "owner", "grace_started_unix", "engine", "ttft_p95_seconds", "ttft_samples", "ttft_window_seconds", "dropped_requests")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,11 @@ class InstanceInfo(_message.Message):
     STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     GRACE_STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P95_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TTFT_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model: str
     gpus: _containers.RepeatedScalarFieldContainer[int]
@@ -151,7 +156,12 @@ class InstanceInfo(_message.Message):
     started_unix: float
     owner: str
     grace_started_unix: float
-    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., endpoint: _Optional[str] = ..., phase: _Optional[_Union[InstancePhase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., lendable_bytes: _Optional[int] = ..., lent_bytes: _Optional[int] = ..., prewarm_hit: _Optional[bool] = ..., slot_id: _Optional[str] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., started_unix: _Optional[float] = ..., owner: _Optional[str] = ..., grace_started_unix: _Optional[float] = ...) -> None: ...
+    engine: str
+    ttft_p95_seconds: float
+    ttft_samples: int
+    ttft_window_seconds: float
+    dropped_requests: int
+    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., endpoint: _Optional[str] = ..., phase: _Optional[_Union[InstancePhase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., lendable_bytes: _Optional[int] = ..., lent_bytes: _Optional[int] = ..., prewarm_hit: _Optional[bool] = ..., slot_id: _Optional[str] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., started_unix: _Optional[float] = ..., owner: _Optional[str] = ..., grace_started_unix: _Optional[float] = ..., engine: _Optional[str] = ..., ttft_p95_seconds: _Optional[float] = ..., ttft_samples: _Optional[int] = ..., ttft_window_seconds: _Optional[float] = ..., dropped_requests: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "num_layers", "weight_bytes", "num_tensors", "max_batch", "source", "disk_bytes", "last_used_unix")
@@ -310,20 +320,24 @@ class EvictResponse(_message.Message):
     def __init__(self, slot_id: _Optional[str] = ..., freed_bytes_per_gpu: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ...) -> None: ...
 
 class ActivateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "gpus", "slot_id", "source", "owner")
+    __slots__ = ("request_id", "model", "gpus", "slot_id", "source", "owner", "engine", "engine_args")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SLOT_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ARGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     gpus: _containers.RepeatedScalarFieldContainer[int]
     slot_id: str
     source: str
     owner: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., slot_id: _Optional[str] = ..., source: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+    engine: str
+    engine_args: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., slot_id: _Optional[str] = ..., source: _Optional[str] = ..., owner: _Optional[str] = ..., engine: _Optional[str] = ..., engine_args: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ActivateResponse(_message.Message):
     __slots__ = ("instance", "prewarm_hit", "activation_seconds", "evicted_slot_ids")
