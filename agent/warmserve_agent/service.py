@@ -39,6 +39,9 @@ from warmserve_agent.api.v1 import agent_pb2 as pb
 from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
 from warmserve_agent.node import ID_RE, Event, InstanceRec, NodeCore, Refusal, SlotRec
 from warmserve_agent.safe_text import bounded, shown
+from warmserve_agent.sources.fetcher import FetchFailed, ModelFetcher
+from warmserve_agent.sources.wire import fetch_pb, store_pb
+from warmserve_agent.store import StoreError
 from warmserve_agent.wire import PHASE_TO_PB, SLOT_TO_PB, WORKER_TO_PB
 
 log = logging.getLogger("warmserve.agent.service")
@@ -55,6 +58,7 @@ _KIND = {
     "instance": pb.WatchEvent.KIND_INSTANCE,
     "instance_removed": pb.WatchEvent.KIND_INSTANCE_REMOVED,
     "worker_replaced": pb.WatchEvent.KIND_WORKER_REPLACED,
+    "fetch": pb.WatchEvent.KIND_FETCH,
 }
 
 
@@ -74,6 +78,7 @@ class _Watcher:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     dropped: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
+    deadline: asyncio.Timeout | None = None  # of the write in progress, if any
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
@@ -99,9 +104,12 @@ class AgentService(pb_grpc.NodeAgentServicer):
         max_request_ids: int = 10000,
         max_watch_queue: int = 1024,
         watch_write_timeout_s: float = 30.0,
+        fetcher: ModelFetcher | None = None,
     ) -> None:
         self.core = core
         self.info = info
+        self.fetcher = fetcher
+        self._usage: tuple[int, float, pb.StoreInfo] | None = None
         self.max_request_ids = max_request_ids
         self.max_watch_queue = max_watch_queue
         self.watch_write_timeout_s = watch_write_timeout_s
@@ -155,6 +163,8 @@ class AgentService(pb_grpc.NodeAgentServicer):
             w.reason = reason
             w.dropped.set()
             w.wake.set()
+            if w.deadline is not None and self._loop is not None:
+                w.deadline.reschedule(self._loop.time())  # end a write blocked on the client
             self.watchers_dropped += 1
             log.warning("event=watch_dropped reason=%s", reason.split(";")[0])
 
@@ -206,11 +216,11 @@ class AgentService(pb_grpc.NodeAgentServicer):
             gpus=list(i.gpus),
             endpoint=i.endpoint,
             phase=_IP[i.phase],
-            running=int(st.get("running", 0)),
-            waiting=int(st.get("waiting", 0)),
+            running=st.running,
+            waiting=st.waiting,
             max_batch=i.max_batch,
             kv_capacity_bytes=i.kv_pages * page * len(i.gpus),
-            kv_used_bytes=int(st.get("kv_used_bytes", 0)),
+            kv_used_bytes=st.kv_used_bytes,
             lendable_bytes=(
                 min(self.core.mm.available_pages(g) for g in i.gpus) * page
                 if i.phase == InstancePhase.GRACE
@@ -222,6 +232,11 @@ class AgentService(pb_grpc.NodeAgentServicer):
             layers_resident=slot.layers_resident if slot else 0,
             layers_total=slot.layers_total if slot else 0,
             started_unix=i.started_unix,
+            engine=i.engine_name,
+            ttft_p95_seconds=st.ttft_p95_s,
+            ttft_samples=st.ttft_samples,
+            ttft_window_seconds=st.ttft_window_s,
+            dropped_requests=st.dropped,
             owner=i.owner,
             grace_started_unix=i.grace_started_unix,
         )
@@ -254,6 +269,7 @@ class AgentService(pb_grpc.NodeAgentServicer):
                 m = store.model(name)
             except Exception:  # a malformed model dir is reported by Prewarm, not here
                 continue
+            source, disk, used = self.fetcher.model_info(name) if self.fetcher else ("", 0, 0)
             models.append(
                 pb.ModelInfo(
                     name=name,
@@ -261,6 +277,9 @@ class AgentService(pb_grpc.NodeAgentServicer):
                     weight_bytes=m.weight_bytes,
                     num_tensors=len(m.tensors),
                     max_batch=m.profile.max_batch,
+                    source=source,
+                    disk_bytes=disk,
+                    last_used_unix=used,
                 )
             )
         self._catalog_cache = (stamp, now, models)
@@ -285,7 +304,86 @@ class AgentService(pb_grpc.NodeAgentServicer):
                 agent_id=self.info.agent_id,
                 agent_started_unix=self.info.started_unix,
                 spare_workers=self.info.spare_workers(),
+                fetches=[fetch_pb(f) for f in self.fetcher.statuses()] if self.fetcher else [],
+                store=self._store_info(),
             )
+
+    def _store_info(self) -> pb.StoreInfo:
+        """The store's usage, recomputed after each fetch or eviction, else at most every 5 s (it
+        walks pre-filled models)."""
+        if self.fetcher is None:
+            return pb.StoreInfo()
+        now = time.monotonic()
+        gen = self.fetcher.generation
+        if self._usage is None or self._usage[0] != gen or now - self._usage[1] > 5.0:
+            self._usage = (gen, now, store_pb(self.fetcher.usage()))
+        return self._usage[2]
+
+    # ---- fetching models into the store ----------------------------------------------------
+    def _pin(self, model: str) -> contextlib.AbstractContextManager[None]:
+        return self.fetcher.pinned(model) if self.fetcher else contextlib.nullcontext()
+
+    async def _fetch(
+        self, model: str, source: str, gpus: list[int] | None, context: Any
+    ) -> AsyncIterator[pb.FetchInfo]:
+        """Make ``model`` present (fetching it from ``source``), yielding progress while a fetch
+        runs; aborts the RPC with the fetch's status code when it fails."""
+        if self.fetcher is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this agent has no model fetcher"
+            )
+        assert self.fetcher is not None
+        try:
+            if gpus is not None:
+                with self.core._lock:
+                    self.core._check_gpus(gpus)  # refuse a bad request before a long fetch
+            fetch = await asyncio.to_thread(self.fetcher.ensure, model, source)
+        except Refusal as r:
+            await context.abort(grpc.StatusCode[r.code], r.message)
+        except FetchFailed as f:
+            await context.abort(grpc.StatusCode[f.code], f.message)
+        except StoreError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        last = None
+        while True:
+            st = fetch.status
+            if st is not last and st.started_unix:  # nothing to report for a model present
+                last = st
+                yield fetch_pb(st)
+            if (fetch.done.is_set() and fetch.status is last) or not st.started_unix:
+                break
+            await asyncio.sleep(0.25)
+        if fetch.error is not None:
+            await context.abort(grpc.StatusCode[fetch.error.code], fetch.error.message)
+
+    async def InspectModel(self, request: pb.InspectModelRequest, context: Any) -> pb.ModelInfo:
+        if self.fetcher is None or (not request.source and not self.core.store.has(request.model)):
+            try:
+                m = await asyncio.to_thread(self.core.store.model, request.model)
+            except StoreError as exc:
+                code = "NOT_FOUND" if "unknown model" in str(exc) else "INVALID_ARGUMENT"
+                await context.abort(grpc.StatusCode[code], str(exc))
+            return pb.ModelInfo(
+                name=request.model,
+                num_layers=m.num_layers,
+                weight_bytes=m.weight_bytes,
+                num_tensors=len(m.tensors),
+                max_batch=m.profile.max_batch,
+            )
+        try:
+            facts = await asyncio.to_thread(self.fetcher.inspect, request.model, request.source)
+        except FetchFailed as f:
+            await context.abort(grpc.StatusCode[f.code], f.message)
+        except StoreError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.ModelInfo(
+            name=request.model,
+            num_layers=facts.num_layers,
+            weight_bytes=facts.weight_bytes,
+            num_tensors=facts.num_tensors,
+            max_batch=facts.max_batch,
+            source=request.source,
+        )
 
     # ---- idempotency -----------------------------------------------------------------------
     async def _check_request_id(self, rid: str, context: grpc.aio.ServicerContext) -> None:
@@ -348,10 +446,23 @@ class AgentService(pb_grpc.NodeAgentServicer):
     async def Prewarm(
         self, request: pb.PrewarmRequest, context: Any
     ) -> AsyncIterator[pb.PrewarmProgress]:
-        fp = (request.model, tuple(sorted(request.gpus)), request.layers, request.owner)
+        fp = (
+            request.model,
+            tuple(sorted(request.gpus)),
+            request.layers,
+            request.owner,
+            request.source,
+        )
         changed = asyncio.Event()
         self._wakers.add(changed)
+        pin = self._pin(request.model)
+        pin.__enter__()
         try:
+            if request.source:
+                async for info in self._fetch(
+                    request.model, request.source, list(request.gpus), context
+                ):
+                    yield pb.PrewarmProgress(fetch=info)
             slot, entry = await self._once(
                 "Prewarm",
                 request.request_id,
@@ -406,6 +517,9 @@ class AgentService(pb_grpc.NodeAgentServicer):
                     await asyncio.wait_for(changed.wait(), timeout=0.5)
         finally:
             self._wakers.discard(changed)
+            pin.__exit__(None, None, None)
+            if self.fetcher is not None:
+                self.fetcher.touch(request.model)
 
     async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:
         (slot, freed), _ = await self._once(
@@ -422,14 +536,43 @@ class AgentService(pb_grpc.NodeAgentServicer):
         )
 
     async def Activate(self, request: pb.ActivateRequest, context: Any) -> pb.ActivateResponse:
-        fp = (request.model, tuple(sorted(request.gpus)), request.slot_id, request.owner)
-        (inst, evicted), _ = await self._once(
-            "Activate",
-            request.request_id,
-            fp,
-            context,
-            lambda: self.core.activate(request.model, request.gpus, request.slot_id, request.owner),
+        args = tuple(request.engine_args)
+        fp = (
+            request.model,
+            tuple(sorted(request.gpus)),
+            request.slot_id,
+            request.owner,
+            request.source,
+            request.engine,
+            args,
         )
+        if request.source:
+            try:  # a bad engine or argument is refused before a fetch changes the store
+                self.core.check_engine(request.engine, args)
+            except Refusal as r:
+                await _abort(context, grpc.StatusCode[r.code], r.message)
+        with self._pin(request.model):
+            if request.source:
+                async for _ in self._fetch(
+                    request.model, request.source, list(request.gpus), context
+                ):
+                    pass  # progress shows in Describe/Watch; Activate answers once
+            (inst, evicted), _ = await self._once(
+                "Activate",
+                request.request_id,
+                fp,
+                context,
+                lambda: self.core.activate(
+                    request.model,
+                    request.gpus,
+                    request.slot_id,
+                    request.engine,
+                    args,
+                    request.owner,
+                ),
+            )
+        if self.fetcher is not None:
+            self.fetcher.touch(request.model)
         return pb.ActivateResponse(
             instance=self.instance_pb(inst),
             prewarm_hit=inst.prewarm_hit,
@@ -478,14 +621,12 @@ class AgentService(pb_grpc.NodeAgentServicer):
     async def Watch(self, request: pb.WatchRequest, context: Any) -> None:
         w = _Watcher()
         self._watchers.add(w)
-        dropped = asyncio.ensure_future(w.dropped.wait())
         try:
             if request.include_snapshot:
                 snap = await asyncio.to_thread(self.describe_pb, False)
                 await self._write(
                     context,
                     w,
-                    dropped,
                     pb.WatchEvent(
                         kind=pb.WatchEvent.KIND_SNAPSHOT,
                         generation=snap.generation,
@@ -499,32 +640,25 @@ class AgentService(pb_grpc.NodeAgentServicer):
                     await w.wake.wait()
                 if w.dropped.is_set():
                     await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, w.reason)
-                await self._write(context, w, dropped, self._event_pb_once(w.queue.popleft()))
+                await self._write(context, w, self._event_pb_once(w.queue.popleft()))
         finally:
             self._watchers.discard(w)
-            dropped.cancel()
 
-    async def _write(
-        self, context: Any, w: _Watcher, dropped: asyncio.Future[Any], msg: pb.WatchEvent
-    ) -> None:
+    async def _write(self, context: Any, w: _Watcher, msg: pb.WatchEvent) -> None:
         """Send one message; a client that does not take it in time, or whose queue overflows
-        meanwhile, is dropped (its RPC ends with RESOURCE_EXHAUSTED)."""
-        write = asyncio.ensure_future(context.write(msg))
-        done, _ = await asyncio.wait(
-            {write, dropped}, timeout=self.watch_write_timeout_s, return_when="FIRST_COMPLETED"
-        )
-        if write in done:
-            write.result()
-            return
-        write.cancel()
-        with contextlib.suppress(BaseException):
-            await write
-        self._drop(
-            w,
-            f"watch client took no message for {self.watch_write_timeout_s:g} s (it stopped "
-            "reading); Watch again with include_snapshot",
-        )
-        await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, w.reason)
+        meanwhile (``_drop`` moves the deadline to now), is dropped with RESOURCE_EXHAUSTED."""
+        try:
+            async with asyncio.timeout(self.watch_write_timeout_s) as w.deadline:
+                await context.write(msg)
+        except TimeoutError:
+            self._drop(
+                w,
+                f"watch client took no message for {self.watch_write_timeout_s:g} s (it stopped "
+                "reading); Watch again with include_snapshot",
+            )
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, w.reason)
+        finally:
+            w.deadline = None
 
     def _event_pb_once(self, ev: Event) -> pb.WatchEvent:
         """Convert each event once, whatever the number of watchers (cached by generation)."""
@@ -551,6 +685,10 @@ class AgentService(pb_grpc.NodeAgentServicer):
                 out.slot.CopyFrom(self.slot_pb(self.core.slots[ev.subject]))
             elif ev.kind == "instance" and ev.subject in self.core.instances:
                 out.instance.CopyFrom(self.instance_pb(self.core.instances[ev.subject]))
+            elif ev.kind == "fetch" and self.fetcher is not None:
+                st = next((f for f in self.fetcher.statuses() if f.model == ev.subject), None)
+                if st is not None:
+                    out.fetch.CopyFrom(fetch_pb(st))
         except Exception:  # object changed under us; subject_id + kind still tell the story
             log.debug("event=watch_convert_failed kind=%s", ev.kind)
         return out

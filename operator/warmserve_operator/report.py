@@ -143,6 +143,7 @@ class Reporter:
             "Unplaceable",
             "ModelNotFound",
             "ModelNotInStore",
+            "SourceUnavailable",
             "DuplicateModel",
             "NoAgents",
         ):
@@ -235,6 +236,7 @@ class Reporter:
             inflight=d.inflight,
             held=d.held,
             gateway_replicas=d.gateway_replicas,
+            ttft_objective_s=md.ttft_s,
         )
         view.conditions = self.conditions(d, mine, problem)
         status = model_status(model, view, mine, slot_of, d.raw_status, now_iso(self.clock()))
@@ -285,6 +287,8 @@ class Reporter:
                 continue
             if c["type"] == "Degraded" and c["status"] == "True":
                 await self.event(d.ref, "Warning", c["reason"], c["message"])
+            elif c["type"] == "TTFTObjectiveMet" and c["status"] == "False":
+                await self.event(d.ref, "Warning", "TTFTObjectiveMissed", c["message"])
             elif c["type"] == "Prewarmed" and c["reason"] == "Unplaced":
                 await self.event(d.ref, "Warning", "Unplaced", c["message"])
             elif c["type"] == "Prewarmed" and c["reason"] == "AllPlaced":

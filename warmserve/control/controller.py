@@ -112,6 +112,10 @@ class _ModelState:
     memory: ScaleMemory | None = None
     closed: list[int] = field(default_factory=list)  # windows closed since take_closed()
 
+    @property
+    def spec(self) -> ModelSpec:
+        return self.entry.spec
+
 
 class Controller:
     """See the module docstring.  Deterministic; time comes from the observations."""
