@@ -249,8 +249,8 @@ def _diagnostics(points: list[dict[str, Any]]) -> str:
 
 def _narrative(points: list[dict[str, Any]], sc: Scenario) -> str:
     """Explain the numbers from the simulation's own state (start costs, failed starts)."""
-    from warmserve.sim.engine import EngineModel, ModelArch
     from warmserve.sim.hardware import load_profile
+    from warmserve.sim.perf import EngineModel, ModelArch
     from warmserve.sim.systems import STOCK_VLLM_LOAD_SLOWDOWN
 
     prof = load_profile(sc.profile)

@@ -22,5 +22,24 @@ if [ -x hack/k8s/build.sh ]; then
   WARMSERVE_K8S_BIN=$(hack/k8s/build.sh --with-controllers)
   export WARMSERVE_K8S_BIN
 fi
+if [ -x hack/testbin/build.sh ]; then
+  # Real servers some tests run against: Prometheus (the dashboard test queries every panel)
+  # and an S3-compatible server (s3:// model sources), pinned in hack/testbin/*/go.mod; cached
+  # after the first build (~10 min cold on 2 cores, see hack/testbin/build.sh).
+  echo "== real test servers (hack/testbin/build.sh)"
+  hack/testbin/build.sh prometheus versitygw >/dev/null
+fi
 echo "== pytest"
-python -m pytest "$@"
+python -m pytest -m "not vllm" "$@"
+# Real vLLM on CPU in its own venv (hack/vllm/setup.sh: ~5 GB, cached under ~/.cache after the
+# first install) and the tests that need it: the vllm engine over prewarm slots, its OpenAI
+# server, the engine-args schema against vLLM's parser, the state machine with vLLM activations.
+if [ "${WARMSERVE_SKIP_VLLM:-0}" = 1 ]; then
+  echo "== vllm group NOT run (WARMSERVE_SKIP_VLLM=1; CI always runs it)"
+else
+  echo "== real vLLM (CPU) for the vllm test group (hack/vllm/setup.sh)"
+  VLLM_PY=$(hack/vllm/setup.sh)
+  echo "== pytest -m vllm (real vLLM)"
+  PYTHONPATH="$PWD:$PWD/operator:$PWD/agent" WARMSERVE_REQUIRE_VLLM=1 \
+    "$VLLM_PY" -m pytest -m vllm -p no:cacheprovider tests/engines
+fi

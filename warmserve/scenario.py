@@ -28,10 +28,12 @@ Rules:
 * **SIZE**: an integer number of bytes, or a string: a number and a unit, ``B``, decimal
   ``KB MB GB TB`` (powers of 1000, as model cards quote weights: "12.55GB") or binary
   ``KiB MiB GiB TiB`` (powers of 1024, as GPUs are sold: "80GiB").  Negative sizes are errors.
-* **GPU state** defaults to ``idle``.  **free** defaults to: idle/universal — memory minus the
-  listed replicas resident on that GPU; dedicated — 0 (a serving instance owns the GPU); grace —
-  the grace instance's lendable KV memory per GPU (Eq. 1,
-  :func:`warmserve.policy.autoscaler.lendable_per_gpu`) minus replicas already lent memory there.
+* **GPU state** defaults to ``idle``.  **free** defaults to the control layer's free-bytes rule
+  (:func:`warmserve.control.snapshot.gpu_free_bytes`, the one the operator and the simulator
+  use): idle/universal — memory minus the listed replicas resident on that GPU; dedicated — 0 (a
+  serving instance owns the GPU); grace — the grace instance's lendable KV memory per GPU
+  (Eq. 1, :func:`warmserve.policy.autoscaler.lendable_per_gpu`) minus replicas already lent
+  memory there.
   A dedicated GPU cannot have a non-zero ``free``.
 * **active instances (K of Eq. 5-6)**: counted from ``instances`` (those not in grace).
   ``active_instances`` is optional and, when given, must equal that count — a consistency check,
@@ -47,13 +49,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import Counter, defaultdict
 from collections.abc import Mapping
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from warmserve import units
+from warmserve.control.snapshot import gpu_free_bytes
 from warmserve.policy.autoscaler import lendable_per_gpu
 from warmserve.policy.cluster import (
     GPU,
@@ -69,20 +71,7 @@ from warmserve.policy.cluster import (
     WorkerState,
 )
 
-__all__ = ["load_scenario", "parse_scenario", "parse_size"]
-
-_UNITS = {
-    "B": 1,
-    "KB": 1000,
-    "MB": 1000**2,
-    "GB": 1000**3,
-    "TB": 1000**4,
-    "KIB": 1024,
-    "MIB": 1024**2,
-    "GIB": 1024**3,
-    "TIB": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+__all__ = ["load_cluster_state", "parse_cluster_state", "parse_size"]
 
 _TOP = {"description", "nodes", "models", "replicas", "instances"}
 _NODE = {"name", "gpus"}
@@ -108,27 +97,11 @@ def _fail(where: str, msg: str) -> PolicyInputError:
 
 
 def parse_size(value: Any, where: str = "size") -> int:
-    """Bytes from an int or a string like ``"80GiB"`` / ``"12.55GB"`` (see module docstring)."""
-    if isinstance(value, bool):
-        raise _fail(where, f"expected a size, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise _fail(where, f"negative size {value}")
-        return value
-    if isinstance(value, str):
-        if value.strip().startswith("-"):
-            raise _fail(where, f"negative size {value!r}")
-        m = _SIZE_RE.match(value)
-        if not m:
-            raise _fail(where, f"bad size {value!r} (use bytes or e.g. '80GiB', '12.55GB')")
-        unit = m.group(2).upper() or "B"
-        if unit not in _UNITS:
-            raise _fail(where, f"unknown unit {m.group(2)!r} in {value!r}")
-        try:
-            return int((Decimal(m.group(1)) * _UNITS[unit]).to_integral_value())
-        except InvalidOperation as exc:  # pragma: no cover - regex admits only digits
-            raise _fail(where, f"bad size {value!r}") from exc
-    raise _fail(where, f"expected bytes (int) or a size string, got {type(value).__name__}")
+    """Bytes from an int or a string like ``"80GiB"`` / ``"12.55GB"`` (:mod:`warmserve.units`)."""
+    try:
+        return units.parse_size(value, where)
+    except units.SizeError as exc:
+        raise PolicyInputError(str(exc)) from None
 
 
 def _obj(value: Any, where: str, allowed: set[str], required: set[str]) -> Mapping[str, Any]:
@@ -237,7 +210,7 @@ def _gpu_list(value: Any, where: str, node: Mapping[str, Any], tp: int) -> tuple
     return tuple(sorted(gpus))
 
 
-def parse_scenario(data: Any) -> ClusterState:
+def parse_cluster_state(data: Any) -> ClusterState:
     """Validate a decoded scenario and build the snapshot (schema in the module docstring)."""
     top = _obj(data, "scenario", _TOP, {"nodes", "models"})
     if "description" in top and not isinstance(top["description"], str):
@@ -369,24 +342,17 @@ def _build_node(
                 lend[g] = lendable_per_gpu(inst, models[inst.model])
     out = []
     for gid, (mem, free, state, where) in sorted(gpus.items()):
-        if free is None:
-            if state == WorkerState.DEDICATED:
-                free = 0
-            elif state == WorkerState.GRACE:
-                if gid not in lend:
-                    raise _fail(
-                        f"{where}.free", "a grace GPU needs 'free' or a grace instance on it"
-                    )
-                free = max(lend[gid] - resident[gid], 0)
-            else:
-                free = mem - resident[gid]
-                if free < 0:
-                    raise _fail(where, f"resident replicas take {resident[gid]} > memory {mem}")
+        if free is None:  # the control layer's one rule (warmserve.control.snapshot)
+            if state == WorkerState.GRACE and gid not in lend:
+                raise _fail(f"{where}.free", "a grace GPU needs 'free' or a grace instance on it")
+            if state in (WorkerState.IDLE, WorkerState.UNIVERSAL) and resident[gid] > mem:
+                raise _fail(where, f"resident replicas take {resident[gid]} > memory {mem}")
+            free = gpu_free_bytes(mem, state, resident[gid], lend.get(gid, 0), None)
         out.append(GPU(gid, mem, free, state))
     return Node(name, tuple(out))
 
 
-def load_scenario(path: str | Path) -> ClusterState:
+def load_cluster_state(path: str | Path) -> ClusterState:
     """Read a scenario file; a missing file or invalid JSON is a one-line PolicyInputError."""
     p = Path(path)
     try:
@@ -401,4 +367,4 @@ def load_scenario(path: str | Path) -> ClusterState:
         raise PolicyInputError(
             f"{p}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
         ) from None
-    return parse_scenario(data)
+    return parse_cluster_state(data)

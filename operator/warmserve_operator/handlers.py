@@ -1,25 +1,31 @@
-"""kopf registrations (thin): startup/cleanup of the window loop, ModelDeployment handlers.
+"""kopf registrations (thin) and the operator's one composition root.
 
 Importing this module registers the handlers in kopf's default registry; ``warmserve operator``
-(:mod:`warmserve.cli.operator_cmd`) imports it and runs kopf.  Everything with a decision in it
-lives in :mod:`.reconciler` / :mod:`.planning`; the handlers only
+(:mod:`warmserve.cli.operator_cmd`) collects the flags into kopf's memo, imports it and runs
+kopf.  :func:`startup` builds every object of the process once (API port, agent pool,
+metrics, the loop).  The handlers only
 
+* keep two kopf indexes, of ModelDeployments (by UID) and GPUNodes (by name): the loop reads
+  them instead of listing the API every poll (issue 11);
 * validate a ModelDeployment when it is created, changed or seen again after a restart, and say
-  so in an Event (the API server's schema already refused malformed specs);
+  so in an Event (``Accepted`` / ``SpecChanged``; the API server's schema already refused
+  malformed specs);
 * tear a deployment down on delete: kopf adds the finalizer ``warmserve.io/teardown`` because a
-  delete handler exists, and removes it only when :meth:`Reconciler.teardown` reports that no
-  instance or slot of the model is left on any agent (otherwise it retries);
-* start the cluster-level loop at startup and stop it at cleanup.
+  delete handler exists, and removes it only when :mod:`.teardown` reports that nothing the
+  deployment owns is left on any agent (otherwise it retries);
+* start the loop at startup and stop it at cleanup.
 
 kopf's own bookkeeping goes to annotations with the ``warmserve.io`` prefix (not to ``status``,
-which the operator writes as a whole), and kopf only posts Events for warnings and errors; the
-decision Events come from the reconciler.
+which the operator writes as a whole).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
+import time
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import kopf
@@ -28,27 +34,104 @@ from .agents import AgentAuth, AgentPool
 from .kube import KubeApi
 from .metrics import Metrics
 from .reconciler import OperatorConfig, Reconciler
-from .spec import GROUP, MD_PLURAL, VERSION, SpecError, parse_model_deployment
+from .spec import GROUP, MD_PLURAL, NODE_PLURAL, VERSION, SpecError, parse_model_deployment
 
 log = logging.getLogger("warmserve.operator")
 
 FINALIZER = "warmserve.io/teardown"
 
 
+class RetryForever:
+    """API retry delays for kopf: 1, 1, 2, 3, 5, 8, 13, 21, then 30 s forever.  Re-iterable
+    (kopf iterates it once per request) and unsized (kopf then counts no last attempt)."""
+
+    def __iter__(self) -> Iterator[float]:
+        yield from (1, 1, 2, 3, 5, 8, 13, 21)
+        while True:
+            yield 30
+
+
+INDEX_SYNC_TIMEOUT_S = 60.0
+
+
+@kopf.index(GROUP, VERSION, MD_PLURAL)
+def model_deployments(body: kopf.Body, uid: str, **_: Any) -> dict[str, Any]:
+    return {uid: copy.deepcopy(dict(body))}
+
+
+@kopf.index(GROUP, VERSION, NODE_PLURAL)
+def gpu_nodes(body: kopf.Body, name: str, **_: Any) -> dict[str, Any]:
+    return {name: copy.deepcopy(dict(body))}
+
+
+class IndexView:
+    """The loop's view of kopf's indexes (:class:`.kube.ClusterView`).
+
+    Ready once both indexes hold every object a one-off listing at startup saw (kopf fills its
+    indexes from its own listing; acting on a half-filled index would take the deployments not
+    yet indexed for deleted ones), or after ``INDEX_SYNC_TIMEOUT_S`` (an object deleted in
+    between is never indexed).
+    """
+
+    def __init__(self, mds: kopf.Index[str, Any], nodes: kopf.Index[str, Any]) -> None:
+        self.mds = mds
+        self.nodes = nodes
+        self.want_mds: set[str] = set()
+        self.want_nodes: set[str] = set()
+        self.deadline = time.monotonic() + INDEX_SYNC_TIMEOUT_S
+        self._ready = False
+
+    @staticmethod
+    def _values(index: kopf.Index[str, Any]) -> list[dict[str, Any]]:
+        return [v for key in index for v in index[key]]
+
+    def expect(self, md_uids: Iterable[str], node_names: Iterable[str]) -> None:
+        self.want_mds, self.want_nodes = set(md_uids), set(node_names)
+
+    def model_deployments(self) -> list[dict[str, Any]]:
+        return self._values(self.mds)
+
+    def gpu_nodes(self) -> list[dict[str, Any]]:
+        return self._values(self.nodes)
+
+    def ready(self) -> bool:
+        if not self._ready:
+            have = self.want_mds <= set(self.mds) and self.want_nodes <= set(self.nodes)
+            self._ready = have or time.monotonic() > self.deadline
+            if self._ready:
+                log.info("event=indexes_ready complete=%s", have)
+        return self._ready
+
+
+def _keys(items: Collection[dict[str, Any]], field: str) -> set[str]:
+    return {str((i.get("metadata") or {}).get(field) or "") for i in items} - {""}
+
+
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+async def startup(
+    settings: kopf.OperatorSettings,
+    memo: kopf.Memo,
+    model_deployments: kopf.Index[str, Any],
+    gpu_nodes: kopf.Index[str, Any],
+    **_: Any,
+) -> None:
+    """The composition root: everything the process runs is built here, once."""
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING
-    settings.peering.lifetime = int(memo.get("peering_lifetime", 60))
+    settings.peering.lifetime = int(memo.get("peering_lifetime", 20))
     # One leader for the whole cluster, also when serving a few namespaces only: the window
     # loop places every model on the shared GPUs, so the peering object is the cluster one.
     settings.peering.clusterwide = True
     settings.watching.server_timeout = 60
+    # Retry API errors forever (capped at 30 s apart): kopf's default gives up after ~1 min of
+    # retries per request and the operator then exited with etcd down for long (issue 16).
+    settings.networking.error_backoffs = RetryForever()
     config: OperatorConfig = memo["config"]
+    view = IndexView(model_deployments, gpu_nodes)
     kube = KubeApi(
         peering=memo.get("peering"),
         identity=memo["identity"],
@@ -56,11 +139,17 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         discovery=memo.get("discovery"),
         namespaces=tuple(memo.get("namespaces") or ()),
         history_namespace=memo.get("history_namespace"),
+        view=view,
+        lease_s=float(memo.get("lease_seconds", 10.0)),
     )
     await kube.ensure_peering()
+    view.expect(
+        _keys(await kube.list_model_deployments_now(), "uid"),
+        _keys(await kube.list_gpu_nodes_now(), "name"),
+    )
     metrics = Metrics()
     if memo.get("metrics_port"):
-        metrics.serve(int(memo["metrics_port"]), memo.get("metrics_address", "0.0.0.0"))
+        metrics.serve(int(memo["metrics_port"]), memo.get("metrics_address", "127.0.0.1"))
     auth: AgentAuth = memo.get("agent_auth") or AgentAuth()
     gateways = memo.get("gateways")
     demand = gateways.build() if gateways is not None else None
@@ -105,8 +194,9 @@ async def model_deployment_changed(body: kopf.Body, reason: str, **_: Any) -> No
     except SpecError as exc:
         raise kopf.PermanentError(f"invalid ModelDeployment: {exc}") from exc
     if reason in ("create", "update"):
-        kopf.info(
+        kopf.event(
             body,
+            type="Normal",
             reason="Accepted" if reason == "create" else "SpecChanged",
             message=f"model {md.model}, tensorParallel {md.tp}, maxBatchSize {md.max_batch}, "
             f"instances {md.min_instances}..{md.max_instances}, prewarm "
@@ -116,7 +206,7 @@ async def model_deployment_changed(body: kopf.Body, reason: str, **_: Any) -> No
 
 @kopf.on.delete(GROUP, VERSION, MD_PLURAL)
 async def model_deployment_deleted(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """The finalizer: evict every instance and replica of the model before the object goes."""
+    """The finalizer: remove everything the deployment owns before the object goes."""
     try:
         md = parse_model_deployment(body)
     except SpecError:

@@ -8,20 +8,22 @@ official ``kubernetes`` client (synchronous, so every call runs in a worker thre
 
 Leadership: kopf's peering pauses a replica's handlers while a live peer with a higher priority
 exists (and pauses all replicas with equal priorities).  The window loop is not a kopf handler,
-so :func:`is_leader` applies the same rule to the same ``ClusterKopfPeering`` object; two
-replicas therefore never both act, and a replica acts only when kopf would let it.
+so it holds its own ``coordination.k8s.io`` Lease (:mod:`.leader`), never reading kopf's
+internal peering status.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import logging
 import os
-from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .leader import DEFAULT_LEASE_S
 from .spec import API_VERSION, GROUP, MD_KIND, MD_PLURAL, NODE_KIND, NODE_PLURAL, VERSION
 
 log = logging.getLogger("warmserve.operator.kube")
@@ -29,6 +31,8 @@ log = logging.getLogger("warmserve.operator.kube")
 PEERING_GROUP = "kopf.dev"
 PEERING_PLURAL = "clusterkopfpeerings"
 COMPONENT = "warmserve-operator"
+REQUEST_TIMEOUT_S = 15.0
+API_THREADS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +69,12 @@ class AgentDiscovery:
 
 
 class KubePort(Protocol):
+    async def ready(self) -> bool: ...
     async def list_model_deployments(self) -> list[dict[str, Any]]: ...
     async def list_gpu_nodes(self) -> list[dict[str, Any]]: ...
     async def patch_md_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
     async def patch_node_status(self, name: str, status: dict[str, Any]) -> None: ...
-    async def read_history(self, uid: str) -> dict[str, str] | None: ...
+    async def read_histories(self, uids: list[str]) -> dict[str, dict[str, str]]: ...
     async def write_history(self, uid: str, data: dict[str, str], owner_key: str) -> None: ...
     async def delete_history(self, uid: str) -> None: ...
     async def list_history_uids(self) -> list[str]: ...
@@ -100,28 +105,13 @@ def own_namespace() -> str:
         return "default"
 
 
-def is_leader(
-    peering_status: Mapping[str, Any] | None,
-    identity: str,
-    priority: int,
-    now: dt.datetime | None = None,
-) -> bool:
-    """kopf's peering rule: no live peer with a higher or equal priority (other than us)."""
-    now = now or dt.datetime.now(dt.UTC)
-    for peer_id, info in (peering_status or {}).items():
-        if peer_id == identity or not isinstance(info, Mapping):
-            continue
-        try:
-            last = dt.datetime.fromisoformat(str(info.get("lastseen")))
-            if last.tzinfo is None:
-                last = last.replace(tzinfo=dt.UTC)
-            alive = last + dt.timedelta(seconds=int(info.get("lifetime", 60))) > now
-            prio = int(info.get("priority", 0))
-        except (TypeError, ValueError):
-            continue
-        if alive and prio >= priority:
-            return False
-    return True
+class ClusterView(Protocol):
+    """What the loop reads of the API: kopf's indexes of ModelDeployments and GPUNodes
+    (:mod:`.handlers`), so a poll never re-lists them."""
+
+    def model_deployments(self) -> list[dict[str, Any]]: ...
+    def gpu_nodes(self) -> list[dict[str, Any]]: ...
+    def ready(self) -> bool: ...
 
 
 class KubeApi:
@@ -137,6 +127,8 @@ class KubeApi:
         discovery: AgentDiscovery | None = None,
         namespaces: tuple[str, ...] = (),
         history_namespace: str | None = None,
+        view: ClusterView | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         from kubernetes import client, config
 
@@ -144,10 +136,18 @@ class KubeApi:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
-        self._api = client.ApiClient()
+        conf = client.Configuration.get_default_copy()
+        conf.connection_pool_maxsize = API_THREADS  # one connection per API thread
+        self._api = client.ApiClient(conf)
         self._custom = client.CustomObjectsApi(self._api)
         self._core = client.CoreV1Api(self._api)
+        self._coord = client.CoordinationV1Api(self._api)
         self._exc = client.ApiException
+        # The client is synchronous: its calls run on threads; enough for a poll's status writes
+        # and Events to go out together (the default executor has cores + 4 threads).
+        self._pool = ThreadPoolExecutor(max_workers=API_THREADS, thread_name_prefix="kube")
+        self.view = view
+        self.lease_s = lease_s
         self.peering = peering
         self.identity = identity
         self.priority = priority
@@ -158,9 +158,30 @@ class KubeApi:
         self.history_namespace = history_namespace or own_namespace()
 
     async def _t(self, fn: Any, *args: Any, **kw: Any) -> Any:
-        return await asyncio.to_thread(fn, *args, **kw)
+        # Bounded: with etcd unavailable a call fails after this, and the next poll retries.
+        kw.setdefault("_request_timeout", REQUEST_TIMEOUT_S)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kw))
 
     async def list_model_deployments(self) -> list[dict[str, Any]]:
+        if self.view is None:
+            raise RuntimeError("no kopf index view: the loop runs inside `warmserve operator`")
+        return self.view.model_deployments()
+
+    async def list_gpu_nodes(self) -> list[dict[str, Any]]:
+        if self.view is None:
+            raise RuntimeError("no kopf index view: the loop runs inside `warmserve operator`")
+        return self.view.gpu_nodes()
+
+    async def ready(self) -> bool:
+        return self.view is not None and self.view.ready()
+
+    async def list_gpu_nodes_now(self) -> list[dict[str, Any]]:
+        """One listing from the API (startup only: what the indexes must catch up with)."""
+        res = await self._t(self._custom.list_cluster_custom_object, GROUP, VERSION, NODE_PLURAL)
+        return list(res.get("items", []))
+
+    async def list_model_deployments_now(self) -> list[dict[str, Any]]:
         if not self.namespaces:
             res = await self._t(self._custom.list_cluster_custom_object, GROUP, VERSION, MD_PLURAL)
             return list(res.get("items", []))
@@ -171,10 +192,6 @@ class KubeApi:
             )
             items += res.get("items", [])
         return items
-
-    async def list_gpu_nodes(self) -> list[dict[str, Any]]:
-        res = await self._t(self._custom.list_cluster_custom_object, GROUP, VERSION, NODE_PLURAL)
-        return list(res.get("items", []))
 
     async def patch_md_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         try:
@@ -205,18 +222,22 @@ class KubeApi:
             if exc.status != 404:
                 raise
 
-    async def read_history(self, uid: str) -> dict[str, str] | None:
-        from .history import configmap_name
+    async def read_histories(self, uids: list[str]) -> dict[str, dict[str, str]]:
+        """The stored histories of ``uids`` (missing ones left out), in one LIST of the
+        operator's namespace: a restart with 1,000 deployments makes one call, not 1,000."""
+        from .history import OWNER_LABEL
 
-        try:
-            cm = await self._t(
-                self._core.read_namespaced_config_map, configmap_name(uid), self.history_namespace
-            )
-        except self._exc as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return dict(cm.data or {})
+        want = set(uids)
+        res = await self._t(
+            self._core.list_namespaced_config_map,
+            self.history_namespace,
+            label_selector=f"app.kubernetes.io/managed-by={COMPONENT},{OWNER_LABEL}",
+        )
+        return {
+            cm.metadata.labels[OWNER_LABEL]: dict(cm.data or {})
+            for cm in res.items
+            if cm.metadata.labels.get(OWNER_LABEL) in want
+        }
 
     async def write_history(self, uid: str, data: dict[str, str], owner_key: str) -> None:
         from .history import OWNER_LABEL, configmap_name
@@ -294,24 +315,22 @@ class KubeApi:
             log.warning("event=post_event_failed reason=%s status=%s", reason, exc.status)
 
     async def is_leader(self) -> bool:
+        """Hold the loop's Lease (:mod:`.leader`); ``--standalone``: always."""
         if not self.peering:
             return True
-        try:
-            obj = await self._t(
-                self._custom.get_cluster_custom_object,
-                PEERING_GROUP,
-                "v1",
-                PEERING_PLURAL,
-                self.peering,
-            )
-        except self._exc as exc:
-            if exc.status == 404:
-                return False  # kopf pauses too while the peering object is missing
-            raise
-        status = obj.get("status") or {}
-        if self.identity not in status:
-            return False  # kopf has not announced us yet: we cannot know who else is there
-        return is_leader(status, self.identity, self.priority)
+        from .leader import hold_lease
+
+        return await hold_lease(
+            self._coord,
+            self._exc,
+            self._t,
+            self.history_namespace,
+            f"{self.peering}-loop",
+            self.identity[:128],
+            self.priority,
+            self.lease_s,
+            COMPONENT,
+        )
 
     async def sync_agent_nodes(self) -> None:
         """Create/update a GPUNode for every running agent pod (see :class:`AgentDiscovery`)."""

@@ -7,7 +7,12 @@ it over HTTP.
 
 from __future__ import annotations
 
+import logging
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger("warmserve.operator")
 
 PREFIX = "warmserve_operator"
 
@@ -68,6 +73,18 @@ class Metrics:
             registry=r,
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
         )
+        self.events_dropped = Counter(
+            f"{PREFIX}_events_dropped_total",
+            "Events not posted because a burst exceeded the Event budget",
+            registry=r,
+        )
+        self.poll_seconds = Histogram(
+            f"{PREFIX}_poll_seconds",
+            "Time one poll of the loop takes, by phase",
+            ["phase"],
+            registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
         self.activation_seconds = Histogram(
             f"{PREFIX}_activation_seconds",
             "Instance activation time reported by agents",
@@ -76,5 +93,39 @@ class Metrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
         )
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        # Every label set a dashboard rates over exists (at 0) from the start: a counter or
+        # histogram series that appears with its first observation already counted hides that
+        # observation from rate()/increase() (the dashboard test caught exactly that).
+        for start in ("hit", "cold"):
+            self.activation_seconds.labels(start)
+
+    def model_seen(self, model: str) -> None:
+        """Create a model's per-model series at 0 when the operator first serves it."""
+        for start in ("hit", "cold"):
+            self.starts.labels(model, start)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
+
+
+class Phases:
+    """Seconds each phase of one poll took: a metric always, a log line when a poll is slow."""
+
+    SLOW_S = 2.0
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.t = time.perf_counter()
+        self.spent: dict[str, float] = {}
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.spent[phase] = now - self.t
+        self.metrics.poll_seconds.labels(phase).observe(now - self.t)
+        self.t = now
+
+    def log(self, deployments: int) -> None:
+        total = sum(self.spent.values())
+        if total >= self.SLOW_S:
+            detail = " ".join(f"{k}={v:.2f}" for k, v in self.spent.items())
+            log.info("event=slow_poll seconds=%.2f deployments=%d %s", total, deployments, detail)

@@ -12,7 +12,7 @@ import pytest
 
 from warmserve import cli
 from warmserve.policy.cluster import GiB, PolicyInputError, WorkerState
-from warmserve.scenario import load_scenario, parse_scenario, parse_size
+from warmserve.scenario import load_cluster_state, parse_cluster_state, parse_size
 
 EXAMPLE = Path(str(resources.files("warmserve") / "data" / "examples" / "cluster.json"))
 
@@ -55,8 +55,9 @@ def test_example_json_output(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_example_table_and_start(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, _ = run(["plan", str(EXAMPLE), "--start", "llama2-7b-1", "--start", "llama2-70b"],
-                     capsys)
+    rc, out, _ = run(
+        ["plan", str(EXAMPLE), "--start", "llama2-7b-1", "--start", "llama2-70b"], capsys
+    )
     assert rc == 0
     assert "ACTION" in out and "SCORE" in out and "keep" in out and "place" in out
     assert "llama2-7b-1: hit on node-a GPUs 5" in out
@@ -93,14 +94,20 @@ def test_sizes() -> None:
     assert parse_size("12.55GB") == 12_550_000_000
     assert parse_size("2 MiB") == 2 * 1024**2
     assert parse_size("512") == 512
-    for bad, msg in [(-1, "negative"), ("-3GB", "negative"), ("12XB", "unknown unit"),
-                     ("lots", "bad size"), (1.5, "expected bytes"), (True, "expected a size")]:
+    for bad, msg in [
+        (-1, "negative"),
+        ("-3GB", "negative"),
+        ("12XB", "unknown unit"),
+        ("lots", "bad size"),
+        (1.5, "expected bytes"),
+        (True, "expected a size"),
+    ]:
         with pytest.raises(PolicyInputError, match=msg):
             parse_size(bad, "x")
 
 
 def test_free_defaults() -> None:
-    s = load_scenario(EXAMPLE)
+    s = load_cluster_state(EXAMPLE)
     a = s.node("node-a")
     assert a.gpu(0).free_bytes == 0 and a.gpu(0).state == WorkerState.DEDICATED
     # grace GPU: Eq. 1 with R=3, C=32, M=60 GiB, K=4 GiB -> 54.125 GiB lendable
@@ -160,7 +167,7 @@ def test_bad_scenarios_one_line_exit_2(
 ) -> None:
     doc = _mutate(path, value)
     with pytest.raises(PolicyInputError, match=pattern):
-        parse_scenario(doc)
+        parse_cluster_state(doc)
     f = tmp_path / "s.json"
     f.write_text(json.dumps(doc))
     rc, out, err = run(["plan", str(f)], capsys)
@@ -175,7 +182,7 @@ def test_overlapping_instances_rejected() -> None:
         {"name": "x", "model": "llama2-7b-1", "node": "node-a", "gpus": [3], "phase": "serving"}
     )
     with pytest.raises(PolicyInputError, match="GPU 3 of node-a already serves 'llama2-70b-a'"):
-        parse_scenario(doc)
+        parse_cluster_state(doc)
 
 
 def test_missing_file_and_invalid_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -53,23 +53,25 @@ def policy_replicas(kubectl: Any, ns: str, snaps: dict[str, Any]) -> tuple[Any, 
     """
     from dataclasses import replace
 
-    from warmserve_operator.planning import build_state
+    from warmserve_operator.observe import observation
     from warmserve_operator.spec import parse_model_deployment, resolve_model
 
+    from warmserve.control.snapshot import build_state
     from warmserve.policy.cluster import LoadForecast, WorkerState
     from warmserve.policy.placement import plan_prewarm
 
     catalog = {}
     for snap in snaps.values():
         catalog.update(snap.models)
-    specs, forecasts = {}, {}
+    specs, forecasts, owners = {}, {}, {}
     for body in get_json(kubectl, "wsmd", "-n", ns)["items"]:
         md = parse_model_deployment(body)
+        owners[md.model] = md.uid
         specs[md.model] = resolve_model(md, catalog)
         load = body["status"]["load"]
         forecasts[md.model] = LoadForecast(load["predictedAverage"], load["predictedPeak"])
-    built = build_state(specs, snaps, forecasts)
-    state = built.state
+    obs = observation(time.time(), snaps, owners, set(owners.values()))
+    state = build_state(obs, specs, forecasts)
     idle = (WorkerState.IDLE, WorkerState.UNIVERSAL)
     bare_nodes = tuple(
         replace(
@@ -189,6 +191,8 @@ def test_operator_end_to_end(
                 "warmserve",
                 "--priority",
                 str(priority),
+                "--lease-seconds",
+                "6",
                 "--metrics-port",
                 "0",
                 "--scale-down-delay",
@@ -203,10 +207,17 @@ def test_operator_end_to_end(
         return "\n".join(procs.log(n) for n in list(procs.procs) if n.startswith("operator"))
 
     try:
-        # Two replicas from the start: kopf peering + the loop's leader check let only the one
-        # with the higher priority act; the standby (priority 50) must never touch an agent.
-        start_operator("operator-standby", 50)
+        # Two replicas: the loop's leader Lease lets one act at a time, and a lower priority
+        # never takes it from a live leader; the standby (priority 50) starts second and must not
+        # touch an agent while operator-1 lives.
         start_operator("operator-1", 100)
+        wait_for(
+            lambda: "event=action" in (tmp_path / "operator-1.log").read_text(),
+            "operator-1 leads",
+            SETTLE_S,
+            logs,
+        )
+        start_operator("operator-standby", 50)
 
         # 1. Prewarmed replicas placed as the policy core plans them.
         def placed() -> bool:
@@ -243,6 +254,14 @@ def test_operator_end_to_end(
         assert ready["Prewarmed"]["status"] == "True" and ready["Ready"]["reason"] == "ScaledToZero"
 
         # 3. Kill the operator mid-way; another replica takes over without duplicating anything.
+        wait_for(
+            lambda: "event=operator_started" in (tmp_path / "operator-standby.log").read_text(),
+            "the standby runs beside the leader",
+            SETTLE_S,
+            logs,
+        )
+        time.sleep(2.0)  # a few of its polls beside a live leader
+        standby_before_kill = (tmp_path / "operator-standby.log").read_text()
         procs.kill("operator-1")
         start_operator("operator-2", 200)
 
@@ -260,6 +279,8 @@ def test_operator_end_to_end(
         assert len(new) == 1 and new[0]["prewarmHit"] is True
         assert (new[0]["node"], tuple(new[0]["gpus"])) in replica_groups
         events = get_json(kubectl, "events", "-n", ns)["items"]
+        accepted = {e["involvedObject"]["name"] for e in events if e["reason"] == "Accepted"}
+        assert {"chat", "code"} <= accepted, "kopf's handler posts Accepted (issue 16)"
         hits = [
             e
             for e in events
@@ -275,14 +296,14 @@ def test_operator_end_to_end(
         assert len(chat_slots) == 3 and len(set(chat_slots)) == 3, chat_slots
 
         # The load history is persisted by the operator (here: under the chart's RBAC).
-        from warmserve_operator.history import LoadHistory
+        import warmserve_operator.history as history_io
 
         code_uid = get_json(kubectl, "wsmd", "code", "-n", ns)["metadata"]["uid"]
         chat_uid = get_json(kubectl, "wsmd", "chat", "-n", ns)["metadata"]["uid"]
 
         def history_written() -> bool:
             cm = get_json(kubectl, "configmap", f"warmserve-history-{code_uid}", "-n", ns)
-            hist = LoadHistory.from_data(cm["data"], W)
+            hist = history_io.from_data(cm["data"], W)
             return hist.end > math.floor(time.time() / W) - 3 and max(hist.peak[-3:]) >= 6
 
         wait_for(history_written, "code's observed windows persisted", SETTLE_S, logs)
@@ -355,11 +376,9 @@ def test_operator_end_to_end(
         ).stdout
         assert "tiny-code" in text and "Unplaceable" in text
         print(text)
-        standby = (tmp_path / "operator-standby.log").read_text()
-        assert "event=operator_started" in standby
-        assert "event=action" not in standby, "the standby replica acted"
-        for leader in ("operator-1", "operator-2"):
-            assert "event=action" in (tmp_path / f"{leader}.log").read_text(), leader
+        assert "event=operator_started" in standby_before_kill
+        assert "event=action" not in standby_before_kill, "the standby acted beside a leader"
+        assert "event=action" in (tmp_path / "operator-1.log").read_text()
         print(f"e2e wall time: {time.monotonic() - t_start:.1f}s")
     finally:
         kubectl("delete", "gpunode", *addresses, "--ignore-not-found", "--wait=false", check=False)

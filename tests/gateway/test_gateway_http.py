@@ -447,3 +447,26 @@ async def test_an_engine_dying_mid_stream_aborts_the_client_connection(
     finally:
         agent.kill()
         agent.wait(10)
+
+
+async def test_per_model_series_exist_at_zero_once_the_model_is_known() -> None:
+    """A dashboard's rate() needs the series before the first request: a histogram born with its
+    first observation already counted shows no increase (the dead-panel failure of the real
+    Prometheus dashboard test)."""
+    from gw_support import ListSource
+    from warmserve_gateway.config import GatewayConfig
+    from warmserve_gateway.server import Gateway
+
+    class OneModel(ListSource):
+        def start(self, loop: Any, on_list: Any, on_event: Any) -> None:
+            on_list(None, [md("known", "known", [])])
+
+    gw = Gateway(GatewayConfig(host="127.0.0.1", port=0, admin_port=0), OneModel())
+    await gw.start()
+    try:
+        async with aiohttp.ClientSession() as s, s.get(f"{gw.urls['admin']}/metrics") as r:
+            text = await r.text()
+        assert 'warmserve_gateway_ttft_seconds_count{model="known",stream="true"} 0.0' in text
+        assert 'warmserve_gateway_queue_wait_seconds_count{model="known"} 0.0' in text
+    finally:
+        await gw.stop()

@@ -239,13 +239,13 @@ def test_port_free() -> None:
 
 # ---- history seed ------------------------------------------------------------------------------
 def test_history_seed_is_read_back_by_the_operator() -> None:
-    from warmserve_operator.history import LoadHistory, configmap_name
+    from warmserve_operator.history import configmap_name, from_data
 
     avg = [1.0, 2.5, 0.0, 4.25]
     peak = [2.0, 3.0, 1.0, 6.0]
     cm = history_configmap("ns", "uid-1", "m", 15.0, 1000, avg, peak)
     assert cm["metadata"]["name"] == configmap_name("uid-1")
-    h = LoadHistory.from_data(cm["data"], 15.0)
+    h = from_data(cm["data"], 15.0)
     assert h.end == 1000 and len(h) == 4
     a, p = h.series(1000)
     assert a == avg and p == peak

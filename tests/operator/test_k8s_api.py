@@ -147,6 +147,9 @@ ALLOWED = [
     ("create", "events", "other"),
     ("create", "events.events.k8s.io", "other"),
     ("list", "pods", "self"),
+    ("get", "leases.coordination.k8s.io", "self"),
+    ("create", "leases.coordination.k8s.io", "self"),
+    ("update", "leases.coordination.k8s.io", "self"),
     ("list", "endpointslices.discovery.k8s.io", "self"),  # gateway replicas (held demand)
 ]
 FORBIDDEN = [
@@ -159,6 +162,7 @@ FORBIDDEN = [
     ("update", "configmaps", "kube-system"),
     ("delete", "configmaps", "kube-system"),
     ("list", "configmaps", None),
+    ("update", "leases.coordination.k8s.io", "kube-system"),
     ("list", "secrets", "other"),
     ("delete", "modeldeployments.warmserve.io", "other"),
     ("list", "pods", "other"),
@@ -291,10 +295,10 @@ def test_history_lives_in_the_operators_namespace_and_writes_elsewhere_are_refus
         async def round_trip() -> None:
             await api.write_history("uid-1", {"format": "x"}, "demo/code")
             await api.write_history("uid-1", {"format": "y"}, "demo/code")
-            assert await api.read_history("uid-1") == {"format": "y"}
+            assert await api.read_histories(["uid-1", "uid-x"]) == {"uid-1": {"format": "y"}}
             assert await api.list_history_uids() == ["uid-1"]
             await api.delete_history("uid-1")
-            assert await api.read_history("uid-1") is None
+            assert await api.read_histories(["uid-1"]) == {}
             foreign = KubeApi(peering=None, identity="t", priority=1, history_namespace="default")
             from kubernetes.client import ApiException
 

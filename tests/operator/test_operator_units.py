@@ -3,20 +3,20 @@ status documents and the ``warmserve status`` view."""
 
 from __future__ import annotations
 
-import datetime as dt
 import math
 import re
 from dataclasses import replace
 
 import numpy as np
 import pytest
+import warmserve_operator.history as history_io
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from warmserve_operator.actions import MAX_ID, request_id
 from warmserve_operator.agents import GpuView, InstanceView, NodeSnapshot, SlotView
-from warmserve_operator.history import F16_MAX, HistoryError, LoadHistory
-from warmserve_operator.kube import is_leader
-from warmserve_operator.planning import build_state, orphan_actions, teardown_actions
+from warmserve_operator.history import F16_MAX
+from warmserve_operator.identity import MAX_ID, orphans, request_id, teardown
+from warmserve_operator.leader import LeaseRecord, next_lease
+from warmserve_operator.observe import observation
 from warmserve_operator.spec import (
     CatalogEntry,
     SpecError,
@@ -27,6 +27,7 @@ from warmserve_operator.spec import (
 )
 from warmserve_operator.status import Condition, merge_conditions, node_status
 
+from warmserve.control.history import HistoryError, LoadHistory
 from warmserve.policy.cluster import GiB, InstancePhase, WorkerState
 
 # ---------------------------------------------------------------------------- history
@@ -40,7 +41,7 @@ def test_history_roundtrip_is_float16_exact(windows: list[tuple[float, float]], 
     h = LoadHistory(300.0)
     for i, (a, p) in enumerate(windows):
         h.record(start + i, a, p)
-    back = LoadHistory.from_data(h.to_data("m"), 300.0)
+    back = history_io.from_data(history_io.to_data(h, "m"), 300.0)
     assert back.end == start + len(windows) and len(back) == len(windows)
     want = np.array([a for a, _ in windows], dtype=np.float16).astype(float)
     assert np.array_equal(back.avg, want)
@@ -67,22 +68,24 @@ def test_history_is_bounded_and_saturates() -> None:
     assert len(h) == 10 and h.start == 15
     h.record(10**6, 1e9, 1e9)  # a gap longer than the history restarts it
     assert len(h) == 1
-    back = LoadHistory.from_data(h.to_data("m"), 300.0)
+    back = history_io.from_data(history_io.to_data(h, "m"), 300.0)
     assert back.peak[-1] == F16_MAX
 
 
 def test_history_bad_data_is_a_clear_error() -> None:
     with pytest.raises(HistoryError, match="format"):
-        LoadHistory.from_data({"format": "x"}, 300.0)
-    data = LoadHistory(300.0).to_data("m")
+        history_io.from_data({"format": "x"}, 300.0)
+    data = history_io.to_data(LoadHistory(300.0), "m")
     data["avg"] = "not base64!"
     with pytest.raises(HistoryError, match="'avg' is not base64"):
-        LoadHistory.from_data(data, 300.0)
+        history_io.from_data(data, 300.0)
     with pytest.raises(HistoryError, match="finite"):
         LoadHistory(300.0).record(0, -1.0, 1.0)
     other = LoadHistory(300.0)
     other.record(5, 1.0, 1.0)
-    assert len(LoadHistory.from_data(other.to_data("m"), 60.0)) == 0, "other window: fresh start"
+    assert len(history_io.from_data(history_io.to_data(other, "m"), 60.0)) == 0, (
+        "other window: fresh start"
+    )
 
 
 # ---------------------------------------------------------------------------- spec
@@ -163,24 +166,24 @@ def test_missing_weights_and_duplicates() -> None:
 # ---------------------------------------------------------------------------- leader rule
 
 
-def test_leader_rule_matches_kopf_peering() -> None:
-    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
-    fresh = (now - dt.timedelta(seconds=5)).isoformat()
-    stale = (now - dt.timedelta(seconds=120)).isoformat()
-    me = {"me": {"priority": 10, "lifetime": 60, "lastseen": fresh}}
-    assert is_leader(me, "me", 10, now)
-    assert not is_leader(
-        {**me, "hi": {"priority": 11, "lifetime": 60, "lastseen": fresh}}, "me", 10, now
-    )
-    assert not is_leader(
-        {**me, "eq": {"priority": 10, "lifetime": 60, "lastseen": fresh}}, "me", 10, now
-    )
-    assert is_leader(
-        {**me, "lo": {"priority": 9, "lifetime": 60, "lastseen": fresh}}, "me", 10, now
-    )
-    assert is_leader(
-        {**me, "dead": {"priority": 99, "lifetime": 60, "lastseen": stale}}, "me", 10, now
-    )
+def test_lease_rule() -> None:
+    """One holder at a time; a dead leader is replaced within a lease; a higher priority asks
+    the holder to hand over and the holder releases before the asker takes it."""
+    assert next_lease(None, "a", 1, 100.0, 15.0) == (True, LeaseRecord("a", 100.0, 15.0, 1))
+    held = LeaseRecord("a", 100.0, 15.0, 1, resource_version="7")
+    lead, w = next_lease(held, "a", 1, 105.0, 15.0)
+    assert lead and w is not None and w.renew_s == 105.0 and w.resource_version == "7"
+    assert next_lease(held, "b", 1, 110.0, 15.0) == (False, None), "a live equal waits"
+    lead, w = next_lease(held, "b", 0, 116.0, 15.0)
+    assert lead and w is not None and w.holder == "b", "an expired lease goes to anyone"
+    lead, w = next_lease(held, "c", 5, 110.0, 15.0)
+    assert not lead and w is not None and w.holder == "a" and w.preempt_by == "c"
+    asked = w
+    lead, w = next_lease(asked, "a", 1, 111.0, 15.0)
+    assert not lead and w is not None and w.holder == "", "the holder releases"
+    lead, w = next_lease(w, "c", 5, 112.0, 15.0)
+    assert lead and w is not None and w.holder == "c"
+    assert next_lease(asked, "c", 5, 111.0, 15.0) == (False, None), "asked once"
 
 
 # ---------------------------------------------------------------------------- request ids
@@ -210,45 +213,37 @@ def test_orphans_and_teardown_actions() -> None:
     slot = SlotView("s1", "gone", (0,), 4, 4, 4, GiB, GiB, "ready", owner="uid-gone")
     failed = SlotView("s2", "m", (1,), 1, 4, 4, GiB, 4 * GiB, "failed")
     inst = InstanceView("i1", "gone", (1,), "http://x", InstancePhase.SERVING, owner="uid-gone")
-    from warmserve.policy.cluster import ModelSpec
-
-    built = build_state({"m": ModelSpec("m", GiB)}, {"n": snap("n", (slot, failed), (inst,))}, {})
-    acts = orphan_actions(built)
+    snaps = {"n": snap("n", (slot, failed), (inst,))}
+    acts = orphans(snaps, {"m": "uid-m"}, {"uid-m"}, 0.0, {}, 30.0)
     # A serving orphan drains through grace first (the agent refuses to end it directly).
-    assert sorted(type(a).__name__ for a in acts) == ["BeginGrace", "Evict", "Evict"]
+    assert sorted(type(a).__name__ for a in acts) == ["Drain", "Evict", "Evict"]
     assert {getattr(a, "reason", "") for a in acts} >= {"loading failed"}
-    td, left = teardown_actions("uid-gone", {"n": snap("n", (slot,), (inst,))}, 0.0, {}, 30.0)
-    assert [type(a).__name__ for a in td] == ["BeginGrace", "Evict"]
+    td, left = teardown("uid-gone", {"n": snap("n", (slot,), (inst,))}, 0.0, {}, 30.0)
+    assert [type(a).__name__ for a in td] == ["Drain", "Evict"]
     assert len(left) == 2
     grace = replace(inst, phase=InstancePhase.GRACE, running=1, grace_started_unix=100.0)
-    td, _ = teardown_actions("uid-gone", {"n": snap("n", (), (grace,))}, 110.0, {}, 30.0)
+    td, _ = teardown("uid-gone", {"n": snap("n", (), (grace,))}, 110.0, {}, 30.0)
     assert td == [], "a grace instance with a request in flight waits..."
-    td, _ = teardown_actions("uid-gone", {"n": snap("n", (), (grace,))}, 130.0, {}, 30.0)
-    assert [type(a).__name__ for a in td] == ["EndInstance"], "...until its grace is over"
+    td, _ = teardown("uid-gone", {"n": snap("n", (), (grace,))}, 130.0, {}, 30.0)
+    assert [type(a).__name__ for a in td] == ["EndGrace"], "...until its grace is over"
     assert td[0].evict_weights is True
     idle = replace(grace, running=0)
-    td, _ = teardown_actions("uid-gone", {"n": snap("n", (), (idle,))}, 101.0, {}, 30.0)
-    assert [type(a).__name__ for a in td] == ["EndInstance"], "an idle one ends at once"
+    td, _ = teardown("uid-gone", {"n": snap("n", (), (idle,))}, 101.0, {}, 30.0)
+    assert [type(a).__name__ for a in td] == ["EndGrace"], "an idle one ends at once"
     # Identity is the owner UID, not the model name: another owner's slot is never touched.
-    td, left = teardown_actions("uid-dup", {"n": snap("n", (slot,), (inst,))}, 0.0, {}, 30.0)
+    td, left = teardown("uid-dup", {"n": snap("n", (slot,), (inst,))}, 0.0, {}, 30.0)
     assert td == [] and left == []
 
 
 def test_ownership_by_uid() -> None:
-    from warmserve.policy.cluster import ModelSpec
-
     mine = SlotView("s1", "m", (0,), 4, 4, 4, GiB, GiB, "ready", owner="uid-a")
     foreign = SlotView("s2", "m", (1,), 4, 4, 4, GiB, GiB, "ready", owner="uid-old")
     dead = SlotView("s3", "m", (1,), 4, 4, 4, GiB, GiB, "ready", owner="uid-dead")
-    built = build_state(
-        {"m": ModelSpec("m", GiB)},
-        {"n": snap("n", (mine, foreign, dead))},
-        {},
-        owners={"m": "uid-a"},
-        live={"uid-a", "uid-old"},
-    )
-    assert list(built.slot_of.values()) == ["s1"], "only the owner's slot is a replica"
-    assert [s.slot_id for _n, s, _r in built.orphan_slots] == ["s3"], "a live UID is no orphan"
+    snaps = {"n": snap("n", (mine, foreign, dead))}
+    obs = observation(0.0, snaps, {"m": "uid-a"}, {"uid-a", "uid-old"})
+    assert [s.id for s in obs.slots if not s.foreign] == ["s1"], "only the owner's is a replica"
+    gone = orphans(snaps, {"m": "uid-a"}, {"uid-a", "uid-old"}, 0.0, {}, 30.0)
+    assert [a.slot_id for a in gone] == ["s3"], "a live UID's slot is no orphan"
 
 
 # ---------------------------------------------------------------------------- status
@@ -348,3 +343,30 @@ def test_cli_errors_are_one_line_exit_2(
     assert "file not found" in capsys.readouterr().err
     assert main(["operator"]) == 2
     assert "no Kubernetes cluster configured" in capsys.readouterr().err
+
+
+def test_operator_cli_defaults_are_safe_outside_the_chart() -> None:
+    """Metrics bind loopback unless asked (the chart passes 0.0.0.0); a lease, not kopf's
+    peering lifetime, bounds a leader handover (issue 16)."""
+    import argparse
+
+    from warmserve.cli import operator_cmd
+
+    parser = argparse.ArgumentParser()
+    operator_cmd.register(parser.add_subparsers())
+    args = parser.parse_args(["operator"])
+    assert args.metrics_address == "127.0.0.1"
+    assert args.lease_seconds <= 10 and args.peering_lifetime <= 20
+
+
+def test_kopf_api_retries_never_run_out() -> None:
+    """With etcd down for long the operator used to exit once kopf's retries ran out."""
+    import itertools
+
+    from warmserve_operator.handlers import RetryForever
+
+    delays = RetryForever()
+    first = list(itertools.islice(iter(delays), 200))
+    assert first[:3] == [1, 1, 2] and max(first) == 30 and len(first) == 200
+    assert list(itertools.islice(iter(delays), 3)) == [1, 1, 2], "re-iterable per request"
+    assert not hasattr(delays, "__len__"), "unsized: kopf counts no last attempt"

@@ -12,14 +12,17 @@ call (no "GPU is serving", no "not enough memory").
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from operator_fakes import FakeAgent
-from warmserve_operator.actions import Activate, BeginGrace, EndInstance, Evict, Prewarm
+from warmserve_operator.act import call, rid
 from warmserve_operator.agents import AgentCallError
-from warmserve_operator.planning import build_state, scaling_actions, window_actions
+from warmserve_operator.observe import observation
 
+from warmserve.control.controller import ControlConfig, Controller, ModelEntry
+from warmserve.control.decisions import Evict, Prewarm, Start
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import GiB, LoadForecast, ModelSpec, WorkerState
 
@@ -91,28 +94,27 @@ def test_one_poll_of_actions_is_consistent_and_accepted(sc: dict) -> None:
 async def _check(sc: dict) -> None:
     agents = await _build(sc)
     snaps = {n: await a.describe() for n, a in agents.items()}
-    specs = {
-        m: ModelSpec(m, w, tp=tp, max_batch=4, cold_start_s=5.0, num_layers=layers)
-        for m, (w, layers, tp) in MODELS.items()
-    }
-    forecasts = {m: LoadForecast(a, max(a, p)) for m, (a, p) in sc["fc"].items()}
-    built = build_state(specs, snaps, forecasts)
-    scaling = scaling_actions(
-        built,
-        sc["loads"],
-        sc["bounds"],
-        AutoscalerConfig(scale_down_delay_s=0),
-        now_s=100.0,
-        memory={},
-        grace_started_s={},
+    ctl = Controller(
+        ControlConfig(window_s=300.0, autoscaler=AutoscalerConfig(scale_down_delay_s=0))
     )
-    after = type(built)(
-        scaling.state, built.slot_of, built.orphan_slots, built.orphan_instances, built.snaps
+    ctl.set_models(
+        {
+            m: ModelEntry(
+                ModelSpec(m, w, tp=tp, max_batch=4, cold_start_s=5.0, num_layers=layers),
+                *sc["bounds"][m],
+            )
+            for m, (w, layers, tp) in MODELS.items()
+        },
+        100.0,
     )
-    _plan, prewarm = window_actions(after)
-    actions = scaling.actions + prewarm
+    for m, (a, p) in sc["fc"].items():
+        ctl.models[m].forecast = LoadForecast(a, max(a, p))
+    obs = observation(100.0, snaps, {m: "" for m in MODELS}, set())
+    obs = replace(obs, held=dict(sc["loads"]))  # the demand, as held requests
+    out = ctl.decide(obs)
+    actions = list(out.items)
 
-    ids = [a.request_id for a in actions]
+    ids = [rid(a, snaps[a.node]) for a in actions]
     assert len(ids) == len(set(ids)), "request ids are unique"
     held: dict[str, set[int]] = {n: set() for n in snaps}
     for n, snap in snaps.items():
@@ -120,38 +122,28 @@ async def _check(sc: dict) -> None:
             if g.state in (WorkerState.DEDICATED, WorkerState.GRACE):
                 held[n].add(g.index)
     for a in actions:
-        if isinstance(a, Activate):
+        if isinstance(a, Start):
             assert not held[a.node] & set(a.gpus), f"start on busy GPUs: {a}"
             held[a.node] |= set(a.gpus)
     for a in actions:
         if isinstance(a, Prewarm):
             busy = {g.index for g in snaps[a.node].gpus if g.state == WorkerState.DEDICATED}
             started = {
-                g for b in actions if isinstance(b, Activate) and b.node == a.node for g in b.gpus
+                g for b in actions if isinstance(b, Start) and b.node == a.node for g in b.gpus
             }
             assert not (busy | started) & set(a.gpus), f"prewarm on serving GPUs: {a}"
         if isinstance(a, Evict):
             assert snaps[a.node].slot(a.slot_id) is not None
-    evicted = [a.slot_id for a in actions if isinstance(a, Evict)]
+    evicted = [(a.node, a.slot_id) for a in actions if isinstance(a, Evict)]
     assert len(evicted) == len(set(evicted))
 
-    # Execute in the operator's order (its tasks start in list order; evictions come before
-    # the prewarms that need their memory).  The agents must accept every call.
-    order = {Activate: 0, BeginGrace: 1, EndInstance: 1, Evict: 2, Prewarm: 3}
-    for a in sorted(actions, key=lambda a: order[type(a)]):
+    # Execute in the decisions' order through the operator's one dispatch; the agents must
+    # accept every call (an eviction a start already did is skipped).
+    for a in actions:
         agent = agents[a.node]
-        if isinstance(a, Activate):
-            try:
-                await agent.activate(a.model, a.gpus, a.slot_id, a.request_id)
-            except AgentCallError as exc:
-                raise AssertionError(f"agent refused {a}: {exc}") from None
-        elif isinstance(a, Evict):
-            if a.slot_id in agent.slots:  # a start may have evicted it already
-                await agent.evict(a.slot_id, a.request_id)
-        elif isinstance(a, Prewarm):
-            try:
-                await agent.prewarm(a.model, a.gpus, a.layers, a.request_id)
-            except AgentCallError as exc:
-                raise AssertionError(f"agent refused {a}: {exc}") from None
-        elif isinstance(a, BeginGrace):
-            await agent.begin_grace(a.instance_id, a.request_id)
+        if isinstance(a, Evict) and a.slot_id not in agent.slots:
+            continue
+        try:
+            await call(agent, a, rid(a, snaps[a.node]))
+        except AgentCallError as exc:
+            raise AssertionError(f"agent refused {a}: {exc}") from None

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import warmserve_operator.history as history_io
 from operator_fakes import FakeKube
 from warmserve_operator.agents import AgentAuth, AgentPool, GrpcAgent
-from warmserve_operator.history import LoadHistory
 from warmserve_operator.reconciler import OperatorConfig, Reconciler
 
+from warmserve.control.history import LoadHistory
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import WorkerState
 
@@ -100,7 +101,7 @@ async def test_grace_instance_lends_memory_to_a_prewarm(agent_address: str) -> N
     end = math.floor(time.time() / W)
     for i in range(end - 30, end):
         hist.record(i, 1.0, 1.0)  # B: one basic replica wanted (ceil(1/8) = 1)
-    kube.configmaps["uid-b"] = hist.to_data("model-b")
+    kube.configmaps["uid-b"] = history_io.to_data(hist, "model-b")
     cfg = OperatorConfig(
         window_s=W,
         poll_s=0.25,
@@ -153,7 +154,7 @@ async def test_grace_instance_lends_memory_to_a_prewarm(agent_address: str) -> N
 
         await _until(universal_with_both, "grace ended, GPU universal with B resident")
         reasons = kube.reasons("ModelDeployment/a") + kube.reasons("ModelDeployment/b")
-        assert "Draining" in reasons and "InstanceEnded" in reasons and "Prewarm" in reasons
+        assert "Draining" in reasons and "InstanceEnded" in reasons and "Prewarmed" in reasons
     finally:
         stop.set()
         await asyncio.wait_for(loop_task, 15)

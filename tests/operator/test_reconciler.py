@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
+import warmserve_operator.history as history_io
 from operator_fakes import Clock, FakeAgent, FakeKube
 from warmserve_operator.agents import AgentPool
-from warmserve_operator.history import LoadHistory
-from warmserve_operator.planning import build_state
+from warmserve_operator.observe import observation
 from warmserve_operator.reconciler import OperatorConfig, Reconciler
 
+from warmserve.control.history import LoadHistory
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import GiB
 from warmserve.policy.placement import plan_prewarm
@@ -26,7 +27,11 @@ def seed_history(
     end = math.floor(now / W)
     for i in range(end - windows, end):
         h.record(i, avg, peak)
-    kube.configmaps[f"uid-{name}"] = h.to_data(model)  # FakeKube.add_md's default UID
+    kube.configmaps[f"uid-{name}"] = history_io.to_data(h, model)  # FakeKube.add_md's default UID
+
+
+def md_of(h: Harness, model: str):
+    return next(d.md for d in h.rec.deployments.values() if d.md.model == model)
 
 
 class Harness:
@@ -89,10 +94,11 @@ async def test_prewarm_follows_policy_plan_and_status_reports_it() -> None:
     await h.tick()
     # What the policy core plans for the same snapshot and forecasts:
     snaps = {n: await a.describe() for n, a in h.agents.items()}
-    specs = {m: rt.spec for m, rt in h.rec.models.items()}
-    fcs = {m: rt.forecast for m, rt in h.rec.models.items()}
-    assert fcs["llama-a"].avg == pytest.approx(6.0, rel=1e-2)
-    replanned = plan_prewarm(build_state(specs, snaps, fcs).state)
+    ctl = h.rec.controller
+    assert ctl.forecast_of("llama-a").avg == pytest.approx(6.0, rel=1e-2)
+    owners = {d.md.model: uid for uid, d in h.rec.deployments.items()}
+    obs = observation(h.clock.t, snaps, owners, set(owners.values()))
+    replanned = plan_prewarm(ctl.snapshot(obs))
     assert not replanned.place and not replanned.evict, "the operator placed exactly the plan"
     assert len(h.slots("llama-a")) == 3  # ceil(6/4)=2 basic + ceil(10/4)-2 = 1 burst
     assert len(h.slots("llama-b")) == 1
@@ -104,7 +110,7 @@ async def test_prewarm_follows_policy_plan_and_status_reports_it() -> None:
     assert st["load"]["predictedAverage"] == pytest.approx(6.0, rel=1e-2)
     assert h.cond("a", "Prewarmed")["status"] == "True"
     assert h.cond("a", "Ready")["reason"] == "ScaledToZero"
-    assert "Prewarm" in h.kube.reasons("ModelDeployment/a")
+    assert "Prewarmed" in h.kube.reasons("ModelDeployment/a")  # one Event, not one per replica
     node_st = h.kube.nodes["node-0"]["status"]
     assert node_st["gpuCount"] == 4 and node_st["conditions"][0]["status"] == "True"
 
@@ -145,7 +151,7 @@ async def test_delete_tears_down_everything_of_the_model() -> None:
     seed_history(h.kube, "b", "llama-b", h.clock.t, avg=3.0, peak=3.0)
     await h.tick(3)
     assert h.slots("llama-a") and h.instances("llama-a")
-    md = h.rec.models["llama-a"].md
+    md = md_of(h, "llama-a")
     left = await h.rec.teardown(md)
     assert left == []
     assert not h.slots("llama-a") and not h.instances("llama-a")
@@ -163,7 +169,7 @@ async def test_delete_drains_a_busy_instance_through_grace_within_the_bound() ->
     await h.tick(3)
     ((node, _),) = h.instances("llama-a")
     h.agents[node].set_load("llama-a", 2)  # requests in flight: grace cannot end early
-    md = h.rec.models["llama-a"].md
+    md = md_of(h, "llama-a")
     h.kube.mds[("default", "a")]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     t0 = h.clock.t
     rounds = 0
@@ -186,7 +192,7 @@ async def test_deleting_a_duplicate_in_another_namespace_touches_nothing_of_the_
     await h.tick(3)
     before = (h.slots("llama-a"), h.instances("llama-a"))
     assert before[0] and before[1]
-    assert h.rec.models["llama-a"].md.key == "demo/code"
+    assert md_of(h, "llama-a").key == "demo/code"
     from warmserve_operator.spec import parse_model_deployment
 
     b16 = parse_model_deployment(h.kube.mds[("bad", "b16")])
@@ -275,14 +281,14 @@ async def test_history_is_persisted_each_window() -> None:
     h.agents[node].set_load("llama-a", 3)
     await h.tick(10)  # 5 s = 2+ windows
     data = h.kube.configmaps["uid-a"]
-    hist = LoadHistory.from_data(data, W)
+    hist = history_io.from_data(data, W)
     assert len(hist) >= 2
     assert max(hist.peak) == pytest.approx(3.0)
     assert h.status("a")["load"]["observedPeak"] == pytest.approx(3.0)
     # A restarted operator continues the same history from the ConfigMap.
     h.rec = h.new_reconciler()
     await h.tick(1)
-    again = h.rec.models["llama-a"].history
+    again = h.rec.controller.history("llama-a")
     assert again is not None and again.end == hist.end and list(again.peak) == list(hist.peak)
 
 
@@ -370,7 +376,7 @@ async def test_windows_are_wall_clock_aligned_and_a_late_start_is_not_diluted() 
     ((node, _),) = h.instances("llama-a")
     h.agents[node].set_load("llama-a", 4)
     await h.tick(8)  # to t=1_000_005.5
-    hist = h.rec.models["llama-a"].history
+    hist = h.rec.controller.history("llama-a")
     assert hist.end == 1_000_004 // 2  # windows 500000 and 500001 closed (index = t // W)
     # First window observed for 1 s only: 0 at t=1_000_001.0, 4 from t=1_000_001.5 -> avg 2
     # (an aligned tracker would have diluted it to 1 with the unobserved half).
@@ -386,3 +392,37 @@ async def test_invalid_spec_is_reported_once_and_blocks_orphan_cleanup() -> None
     assert cond["reason"] == "InvalidSpec" and "spec.tensorParallel" in cond["message"]
     assert h.kube.status_writes == 1
     assert h.slots("llama-a"), "slots are not treated as orphans while a spec cannot be read"
+
+
+async def test_rough_edges_of_issue_16_statuses_and_events() -> None:
+    """A model in no weight store is Degraded (not refused every poll); a duplicate's status is
+    written once, not every poll; a scaled-to-zero deployment is not Ready."""
+    h = Harness()
+    h.kube.add_md("zero", "llama-a")  # minInstances 0: scaled to zero
+    h.kube.add_md("dup", "llama-a", created="2026-01-02T00:00:00Z")
+    h.kube.add_md("nostore", "llama-zz")
+    h.kube.mds[("default", "nostore")]["spec"]["model"].update(
+        {"weightBytes": 4 * GiB, "numLayers": 8}
+    )
+    await h.tick(6)
+    cond = h.cond("nostore", "Degraded")
+    assert cond["status"] == "True" and cond["reason"] == "ModelNotInStore", cond
+    assert not any(m == "llama-zz" for a in h.agents.values() for m in a.catalog)
+    assert not any("llama-zz" in rid for a in h.agents.values() for _v, rid in a.calls)
+    assert h.kube.reasons("ModelDeployment/nostore").count("ModelNotInStore") == 1
+    assert "AgentRefused" not in h.kube.reasons()
+    assert h.kube.writes_of[("default", "dup")] == 1, "a duplicate's status is written once"
+    ready = h.cond("zero", "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "ScaledToZero"
+
+
+async def test_a_deployment_asking_for_every_gpu_does_not_starve_the_others() -> None:
+    """Issue 16: minInstances 1000 used to take every free GPU; fair shares cap it."""
+    h = Harness()  # 2 nodes x 4 GPUs
+    h.kube.add_md("hog", "llama-a", minInstances=1000, maxInstances=1000)
+    await h.tick(2)
+    h.kube.add_md("b", "llama-b", tensorParallel=2, minInstances=1)
+    for _ in range(12):  # the hog drains to its share after the scale-down delay (1 s here)
+        await h.tick()
+    assert len(h.instances("llama-b")) == 1, "b got its instance"
+    assert len(h.instances("llama-a")) == 6, "the hog keeps the rest (6 of 8 GPUs)"

@@ -9,23 +9,32 @@ import pytest
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import ModelSpec
 from warmserve.sim.baselines import muxserve, power_law_rates, prism
-from warmserve.sim.baselines.sharing import Load, dynamic_slowdown
+from warmserve.sim.baselines.prism_runtime import PrismHooks
 from warmserve.sim.cluster import SimCluster
-from warmserve.sim.core import ModelRuntime, Simulation, StaticInstance
-from warmserve.sim.engine import EngineModel, ModelArch
+from warmserve.sim.core import Simulation
 from warmserve.sim.hardware import load_profile
+from warmserve.sim.hooks import StaticLayout
+from warmserve.sim.model import SimModel, StaticInstance
+from warmserve.sim.perf import EngineModel, ModelArch
+from warmserve.sim.sharing import Load, dynamic_slowdown
 from warmserve.sim.systems import get_system
 
 H800 = load_profile("h800")
 
 
-def _runtime(idx: int, name: str, max_batch: int = 32) -> ModelRuntime:
+def _runtime(idx: int, name: str, max_batch: int = 32) -> SimModel:
     arch = ModelArch.llama2("7b")
     eng = EngineModel(H800, arch, 1)
     spec = ModelSpec(name, arch.weight_bytes, 1, max_batch, eng.load_s(), arch.num_layers)
-    return ModelRuntime(
-        idx, spec, eng, eng.kv_bytes_per_token_per_gpu, eng.kv_capacity_tokens(),
-        eng.layer_load_s, [], [],
+    return SimModel(
+        idx,
+        spec,
+        eng,
+        eng.kv_bytes_per_token_per_gpu,
+        eng.kv_capacity_tokens(),
+        eng.layer_load_s,
+        [],
+        [],
     )
 
 
@@ -46,7 +55,7 @@ def _sim(system: str, static, arrivals, models_of, n_in=500, n_out=50, gpus=1, m
         scale_interval_s=1.0,
         queue_timeout_s=3600.0,
         drain_s=600.0,
-        static_instances=static,
+        hooks=StaticLayout(static),
     )
 
 
@@ -109,10 +118,12 @@ def test_sharing_slowdown_follows_the_neighbours_current_load():
     # Request 0 (a) runs alone; requests 1 (a) and 2 (b) arrive together much later, so b's
     # prefill starts while a is busy.
     static = [
-        StaticInstance("a", "node-0", (0,), slowdown=9.0, config_slowdown=1.5,
-                       prefill_config_slowdown=1.2),
-        StaticInstance("b", "node-0", (0,), slowdown=9.0, config_slowdown=1.5,
-                       prefill_config_slowdown=1.2),
+        StaticInstance(
+            "a", "node-0", (0,), slowdown=9.0, config_slowdown=1.5, prefill_config_slowdown=1.2
+        ),
+        StaticInstance(
+            "b", "node-0", (0,), slowdown=9.0, config_slowdown=1.5, prefill_config_slowdown=1.2
+        ),
     ]
     sim = _sim("muxserve", static, [0.0, 100.0, 100.0], [0, 0, 1])
     out = sim.run()
@@ -132,13 +143,19 @@ def test_sharing_slowdown_follows_the_neighbours_current_load():
 # ----------------------------------------------------------------------------- Prism activation
 
 
-def _big_runtime(idx: int, name: str, gib: float) -> ModelRuntime:
+def _big_runtime(idx: int, name: str, gib: float) -> SimModel:
     arch = ModelArch.llama2("7b").with_weight_bytes(int(gib * 2**30))
     eng = EngineModel(H800, arch, 1)
     spec = ModelSpec(name, arch.weight_bytes, 1, 32, eng.load_s(), arch.num_layers)
-    return ModelRuntime(
-        idx, spec, eng, eng.kv_bytes_per_token_per_gpu, eng.kv_capacity_tokens(),
-        eng.layer_load_s, [], [],
+    return SimModel(
+        idx,
+        spec,
+        eng,
+        eng.kv_bytes_per_token_per_gpu,
+        eng.kv_capacity_tokens(),
+        eng.layer_load_s,
+        [],
+        [],
     )
 
 
@@ -154,7 +171,7 @@ def _facts(models, rates, idle_s=10.0):
 
 def _prism_sim(models, static, arrivals, models_of, gpus, facts, n_in=500, n_out=50):
     sim = _sim("prism", static, arrivals, models_of, n_in, n_out, gpus=gpus, models=models)
-    sim.prism = facts
+    sim.hooks = PrismHooks(facts, static)
     return sim
 
 
@@ -169,7 +186,8 @@ def test_plan_activation_prefers_empty_gpus_then_evicts_idle_models():
     # ... and x, idle for 50 s > 10 s, is evicted to make room
     x = prism.ResidentModel("x", (0,), part, 1.0, last_request_s=0.0)
     assert prism.plan_activation([full, empty], [x], model, 50.0, 10.0, exclude=[1]) == (
-        (0,), ["x"],
+        (0,),
+        ["x"],
     )
     # a busy or recently used x is never evicted
     busy = prism.ResidentModel("x", (0,), part, 1.0, last_request_s=0.0, inflight=1)
@@ -237,8 +255,9 @@ def test_baselines_conserve_requests_and_causality(system):
     prep = runner.prepare(parse(make_doc(**{"workload.total_rps": 12})))
     out, wall = runner.run_system(prep, system, check=True)
     names = [m.spec.name for m in prep.models]
-    row = metrics.summarize(out, prep.requests.arrival, prep.requests.model,
-                            prep.requests.output_tokens, names, wall)
+    row = metrics.summarize(
+        out, prep.requests.arrival, prep.requests.model, prep.requests.output_tokens, names, wall
+    )
     metrics.check_conservation(row)
     served = ~np.isnan(out.finish)
     arr = prep.requests.arrival
@@ -258,8 +277,7 @@ def test_prism_scale_out_never_time_shares_a_busy_gpu():
     ]
     facts = _facts(models, {"a": 1.0, "b": 1.0})
     arrivals = [0.0] + [0.1] * 6
-    sim = _prism_sim(models, static, arrivals, [1] + [0] * 6, gpus=2, facts=facts,
-                     n_out=2000)
+    sim = _prism_sim(models, static, arrivals, [1] + [0] * 6, gpus=2, facts=facts, n_out=2000)
     out = sim.run()
     assert out.starts == [] and out.start_failures >= 1
     assert not np.isnan(out.finish).any()

@@ -24,8 +24,8 @@ from warmserve.sim.baselines import (
     prefill_engine,
 )
 from warmserve.sim.baselines.muxserve import base_tp, mesh_groups, node_splits
-from warmserve.sim.engine import EngineModel, ModelArch
 from warmserve.sim.hardware import load_profile
+from warmserve.sim.perf import EngineModel, ModelArch
 
 H800 = load_profile("h800")
 ARCHS = {"7b-0": "7b", "7b-1": "7b", "13b": "13b", "70b": "70b"}
@@ -369,7 +369,7 @@ def test_prism_static_instances_respect_memory():
 
 
 def test_sharing_slowdown_grows_with_neighbour_load():
-    from warmserve.sim.baselines.sharing import Load, busy_fraction, sharing_slowdown
+    from warmserve.sim.sharing import Load, busy_fraction, sharing_slowdown
 
     e = EngineModel(H800, ModelArch.llama2("7b"), 1)
     light, heavy = Load(0.5, PROMPT, OUTPUT), Load(20.0, PROMPT, OUTPUT)

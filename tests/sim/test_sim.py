@@ -11,19 +11,25 @@ from hypothesis import strategies as st
 
 from tests.sim.conftest import make_doc
 from warmserve.sim import metrics, runner
-from warmserve.sim.core import DROP_QUEUE_TIMEOUT
+from warmserve.sim.model import DROP_QUEUE_TIMEOUT
 from warmserve.sim.scenario import parse
 
-AUTOSCALING = ["warmserve", "warmserve-no-proactive", "warmserve-no-evict-aware", "reactive",
-               "sllm-gpu"]
+AUTOSCALING = [
+    "warmserve",
+    "warmserve-no-proactive",
+    "warmserve-no-evict-aware",
+    "reactive",
+    "sllm-gpu",
+]
 
 
 def _run(doc, system):
     prep = runner.prepare(parse(doc))
     out, wall = runner.run_system(prep, system)
     names = [m.spec.name for m in prep.models]
-    row = metrics.summarize(out, prep.requests.arrival, prep.requests.model,
-                            prep.requests.output_tokens, names, wall)
+    row = metrics.summarize(
+        out, prep.requests.arrival, prep.requests.model, prep.requests.output_tokens, names, wall
+    )
     return prep, out, row
 
 
@@ -38,8 +44,14 @@ def busy_prep():
 def test_conservation_every_request_served_or_dropped(busy_prep, system):
     out, wall = runner.run_system(busy_prep, system, check=True)
     names = [m.spec.name for m in busy_prep.models]
-    row = metrics.summarize(out, busy_prep.requests.arrival, busy_prep.requests.model,
-                            busy_prep.requests.output_tokens, names, wall)
+    row = metrics.summarize(
+        out,
+        busy_prep.requests.arrival,
+        busy_prep.requests.model,
+        busy_prep.requests.output_tokens,
+        names,
+        wall,
+    )
     metrics.check_conservation(row)
     served = ~np.isnan(out.finish)
     dropped = np.array([d is not None for d in out.drop])
@@ -54,16 +66,18 @@ def test_conservation_every_request_served_or_dropped(busy_prep, system):
 
 def test_drops_carry_reasons_when_the_queue_times_out():
     # One GPU, two models: the second model can only run when the first lets go.
-    doc = make_doc(**{
-        "cluster.gpus_per_node": 1,
-        "models": [
-            {"name": "a", "arch": "llama2-7b", "tp": 1, "trace_day": 3},
-            {"name": "c", "arch": "llama2-7b", "tp": 1, "trace_day": 4},
-        ],
-        "workload.total_rps": 20,
-        "policy.queue_timeout_s": 5,
-        "policy.drain_s": 60,
-    })
+    doc = make_doc(
+        **{
+            "cluster.gpus_per_node": 1,
+            "models": [
+                {"name": "a", "arch": "llama2-7b", "tp": 1, "trace_day": 3},
+                {"name": "c", "arch": "llama2-7b", "tp": 1, "trace_day": 4},
+            ],
+            "workload.total_rps": 20,
+            "policy.queue_timeout_s": 5,
+            "policy.drain_s": 60,
+        }
+    )
     _, _, row = _run(doc, "reactive")
     metrics.check_conservation(row)
     assert row["dropped"] > 0
@@ -159,10 +173,16 @@ def test_single_request_matches_hand_calculation():
     system=st.sampled_from([*AUTOSCALING, "dedicated"]),
 )
 def test_conservation_holds_for_any_small_scenario(seed, rps, alpha, gpus, system):
-    doc = make_doc(**{
-        "seed": seed, "workload.total_rps": rps, "workload.alpha": alpha,
-        "workload.duration_s": 300, "cluster.gpus_per_node": gpus, "policy.drain_s": 120,
-    })
+    doc = make_doc(
+        **{
+            "seed": seed,
+            "workload.total_rps": rps,
+            "workload.alpha": alpha,
+            "workload.duration_s": 300,
+            "cluster.gpus_per_node": gpus,
+            "policy.drain_s": 120,
+        }
+    )
     _, out, row = _run(doc, system)
     metrics.check_conservation(row)
     served = ~np.isnan(out.finish)

@@ -12,6 +12,8 @@ import socket
 import uuid
 from typing import Any
 
+from warmserve.cli import DefaultsHelpFormatter
+
 
 def _env_float(name: str, default: float) -> float:
     value = os.environ.get(name)
@@ -28,7 +30,7 @@ def register(subparsers: Any) -> None:
             "starts / drains instances through the agents' gRPC API. Uses the kubeconfig "
             "($KUBECONFIG or ~/.kube/config) or the in-cluster service account."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument(
         "--window-seconds",
@@ -112,11 +114,23 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--peering-lifetime",
         type=int,
-        default=60,
+        default=20,
         help="seconds a replica that stopped heart-beating still counts as alive",
     )
+    p.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=10.0,
+        help="duration of the loop's leader Lease: a replacement takes over at most this long "
+        "after a leader dies",
+    )
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port (0: off)")
-    p.add_argument("--metrics-address", default="0.0.0.0", help="Prometheus bind address")
+    p.add_argument(
+        "--metrics-address",
+        default="127.0.0.1",
+        help="Prometheus bind address (loopback by default; the Helm chart passes 0.0.0.0 so "
+        "Prometheus can scrape the pod)",
+    )
     p.add_argument(
         "--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz"
     )
@@ -246,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         priority=priority,
         peering=peering,
         peering_lifetime=args.peering_lifetime,
+        lease_seconds=args.lease_seconds,
         namespaces=tuple(args.namespaces),
         history_namespace=args.history_namespace,
         metrics_port=args.metrics_port,

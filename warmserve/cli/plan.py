@@ -1,6 +1,6 @@
 """``warmserve plan``: a cluster snapshot in, the prewarm plan out (WarmServe §5.2, Algorithm 1).
 
-The command is a thin shell: :func:`warmserve.scenario.load_scenario` validates the file,
+The command is a thin shell: :func:`warmserve.scenario.load_cluster_state` validates the file,
 :func:`warmserve.policy.placement.plan_prewarm` decides, and this module only formats.
 """
 
@@ -175,9 +175,9 @@ def render_text(doc: dict[str, Any], source: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from warmserve.policy.placement import choose_start, plan_prewarm
-    from warmserve.scenario import load_scenario
+    from warmserve.scenario import load_cluster_state
 
-    state = load_scenario(args.scenario)
+    state = load_cluster_state(args.scenario)
     plan = plan_prewarm(state, evict_aware=args.evict_aware)
     starts = [choose_start(state, m) for m in args.start]
     doc = plan_document(state, plan, evict_aware=args.evict_aware, starts=starts)

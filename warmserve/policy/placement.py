@@ -72,9 +72,11 @@ highest-priority requests (basic rank 0 first) and are **kept** in place with th
 rank and score; only the remaining requests are placed.  Resident replicas no longer wanted
 (the model asks for fewer, the degree changed, or a serving instance now holds one of their GPUs)
 are listed in ``evict`` and their memory is counted as free for this plan: the plan describes the
-next window's target (keep + place), and the executor evicts before it loads.  We chose eviction
-over keeping zero-score surplus because a stale replica would still occupy a block and, through
-the nesting rule, constrain groups of other models for a whole window.
+next window's target (keep + place): the plan counts the memory of ``evict`` as free.  When an
+executor actually evicts is the control layer's rule (:mod:`warmserve.control.controller`): a
+replica in ``evict`` whose GPUs no new replica needs stays resident at the lowest priority until
+a start or a later placement wants them (measured better than evicting at once;
+``docs/policy.md``, "The control loop").
 
 Ablation (``evict_aware=False``)
 --------------------------------

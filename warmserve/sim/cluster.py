@@ -1,8 +1,8 @@
 """Mutable simulator state: GPUs, prewarm replicas and serving instances with their engines.
 
-The policy works on immutable snapshots (:class:`warmserve.policy.cluster.ClusterState`); the
-simulator keeps the mutable truth here and builds a snapshot whenever it asks the policy
-something (:meth:`SimCluster.snapshot`).
+The policy works on immutable snapshots; the simulator keeps the mutable truth here and reports
+it as an :class:`warmserve.control.observation.Observation` (:mod:`warmserve.sim.executor`),
+from which the control layer builds the snapshot with the same rule as for the operator.
 
 Continuous batching without per-token events
 --------------------------------------------
@@ -22,22 +22,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from warmserve.policy.cluster import (
-    GPU,
-    ClusterState,
-    Instance,
-    InstancePhase,
-    LoadForecast,
-    ModelSpec,
-    Node,
-    Replica,
-    ReplicaKind,
-    WorkerState,
-)
-from warmserve.policy.proactive import lendable_bytes
+from warmserve.policy.cluster import InstancePhase, ReplicaKind, WorkerState
 
 STARTING, SERVING, GRACE, STOPPED = "starting", "serving", "grace", "stopped"
-_PHASE = {
+PHASE = {
     STARTING: InstancePhase.STARTING,
     SERVING: InstancePhase.SERVING,
     GRACE: InstancePhase.GRACE,
@@ -50,12 +38,11 @@ class SimReplica:
 
     Loading runs at the host→GPU link rate from ``t_begin``; ``layers_at(t)`` is how many leading
     layers are resident then (whole layers only: a layer is usable once all of it is in).
+    ``sid`` is its slot id (what decisions name); ``priority`` the kind/rank/score a rule outside
+    the controller gave it (SLLM-GPU's cache), else ``None``.
     """
 
     model: str
-    kind: ReplicaKind
-    rank: int
-    score: float
     node: str
     gpus: tuple[int, ...]
     bytes_per_gpu: int
@@ -63,6 +50,8 @@ class SimReplica:
     t_begin: float
     per_layer_s: float
     lender: SimInstance | None = None  # grace instance whose KV memory holds it (§4.1)
+    sid: str = ""
+    priority: tuple[ReplicaKind, int, float] | None = None
 
     def layers_at(self, t: float) -> int:
         if t < self.t_begin:
@@ -74,12 +63,6 @@ class SimReplica:
     @property
     def t_done(self) -> float:
         return self.t_begin + self.layers_target * self.per_layer_s
-
-    def as_policy(self, t: float) -> Replica:
-        return Replica(
-            self.model, self.kind, self.rank, self.score, self.node, self.gpus,
-            self.bytes_per_gpu, self.layers_at(t),
-        )
 
 
 @dataclass(eq=False)
@@ -118,7 +101,7 @@ class SimInstance:
     lent: list[SimReplica] = field(default_factory=list)
     served: int = 0
     # GPU sharing (MuxServe, Prism): instances on the same GPUs and the configuration factor of
-    # warmserve.sim.baselines.sharing (None: the constant ``slowdown`` applies).
+    # warmserve.sim.sharing (None: the constant ``slowdown`` applies).
     peers: list[SimInstance] = field(default_factory=list)
     config_slowdown: float | None = None
     prefill_config_slowdown: float | None = None  # None: config_slowdown
@@ -155,14 +138,6 @@ class SimInstance:
             self.v += (t - self.t_last) / self.step_s
         self.t_last = max(self.t_last, t)
 
-    def as_policy(self) -> Instance:
-        kv_cap = int(self.kv_cap_tokens * self.kv_bytes_per_token)
-        used = min(int(self.kv_tokens_now() * self.kv_bytes_per_token), kv_cap)
-        return Instance(
-            self.model, self.node, self.gpus, self.n_assigned, kv_cap, used,
-            _PHASE[self.phase], self.name,
-        )
-
 
 class SimCluster:
     """GPUs (per node), the replicas on them and the instances holding them."""
@@ -173,6 +148,8 @@ class SimCluster:
         self.hbm_bytes = hbm_bytes
         self.holder: dict[tuple[str, int], SimInstance] = {}
         self.replicas: list[SimReplica] = []
+        self.by_sid: dict[str, SimReplica] = {}
+        self._next_sid = 0
         self.link_free: dict[tuple[str, int], float] = {
             (n, g): 0.0 for n in self.node_names for g in range(gpus_per_node)
         }
@@ -203,61 +180,20 @@ class SimCluster:
                 out[self.gpu_state(n, g, (n, g) in used).value] += 1
         return out
 
-    def snapshot(
-        self,
-        t: float,
-        models: dict[str, ModelSpec],
-        instances: list[SimInstance],
-        forecasts: dict[str, LoadForecast],
-        proactive: bool,
-    ) -> ClusterState:
-        """The policy's view now.  Grace GPUs offer their Eq. 1 lendable memory only when
-        proactive prewarming is on (minus what they already lent)."""
-        used = self.replica_bytes()
-        lend_per_gpu: dict[tuple[str, int], int] = {}
-        if proactive:
-            for inst in instances:
-                if inst.phase != GRACE:
-                    continue
-                pol = inst.as_policy()
-                spec = models[inst.model]
-                total = lendable_bytes(
-                    pol.running, spec.max_batch, pol.kv_capacity_bytes, pol.kv_used_bytes
-                )
-                per = total // len(inst.gpus)
-                for g in inst.gpus:
-                    lend_per_gpu[(inst.node, g)] = per
-        nodes = []
-        for n in self.node_names:
-            gpus = []
-            for g in range(self.gpus_per_node):
-                key = (n, g)
-                state = self.gpu_state(n, g, key in used)
-                if state in (WorkerState.IDLE, WorkerState.UNIVERSAL):
-                    free = max(self.hbm_bytes - used.get(key, 0), 0)
-                elif state == WorkerState.GRACE:
-                    free = max(lend_per_gpu.get(key, 0) - used.get(key, 0), 0)
-                else:
-                    free = 0
-                gpus.append(GPU(g, self.hbm_bytes, min(free, self.hbm_bytes), state))
-            nodes.append(Node(n, tuple(gpus)))
-        return ClusterState(
-            tuple(nodes),
-            models,
-            tuple(r.as_policy(t) for r in self.replicas),
-            tuple(i.as_policy() for i in instances if i.phase != STOPPED),
-            dict(forecasts),
-        )
+    def add_replica(self, r: SimReplica) -> SimReplica:
+        self._next_sid += 1
+        r.sid = f"slot-{self._next_sid}"
+        self.replicas.append(r)
+        self.by_sid[r.sid] = r
+        return r
 
-    def find_replica(self, rep: Replica) -> SimReplica | None:
-        for r in self.replicas:
-            if r.model == rep.model and r.node == rep.node and r.gpus == rep.gpus:
-                return r
-        return None
+    def replica(self, sid: str) -> SimReplica | None:
+        return self.by_sid.get(sid)
 
     def remove_replica(self, r: SimReplica, t: float) -> None:
         """Drop a replica; a load still in flight gives its remaining link time back."""
         self.replicas.remove(r)
+        self.by_sid.pop(r.sid, None)
         if r.lender is not None and r in r.lender.lent:
             r.lender.lent.remove(r)
         if t < r.t_done:

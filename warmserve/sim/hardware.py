@@ -48,7 +48,7 @@ class StartupStages:
     cache allocation, CUDA-graph capture), a TP>1 instance needs its NCCL communicator
     (``comm_group_s``), and finally the engine is bound to resident weights and starts serving
     (``activation_s``, paid on every start).  Weight loading is not a fixed stage: it is
-    bandwidth-bound and computed by :meth:`warmserve.sim.engine.EngineModel.load_s`.
+    bandwidth-bound and computed by :meth:`warmserve.sim.perf.EngineModel.load_s`.
     """
 
     process_start_s: float

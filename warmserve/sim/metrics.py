@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from warmserve.sim.core import SimOutput
+from warmserve.sim.model import SimOutput
 
 
 def _pct(values: np.ndarray, q: float) -> float | None:

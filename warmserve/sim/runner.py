@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,28 +31,15 @@ from warmserve.policy.predictor import DEFAULT_PREDICTOR
 from warmserve.policy.scoring import instances_for
 from warmserve.sim import workload as wl
 from warmserve.sim.cluster import SimCluster
-from warmserve.sim.core import ModelRuntime, SimOutput, Simulation, StaticInstance
-from warmserve.sim.engine import EngineModel, ModelArch
+from warmserve.sim.core import Simulation
 from warmserve.sim.hardware import GpuProfile, load_profile
+from warmserve.sim.hooks import Controlled, StaticLayout, SystemHooks
+from warmserve.sim.model import Prepared, SimModel, SimOutput, StaticInstance
+from warmserve.sim.perf import EngineModel, ModelArch
 from warmserve.sim.scenario import Scenario, ScenarioError, start_minute_of
 from warmserve.sim.systems import get_system
 
 log = logging.getLogger("warmserve.sim")
-
-
-@dataclass
-class Prepared:
-    """Everything shared by the systems of one scenario run."""
-
-    scenario: Scenario
-    profile: GpuProfile
-    models: list[ModelRuntime]
-    requests: wl.Requests
-    start_minute: int
-    shares: np.ndarray
-    peak_inflight: list[float]  # oracle peak of the simulated period, per model (dedicated)
-    initial: dict[str, int]
-    prep_s: float
 
 
 def _engine_speeds(engine: EngineModel, spec: ModelSpec, lengths) -> tuple[float, float]:
@@ -137,7 +123,7 @@ def prepare(sc: Scenario) -> Prepared:
     rng = np.random.default_rng(sc.seed)
     reqs = wl.generate(rng, shapes, lengths)
     built = build_models(sc, profile, lengths)
-    models: list[ModelRuntime] = []
+    models: list[SimModel] = []
     peaks: list[float] = []
     initial: dict[str, int] = {}
     asc = autoscaler_config(sc)
@@ -163,7 +149,7 @@ def prepare(sc: Scenario) -> Prepared:
         peaks.append(max((w.peak for w in period), default=0.0))
         placeable = engine.free_kv_bytes_per_gpu() > 0
         models.append(
-            ModelRuntime(
+            SimModel(
                 idx=idx,
                 spec=spec,
                 engine=engine,
@@ -191,7 +177,7 @@ def autoscaler_config(sc: Scenario) -> AutoscalerConfig:
     )
 
 
-def _empty_state(sc: Scenario, profile: GpuProfile, models: list[ModelRuntime],
+def _empty_state(sc: Scenario, profile: GpuProfile, models: list[SimModel],
                  placed: list[StaticInstance]) -> ClusterState:
     held = {(s.node, g) for s in placed for g in s.gpus}
     nodes = tuple(
@@ -240,18 +226,28 @@ def dedicated_layout(prep: Prepared) -> list[StaticInstance]:
     return placed
 
 
-def static_layout(prep: Prepared, system: str) -> list[StaticInstance]:
+def system_hooks(prep: Prepared, system: str) -> SystemHooks:
+    """The plug-in that runs ``system`` in the event loop (:mod:`warmserve.sim.hooks`): the
+    controller for autoscaling systems, a static layout for dedicated and MuxServe, Prism's
+    layout plus its activation for Prism."""
+    cfg = get_system(system)
+    if cfg.mode == "autoscale":
+        return Controlled()
     if system == "dedicated":
-        return dedicated_layout(prep)
+        return StaticLayout(dedicated_layout(prep))
     if system == "muxserve":
         from warmserve.sim.baselines import muxserve
 
-        return muxserve.static_instances(prep)
+        return StaticLayout(muxserve.static_instances(prep))
     if system == "prism":
         from warmserve.sim.baselines import prism
+        from warmserve.sim.baselines.prism_runtime import PrismHooks
 
-        return prism.static_instances(prep)
-    return []
+        layout = prism.static_instances(prep)
+        if cfg.activate:
+            return PrismHooks(prism.runtime_facts(prep), layout)
+        return StaticLayout(layout)
+    raise ScenarioError(f"no event-loop plug-in for system {system!r}")
 
 
 def run_system(
@@ -268,28 +264,23 @@ def run_system(
     cluster = SimCluster(sc.nodes, sc.gpus_per_node, profile.hbm_bytes)
     # Fresh copies of mutable per-run model state (history lists are extended during a run).
     models = [
-        ModelRuntime(
+        SimModel(
             m.idx, m.spec, m.engine, m.kv_bytes_per_token, m.kv_cap_tokens, m.per_layer_load_s,
             list(m.avg_history), list(m.peak_history), m.placeable,
         )
         for m in prep.models
     ]
-    static = static_layout(prep, system) if cfg.mode != "autoscale" else []
+    hooks = system_hooks(prep, system)
     predictor = None
     if sc.predictor:
         from warmserve.policy.predictor import make_predictor
 
         predictor = make_predictor(sc.predictor)
-    prism_facts = None
-    if cfg.mode == "prism" and cfg.activate:
-        from warmserve.sim.baselines import prism
-
-        prism_facts = prism.runtime_facts(prep)
-    elif cfg.mode != "autoscale":
-        # a fixed layout: a model it leaves out is never served
-        have = {s.model for s in static}
+    if isinstance(hooks, StaticLayout):
+        # a fixed layout: a model it leaves out is never served (Prism may activate it)
+        have = {s.model for s in hooks.instances}
         for m in models:
-            if m.spec.name not in have:
+            if m.spec.name not in have and not hooks.activates:
                 m.placeable = False
     sim = Simulation(
         system=cfg,
@@ -306,11 +297,10 @@ def run_system(
         queue_timeout_s=sc.queue_timeout_s,
         drain_s=sc.drain_s,
         predictor=predictor,
-        static_instances=static,
+        hooks=hooks,
         initial_instances=prep.initial,
         progress=progress,
         check=check,
-        prism=prism_facts,
     )
     out = sim.run()
     wall = time.perf_counter() - t0

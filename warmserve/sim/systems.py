@@ -49,9 +49,8 @@ class SystemConfig:
     ``on_stop``: what a stopped instance leaves on its GPUs — ``none`` (idle), ``replica``
     (WarmServe: the old model stays as a prewarm slot, §4.1) or ``cache`` (SLLM-GPU).
     ``load_slowdown``: weight loading slower than the link rate by this factor (stock vLLM's
-    safetensors path).  ``lazy_evict``: replicas a plan no longer wants are evicted only when a
-    new placement needs their GPUs (else kept at score 0, first to go on any start) — the
-    paper keeps released models resident on universal workers (§4.1, Figure 5b).
+    safetensors path).  Eviction, grace, load and re-planning are the control layer's rules
+    (:mod:`warmserve.control.controller`), the same as the operator's.
     ``activate`` (Prism only): a request no instance can take activates one more instance of
     its model on a pooled engine, on the lowest-KVPR GPUs with room, evicting idle models when
     memory is short (Prism §5.2, §6.2; :mod:`warmserve.sim.baselines.prism`).
@@ -68,7 +67,6 @@ class SystemConfig:
     stream_layers: bool = False
     on_stop: str = "none"
     load_slowdown: float = 1.0
-    lazy_evict: bool = False
     activate: bool = False
     description: str = ""
 
@@ -85,18 +83,18 @@ SYSTEMS: dict[str, SystemConfig] = {
     for s in (
         SystemConfig(
             "warmserve", prewarm=True, proactive=True, pooled_process=True, engine_ready=True,
-            comm_group_on_hit=True, stream_layers=True, on_stop="replica", lazy_evict=True,
+            comm_group_on_hit=True, stream_layers=True, on_stop="replica",
             description="WarmServe (full)",
         ),
         SystemConfig(
             "warmserve-no-proactive", prewarm=True, proactive=False, pooled_process=True,
             engine_ready=True, comm_group_on_hit=True, stream_layers=True, on_stop="none",
-            lazy_evict=True, description="WarmServe without proactive prewarming (§7.5)",
+            description="WarmServe without proactive prewarming (§7.5)",
         ),
         SystemConfig(
             "warmserve-no-evict-aware", prewarm=True, evict_aware=False, proactive=True,
             pooled_process=True, engine_ready=True, comm_group_on_hit=True, stream_layers=True,
-            on_stop="replica", lazy_evict=True,
+            on_stop="replica",
             description="WarmServe with first-fit placement (§7.5)",
         ),
         SystemConfig(

@@ -20,7 +20,7 @@ What the paper specifies and this module implements
 
 Where the paper is silent (assumptions, and why)
 ------------------------------------------------
-* ``t_p``/``t_d`` come from our roofline (:mod:`warmserve.sim.engine`) instead of MuxServe's
+* ``t_p``/``t_d`` come from our roofline (:mod:`warmserve.sim.perf`) instead of MuxServe's
   offline profiling tables: same role, and grounded in the same profile as every other system.
   Decode uses the average context ``prompt + output/2``.
 * SM shares: decode MPS candidates 30-90 % in steps of 10 and prefill at 100 %, as in the public
@@ -45,7 +45,7 @@ Runtime slowdown model (what the simulator applies to colocated models)
 :func:`static_instances` hands the simulator each model's configuration factors (prefill jobs at
 all SMs, decode jobs at their MPS share, relative to the model's own engine) and the simulator
 multiplies them by one plus the number of colocated models busy at that moment
-(:func:`warmserve.sim.baselines.sharing.dynamic_slowdown`); the batch cap is MuxServe's own
+(:func:`warmserve.sim.sharing.dynamic_slowdown`); the batch cap is MuxServe's own
 (:func:`adbs_max_num_seqs`).  The finer per-step functions below are not used by the loop:
 Physics the estimator ignores but a real GPU does not: :func:`decode_engine` times a decode step
 with the model's SM share of tensor throughput and an equal share of HBM bandwidth among the
@@ -64,18 +64,17 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from warmserve.policy.cluster import PolicyInputError
-from warmserve.sim.baselines.sharing import (
+from warmserve.sim.hardware import GpuProfile
+from warmserve.sim.perf import EngineModel, ModelArch, scaled_profile
+from warmserve.sim.sharing import (
     Load,
     busy_fraction,
     phase_factors,
     sharing_slowdown,
 )
-from warmserve.sim.engine import EngineModel, ModelArch, scaled_profile
-from warmserve.sim.hardware import GpuProfile
 
 if TYPE_CHECKING:
-    from warmserve.sim.core import StaticInstance
-    from warmserve.sim.runner import Prepared
+    from warmserve.sim.model import Prepared, StaticInstance
 
 DECODE_SM_SHARES = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 PREFILL_SM_SHARE = 1.0
@@ -627,8 +626,8 @@ def adbs_max_num_seqs(kv_tokens: int, load: Load) -> int:
 def static_instances(prep: Prepared) -> list[StaticInstance]:
     """MuxServe's always-on instances for a simulator run: one per model, on its unit's GPUs,
     with the unit's KV quota, MuxServe's own batch cap (:func:`adbs_max_num_seqs`) and a sharing
-    slowdown (:mod:`warmserve.sim.baselines.sharing`)."""
-    from warmserve.sim.core import StaticInstance
+    slowdown (:mod:`warmserve.sim.sharing`)."""
+    from warmserve.sim.model import StaticInstance
 
     sc = prep.scenario
     profile = replace(prep.profile, gpus_per_node=sc.gpus_per_node)

@@ -50,12 +50,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from warmserve.policy.cluster import PolicyInputError
-from warmserve.sim.baselines.sharing import busy_fraction, sharing_slowdown
-from warmserve.sim.engine import EngineModel
+from warmserve.sim.perf import EngineModel
+from warmserve.sim.sharing import busy_fraction, sharing_slowdown
 
 if TYPE_CHECKING:
-    from warmserve.sim.core import StaticInstance
-    from warmserve.sim.runner import Prepared
+    from warmserve.sim.model import Prepared, StaticInstance
 
 # Prism §5.2 / Figure 9 (H100, pageable host memory); see the module docstring.
 PRISM_SINGLE_GPU_LOAD_BW = 23e9
@@ -404,12 +403,12 @@ def static_instances(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> list[St
     request's KV left per GPU.  Each instance's KV capacity is its share of the GPU's leftover
     memory in proportion to its ``r/s`` (kvcached shares the pool on demand; the static share is
     its demand-weighted expectation), a batch cap of :data:`MAX_NUM_SEQS`, and the dynamic
-    sharing slowdown for time-shared GPUs (:mod:`warmserve.sim.baselines.sharing`).  This is the
+    sharing slowdown for time-shared GPUs (:mod:`warmserve.sim.sharing`).  This is the
     layout at t = 0; the event loop then evicts and activates (:func:`plan_activation` with
     :func:`runtime_facts`; docs/simulator.md, "Prism").
     """
     from warmserve.sim.baselines.muxserve import average_loads
-    from warmserve.sim.core import StaticInstance
+    from warmserve.sim.model import StaticInstance
 
     sc = prep.scenario
     loads = average_loads(prep)

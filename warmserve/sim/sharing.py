@@ -1,7 +1,7 @@
 """Static estimates for models that share GPUs, used to turn a baseline's placement into the
 simulator's always-on instances (:class:`warmserve.sim.core.StaticInstance`).
 
-The simulator times an instance with its model's own :class:`~warmserve.sim.engine.EngineModel`
+The simulator times an instance with its model's own :class:`~warmserve.sim.perf.EngineModel`
 times a constant ``slowdown``.  For a model that shares GPUs we estimate that constant as
 
     slowdown = (service time on its shared configuration, alone) / (service time on its own engine)
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from warmserve.sim.engine import EngineModel
+from warmserve.sim.perf import EngineModel
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,8 @@
 """Physics of one serving instance: model shapes, a roofline engine model and start-up costs.
 
+(The simulator's *performance model* of a serving engine, hence ``perf``; called ``engine.py``
+before issue 11, when "engine" also meant the agent's serving processes and ``spec.engine``.)
+
 The simulator asks this module four questions about a model running with tensor parallelism
 ``tp`` on a GPU type (:class:`warmserve.sim.hardware.GpuProfile`):
 
@@ -585,7 +588,7 @@ def physics_table(
 ) -> list[dict[str, float | str]]:
     """Headline numbers of the paper's three models (TP 1/2/4) on ``profile``: step times, KV
     capacity, load and start-up times, and the §7.2 Figure 8 stage-by-stage first-token times.
-    ``python -m warmserve.sim.engine [profile]`` prints it as the table in docs/simulator.md."""
+    ``python -m warmserve.sim.perf [profile]`` prints it as the table in docs/simulator.md."""
     rows: list[dict[str, float | str]] = []
     ctx = 32 * (prompt_tokens + output_tokens // 2)
     for size, tp in (("7b", 1), ("13b", 2), ("70b", 4)):

@@ -1,4 +1,4 @@
-"""Tests for warmserve.sim.hardware (profiles) and warmserve.sim.engine (physics).
+"""Tests for warmserve.sim.hardware (profiles) and warmserve.sim.perf (physics).
 
 Hand calculations are written out next to each expectation so a reader can redo them.
 """
@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from warmserve.policy.cluster import PolicyInputError
-from warmserve.sim.engine import EngineInputError, EngineModel, ModelArch, known_archs
 from warmserve.sim.hardware import (
     PROFILE_DIR,
     GpuProfile,
@@ -22,6 +21,7 @@ from warmserve.sim.hardware import (
     load_profile,
     parse_profile,
 )
+from warmserve.sim.perf import EngineInputError, EngineModel, ModelArch, known_archs
 
 H800 = load_profile("h800")
 A100 = load_profile("a100-80g")
@@ -372,7 +372,7 @@ def test_engine_argument_errors():
 
 
 def test_physics_table_rows():
-    from warmserve.sim.engine import physics_table
+    from warmserve.sim.perf import physics_table
 
     rows = physics_table(H800)
     assert [r["model"] for r in rows] == ["llama2-7b (TP1)", "llama2-13b (TP2)", "llama2-70b (TP4)"]

@@ -1,0 +1,215 @@
+"""The deployments the loop serves: parsed from kopf's index, their policy specs, load
+histories (read once, written as windows close) and what status reports need of them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from warmserve.control.controller import Controller, ModelEntry
+from warmserve.control.decisions import Decisions
+
+from . import history as history_io
+from .agents import NodeSnapshot
+from .kube import KubePort
+from .metrics import Metrics
+from .report import Deployment, Reporter
+from .sources import SourceCatalog
+from .spec import ModelDeploymentSpec, SpecError, parse_model_deployment, resolve_model
+from .status import Condition
+
+log = logging.getLogger("warmserve.operator")
+
+
+class DeploymentBook:
+    """ModelDeployments by UID, and which of them are being torn down."""
+
+    def __init__(
+        self,
+        kube: KubePort,
+        reporter: Reporter,
+        controller: Controller,
+        metrics: Metrics,
+        cfg: Any,
+        clock: Callable[[], float],
+    ) -> None:
+        self.kube = kube
+        self.reporter = reporter
+        self.controller = controller
+        self.metrics = metrics
+        self.cfg = cfg
+        self.clock = clock
+        self.items: dict[str, Deployment] = {}
+        self.sources = SourceCatalog(clock)  # sizes of models only at their spec.model.source
+        # UIDs being (or just) torn down -> when teardown finished (inf while it runs); nothing
+        # is started or prewarmed for them until a later listing drops them.
+        self.deleting: dict[str, float] = {}
+        self.live_uids: frozenset[str] = frozenset()
+
+    async def sync(self) -> tuple[list[ModelDeploymentSpec], bool]:
+        listed_at = self.clock()
+        mds: list[ModelDeploymentSpec] = []
+        invalid = False
+        for body in await self.kube.list_model_deployments():
+            meta = body.get("metadata", {})
+            try:
+                md = parse_model_deployment(body)
+            except SpecError as exc:
+                invalid = True  # do not treat its model's slots as orphans
+                await self.reporter.problem(
+                    meta.get("namespace", ""),
+                    meta.get("name", ""),
+                    meta.get("uid", ""),
+                    "InvalidSpec",
+                    str(exc),
+                )
+                continue
+            mds.append(md)
+            d = self.items.get(md.uid)
+            if d is None:
+                d = self.items[md.uid] = Deployment(md, raw_status=body.get("status") or {})
+                self.metrics.model_seen(md.model)
+            d.md = md
+            if not d.counters_loaded:
+                d.counters_loaded = True
+                pre = (body.get("status") or {}).get("prewarm") or {}
+                d.hits, d.misses = int(pre.get("hits", 0)), int(pre.get("misses", 0))
+        self.live_uids = frozenset(md.uid for md in mds if md.uid)
+        for uid in list(self.items):
+            if uid not in self.live_uids:
+                del self.items[uid]
+        for uid, done in list(self.deleting.items()):
+            if listed_at > done:
+                self.deleting.pop(uid)
+        return mds, invalid
+
+    async def resolve(
+        self,
+        owners: Mapping[str, ModelDeploymentSpec],
+        dups: list[ModelDeploymentSpec],
+        snaps: Mapping[str, NodeSnapshot],
+        now: float,
+    ) -> dict[str, Condition]:
+        """Each owner's policy spec (from its spec and the agents' catalogs), the controller's
+        managed models, and why a deployment cannot be acted on."""
+        catalog: dict[str, Any] = dict(self.sources.entries())  # only at their sources yet
+        for snap in snaps.values():
+            catalog.update(snap.models)
+        problems: dict[str, Condition] = {}
+        for md in dups:
+            msg = f"model {md.model!r} is already served by another ModelDeployment"
+            problems[md.uid] = Condition("Degraded", True, "DuplicateModel", msg)
+        entries: dict[str, ModelEntry] = {}
+        for model, md in owners.items():
+            d = self.items[md.uid]
+            try:
+                d.spec = resolve_model(md, catalog, self.cfg.load_bandwidth)
+            except SpecError as exc:
+                d.spec = None
+                why = self.sources.error(md)
+                problems[md.uid] = (
+                    Condition("Degraded", True, "SourceUnavailable", f"{md.source}: {why}")
+                    if why
+                    else Condition("Degraded", True, "ModelNotFound", str(exc))
+                )
+                continue
+            if snaps and md.model not in catalog and not md.source:
+                # Sized by its spec but in no reachable agent's weight store: every prewarm or
+                # start would be refused, so the controller does not manage it (issue 16).
+                problems[md.uid] = Condition(
+                    "Degraded",
+                    True,
+                    "ModelNotInStore",
+                    f"model {md.model!r} is in the weight store of none of the {len(snaps)} "
+                    "reachable node agents; copy its weights to the nodes",
+                )
+                continue
+            if md.uid not in self.deleting:
+                entries[model] = ModelEntry(d.spec, md.min_instances, md.max_instances, md.prewarm)
+        self.controller.set_models(entries, now)
+        return problems
+
+    async def load_histories(self, managed: Mapping[str, ModelDeploymentSpec], now: float) -> None:
+        todo = {
+            md.uid: model for model, md in managed.items() if not self.items[md.uid].history_loaded
+        }
+        if not todo:
+            return
+        stored = await self.kube.read_histories(list(todo))  # one call, however many
+        for uid, model in todo.items():
+            self.items[uid].history_loaded = True
+            data = stored.get(uid)
+            if not data:
+                continue
+            try:
+                hist = history_io.from_data(data, self.cfg.window_s)
+            except history_io.HistoryError as exc:
+                log.warning("event=history_unreadable model=%s error=%r", model, str(exc))
+                continue
+            self.controller.seed_history(model, hist, now)
+
+    def note_demand(
+        self,
+        managed: Mapping[str, ModelDeploymentSpec],
+        loads: Mapping[str, float],
+        held: Mapping[str, int],
+        gateway_replicas: int | None,
+        demand: object | None,
+    ) -> None:
+        """What status reports of demand: at the instances and held at the gateways."""
+        for model, md in managed.items():
+            d = self.items[md.uid]
+            h = float(held.get(model, 0))
+            d.inflight = loads.get(model, 0.0) - h
+            d.held = h if demand is not None else None
+            d.gateway_replicas = gateway_replicas
+
+    def record(self, out: Decisions, managed: Mapping[str, ModelDeploymentSpec]) -> None:
+        for model, md in managed.items():
+            d = self.items[md.uid]
+            d.no_capacity = out.no_capacity.get(model, "")
+            if model in out.scale:
+                d.desired = out.scale[model].desired
+            if out.plan is not None:
+                d.replicas = tuple(r for r in out.plan.replicas if r.model == model)
+                un = [u for u in out.plan.unplaced if u.model == model]
+                d.unplaced, d.unplaced_reason = len(un), (un[0].reason if un else "")
+                self.metrics.unplaced.labels(model).set(len(un))
+        for model, fc in ((m, self.controller.forecast_of(m)) for m in managed):
+            if fc is not None:
+                self.metrics.predicted.labels(model, "avg").set(fc.avg)
+                self.metrics.predicted.labels(model, "peak").set(fc.peak)
+
+    async def persist(self) -> None:
+        """Write the windows the controller closed (best effort; retried next window)."""
+        closed = self.controller.take_closed()
+        if closed:
+            self.metrics.windows.inc()
+        for model in closed:
+            owner = next((d for d in self.items.values() if d.md.model == model), None)
+            if owner is None:
+                continue
+            hist = self.controller.history(model)
+            last = self.controller.last_window(model)
+            if last is not None:
+                self.metrics.observed.labels(model, "avg").set(last[1])
+                self.metrics.observed.labels(model, "peak").set(last[2])
+            try:
+                await self.kube.write_history(
+                    owner.md.uid, history_io.to_data(hist, model), owner.md.key
+                )
+            except Exception as exc:
+                log.warning("event=history_write_failed model=%s error=%r", model, str(exc))
+        if closed:
+            await self.collect_histories()
+
+    async def collect_histories(self) -> None:
+        """Delete stored histories whose deployment is gone (its finalizer was bypassed)."""
+        try:
+            for uid in await self.kube.list_history_uids():
+                if uid not in self.live_uids and uid not in self.deleting:
+                    log.info("event=history_orphan_deleted uid=%s", uid)
+                    await self.kube.delete_history(uid)
+        except Exception as exc:  # best effort; the next window retries
+            log.warning("event=history_gc_failed error=%r", str(exc))

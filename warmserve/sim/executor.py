@@ -1,0 +1,241 @@
+"""The simulator as an executor of the control layer's decisions (issue 11).
+
+The same :class:`warmserve.control.Controller` the operator runs decides here; this module only
+
+* reports the simulated cluster as an :class:`~warmserve.control.observation.Observation`
+  (replicas as slots, instances with their requests in flight, the gateway's queue as held
+  requests), and
+* carries decisions out with the simulator's physics: a ``Start`` pays the start-up stages and
+  loads the missing layers over the host link (streaming for WarmServe), a ``Drain`` puts an
+  instance into its grace period, an ``EndGrace`` stops it (requests still running are cut
+  off), a ``Prewarm`` loads a replica (into a grace instance's lent KV memory when it lands on
+  a grace GPU), an ``Evict`` removes one.
+
+When it decides (the operator's equivalents in brackets): every ``scale_interval_s`` [poll],
+at each window boundary [poll at the boundary], when a request finds no room [the gateway's
+held-demand wake-up; autoscaling of that model only], and when a grace instance's last request
+finishes [the agent's KV-page event].  After a decision that drained or ended an instance it
+decides again at once [the agent's instance event wakes the loop], so a freed GPU is re-planned
+without waiting for the next tick.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from warmserve.control import decisions as dec
+from warmserve.control.controller import Controller
+from warmserve.control.observation import GpuObs, InstanceObs, Observation, SlotObs
+from warmserve.sim.cluster import GRACE, PHASE, STOPPED, SimInstance, SimReplica
+from warmserve.sim.model import StartRecord
+
+if TYPE_CHECKING:
+    from warmserve.sim.hooks import SimAccess as Simulation
+
+log = logging.getLogger("warmserve.sim")
+
+MAX_ROUNDS = 3  # decide again after drains/ends, at most this many times in one instant
+
+
+def instance_obs(inst: SimInstance) -> InstanceObs:
+    """A simulated instance as the controller sees an agent's: requests assigned to it are
+    both its in-flight load and its running requests (the engine queues nothing else)."""
+    kv_cap = int(inst.kv_cap_tokens * inst.kv_bytes_per_token)
+    used = min(int(inst.kv_tokens_now() * inst.kv_bytes_per_token), kv_cap)
+    return InstanceObs(
+        inst.name,
+        inst.model,
+        inst.node,
+        inst.gpus,
+        PHASE[inst.phase],
+        in_flight=inst.n_assigned,
+        running=inst.n_assigned,
+        kv_capacity_bytes=kv_cap,
+        kv_used_bytes=used,
+        grace_started_s=inst.grace_since if inst.phase == GRACE else None,
+    )
+
+
+class ControlExecutor:
+    """Observe the simulated cluster, ask the controller, carry its decisions out."""
+
+    def __init__(self, sim: Simulation, controller: Controller) -> None:
+        self.sim = sim
+        self.ctl = controller
+        self.unplaced = 0
+
+    # ------------------------------------------------------------------ observe
+
+    def observation(self, t: float) -> Observation:
+        sim = self.sim
+        cl = sim.cl
+        gpus = tuple(
+            GpuObs(n, g, cl.hbm_bytes) for n in cl.node_names for g in range(cl.gpus_per_node)
+        )
+        slots = tuple(
+            SlotObs(
+                r.sid,
+                r.model,
+                r.node,
+                r.gpus,
+                r.bytes_per_gpu,
+                r.layers_at(t),
+                priority=r.priority,
+            )
+            for r in cl.replicas
+        )
+        insts = tuple(instance_obs(i) for i in sim.instances if i.phase != STOPPED)
+        held = {m.spec.name: len(sim.queue[m.idx]) for m in sim.models if sim.queue[m.idx]}
+        return Observation(t, gpus, slots, insts, held)
+
+    # ------------------------------------------------------------------ decide + act
+
+    def step(self, t: float, only: str | None = None) -> None:
+        """Decide at ``t`` (``only``: autoscale that model only) and act; repeat after drains
+        and grace ends (a bounded number of rounds)."""
+        for _ in range(MAX_ROUNDS):
+            obs = self.observation(t)
+            self.ctl.observe(obs)
+            out = self.ctl.decide(obs, only=None if only is None else (only,))
+            if out.plan is not None:
+                self.unplaced += len(out.plan.unplaced)
+            changed = self.execute(out, t)
+            if not changed or only is not None:
+                return
+
+    def bootstrap(self, t: float, counts: dict[str, int]) -> None:
+        """Instances serving when the simulated period begins, all weights resident."""
+        obs = self.observation(t)
+        self.ctl.observe(obs)
+        for d in self.ctl.initial_starts(obs, counts):
+            self._start(d, t, prewarmed=True)
+
+    def execute(self, out: dec.Decisions, t: float) -> bool:
+        """Carry ``out`` out; True when an instance was drained or ended (decide again)."""
+        changed = False
+        started = False
+        for d in out.items:
+            if isinstance(d, dec.Start):
+                self._start(d, t)
+                started = True
+            elif isinstance(d, dec.Drain):
+                self._drain(d, t)
+                changed = True
+            elif isinstance(d, dec.EndGrace):
+                self._end(d, t)
+                changed = True
+            elif isinstance(d, dec.Evict):
+                rep = self.sim.cl.replica(d.slot_id)
+                if rep is not None:
+                    self.sim.account(t)
+                    self.sim.cl.remove_replica(rep, t)
+            elif isinstance(d, dec.Prewarm):
+                self._prewarm(d, t)
+        for model, reason in out.no_capacity.items():
+            sim = self.sim
+            sim.start_failures += 1
+            sim.failure_kinds[sim.failure_kind(sim.specs[model].tp)] += 1
+            log.debug("event=start_failed model=%s reason=%r t=%.3f", model, reason, t)
+        if started:
+            self.sim.sample(t)
+        return changed
+
+    # ------------------------------------------------------------------ the physics of each
+
+    def _find(self, instance_id: str) -> SimInstance | None:
+        return next((i for i in self.sim.instances if i.name == instance_id), None)
+
+    def _start(self, d: dec.Start, t: float, prewarmed: bool = False) -> None:
+        sim = self.sim
+        m = sim.by_name[d.model]
+        sys = sim.sys
+        sim.account(t)
+        resident = 0
+        if d.slot_id:
+            rep = sim.cl.replica(d.slot_id)
+            if rep is not None:
+                resident = rep.layers_at(t)
+                sim.cl.remove_replica(rep, t)
+        for sid in d.evicts:
+            rep = sim.cl.replica(sid)
+            if rep is not None:
+                sim.cl.remove_replica(rep, t)
+        layers = m.spec.num_layers
+        if prewarmed:
+            ready = full = t
+            latency = 0.0
+        else:
+            stages = m.engine.startup_s(
+                pooled_process=sys.pooled_process,
+                engine_ready=sys.engine_ready,
+                comm_group_ready=(d.hit and sys.comm_group_on_hit) or m.spec.tp == 1,
+            )
+            link = max(sim.cl.link_free[(d.node, g)] for g in d.gpus)
+            wait = max(link - t, 0.0)
+            per_layer = m.per_layer_load_s * sys.load_slowdown
+            if sys.stream_layers:
+                # WarmServe's worker copies the missing layers from the moment of the start,
+                # overlapping the remaining stages; serving may begin once the first
+                # prewarm_layers are resident.
+                load_start = t + wait
+                need = max(m.spec.resident_layers - resident, 0)
+                ready = max(t + stages, load_start + need * per_layer)
+                full = load_start + (layers - resident) * per_layer
+            else:
+                # Stock vLLM: process, import, device, engine ... and all weights, in sequence.
+                ready = t + stages + wait + (layers - resident) * per_layer
+                full = ready
+            for g in d.gpus:
+                sim.cl.link_free[(d.node, g)] = max(full, t)
+            latency = ready - t
+        inst = sim.new_instance(m, d.node, d.gpus, t, ready, full, d.hit)
+        if not prewarmed:
+            sim.starts.append(StartRecord(t, d.model, d.hit, latency))
+        log.debug(
+            "event=start model=%s node=%s gpus=%s hit=%s ready_in=%.3f",
+            d.model,
+            d.node,
+            d.gpus,
+            d.hit,
+            ready - t,
+        )
+        sim.schedule_ready(inst, ready if ready > t else t)
+
+    def _drain(self, d: dec.Drain, t: float) -> None:
+        inst = self._find(d.instance_id)
+        if inst is None or inst.phase != "serving":
+            return
+        inst.phase = GRACE
+        inst.grace_since = t
+
+    def _end(self, d: dec.EndGrace, t: float) -> None:
+        inst = self._find(d.instance_id)
+        if inst is None or inst.phase == STOPPED:
+            return
+        if inst.n_assigned:
+            self.sim.cut_off(inst, t)
+        self.sim.terminate(inst, t)
+
+    def _prewarm(self, d: dec.Prewarm, t: float) -> None:
+        sim = self.sim
+        m = sim.by_name[d.model]
+        layers = d.layers or m.spec.num_layers
+        begin = max([t] + [sim.cl.link_free[(d.node, g)] for g in d.gpus])
+        lender = next(
+            (
+                i
+                for i in sim.instances
+                if i.phase == GRACE and i.node == d.node and set(i.gpus) & set(d.gpus)
+            ),
+            None,
+        )
+        rep = SimReplica(
+            d.model, d.node, d.gpus, d.bytes_per_gpu, layers, begin, m.per_layer_load_s, lender
+        )
+        for g in d.gpus:
+            sim.cl.link_free[(d.node, g)] = rep.t_done
+        sim.cl.add_replica(rep)
+        if lender is not None:
+            lender.lent.append(rep)
+            sim.lent_placements += 1

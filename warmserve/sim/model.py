@@ -1,0 +1,107 @@
+"""Plain data of a simulator run, shared by the event loop, the baselines and the runner.
+
+A low module (it imports only the scenario, hardware and workload readers), so that
+baselines can build static layouts and the runner can compose a run without an import circle
+(issue 11).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from warmserve.policy.cluster import ModelSpec
+from warmserve.sim import workload as wl
+from warmserve.sim.hardware import GpuProfile
+from warmserve.sim.scenario import Scenario
+
+DROP_QUEUE_TIMEOUT = "queue-timeout"
+DROP_NO_CAPACITY = "no-capacity"
+DROP_UNFINISHED = "unfinished-at-end"
+DROP_GRACE_CUTOFF = "grace-cutoff"  # still running when its instance's grace period ran out
+
+
+@dataclass
+class SimModel:
+    """Static facts about one served model in a run (built by :mod:`warmserve.sim.runner`).
+
+    (Called ``ModelRuntime`` before issue 11; the operator had a class of that name too.)
+    """
+
+    idx: int
+    spec: ModelSpec
+    engine: Any  # warmserve.sim.perf.EngineModel
+    kv_bytes_per_token: float
+    kv_cap_tokens: int  # per instance, on GPUs holding only this model
+    per_layer_load_s: float  # one layer's share per GPU over the host link
+    avg_history: list[float]
+    peak_history: list[float]
+    placeable: bool = True
+
+
+@dataclass
+class StaticInstance:
+    """An instance created before the run (dedicated, MuxServe, Prism): ready at t = 0."""
+
+    model: str
+    node: str
+    gpus: tuple[int, ...]
+    slowdown: float = 1.0
+    kv_cap_tokens: int | None = None  # None: the model's own (not shared) capacity
+    max_batch: int | None = None  # None: the model's max_batch (MuxServe picks its own)
+    # Set for instances that share GPUs (MuxServe, Prism): the simulator then times each
+    # prefill and decode step with ``sharing.dynamic_slowdown(config_slowdown, busy neighbours
+    # now)`` instead of the constant ``slowdown`` (kept as the average-load estimate).
+    config_slowdown: float | None = None
+    # The same factor for prefills when the shared configuration runs them differently
+    # (MuxServe: prefill jobs get all SMs, decode jobs their MPS share); None: config_slowdown.
+    prefill_config_slowdown: float | None = None
+
+
+@dataclass
+class StartRecord:
+    t: float
+    model: str
+    hit: bool
+    latency_s: float
+
+
+@dataclass
+class SimOutput:
+    """Raw results of one run (turned into a table by :mod:`warmserve.sim.metrics`)."""
+
+    system: str
+    first_token: np.ndarray
+    finish: np.ndarray
+    drop: list[str | None]
+    starts: list[StartRecord]
+    gpu_seconds: float
+    universal_gpu_seconds: float
+    timeline: list[tuple[float, dict[str, int]]]
+    end_s: float
+    plans: int = 0
+    unplaced: int = 0
+    lent_evictions: int = 0
+    lent_placements: int = 0
+    events: int = 0
+    assigned: np.ndarray | None = None
+    start_failures: int = 0
+    failure_kinds: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class Prepared:
+    """Everything shared by the systems of one scenario run."""
+
+    scenario: Scenario
+    profile: GpuProfile
+    models: list[SimModel]
+    requests: wl.Requests
+    start_minute: int
+    shares: np.ndarray
+    peak_inflight: list[float]  # oracle peak of the simulated period, per model (dedicated)
+    initial: dict[str, int]
+    prep_s: float
