@@ -108,11 +108,16 @@ class DeploymentBook:
             except SpecError as exc:
                 d.spec = None
                 why = self.sources.error(md)
-                problems[md.uid] = (
-                    Condition("Degraded", True, "SourceUnavailable", f"{md.source}: {why}")
-                    if why
-                    else Condition("Degraded", True, "ModelNotFound", str(exc))
-                )
+                if why:
+                    problems[md.uid] = Condition(
+                        "Degraded", True, "SourceUnavailable", f"{md.source}: {why}"
+                    )
+                elif snaps:
+                    problems[md.uid] = Condition("Degraded", True, "ModelNotFound", str(exc))
+                # With no agent heard from yet (the first poll after a fresh start) no weight
+                # cache is known: "not found" would be a guess, and the gateway answers a
+                # permanent reason with 503 at once.  The status says NoAgents instead (report),
+                # which the gateway holds through.
                 continue
             if snaps and md.model not in catalog and not md.source:
                 # Sized by its spec but in no reachable agent's weight store: every prewarm or

@@ -249,6 +249,26 @@ async def test_duplicate_model_and_missing_weights_are_degraded() -> None:
     assert h.cond("a", "Degraded")["status"] == "False"
 
 
+async def test_before_any_agent_answers_a_model_is_not_declared_missing() -> None:
+    """The first poll of a fresh operator knows no weight cache yet: it says NoAgents (the
+    gateway holds requests through it), never the permanent ModelNotFound (the gateway answers
+    that with 503 at once: `warmserve up` saw its first requests dropped)."""
+    h = Harness()
+    h.kube.add_md("a", "llama-a")
+    h.kube.add_md("ghost", "not-in-cache")
+    for a in h.agents.values():
+        a.down = True
+    await h.tick()
+    for name in ("a", "ghost"):
+        assert h.cond(name, "Degraded")["reason"] == "NoAgents"
+        assert h.cond(name, "Ready")["reason"] == "NoAgents"
+    for a in h.agents.values():
+        a.down = False
+    await h.tick()
+    assert h.cond("a", "Degraded")["status"] == "False"
+    assert h.cond("ghost", "Degraded")["reason"] == "ModelNotFound"
+
+
 async def test_not_leader_does_nothing() -> None:
     h = Harness()
     h.kube.leader = False
