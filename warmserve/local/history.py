@@ -3,28 +3,20 @@ operator had watched the models then (so the predictor has its seasons from the 
 
 The operator keeps each model's per-window average and peak load in a ConfigMap in its own
 namespace, ``warmserve-history-<deployment UID>``, format ``warmserve.io/load-history/v1``
-(docs/operator.md): base64 of little-endian float16 arrays, ``endWindow`` = index of the window
-after the last one (index = floor(unix time / window)).  This module writes that documented
-format; ``tests/local`` checks that the operator's own reader accepts it.
+(docs/operator.md).  The data is written with the operator's own encoder
+(:func:`warmserve_operator.history.to_data`), so the seed is exactly what the operator would
+have stored; ``tests/local`` reads it back with the operator's reader.
 """
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from warmserve_operator.history import OWNER_LABEL, configmap_name, to_data
 
-FORMAT = "warmserve.io/load-history/v1"
-PREFIX = "warmserve-history-"
-OWNER_LABEL = "warmserve.io/owner-uid"
-_F16_MAX = float(np.finfo(np.float16).max)
-
-
-def _encode(values: Sequence[float]) -> str:
-    arr = np.clip(np.asarray(values, dtype=np.float64), 0.0, _F16_MAX).astype("<f2")
-    return base64.b64encode(arr.tobytes()).decode("ascii")
+from warmserve.control.history import LoadHistory
 
 
 def history_configmap(
@@ -39,20 +31,19 @@ def history_configmap(
     """The ConfigMap holding ``avg``/``peak`` for the windows ending before ``end_window``."""
     if len(avg) != len(peak):
         raise ValueError("avg and peak differ in length")
+    history = LoadHistory(
+        window_s=float(window_s),
+        end=int(end_window),
+        avg=np.asarray(avg, dtype=np.float64),
+        peak=np.asarray(peak, dtype=np.float64),
+    )
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {
-            "name": f"{PREFIX}{uid}"[:253],
+            "name": configmap_name(uid),
             "namespace": namespace,
-            "labels": {"app.kubernetes.io/managed-by": "warmserve-operator", OWNER_LABEL: uid},
+            "labels": {"app.kubernetes.io/managed-by": "warmserve-operator", OWNER_LABEL: uid[:63]},
         },
-        "data": {
-            "format": FORMAT,
-            "model": model,
-            "windowSeconds": repr(float(window_s)),
-            "endWindow": str(int(end_window)),
-            "avg": _encode(avg),
-            "peak": _encode(peak),
-        },
+        "data": to_data(history, model),
     }
