@@ -338,6 +338,27 @@ async def test_scale_down_drains_through_grace_and_keeps_weights() -> None:
     assert h.cond("a", "Ready")["reason"] == "ScaledToZero"
 
 
+@pytest.mark.parametrize("prewarm", [True, False])
+async def test_an_ended_instance_keeps_its_weights_only_with_prewarming_on(prewarm: bool) -> None:
+    """With prewarming on, an ended instance's weights stay resident and the next start there
+    is a prewarm hit; with spec.prewarm.enabled false they go with it and every start is cold
+    (the simulator's reactive baseline), so status never counts hits of a model without
+    prewarming."""
+    h = Harness()
+    h.kube.add_md("a", "llama-a", maxBatchSize=4, maxInstances=4, prewarm={"enabled": prewarm})
+    spec = h.kube.mds[("default", "a")]["spec"]
+    for _round in range(2):
+        spec["minInstances"] = 1
+        await h.tick(2)
+        assert len(h.instances("llama-a")) == 1
+        spec["minInstances"] = 0
+        await h.tick(4)
+        assert not h.instances("llama-a")
+        assert bool(h.slots("llama-a")) is prewarm
+    pre = h.status("a")["prewarm"]
+    assert (pre["hits"], pre["misses"]) == ((1, 1) if prewarm else (0, 2))
+
+
 async def test_metrics_follow_the_decisions() -> None:
     h = Harness()
     h.kube.add_md("a", "llama-a", maxBatchSize=4, minInstances=1, maxInstances=4)

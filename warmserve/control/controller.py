@@ -334,7 +334,14 @@ class Controller:
                 if seen is None:
                     continue
                 why = "idle" if inst.running == 0 else "grace period over"
-                items.append(EndGrace(model, inst.node, inst.gpus, seen.id, why))
+                # With prewarming off (the model's or the loop's) an ended instance leaves no
+                # weights behind: a resident copy would be a prewarm replica by another name,
+                # and the next start there a "prewarm hit" of a model that has none (the
+                # simulator's reactive baseline frees the GPU likewise, on_stop "none").
+                keep = self.cfg.prewarm and entry.prewarm
+                items.append(
+                    EndGrace(model, inst.node, inst.gpus, seen.id, why, evict_weights=not keep)
+                )
                 self.ended.add(seen.id)
         plan = None
         if only is None and self.cfg.prewarm and self.replan_reasons:
