@@ -114,7 +114,8 @@ class AgentService(pb_grpc.NodeAgentServicer):
         self.max_watch_queue = max_watch_queue
         self.watch_write_timeout_s = watch_write_timeout_s
         self._idem: OrderedDict[str, _Idem] = OrderedDict()
-        self._catalog_cache: tuple[int, float, list[pb.ModelInfo]] | None = None
+        self._catalog_cache: tuple[tuple[int, ...], float, list[pb.ModelInfo]] | None = None
+        self._catalog_orgs: tuple[str, ...] = ()  # ORG directories seen by the last scan
         self._watchers: set[_Watcher] = set()
         self._wakers: set[asyncio.Event] = set()  # Prewarm streams: "something changed"
         self._pb_cache: OrderedDict[int, pb.WatchEvent] = OrderedDict()
@@ -250,21 +251,32 @@ class AgentService(pb_grpc.NodeAgentServicer):
             except Exception as exc:  # worker died: the monitor will reconcile
                 log.debug("event=stats_failed instance=%s err=%s", i.instance_id, exc)
 
+    def _catalog_stamp(self) -> tuple[int, ...]:
+        """What changes when a model is added or removed: the mtimes of the store's root and of
+        its ``ORG`` directories (``ORG/NAME`` models change only their org's mtime), and the
+        fetcher's generation (fetch end, eviction)."""
+        root = self.core.store.root
+        stamp = [self.fetcher.generation if self.fetcher else 0]
+        for d in (root, *(root / org for org in self._catalog_orgs)):
+            try:
+                stamp.append(d.stat().st_mtime_ns)
+            except OSError:
+                stamp.append(0)
+        return tuple(stamp)
+
     def _catalog(self) -> list[pb.ModelInfo]:
-        """The weight store's models, re-scanned when the store's directory changed (a model
-        added or removed) and at most every ``CATALOG_TTL_S`` otherwise: with 1,000 models a
-        scan per Describe made every poll slow (issue 16)."""
+        """The weight store's models, re-scanned when the store changed (a model added or
+        removed: see ``_catalog_stamp``) and at most every ``CATALOG_TTL_S`` otherwise: with
+        1,000 models a scan per Describe made every poll slow (issue 16)."""
         store = self.core.store
-        try:
-            stamp = store.root.stat().st_mtime_ns
-        except OSError:
-            stamp = 0
+        stamp = self._catalog_stamp()
         now = time.monotonic()
         cached = self._catalog_cache
         if cached is not None and cached[0] == stamp and now - cached[1] < CATALOG_TTL_S:
             return cached[2]
         models = []
-        for name in store.list_models():
+        names = store.list_models()
+        for name in names:
             try:
                 m = store.model(name)
             except Exception:  # a malformed model dir is reported by Prewarm, not here
@@ -282,6 +294,10 @@ class AgentService(pb_grpc.NodeAgentServicer):
                     last_used_unix=used,
                 )
             )
+        orgs = tuple(sorted({n.split("/", 1)[0] for n in names if "/" in n}))
+        if orgs != self._catalog_orgs:  # their mtimes were not in the stamp: scan once more
+            self._catalog_orgs = orgs
+            stamp = ()
         self._catalog_cache = (stamp, now, models)
         return models
 
