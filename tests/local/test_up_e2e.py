@@ -1,6 +1,7 @@
-"""``warmserve up`` end to end, as CI runs it (issue 14, "Done when" 2): a short replay (15
-trace minutes at 20x: 45 s warm-up + 45 s measured) through the whole local stack on the real
-control plane; then ``warmserve down`` must leave no process behind."""
+"""``warmserve up`` end to end, as CI runs it (issue 14, "Done when" 2): a short replay (10
+trace minutes at 20x: 45 s warm-up + 30 s measured, about 2 minutes with the last answers)
+through the whole local stack on the real control plane; then ``warmserve down`` must leave no
+process behind."""
 
 from __future__ import annotations
 
