@@ -44,7 +44,7 @@ W = 300.0  # the operator's default window: a replica that appears fast is not a
 
 OPERATOR = """
 import sys
-sys.path[:0] = [{root!r}, {root!r} + "/tests/operator"]
+sys.path[:0] = [{root!r}, {root!r} + "/operator", {root!r} + "/tests/operator"]
 from operator_fakes import FakeAgent
 from warmserve.policy.cluster import GiB
 import warmserve_operator.agents as agents
@@ -71,6 +71,43 @@ def _proc_stats(pid: int) -> tuple[float, int]:
         if line.startswith("VmHWM:"):
             hwm = int(line.split()[1]) * 1024
     return cpu, hwm
+
+
+def _api_counts(plane: Any) -> dict[str, float]:
+    """The API server's request counters (``apiserver_request_total`` by verb and resource,
+    429s included) and API Priority and Fairness' rejections, from ``/metrics``."""
+    out: dict[str, float] = {}
+    for line in plane.get_raw("/metrics").decode().splitlines():
+        if line.startswith("apiserver_request_total{"):
+            labels = dict(
+                kv.split("=", 1) for kv in line[line.index("{") + 1 : line.rindex("}")].split(",")
+            )
+            lab = {k: v.strip('"') for k, v in labels.items()}
+            if lab.get("verb") in ("WATCH", "CONNECT"):
+                continue
+            sub = f"/{lab['subresource']}" if lab.get("subresource") else ""
+            key = f"{lab.get('verb')} {lab.get('resource')}{sub}"
+            out[key] = out.get(key, 0) + float(line.rsplit(" ", 1)[1])
+            if lab.get("code") == "429":
+                out["429 " + key] = out.get("429 " + key, 0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("apiserver_flowcontrol_rejected_requests_total{"):
+            pl = line.split('priority_level="', 1)[1].split('"', 1)[0]
+            key = f"APF rejected ({pl})"
+            out[key] = out.get(key, 0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    return {k: int(v - before.get(k, 0)) for k, v in sorted(after.items()) if v - before.get(k, 0)}
+
+
+def _plane_cpu(plane: Any) -> dict[str, float]:
+    """CPU seconds of the API server and etcd (their pid files are in the plane's workdir)."""
+    out = {}
+    for name in ("kube-apiserver", "etcd"):
+        pid = int((plane.workdir / f"{name}.pid").read_text().split()[0])
+        out[name] = _proc_stats(pid)[0]
+    return out
 
 
 def _md(i: int, ns: str) -> dict[str, Any]:
@@ -122,25 +159,82 @@ def _apply(plane: Any, items: list[dict[str, Any]], batch: int = 50) -> None:
             raise SystemExit(f"bench: cannot create objects: {proc.stderr.strip()}")
 
 
-def _placed(plane: Any, ns: str, names: set[str]) -> int:
-    out = plane.kubectl("get", "wsmd", "-n", ns, "-o", "json", timeout=120).stdout
-    done = 0
-    for md in json.loads(out)["items"]:
-        if md["metadata"]["name"] not in names:
-            continue
-        st = md.get("status") or {}
-        reps = st.get("prewarmedReplicas") or []
-        conds = {c["type"]: c for c in st.get("conditions") or []}
-        pre = conds.get("Prewarmed", {})
-        if len(reps) == 1 and reps[0].get("state") == "ready" and pre.get("status") == "True":
-            done += 1
-    return done
+def _is_placed(md: dict[str, Any]) -> bool:
+    st = md.get("status") or {}
+    reps = st.get("prewarmedReplicas") or []
+    conds = {c["type"]: c for c in st.get("conditions") or []}
+    pre = conds.get("Prewarmed", {})
+    return len(reps) == 1 and reps[0].get("state") == "ready" and pre.get("status") == "True"
 
 
-def _wait(what: str, pred: Any, timeout: float, step: float = 0.5) -> float:
+class Tracker:
+    """Which ModelDeployments of a namespace exist and are placed, from one watch stream (polling
+    ``kubectl get`` of 1,000 objects every second loaded the API server the bench measures)."""
+
+    def __init__(self, kubeconfig: Path, ns: str) -> None:
+        import threading
+
+        from kubernetes import client, config
+
+        self.api = client.CustomObjectsApi(config.new_client_from_config(str(kubeconfig)))
+        self.ns = ns
+        self.placed: dict[str, bool] = {}
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        args = ("warmserve.io", "v1alpha1", self.ns, "modeldeployments")
+        while not self.stopped.is_set():
+            listed = self.api.list_namespaced_custom_object(*args)
+            with self.lock:
+                self.placed = {m["metadata"]["name"]: _is_placed(m) for m in listed["items"]}
+            rv = listed["metadata"]["resourceVersion"]
+            try:
+                for ev in watch.Watch().stream(
+                    self.api.list_namespaced_custom_object,
+                    *args,
+                    resource_version=rv,
+                    timeout_seconds=30,
+                ):
+                    obj, name = ev["object"], ev["object"]["metadata"]["name"]
+                    with self.lock:
+                        if ev["type"] == "DELETED":
+                            self.placed.pop(name, None)
+                        elif ev["type"] in ("ADDED", "MODIFIED"):
+                            self.placed[name] = _is_placed(obj)
+                    if self.stopped.is_set():
+                        return
+            except ApiException as exc:
+                if exc.status != 410:  # expired: list again
+                    raise
+            except Exception:
+                if self.stopped.is_set():  # the control plane stopped under the stream
+                    return
+                raise
+
+    def count(self, names: set[str]) -> int:
+        with self.lock:
+            return sum(1 for n in names if self.placed.get(n))
+
+    def present(self) -> set[str]:
+        with self.lock:
+            return set(self.placed)
+
+
+def _wait(what: str, pred: Any, timeout: float, step: float = 0.5, fatal: bool = True) -> float:
+    """Seconds until ``pred()``; past ``timeout`` the bench stops (``fatal``) or the measure
+    reads ``inf`` and the table says so."""
     t0 = time.monotonic()
     while not pred():
         if time.monotonic() - t0 > timeout:
+            if not fatal:
+                print(f"bench: {what} not within {timeout:.0f} s", flush=True)
+                return math.inf
             raise SystemExit(f"bench: {what} not within {timeout:.0f} s")
         time.sleep(step)
     return time.monotonic() - t0
@@ -162,10 +256,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from k8s_support import ControlPlane, apply_chart_operator_rbac, ensure_binaries
 
+    load0 = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="cp-bench-"))
     print(f"control plane in {work} (building the binaries first if needed)", flush=True)
     plane = ControlPlane.start(work / "plane", bin_dir=ensure_binaries())
     op: subprocess.Popen[bytes] | None = None
+    tracker: Tracker | None = None
     try:
         ns = plane.create_namespace("bench")
         plane.kubectl("apply", "-f", str(ROOT / "crds"))
@@ -202,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         script = OPERATOR.format(
             root=str(ROOT), models=args.models, gpus=args.gpus, nodes=args.nodes
         )
+        tracker = Tracker(plane.kubeconfig, ns)
+        api0 = _api_counts(plane)
+        plane_cpu0 = _plane_cpu(plane)
         t_start = time.monotonic()
         op = subprocess.Popen(
             [
@@ -228,36 +327,44 @@ def main(argv: list[str] | None = None) -> int:
         )
         names = set(uids)
         place_s = _wait(
-            "every replica placed", lambda: _placed(plane, ns, names) == len(names), 600, 1.0
+            "every replica placed", lambda: tracker.count(names) == len(names), 600, 0.2
         )
         cpu_place, _ = _proc_stats(op.pid)
+        api_place = _diff(_api_counts(plane), api0)
+        plane_cpu_place = {k: v - plane_cpu0[k] for k, v in _plane_cpu(plane).items()}
         print(f"placed and reported in {place_s:.1f} s", flush=True)
 
         victims = [f"m-{i:04d}" for i in range(args.delete)]
+        t_del = time.monotonic()  # kubectl's 100 DELETEs take a while on a busy machine
         plane.kubectl("delete", "wsmd", "-n", ns, "--wait=false", *victims, timeout=300)
 
-        def gone() -> bool:
-            out = plane.kubectl("get", "wsmd", "-n", ns, "-o", "name", timeout=120).stdout
-            left = {line.split("/")[-1] for line in out.split()}
-            return not left & set(victims)
-
-        delete_s = _wait("deletions", gone, 600, 0.5)
+        _wait("deletions", lambda: not tracker.present() & set(victims), 600, 0.2)
+        delete_s = time.monotonic() - t_del
         print(f"{args.delete} deletions done in {delete_s:.1f} s", flush=True)
 
         new = f"m-{args.models:04d}"
         t_new = time.monotonic()
-        _apply(plane, [_md(args.models, ns)])
-        uid = json.loads(plane.kubectl("get", "wsmd", new, "-n", ns, "-o", "json").stdout)[
-            "metadata"
-        ]["uid"]
-        _apply(plane, [_history_cm(ns, uid, new)])
-        new_s = _wait("the new deployment's replica", lambda: _placed(plane, ns, {new}) == 1, 600)
-        new_total = time.monotonic() - t_new
+        # Its history right after it (one API round trip, not two kubectl runs): the operator
+        # reads a deployment's stored history once, when it first sees the deployment.
+        created = tracker.api.create_namespaced_custom_object(
+            "warmserve.io", "v1alpha1", ns, "modeldeployments", _md(args.models, ns)
+        )
+        from kubernetes import client
+
+        client.CoreV1Api(tracker.api.api_client).create_namespaced_config_map(
+            ns, _history_cm(ns, created["metadata"]["uid"], new)
+        )
+        new_s = _wait(
+            "the new deployment's replica", lambda: tracker.count({new}) == 1, 120, 0.2, False
+        )
+        new_total = time.monotonic() - t_new if math.isfinite(new_s) else math.inf
         cpu, rss = _proc_stats(op.pid)
         text = log.read_text(errors="replace")
         timeouts = text.count("event=action_error") + text.count("agent unreachable")
         wall = time.monotonic() - t_start
     finally:
+        if tracker is not None:
+            tracker.stopped.set()
         if op is not None:
             op.terminate()
             try:
@@ -281,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
         ),
         ("operator CPU (whole run / placing)", f"{cpu:.1f} s / {cpu_place:.1f} s", "-"),
         ("operator peak memory (RSS)", f"{rss / 2**20:.0f} MiB", "-"),
+        (
+            "kube-apiserver / etcd CPU while placing",
+            f"{plane_cpu_place['kube-apiserver']:.1f} s / {plane_cpu_place['etcd']:.1f} s",
+            "-",
+        ),
+        ("load average (1 min) at start / end", f"{load0:.1f} / {os.getloadavg()[0]:.1f}", "-"),
     ]
     print()
     print(
@@ -291,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'measure':<{width}}  {'result':>22}  goal")
     for name, value, goal in rows:
         print(f"{name:<{width}}  {value:>22}  {goal}")
+    print("\nAPI requests while placing (all clients; WATCH not counted):")
+    for key, n in api_place.items():
+        print(f"  {key:<50} {n:>7}")
     result = {
         "models": args.models,
         "delete": args.delete,
@@ -308,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         "operator_cpu_place_s": cpu_place,
         "operator_peak_rss_bytes": rss,
         "wall_s": wall,
+        "api_requests_placing": api_place,
+        "plane_cpu_place_s": plane_cpu_place,
+        "load_avg_1m": [load0, os.getloadavg()[0]],
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

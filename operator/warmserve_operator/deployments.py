@@ -3,6 +3,7 @@ histories (read once, written as windows close) and what status reports need of 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -13,13 +14,15 @@ from warmserve.control.decisions import Decisions
 from . import history as history_io
 from .kube import KubePort
 from .metrics import Metrics
-from .report import Deployment, Reporter
+from .report import REPORT_CONCURRENCY, Deployment, Reporter
 from .snapshot import NodeSnapshot
 from .sources import SourceCatalog
 from .spec import ModelDeploymentSpec, SpecError, parse_model_deployment, resolve_model
 from .status import Condition
 
 log = logging.getLogger("warmserve.operator")
+
+HISTORY_WRITES = REPORT_CONCURRENCY  # histories written at once when a window closes
 
 
 class DeploymentBook:
@@ -70,7 +73,10 @@ class DeploymentBook:
             if d is None:
                 d = self.items[md.uid] = Deployment(md, raw_status=body.get("status") or {})
                 self.metrics.model_seen(md.model)
+                observed = (body.get("status") or {}).get("observedGeneration")
+                d.seen_generation = int(observed) if observed is not None else None
             d.md = md
+            self._lifecycle_event(d)
             if not d.counters_loaded:
                 d.counters_loaded = True
                 pre = (body.get("status") or {}).get("prewarm") or {}
@@ -83,6 +89,24 @@ class DeploymentBook:
             if listed_at > done:
                 self.deleting.pop(uid)
         return mds, invalid
+
+    def _lifecycle_event(self, d: Deployment) -> None:
+        """``Accepted`` for a deployment no operator reported on yet (no
+        ``status.observedGeneration``), ``SpecChanged`` when its generation is newer than the one
+        last seen or reported: once per generation, also across restarts, without kopf's
+        create/update handlers and their diff-base write per object."""
+        md, seen = d.md, d.seen_generation
+        if seen is not None and md.generation <= seen:
+            return
+        d.seen_generation = md.generation
+        self.reporter.later(
+            d.ref,
+            "Normal",
+            "Accepted" if seen is None else "SpecChanged",
+            f"model {md.model}, tensorParallel {md.tp}, maxBatchSize {md.max_batch}, "
+            f"instances {md.min_instances}..{md.max_instances}, prewarm "
+            f"{'on' if md.prewarm else 'off'}",
+        )
 
     async def resolve(
         self,
@@ -136,15 +160,25 @@ class DeploymentBook:
         return problems
 
     async def load_histories(self, managed: Mapping[str, ModelDeploymentSpec], now: float) -> None:
-        todo = {
-            md.uid: model for model, md in managed.items() if not self.items[md.uid].history_loaded
-        }
+        """Seed each new deployment's stored history, read in one call however many.  A history
+        absent at first sight is looked for once more a poll later: one written right after
+        its deployment (restored, or by a bench) is not missed for a whole window."""
+        todo = {}
+        for model, md in managed.items():
+            d = self.items[md.uid]
+            first = d.history_missed_at
+            if not d.history_loaded and (first is None or now - first >= self.cfg.poll_s):
+                todo[md.uid] = model
         if not todo:
             return
-        stored = await self.kube.read_histories(list(todo))  # one call, however many
+        stored = await self.kube.read_histories(list(todo))
         for uid, model in todo.items():
-            self.items[uid].history_loaded = True
+            d = self.items[uid]
             data = stored.get(uid)
+            if not data and d.history_missed_at is None:
+                d.history_missed_at = now
+                continue
+            d.history_loaded = True
             if not data:
                 continue
             try:
@@ -191,21 +225,28 @@ class DeploymentBook:
         closed = self.controller.take_closed()
         if closed:
             self.metrics.windows.inc()
-        for model in closed:
-            owner = next((d for d in self.items.values() if d.md.model == model), None)
-            if owner is None:
-                continue
+        owners: dict[str, Deployment] = {}
+        for d in self.items.values():
+            owners.setdefault(d.md.model, d)
+        gate = asyncio.Semaphore(HISTORY_WRITES)
+
+        async def write(model: str, owner: Deployment) -> None:
             hist = self.controller.history(model)
             last = self.controller.last_window(model)
             if last is not None:
                 self.metrics.observed.labels(model, "avg").set(last[1])
                 self.metrics.observed.labels(model, "peak").set(last[2])
-            try:
-                await self.kube.write_history(
-                    owner.md.uid, history_io.to_data(hist, model), owner.md.key
-                )
-            except Exception as exc:
-                log.warning("event=history_write_failed model=%s error=%r", model, str(exc))
+            async with gate:
+                try:
+                    await self.kube.write_history(
+                        owner.md.uid, history_io.to_data(hist, model), owner.md.key
+                    )
+                except Exception as exc:
+                    log.warning("event=history_write_failed model=%s error=%r", model, str(exc))
+
+        # Together, not one after the other: 1,000 histories written in a row held the loop
+        # ~10 s at every window boundary (issue 16, scale).
+        await asyncio.gather(*(write(m, owners[m]) for m in closed if m in owners))
         if closed:
             await self.collect_histories()
 

@@ -4,7 +4,7 @@
   ``spec.engine.args`` against the schema of vLLM's engine arguments that warmserve ships
   (``warmserve.engine_args``; the operator does not install vLLM).  A bad argument raises
   :class:`SpecError` naming it, so the deployment is refused when it is admitted (``Degraded``
-  with reason ``InvalidSpec``, and kopf's Event) and no instance ever starts with it.
+  with reason ``InvalidSpec``, and a Warning Event) and no instance ever starts with it.
 * :func:`ttft_report` compares the engines' observed time to first token with
   ``spec.ttftObjectiveSeconds`` for ``status.ttft`` and the ``TTFTObjectiveMet`` condition.
   The observation is each instance's p95 over the agent's TTFT window (engines measure it; a

@@ -78,7 +78,35 @@ class KubePort(Protocol):
     async def write_history(self, uid: str, data: dict[str, str], owner_key: str) -> None: ...
     async def delete_history(self, uid: str) -> None: ...
     async def list_history_uids(self) -> list[str]: ...
-    async def emit_event(self, ref: ObjRef, type_: str, reason: str, message: str) -> None: ...
+    async def emit_event(self, ref: ObjRef, type_: str, reason: str, message: str) -> None:
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        ns = ref.namespace or self.event_namespace
+        involved = {"apiVersion": ref.api_version, "kind": ref.kind, "name": ref.name}
+        if ref.namespace:
+            involved["namespace"] = ref.namespace
+        if ref.uid:
+            involved["uid"] = ref.uid
+        body = {  # a plain core/v1 Event (client models cost more CPU than the POST itself)
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{ref.name[:200]}."},
+            "involvedObject": involved,
+            "reason": reason,
+            "message": message[:1024],
+            "type": type_,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+            "source": {"component": COMPONENT},
+            "reportingComponent": COMPONENT,
+            "reportingInstance": self.identity[:128],
+            "action": reason,
+        }
+        try:
+            await self._write(self._core.create_namespaced_event, ns, body)
+        except self._exc as exc:  # an Event is best effort; never fail a decision on it
+            log.warning("event=post_event_failed reason=%s status=%s", reason, exc.status)
+
     async def is_leader(self) -> bool: ...
     async def sync_agent_nodes(self) -> None: ...
 
@@ -163,6 +191,17 @@ class KubeApi:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kw))
 
+    async def _write(self, fn: Any, *args: Any, **kw: Any) -> None:
+        """A write whose answer the operator does not read: the response body (the whole
+        object) is neither decoded nor turned into client models; errors still raise."""
+
+        def call() -> None:
+            resp = fn(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S, **kw)
+            resp.read()
+            resp.release_conn()
+
+        await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
     async def list_model_deployments(self) -> list[dict[str, Any]]:
         if self.view is None:
             raise RuntimeError("no kopf index view: the loop runs inside `warmserve operator`")
@@ -195,7 +234,7 @@ class KubeApi:
 
     async def patch_md_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         try:
-            await self._t(
+            await self._write(
                 self._custom.patch_namespaced_custom_object_status,
                 GROUP,
                 VERSION,
@@ -210,7 +249,7 @@ class KubeApi:
 
     async def patch_node_status(self, name: str, status: dict[str, Any]) -> None:
         try:
-            await self._t(
+            await self._write(
                 self._custom.patch_cluster_custom_object_status,
                 GROUP,
                 VERSION,
@@ -255,11 +294,11 @@ class KubeApi:
             "data": data,
         }
         try:
-            await self._t(self._core.replace_namespaced_config_map, name, ns, body)
+            await self._write(self._core.replace_namespaced_config_map, name, ns, body)
         except self._exc as exc:
             if exc.status != 404:
                 raise
-            await self._t(self._core.create_namespaced_config_map, ns, body)
+            await self._write(self._core.create_namespaced_config_map, ns, body)
 
     async def delete_history(self, uid: str) -> None:
         from .history import configmap_name

@@ -124,8 +124,11 @@ class Phases:
         self.metrics.poll_seconds.labels(phase).observe(now - self.t)
         self.t = now
 
-    def log(self, deployments: int) -> None:
+    def log(self, deployments: int, **counts: int) -> None:
         total = sum(self.spent.values())
         if total >= self.SLOW_S:
-            detail = " ".join(f"{k}={v:.2f}" for k, v in self.spent.items())
+            detail = " ".join(
+                [f"{k}={v:.2f}" for k, v in self.spent.items()]
+                + [f"{k}={v}" for k, v in counts.items()]
+            )
             log.info("event=slow_poll seconds=%.2f deployments=%d %s", total, deployments, detail)

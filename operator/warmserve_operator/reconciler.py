@@ -379,9 +379,14 @@ class Reconciler:
         phases.done("act")
         # A deployment whose prewarm/start was just launched is reported once the call lands
         # (the agent's event wakes the loop): one status write instead of two (issue 16, scale).
+        writes, posted = self.reporter.writes, self.reporter.posted
         await self._report(snaps, dups, problems, now, busy if self._watching else set())
         phases.done("report")
-        phases.log(len(self.deployments))
+        phases.log(
+            len(self.deployments),
+            status_writes=self.reporter.writes - writes,
+            events=self.reporter.posted - posted,
+        )
 
     async def _gateway_held(self) -> Mapping[str, int]:
         """Requests held at every gateway replica, per model (``held`` without gateways)."""
@@ -449,6 +454,7 @@ class Reconciler:
         await self.reporter.everything(
             todo, {dup.uid for dup in dups}, problems, snaps, self.controller, self.cfg.window_s
         )
+        self.reporter.flush_soon()  # lifecycle Events after the statuses, within the budget
         for name, nrt in self.observer.nodes.items():
             await self.reporter.node(name, nrt, now, self.cfg.node_status_refresh_s)
 

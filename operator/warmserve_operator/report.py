@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -30,6 +30,7 @@ log = logging.getLogger("warmserve.operator")
 REPORT_CONCURRENCY = 16
 EVENT_RATE = 20.0  # Events per second the operator posts at most (and bursts of EVENT_BURST)
 EVENT_BURST = 200.0
+BACKLOG = 10_000  # lifecycle Events (Accepted, SpecChanged) waiting for the budget, at most
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Deployment:
     misses: int = 0
     counters_loaded: bool = False
     history_loaded: bool = False
+    history_missed_at: float | None = None  # when no stored history was found the first time
     replicas: tuple[Replica, ...] = ()
     unplaced: int = 0
     unplaced_reason: str = ""
@@ -53,6 +55,7 @@ class Deployment:
     gateway_replicas: int | None = None
     last_status: Any = None
     raw_status: Mapping[str, Any] | None = None
+    seen_generation: int | None = None  # the spec generation its lifecycle Event was about
 
     @property
     def ref(self) -> ObjRef:
@@ -70,6 +73,18 @@ class Reporter:
         self.problem_seen: dict[str, str] = {}  # uid -> last problem status written
         self._tokens = float(EVENT_BURST)
         self._refilled = clock()
+        self._backlog: deque[tuple[ObjRef, str, str, str]] = deque()
+        self.writes = 0  # status writes and Events posted (the loop logs them per slow poll)
+        self.posted = 0
+        self._flushing: asyncio.Task[None] | None = None
+
+    def _take_token(self, now: float) -> bool:
+        self._tokens = min(EVENT_BURST, self._tokens + (now - self._refilled) * EVENT_RATE)
+        self._refilled = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
 
     async def event(
         self, ref: ObjRef | None, type_: str, reason: str, message: str, dedupe_s: float = 0.0
@@ -83,25 +98,65 @@ class Reporter:
         self._seen[key] = now
         # Events are best effort: a burst beyond the budget (1,000 deployments placed at once)
         # is dropped and counted rather than competing with status writes for the API server.
-        self._tokens = min(EVENT_BURST, self._tokens + (now - self._refilled) * EVENT_RATE)
-        self._refilled = now
-        if self._tokens < 1:
+        if not self._take_token(now):
             self.metrics.events_dropped.inc()
             return
-        self._tokens -= 1
+        self.posted += 1
         await self.kube.emit_event(ref, type_, reason, message)
 
-    async def problem(self, md_ns: str, md_name: str, uid: str, reason: str, msg: str) -> None:
+    def later(self, ref: ObjRef, type_: str, reason: str, message: str) -> None:
+        """Queue a lifecycle Event (``Accepted``, ``SpecChanged``): :meth:`flush` posts it within
+        the budget, so 1,000 new deployments get theirs over a minute instead of 1,000 POSTs
+        competing with their status writes (or 800 of them dropped)."""
+        if len(self._backlog) >= BACKLOG:
+            self._backlog.popleft()
+            self.metrics.events_dropped.inc()
+        self._backlog.append((ref, type_, reason, message))
+
+    def flush_soon(self) -> None:
+        """:meth:`flush` beside the loop (one at a time): posting 200 queued Events held the
+        first poll of 1,000 new deployments ~6 s before any status was written."""
+        if self._backlog and (self._flushing is None or self._flushing.done()):
+            self._flushing = asyncio.get_running_loop().create_task(self.flush())
+
+    async def flush(self) -> None:
+        """Post queued lifecycle Events as far as the budget allows, together."""
+        now = self.clock()
+        todo = []
+        while self._backlog and self._take_token(now):
+            todo.append(self._backlog.popleft())
+        self.posted += len(todo)
+        gate = asyncio.Semaphore(REPORT_CONCURRENCY)
+
+        async def one(ref: ObjRef, type_: str, reason: str, message: str) -> None:
+            async with gate:
+                await self.kube.emit_event(ref, type_, reason, message)
+
+        await asyncio.gather(*(one(*e) for e in todo))
+
+    async def problem(
+        self,
+        md_ns: str,
+        md_name: str,
+        uid: str,
+        reason: str,
+        msg: str,
+        generation: int | None = None,
+    ) -> None:
         """Degraded + not Ready for a deployment the controller does not act on (invalid
-        spec, duplicate model), written once per change."""
+        spec, duplicate model), written once per change, with a Warning Event.  ``generation``:
+        the spec generation that was read (a spec that does not parse has none)."""
         if self.problem_seen.get(uid) == f"{reason}:{msg}":
             return
         self.problem_seen[uid] = f"{reason}:{msg}"
         stamp = now_iso(self.clock())
+        await self.event(md_ref(md_ns, md_name, uid), "Warning", reason, msg)
+        extra = {"observedGeneration": generation} if generation is not None else {}
         await self.kube.patch_md_status(
             md_ns,
             md_name,
             {
+                **extra,
                 "conditions": [
                     {
                         "type": t,
@@ -203,8 +258,10 @@ class Reporter:
         mine: Mapping[str, NodeSnapshot],
         problem: Condition | None,
         window_s: float,
+        events: list[tuple[ObjRef, str, str, str]] | None = None,
     ) -> None:
-        """``mine``: every node's snapshot with only what ``d`` owns (:func:`by_owner`)."""
+        """``mine``: every node's snapshot with only what ``d`` owns (:func:`by_owner`).
+        ``events``: collects its condition Events for the caller to post (else posted here)."""
         md, spec = d.md, d.spec
         model = md.model
         fc = ctl.forecast_of(model) if spec else None
@@ -242,12 +299,19 @@ class Reporter:
         status = model_status(model, view, mine, slot_of, d.raw_status, now_iso(self.clock()))
         self.metrics.instances.labels(model).set(status["instanceCount"])
         self.metrics.replicas.labels(model).set(status["prewarmedCount"])
-        await self._condition_events(d, status)
         key = strip_volatile(status)
-        if key != d.last_status:
+        old, write = d.raw_status, key != d.last_status
+        if write:  # the status first: what people and tools wait on; its Events after it
+            self.writes += 1
             await self.kube.patch_md_status(md.namespace, md.name, status)
             d.last_status = key
             d.raw_status = status
+        todo = self._condition_events(old, status)
+        if events is None:
+            for type_, reason, message in todo:
+                await self.event(d.ref, type_, reason, message)
+        else:
+            events += [(d.ref, type_, reason, message) for type_, reason, message in todo]
 
     async def everything(
         self,
@@ -259,42 +323,50 @@ class Reporter:
         window_s: float,
     ) -> None:
         """Every deployment's status; the writes of a poll go out together, not one after the
-        other (issue 16: 1,000 deployments)."""
+        other, and their Events after all of them (issue 16: 1,000 deployments)."""
         owned = by_owner(snaps, [d.md.uid for d in deployments])
         gate = asyncio.Semaphore(REPORT_CONCURRENCY)
+        events: list[tuple[ObjRef, str, str, str]] = []
 
         async def one(d: Deployment) -> None:
             uid = d.md.uid
             async with gate:
                 if uid in dup_uids:
                     c = problems[uid]
-                    await self.problem(d.md.namespace, d.md.name, uid, c.reason, c.message)
+                    await self.problem(
+                        d.md.namespace, d.md.name, uid, c.reason, c.message, d.md.generation
+                    )
                 else:
-                    await self.deployment(d, ctl, owned[uid], problems.get(uid), window_s)
+                    await self.deployment(d, ctl, owned[uid], problems.get(uid), window_s, events)
 
         await asyncio.gather(*(one(d) for d in deployments))
 
-    async def _condition_events(self, d: Deployment, status: Mapping[str, Any]) -> None:
+        async def post(ref: ObjRef, type_: str, reason: str, message: str) -> None:
+            async with gate:
+                await self.event(ref, type_, reason, message)
+
+        await asyncio.gather(*(post(*e) for e in events))
+
+    @staticmethod
+    def _condition_events(
+        before: Mapping[str, Any] | None, status: Mapping[str, Any]
+    ) -> list[tuple[str, str, str]]:
         """An Event whenever Degraded or Prewarmed changes reason (not every poll)."""
-        old = {c.get("type"): c for c in (d.raw_status or {}).get("conditions") or []}
+        old = {c.get("type"): c for c in (before or {}).get("conditions") or []}
+        out = []
         for c in status["conditions"]:
-            before = old.get(c["type"])
-            if (
-                before
-                and before.get("reason") == c["reason"]
-                and before.get("status") == c["status"]
-            ):
+            prev = old.get(c["type"])
+            if prev and prev.get("reason") == c["reason"] and prev.get("status") == c["status"]:
                 continue
             if c["type"] == "Degraded" and c["status"] == "True":
-                await self.event(d.ref, "Warning", c["reason"], c["message"])
+                out.append(("Warning", c["reason"], c["message"]))
             elif c["type"] == "TTFTObjectiveMet" and c["status"] == "False":
-                await self.event(d.ref, "Warning", "TTFTObjectiveMissed", c["message"])
+                out.append(("Warning", "TTFTObjectiveMissed", c["message"]))
             elif c["type"] == "Prewarmed" and c["reason"] == "Unplaced":
-                await self.event(d.ref, "Warning", "Unplaced", c["message"])
+                out.append(("Warning", "Unplaced", c["message"]))
             elif c["type"] == "Prewarmed" and c["reason"] == "AllPlaced":
-                await self.event(
-                    d.ref, "Normal", "Prewarmed", "every requested prewarm replica is resident"
-                )
+                out.append(("Normal", "Prewarmed", "every requested prewarm replica is resident"))
+        return out
 
     async def node(self, name: str, nrt: NodeRuntime, now: float, refresh_s: float) -> None:
         reachable = nrt.failures == 0 and nrt.snap is not None
