@@ -58,6 +58,16 @@ LLAMAS: dict[str, dict[str, Any]] = {
         max_position_embeddings=8192,
         rope_theta=500000.0,
     ),
+    "14b": dict(  # ~28 GB in bf16: for cards with the memory and a longer budget
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=1000000.0,
+    ),
     "1b": dict(
         vocab_size=128256,
         hidden_size=2048,
@@ -593,7 +603,7 @@ def main() -> int:
     ap.add_argument("--reserve-gib", type=float, default=4.0, help="pool reserve (--gpu-reserve)")
     ap.add_argument("--switch-gb", type=float, default=70.0)
     ap.add_argument("--load-gib", type=float, default=8.0)
-    ap.add_argument("--llama", choices=["auto", "8b", "1b", "tiny", "none"], default="auto")
+    ap.add_argument("--llama", choices=["auto", "14b", "8b", "1b", "tiny", "none"], default="auto")
     ap.add_argument("--phases", default="vmm,load,llama")
     ap.add_argument("--fresh-child", help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda:0", help=argparse.SUPPRESS)
@@ -696,7 +706,7 @@ def main() -> int:
                 free = res["gpu"]["total_bytes"]
                 size = "tiny" if args.dry_run else ("8b" if free >= 40 * GiB else "1b")
             if size != "none":
-                need = {"8b": 240, "1b": 120, "tiny": 30}[size]
+                need = {"14b": 400, "8b": 240, "1b": 120, "tiny": 30}[size]
                 if budget.left() < need:
                     res["not_run"]["llama"] = (
                         f"{budget.left():.0f} s of budget left, {size} needs ~{need} s"

@@ -14,7 +14,8 @@
 #   hack/gpu-check.sh --fetch-wheels    download the wheels into .gpu-wheels/ (where PyPI is reachable)
 #
 # Options: --wheels DIR (default .gpu-wheels)  --results-dir DIR (default bench/results)
-#          --budget-s N (whole run, default 570)  --llama auto|8b|1b|tiny|none (default auto)
+#          --budget-s N (whole run, default 570)  --llama auto|14b|8b|1b|tiny|none (default auto:
+#          8b on >= 40 GB GPUs, else 1b; 14b needs ~28 GB and a larger --budget-s)
 # Environment: PYTHON (default python3: on GPU images, the one that has torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."

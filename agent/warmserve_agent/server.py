@@ -250,29 +250,9 @@ def _make_backend(cfg: AgentConfig, pool: Any = None, memdir: Path | None = None
 
 def _cuda_gpu_sizes() -> list[int]:
     """GPU count and memory from the driver (no contexts, no allocations)."""
-    from warmserve_agent.backends.cuda import CudaError, import_driver
+    from warmserve_agent.backends import cuda
 
-    drv = import_driver()
-
-    def call(name: str, *args: Any) -> Any:
-        err, *rest = getattr(drv, name)(*args)
-        if err != drv.CUresult.CUDA_SUCCESS:
-            raise CudaError(f"{name} failed: {err}")
-        return rest[0] if rest else None
-
-    try:
-        call("cuInit", 0)
-    except CudaError:
-        raise
-    except Exception as exc:  # cuda-bindings raises when libcuda itself is missing
-        raise CudaError(
-            f"no usable NVIDIA driver ({type(exc).__name__}: {exc}); on machines without GPUs "
-            "use --simulate-gpus"
-        ) from None
-    return [
-        int(call("cuDeviceTotalMem", call("cuDeviceGet", i)))
-        for i in range(call("cuDeviceGetCount"))
-    ]
+    return cuda.device_sizes()
 
 
 class AgentServer:

@@ -74,6 +74,7 @@ class _Watcher:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     dropped: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str = ""
+    deadline: asyncio.Timeout | None = None  # of the write in progress, if any
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
@@ -155,6 +156,8 @@ class AgentService(pb_grpc.NodeAgentServicer):
             w.reason = reason
             w.dropped.set()
             w.wake.set()
+            if w.deadline is not None and self._loop is not None:
+                w.deadline.reschedule(self._loop.time())  # end a write blocked on the client
             self.watchers_dropped += 1
             log.warning("event=watch_dropped reason=%s", reason.split(";")[0])
 
@@ -478,14 +481,12 @@ class AgentService(pb_grpc.NodeAgentServicer):
     async def Watch(self, request: pb.WatchRequest, context: Any) -> None:
         w = _Watcher()
         self._watchers.add(w)
-        dropped = asyncio.ensure_future(w.dropped.wait())
         try:
             if request.include_snapshot:
                 snap = await asyncio.to_thread(self.describe_pb, False)
                 await self._write(
                     context,
                     w,
-                    dropped,
                     pb.WatchEvent(
                         kind=pb.WatchEvent.KIND_SNAPSHOT,
                         generation=snap.generation,
@@ -499,32 +500,25 @@ class AgentService(pb_grpc.NodeAgentServicer):
                     await w.wake.wait()
                 if w.dropped.is_set():
                     await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, w.reason)
-                await self._write(context, w, dropped, self._event_pb_once(w.queue.popleft()))
+                await self._write(context, w, self._event_pb_once(w.queue.popleft()))
         finally:
             self._watchers.discard(w)
-            dropped.cancel()
 
-    async def _write(
-        self, context: Any, w: _Watcher, dropped: asyncio.Future[Any], msg: pb.WatchEvent
-    ) -> None:
+    async def _write(self, context: Any, w: _Watcher, msg: pb.WatchEvent) -> None:
         """Send one message; a client that does not take it in time, or whose queue overflows
-        meanwhile, is dropped (its RPC ends with RESOURCE_EXHAUSTED)."""
-        write = asyncio.ensure_future(context.write(msg))
-        done, _ = await asyncio.wait(
-            {write, dropped}, timeout=self.watch_write_timeout_s, return_when="FIRST_COMPLETED"
-        )
-        if write in done:
-            write.result()
-            return
-        write.cancel()
-        with contextlib.suppress(BaseException):
-            await write
-        self._drop(
-            w,
-            f"watch client took no message for {self.watch_write_timeout_s:g} s (it stopped "
-            "reading); Watch again with include_snapshot",
-        )
-        await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, w.reason)
+        meanwhile (``_drop`` moves the deadline to now), is dropped with RESOURCE_EXHAUSTED."""
+        try:
+            async with asyncio.timeout(self.watch_write_timeout_s) as w.deadline:
+                await context.write(msg)
+        except TimeoutError:
+            self._drop(
+                w,
+                f"watch client took no message for {self.watch_write_timeout_s:g} s (it stopped "
+                "reading); Watch again with include_snapshot",
+            )
+            await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, w.reason)
+        finally:
+            w.deadline = None
 
     def _event_pb_once(self, ev: Event) -> pb.WatchEvent:
         """Convert each event once, whatever the number of watchers (cached by generation)."""

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -15,27 +14,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import PAGE, MiB, write_model
+from conftest import MiB, cfg_for, wait_for, write_model
 from warmserve_agent.client import AgentError, SyncAgentClient, pb
-from warmserve_agent.server import AgentConfig
 from warmserve_agent.testing import AgentThread
-
-
-def cfg_for(tmp_path: Path, model_root: Path, **kw) -> AgentConfig:
-    base = dict(
-        model_dir=model_root,
-        simulate_gpus=[4 * MiB] * 2,
-        listen="127.0.0.1:0",
-        page_bytes=PAGE,
-        memory_dir=tmp_path / f"gpus-{time.monotonic_ns()}",
-        node_name="node-a",
-        spare_workers=1,
-        use_workers=False,
-        grace_interval_s=0.05,
-        monitor_interval_s=0.1,
-    )
-    base.update(kw)
-    return AgentConfig(**base)
 
 
 def http(url: str, body: dict | None = None) -> bytes:
@@ -43,16 +24,6 @@ def http(url: str, body: dict | None = None) -> bytes:
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=20) as r:
         return r.read()
-
-
-def wait_for(pred, timeout: float = 20.0, what: str = "condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

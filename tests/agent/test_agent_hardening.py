@@ -15,7 +15,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import PAGE, MiB
+from conftest import cfg_for as agent_cfg
+from conftest import wait_for
 from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
 from warmserve_agent.client import AgentError, SyncAgentClient, pb
 from warmserve_agent.server import AgentConfig, ConfigError
@@ -24,27 +25,7 @@ from warmserve_agent.testing import AgentThread
 
 
 def cfg_for(tmp_path: Path, model_root: Path, **kw) -> AgentConfig:
-    base = dict(
-        model_dir=model_root,
-        simulate_gpus=[4 * MiB] * 2,
-        listen="127.0.0.1:0",
-        page_bytes=PAGE,
-        memory_dir=tmp_path / f"gpus-{time.monotonic_ns()}",
-        node_name="node-h",
-        use_workers=False,
-    )
-    base.update(kw)
-    return AgentConfig(**base)
-
-
-def wait_for(pred, timeout: float = 30.0, what: str = "condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return agent_cfg(tmp_path, model_root, **{"node_name": "node-h", **kw})
 
 
 # ---- Watch: stalled clients are bounded and dropped --------------------------------------------
@@ -83,7 +64,7 @@ def test_stalled_watch_clients_are_bounded_and_dropped(tmp_path: Path, model_roo
         reader.join(60)
         assert len(got) == n_events, f"the healthy watcher got {len(got)} of {n_events} events"
         assert got == list(range(got[0], got[0] + n_events)), "events lost or out of order"
-        wait_for(lambda: svc.watcher_count == 0, what="stalled watchers to be dropped")
+        wait_for(lambda: svc.watcher_count == 0, 30, "stalled watchers to be dropped")
         assert svc.watchers_dropped == 20
         assert a.run(_queued(svc)) == 0
         # A stalled client that finally reads learns why its stream ended.

@@ -8,9 +8,7 @@ import json
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
-from safetensors.numpy import save_file
 from warmserve_agent.backends.workers import WorkerMemoryBackend
 from warmserve_agent.engine_host import WorkerEngine
 from warmserve_agent.memory import MemoryManager
@@ -18,31 +16,18 @@ from warmserve_agent.node import NodeCore
 from warmserve_agent.store import WeightStore
 from warmserve_agent.worker import WorkerPool
 
+from tests.agent.conftest import write_model
+
 pytestmark = pytest.mark.gpu
 
 MiB = 1024**2
-
-
-def write_model(root: Path, name: str, layers: int = 4, hidden: int = 512) -> None:
-    rng = np.random.default_rng(7)
-    d = root / name
-    d.mkdir(parents=True)
-    t = {
-        "model.embed_tokens.weight": rng.standard_normal((1000, hidden), dtype=np.float32),
-        "lm_head.weight": rng.standard_normal((1000, hidden), dtype=np.float32),
-        "model.norm.weight": rng.standard_normal((hidden,), dtype=np.float32),
-    }
-    for i in range(layers):
-        t[f"model.layers.{i}.mlp.weight"] = rng.standard_normal((hidden, 4 * hidden), np.float32)
-    save_file(t, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
 
 
 def test_worker_owned_cuda_memory_prewarm_activate_serve(
     tmp_path: Path, driver_spec: str | None
 ) -> None:
     root = tmp_path / "models"
-    write_model(root, "m")
+    write_model(root, "m", layers=4, hidden=512, seed=7)
     pool = WorkerPool([0], spares=0)
     pool.start()
     backend = WorkerMemoryBackend(pool, "cuda", 2 * MiB, driver=driver_spec, reserve_bytes=64 * MiB)

@@ -96,6 +96,45 @@ def import_driver(spec: str | None = None) -> ModuleType:
     return driver
 
 
+def _checked(drv: Any, name: str, *args: Any) -> tuple[Any, ...]:
+    """Call a driver function; raise CudaError naming it unless it returned CUDA_SUCCESS."""
+    ret = getattr(drv, name)(*args)
+    err, rest = ret[0], tuple(ret[1:])
+    if err != drv.CUresult.CUDA_SUCCESS:
+        try:
+            _, s = drv.cuGetErrorName(err)
+            why = s.decode() if isinstance(s, bytes) else str(s)
+        except Exception:  # pragma: no cover - best effort for the message only
+            why = str(err)
+        raise CudaError(f"{name} failed: {why}", err)
+    return rest
+
+
+def init_driver(drv: Any) -> None:
+    """``cuInit``, with a clear error where the NVIDIA driver itself is missing."""
+    try:
+        _checked(drv, "cuInit", 0)
+    except CudaError:
+        raise
+    except Exception as exc:  # cuda-bindings raises when libcuda itself is missing
+        raise CudaError(
+            f"no usable NVIDIA driver ({type(exc).__name__}: {exc}); "
+            "on machines without GPUs use --simulate-gpus"
+        ) from None
+
+
+def device_sizes(driver: Any = None) -> list[int]:
+    """Memory of every visible GPU, from the driver (no contexts, no allocations)."""
+    drv = driver if driver is not None else import_driver()
+    init_driver(drv)
+    (count,) = _checked(drv, "cuDeviceGetCount")
+    out = []
+    for i in range(int(count)):
+        (dev,) = _checked(drv, "cuDeviceGet", i)
+        out.append(int(_checked(drv, "cuDeviceTotalMem", dev)[0]))
+    return out
+
+
 @dataclass
 class _Gpu:
     """One GPU's driver objects (guarded by ``lock``)."""
@@ -185,30 +224,11 @@ class CudaBackend:
         drv = self._drv
         self._event_flags = int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         self._stream_flags = int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
-        try:
-            self._call("cuInit", 0)
-        except CudaError:
-            raise
-        except Exception as exc:  # cuda-bindings raises when libcuda itself is missing
-            raise CudaError(
-                f"no usable NVIDIA driver ({type(exc).__name__}: {exc}); "
-                "on machines without GPUs use --simulate-gpus"
-            ) from None
+        init_driver(drv)
 
     # ---- driver plumbing -----------------------------------------------------------------
     def _call(self, name: str, *args: Any) -> tuple[Any, ...]:
-        ret = getattr(self._drv, name)(*args)
-        err, rest = ret[0], tuple(ret[1:])
-        if err != self._drv.CUresult.CUDA_SUCCESS:
-            raise CudaError(f"{name} failed: {self._err_name(err)}", err)
-        return rest
-
-    def _err_name(self, err: Any) -> str:
-        try:
-            _, s = self._drv.cuGetErrorName(err)
-            return s.decode() if isinstance(s, bytes) else str(s)
-        except Exception:  # pragma: no cover - best effort for the message only
-            return str(err)
+        return _checked(self._drv, name, *args)
 
     def _gpu(self, gpu: int) -> _Gpu:
         try:
