@@ -56,6 +56,7 @@ def _sim(system: str, static, arrivals, models_of, n_in=500, n_out=50, gpus=1, m
         queue_timeout_s=3600.0,
         drain_s=600.0,
         hooks=StaticLayout(static),
+        record=True,
     )
 
 
@@ -253,11 +254,9 @@ def test_baselines_conserve_requests_and_causality(system):
     from warmserve.sim.scenario import parse
 
     prep = runner.prepare(parse(make_doc(**{"workload.total_rps": 12})))
-    out, wall = runner.run_system(prep, system, check=True)
+    out, wall = runner.run_system(prep, system, check=True, record=True)
     names = [m.spec.name for m in prep.models]
-    row = metrics.summarize(
-        out, prep.requests.arrival, prep.requests.model, prep.requests.output_tokens, names, wall
-    )
+    row = metrics.summarize(out, names, wall)
     metrics.check_conservation(row)
     served = ~np.isnan(out.finish)
     arr = prep.requests.arrival

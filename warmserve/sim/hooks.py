@@ -38,7 +38,9 @@ class SimAccess(Protocol):
     by_name: dict[str, SimModel]
     sys: Any
     instances: list[SimInstance]
+    by_model: list[list[SimInstance]]
     queue: list[Any]
+    inflight: list[int]
     lent_placements: int
 
     def cut_off(self, inst: SimInstance, t: float) -> None: ...

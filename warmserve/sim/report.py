@@ -78,7 +78,7 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> None:
 def plot(path: str | Path, results: Sequence[tuple[str, Any, Any]], title: str = "") -> None:
     """TTFT CDF per system (left) and the timeline of GPU worker states per system (right).
 
-    ``results``: (system, ttft seconds array of served requests, timeline list of
+    ``results``: (system, TTFT CDF as (seconds, cumulative share) arrays, timeline list of
     (t, {state: count})).
     """
     import matplotlib
@@ -91,10 +91,9 @@ def plot(path: str | Path, results: Sequence[tuple[str, Any, Any]], title: str =
     fig = plt.figure(figsize=(13, max(4.0, 1.6 * n + 1)))
     grid = fig.add_gridspec(n, 2, width_ratios=[1.2, 1.0])
     ax = fig.add_subplot(grid[:, 0])
-    for name, ttft, _ in results:
-        x = np.sort(np.asarray(ttft))
-        if x.size:
-            ax.plot(np.maximum(x, 1e-3), np.arange(1, x.size + 1) / x.size, label=name)
+    for name, (x, y), _ in results:
+        if len(x):
+            ax.plot(np.maximum(np.asarray(x), 1e-3), y, label=name, drawstyle="steps-post")
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("CDF")

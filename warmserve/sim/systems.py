@@ -48,8 +48,9 @@ class SystemConfig:
     (``stream_layers``) or waits for all weights.
     ``on_stop``: what a stopped instance leaves on its GPUs — ``none`` (idle), ``replica``
     (WarmServe: the old model stays as a prewarm slot, §4.1) or ``cache`` (SLLM-GPU).
-    ``load_slowdown``: weight loading slower than the link rate by this factor (stock vLLM's
-    safetensors path).  Eviction, grace, load and re-planning are the control layer's rules
+    ``stock_loader``: weights load through stock vLLM's own loader, slower than the weight path
+    by the start-up profile's ``load.stock_slowdown`` (:mod:`warmserve.sim.startup`).
+    Eviction, grace, load and re-planning are the control layer's rules
     (:mod:`warmserve.control.controller`), the same as the operator's.
     ``activate`` (Prism only): a request no instance can take activates one more instance of
     its model on a pooled engine, on the lowest-KVPR GPUs with room, evicting idle models when
@@ -66,17 +67,10 @@ class SystemConfig:
     comm_group_on_hit: bool = False
     stream_layers: bool = False
     on_stop: str = "none"
-    load_slowdown: float = 1.0
+    stock_loader: bool = False
     activate: bool = False
     description: str = ""
 
-
-# Stock vLLM reads safetensors (from the page cache here: the weights sit in host memory, §7.1);
-# ServerlessLLM's benchmark on H100 SXM loads a cached Qwen3-32B in 12.47 s that way and in
-# 1.25 s with sllm-store, which reaches the link rate the GPU profile cites
-# (ServerlessLLM benchmarks/results/h100_2025/README.md; docs/simulator.md).  WarmServe and
-# SLLM-GPU copy at the link rate (pipelined page mapping + copies, §4.2; sllm-store).
-STOCK_VLLM_LOAD_SLOWDOWN = 12.47 / 1.25
 
 SYSTEMS: dict[str, SystemConfig] = {
     s.name: s
@@ -98,7 +92,7 @@ SYSTEMS: dict[str, SystemConfig] = {
             description="WarmServe with first-fit placement (§7.5)",
         ),
         SystemConfig(
-            "reactive", load_slowdown=STOCK_VLLM_LOAD_SLOWDOWN,
+            "reactive", stock_loader=True,
             description="HPA-style autoscaling, vLLM cold starts from host memory",
         ),
         SystemConfig(

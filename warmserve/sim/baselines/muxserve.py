@@ -588,18 +588,15 @@ def average_loads(prep: Prepared) -> dict[str, Load]:
     """Average rate and lengths of each model over the simulated period (an oracle average:
     MuxServe plans from average rates "estimated from history traffic", §3.1 footnote; using
     the period itself is the most favourable estimate for the baseline)."""
-    reqs, dur = prep.requests, prep.scenario.duration_s
+    dur = prep.scenario.duration_s
     out: dict[str, Load] = {}
     for m in prep.models:
-        mine = reqs.model == m.idx
-        n = int(mine.sum())
-        if n == 0:
+        f = prep.facts[m.idx]
+        if f.requests == 0:
             out[m.spec.name] = Load(0.0, 1.0, 1.0)
             continue
         out[m.spec.name] = Load(
-            n / dur,
-            max(1.0, float(reqs.input_tokens[mine].mean())),
-            max(1.0, float(reqs.output_tokens[mine].mean())),
+            f.requests / dur, max(1.0, f.mean_input), max(1.0, f.mean_output)
         )
     return out
 

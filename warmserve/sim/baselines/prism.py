@@ -493,11 +493,10 @@ def runtime_facts(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> PrismFacts
     from warmserve.sim.baselines.muxserve import average_loads
 
     loads = average_loads(prep)
-    reqs = prep.requests
     runtimes = {m.spec.name: m for m in prep.models if m.placeable}
     idle: dict[str, float] = {}
     for m in prep.models:
-        arr = np.sort(reqs.arrival[reqs.model == m.idx])
+        arr = np.sort(prep.model_period(m.idx)[0])
         idle[m.spec.name] = idle_threshold_s(np.diff(arr).tolist()) if arr.size > 1 else MIN_IDLE_S
     min_kv = max(
         (
