@@ -174,6 +174,7 @@ class Simulation:
                     prewarm=system.prewarm,
                     proactive=system.proactive,
                     evict_aware=system.evict_aware,
+                    reclaim=system.reclaim,
                 )
             )
             self.controller.set_models(

@@ -17,25 +17,17 @@ import numpy as np
 
 from warmserve.policy.autoscaler import AutoscalerConfig, desired_instances
 from warmserve.policy.cluster import (
-    GPU,
-    ClusterState,
     GiB,
-    Instance,
-    InstancePhase,
     ModelSpec,
-    Node,
-    WorkerState,
 )
 from warmserve.policy.load import inflight_load, request_durations
-from warmserve.policy.placement import NoCapacity, choose_start
 from warmserve.policy.predictor import DEFAULT_PREDICTOR
-from warmserve.policy.scoring import instances_for
 from warmserve.sim import workload as wl
 from warmserve.sim.cluster import SimCluster
 from warmserve.sim.core import Simulation
 from warmserve.sim.hardware import GpuProfile, load_profile
 from warmserve.sim.hooks import Controlled, StaticLayout, SystemHooks
-from warmserve.sim.model import PeriodFacts, Prepared, SimModel, SimOutput, StaticInstance
+from warmserve.sim.model import PeriodFacts, Prepared, SimModel, SimOutput
 from warmserve.sim.perf import EngineModel, ModelArch
 from warmserve.sim.scenario import Scenario, ScenarioError, start_minute_of
 from warmserve.sim.startup import load_startup
@@ -211,55 +203,6 @@ def autoscaler_config(sc: Scenario) -> AutoscalerConfig:
     )
 
 
-def _empty_state(sc: Scenario, profile: GpuProfile, models: list[SimModel],
-                 placed: list[StaticInstance]) -> ClusterState:
-    held = {(s.node, g) for s in placed for g in s.gpus}
-    nodes = tuple(
-        Node(
-            f"node-{n}",
-            tuple(
-                GPU(g, profile.hbm_bytes, 0 if (f"node-{n}", g) in held else profile.hbm_bytes,
-                    WorkerState.DEDICATED if (f"node-{n}", g) in held else WorkerState.IDLE)
-                for g in range(sc.gpus_per_node)
-            ),
-        )
-        for n in range(sc.nodes)
-    )
-    specs = {m.spec.name: m.spec for m in models}
-    insts = tuple(
-        Instance(s.model, s.node, s.gpus, phase=InstancePhase.SERVING) for s in placed
-    )
-    return ClusterState(nodes, specs, (), insts, {})
-
-
-def dedicated_layout(prep: Prepared) -> list[StaticInstance]:
-    """Enough always-on instances per model for its peak in-flight load (the oracle peak of the
-    simulated period), placed one instance per model per round (largest TP first) with
-    ``choose_start``; when the cluster is too small, the rounds stop where they stop and the
-    shortfall shows as queueing."""
-    sc = prep.scenario
-    need = {
-        m.spec.name: max(1, instances_for(prep.peak_inflight[m.idx], m.spec.max_batch))
-        for m in prep.models if m.placeable
-    }
-    order = sorted((m for m in prep.models if m.placeable), key=lambda m: (-m.spec.tp, m.idx))
-    placed: list[StaticInstance] = []
-    progress = True
-    while progress:
-        progress = False
-        for m in order:
-            if need[m.spec.name] <= 0:
-                continue
-            state = _empty_state(sc, prep.profile, prep.models, placed)
-            choice = choose_start(state, m.spec.name)
-            if isinstance(choice, NoCapacity):
-                continue
-            placed.append(StaticInstance(m.spec.name, choice.node, choice.gpus))
-            need[m.spec.name] -= 1
-            progress = True
-    return placed
-
-
 def system_hooks(prep: Prepared, system: str) -> SystemHooks:
     """The plug-in that runs ``system`` in the event loop (:mod:`warmserve.sim.hooks`): the
     controller for autoscaling systems, a static layout for dedicated and MuxServe, Prism's
@@ -267,19 +210,22 @@ def system_hooks(prep: Prepared, system: str) -> SystemHooks:
     cfg = get_system(system)
     if cfg.mode == "autoscale":
         return Controlled()
-    if system == "dedicated":
-        return StaticLayout(dedicated_layout(prep))
-    if system == "muxserve":
+    if cfg.mode == "dedicated":
+        from warmserve.sim.baselines import dedicated
+
+        return StaticLayout(*dedicated.static_instances(prep))
+    if cfg.mode == "muxserve":
         from warmserve.sim.baselines import muxserve
 
-        return StaticLayout(muxserve.static_instances(prep))
-    if system == "prism":
+        return StaticLayout(muxserve.static_instances(prep, own_batch=cfg.own_batch))
+    if cfg.mode == "prism":
         from warmserve.sim.baselines import prism
         from warmserve.sim.baselines.prism_runtime import PrismHooks
 
-        layout = prism.static_instances(prep)
+        batch = prism.MAX_NUM_SEQS if cfg.own_batch else None
+        layout = prism.static_instances(prep, max_batch=batch)
         if cfg.activate:
-            return PrismHooks(prism.runtime_facts(prep), layout)
+            return PrismHooks(prism.runtime_facts(prep, max_batch=batch), layout)
         return StaticLayout(layout)
     raise ScenarioError(f"no event-loop plug-in for system {system!r}")
 
@@ -335,6 +281,8 @@ def run_system(
     out = sim.run()
     wall = time.perf_counter() - t0
     out.extra["cpu_s"] = time.process_time() - c0
+    if isinstance(hooks, StaticLayout) and hooks.info:
+        out.extra["layout"] = hooks.info
     log.info(
         "event=sim_done system=%s requests=%d events=%d wall_s=%.2f",
         system, out.requests, out.events, wall,
