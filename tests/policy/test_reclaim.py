@@ -202,9 +202,9 @@ def _grace_only_group_waits_least(s: ClusterState, model: str, best: float) -> b
     for n in s.nodes:
         for grp in aligned_groups(len(n.gpus), tp):
             occ = [held[(n.name, g)] for g in grp if (n.name, g) in held]
-            if all(i.phase == GRACE and i.model != model for i in occ):  # free or freeing
-                if sum(i.running for i in occ) <= best:
-                    return True
+            freeing = all(i.phase == GRACE and i.model != model for i in occ)  # or free
+            if freeing and sum(i.running for i in occ) <= best:
+                return True
     return False
 
 

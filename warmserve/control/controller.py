@@ -83,7 +83,8 @@ class ControlConfig:
     """The loop's rules: window length, autoscaler thresholds, predictor, and which WarmServe
     mechanisms run (``prewarm``: Algorithm 1 at all; ``proactive``: grace GPUs lend Eq. 1
     memory; ``evict_aware``: §5.2 nesting, else first-fit — the §7.5 ablations; ``reclaim``:
-    a starving model may drain instances other models can spare, :mod:`warmserve.policy.reclaim`)."""
+    a starving model may drain instances other models can spare,
+    :mod:`warmserve.policy.reclaim`)."""
 
     window_s: float = 300.0
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)

@@ -23,8 +23,10 @@ i.e. the instances the autoscaler itself would drain once the load had stayed th
 ``scale_down_delay_s``: reclaim only skips that delay.  ``V`` keeps serving everything it serves
 now with the same headroom as after any scale-down, so it does not want them back at once (no
 ping-pong; with the scale-up threshold instead, measured in the simulator, the victims restarted
-instances within minutes and the tail got worse at moderate load).  Among such groups it takes the one that frees soonest: the fewest requests still
-running on the instances in it (they must finish first; a drained instance takes no new
+instances within minutes and the tail got worse at moderate load).
+
+Among such groups it takes the one that frees soonest: the fewest requests still running on the
+instances in it (they must finish first; a drained instance takes no new
 requests and ends when its last request finishes), then the fewest GPUs freed beyond the group,
 the fewest instances drained, node name, lowest GPU.  If the best group needs no drain (only
 grace instances in it), nothing is drained: it is already being freed.  ``M`` must be below its

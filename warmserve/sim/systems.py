@@ -94,27 +94,32 @@ SYSTEMS: dict[str, SystemConfig] = {
     s.name: s
     for s in (
         SystemConfig(
-            "warmserve", reclaim=True, prewarm=True, proactive=True, pooled_process=True, engine_ready=True,
+            "warmserve", reclaim=True,
+            prewarm=True, proactive=True, pooled_process=True, engine_ready=True,
             comm_group_on_hit=True, stream_layers=True, on_stop="replica",
             description="WarmServe (full)",
         ),
         SystemConfig(
-            "warmserve-no-proactive", reclaim=True, prewarm=True, proactive=False, pooled_process=True,
+            "warmserve-no-proactive", reclaim=True,
+            prewarm=True, proactive=False, pooled_process=True,
             engine_ready=True, comm_group_on_hit=True, stream_layers=True, on_stop="none",
             description="WarmServe without proactive prewarming (§7.5)",
         ),
         SystemConfig(
-            "warmserve-no-lending", reclaim=True, prewarm=True, proactive=False, pooled_process=True,
+            "warmserve-no-lending", reclaim=True,
+            prewarm=True, proactive=False, pooled_process=True,
             engine_ready=True, comm_group_on_hit=True, stream_layers=True, on_stop="replica",
             description="WarmServe without grace-period lending (weights still kept on stop)",
         ),
         SystemConfig(
-            "warmserve-no-keep-weights", reclaim=True, prewarm=True, proactive=True, pooled_process=True,
+            "warmserve-no-keep-weights", reclaim=True,
+            prewarm=True, proactive=True, pooled_process=True,
             engine_ready=True, comm_group_on_hit=True, stream_layers=True, on_stop="none",
             description="WarmServe whose stopped instances leave nothing (lending still on)",
         ),
         SystemConfig(
-            "warmserve-no-evict-aware", reclaim=True, prewarm=True, evict_aware=False, proactive=True,
+            "warmserve-no-evict-aware", reclaim=True,
+            prewarm=True, evict_aware=False, proactive=True,
             pooled_process=True, engine_ready=True, comm_group_on_hit=True, stream_layers=True,
             on_stop="replica",
             description="WarmServe with first-fit placement (§7.5)",
@@ -125,7 +130,8 @@ SYSTEMS: dict[str, SystemConfig] = {
             description="WarmServe without reclaim (a starving model waits for scale-downs)",
         ),
         SystemConfig(
-            "warmserve-no-prediction", reclaim=True, prewarm=False, proactive=False, pooled_process=True,
+            "warmserve-no-prediction", reclaim=True,
+            prewarm=False, proactive=False, pooled_process=True,
             engine_ready=True, comm_group_on_hit=True, stream_layers=True, on_stop="replica",
             description="WarmServe without forecasts: no prewarm replicas are planned",
         ),
