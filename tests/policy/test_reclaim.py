@@ -77,14 +77,19 @@ def test_the_starving_70b_takes_the_block_whose_instances_are_spare() -> None:
     assert plan_reclaim(s, "big", {"a": 8.0, "b": 128, "big": 500}, CFG) is None
 
 
-def test_prefers_fewest_waiting_requests_then_fewest_extra_gpus() -> None:
-    insts = [inst("a", "n0", (0,), 5), inst("a", "n0", (1,), 1), inst("c", "n0", (2, 3), 0)]
-    s = cluster(insts, [spec("a"), spec("c", 2), spec("m")], per_node=4)
+def test_prefers_fewest_waiting_requests_and_never_breaks_a_wider_instance() -> None:
+    insts = [inst("a", "n0", (0,), 5), inst("a", "n0", (1,), 1), inst("c", "n0", (2,), 0)]
+    s = cluster(insts, [spec("a"), spec("c"), spec("m")], per_node=3)
     loads = {"a": 0.0, "c": 0.0, "m": 40.0}
     r = plan_reclaim(s, "m", loads, CFG)
-    # GPU 2 or 3 (c, 0 running, frees 1 GPU beyond the group) vs GPU 1 (a, 1 running): the
-    # fewest waiting requests win first.
+    # GPU 2 (c, 0 running) vs GPU 1 (a, 1 running): the fewest waiting requests win first.
     assert r is not None and r.gpus == (2,) and r.victims[0].model == "c" and r.waiting == 0
+    # an idle TP-2 instance is never drained for a TP-1 model (it would free a GPU nobody
+    # asked for): the busier TP-1 instance on GPU 1 is taken instead
+    insts = [inst("a", "n0", (0,), 5), inst("a", "n0", (1,), 1), inst("c", "n0", (2, 3), 0)]
+    s = cluster(insts, [spec("a"), spec("c", 2), spec("m")], per_node=4)
+    r = plan_reclaim(s, "m", loads, CFG)
+    assert r is not None and r.gpus == (1,) and r.victims[0].model == "a" and r.waiting == 1
 
 
 def test_group_being_freed_by_grace_is_not_reclaimed_again() -> None:
@@ -152,6 +157,7 @@ def test_reclaim_invariants(snap, model) -> None:
         assert i is None or i.name in names or i.phase == GRACE
     for v in r.victims:
         assert v.phase == SERVING and v.model != model
+        assert len(v.gpus) <= spec_m.tp  # never a wider instance
     # every victim model keeps enough instances for its load at the scale-down threshold
     for m in {v.model for v in r.victims}:
         active = sum(1 for i in s.instances if i.model == m and i.phase != GRACE)
@@ -178,7 +184,7 @@ def test_reclaim_waits_least(snap, model) -> None:
             if any(i.model == model or i.phase == STARTING for i in occ.values()):
                 continue
             victims = [i for i in occ.values() if i.phase == SERVING]
-            if not victims:
+            if not victims or any(len(v.gpus) > tp for v in victims):
                 continue
             ok = True
             for m in {v.model for v in victims}:

@@ -55,6 +55,7 @@ from warmserve.policy.autoscaler import (
 from warmserve.policy.autoscaler import decide as autoscale
 from warmserve.policy.cluster import (
     ClusterState,
+    Instance,
     InstancePhase,
     LoadForecast,
     ModelSpec,
@@ -137,6 +138,7 @@ class Controller:
         self.replan_reasons: set[str] = {"start"}
         self.stale: set[str] = set()  # models whose forecast must be recomputed
         self.last_plan: PrewarmPlan | None = None
+        self.last_plan_state: ClusterState | None = None  # the snapshot it was planned on
         self.plans = 0
 
     # ------------------------------------------------------------------ models and history
@@ -286,6 +288,10 @@ class Controller:
         no_capacity: dict[str, str] = {}
         caps = self._fair_caps(state, obs, loads)
         models = sorted(self.models if only is None else set(only) & set(self.models))
+        # each model's instances, once (a model's own starts come after its autoscale call)
+        mine: dict[str, list[Instance]] = {}
+        for i in state.instances:
+            mine.setdefault(i.model, []).append(i)
         for model in models:
             st = self.models[model]
             entry = st.entry
@@ -294,7 +300,7 @@ class Controller:
             d = autoscale(
                 entry.spec,
                 loads.get(model, 0.0),
-                [i for i in state.instances if i.model == model],
+                mine.get(model, []),
                 self.cfg.autoscaler,
                 obs.now,
                 st.memory,
@@ -337,7 +343,9 @@ class Controller:
                 why = "idle" if inst.running == 0 else "grace period over"
                 items.append(EndGrace(model, inst.node, inst.gpus, seen.id, why))
                 self.ended.add(seen.id)
-        if self.cfg.reclaim and no_capacity:
+        if self.cfg.reclaim and no_capacity and only is None:
+            # full decisions only (each poll), not the fast path an executor may take per
+            # request: how often reclaim is tried must not depend on the executor's rhythm
             state, drains = self._reclaim(state, obs, loads, caps, no_capacity, by_key)
             items += drains
         plan = None
@@ -396,11 +404,13 @@ class Controller:
         capacity = max(sum(len(n.gpus) for n in state.nodes) - foreign, 0)
         wants: dict[str, FairDemand] = {}
         needs: dict[str, FairDemand] = {}
+        active: dict[str, int] = {}
+        for i in state.instances:
+            if i.phase != InstancePhase.GRACE:
+                active[i.model] = active.get(i.model, 0) + 1
         for model, st in self.models.items():
             e = st.entry
-            current = sum(
-                1 for i in state.instances if i.model == model and i.phase != InstancePhase.GRACE
-            )
+            current = active.get(model, 0)
             load = loads.get(model, 0.0)
             args = (e.spec.max_batch, self.cfg.autoscaler, e.min_instances, e.max_instances)
             want = desired_instances(load, args[0], current, *args[1:])
@@ -431,6 +441,7 @@ class Controller:
         plan = plan_prewarm(state, evict_aware=self.cfg.evict_aware)
         self.plans += 1
         self.last_plan = plan
+        self.last_plan_state = state
         self.replan_reasons = set()
         self.last_free = self._free_map(state)
         items: list[Decision] = []

@@ -25,6 +25,10 @@ now with the same headroom as after any scale-down, so it does not want them bac
 ping-pong; with the scale-up threshold instead, measured in the simulator, the victims restarted
 instances within minutes and the tail got worse at moderate load).
 
+A victim is never wider than ``M`` (a TP-4 instance is not drained for a TP-1 model: it would
+free three GPUs nobody asked for and leave the wide model a fragmented cluster to come back to;
+measured: with it, the 70B's P99 at alpha 0.5, RPS 15 went from 7.4 s to 21.9 s).
+
 Among such groups it takes the one that frees soonest: the fewest requests still running on the
 instances in it (they must finish first; a drained instance takes no new
 requests and ends when its last request finishes), then the fewest GPUs freed beyond the group,
@@ -156,6 +160,8 @@ def _group(
             continue
         if inst.model == model or inst.phase == InstancePhase.STARTING:
             return None
+        if inst.phase == InstancePhase.SERVING and len(inst.gpus) > len(group):
+            return None  # never break a wider instance for a narrower model
         seen[inst.name or f"{inst.node}/{inst.gpus}"] = inst
     victims = tuple(
         i for _, i in sorted(seen.items()) if i.phase == InstancePhase.SERVING

@@ -83,6 +83,7 @@ class SimReplica:
     lender: SimInstance | None = None  # grace instance whose KV memory holds it (§4.1)
     sid: str = ""
     priority: tuple[ReplicaKind, int, float] | None = None
+    kept: bool = False  # the weights a stopped instance left behind (§4.1)
 
     def layers_at(self, t: float) -> int:
         if t < self.t_begin:

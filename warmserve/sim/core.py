@@ -292,6 +292,8 @@ class Simulation:
             start_failures=self.start_failures,
             failure_kinds=dict(sorted(self.failure_kinds.items())),
         )
+        if self.executor is not None:
+            out.extra.update(self.executor.counts)
         if self.record:
             rs = sorted(self.recorded, key=lambda r: r.rid)
             nan = math.nan
@@ -671,6 +673,7 @@ class Simulation:
                 t_begin=t,
                 per_layer_s=0.0,
                 priority=prio,
+                kept=True,
             )
             self._make_room(rep, t)
             self.cl.add_replica(rep)

@@ -14,6 +14,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("TTFT p50", "ttft_p50_s", "t"),
     ("TTFT p95", "ttft_p95_s", "t"),
     ("TTFT p99", "ttft_p99_s", "t"),
+    ("TTFT p99.9", "ttft_p999_s", "t"),
+    ("delayed by start", "start_delayed_share", "pct2"),
     ("TPOT p50", "tpot_p50_s", "ms"),
     ("TPOT p99", "tpot_p99_s", "ms"),
     ("hit ratio", "hit_ratio", "pct"),
@@ -49,6 +51,8 @@ def _cell(row: dict[str, Any], key: str, kind: str) -> str:
         return f"{float(v) * 1000:.1f} ms"
     if kind == "pct":
         return f"{float(v) * 100:.0f}%"
+    if kind == "pct2":
+        return f"{float(v) * 100:.2f}%"
     if kind == "f2":
         return f"{float(v):.2f}"
     return str(v)

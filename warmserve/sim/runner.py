@@ -248,7 +248,9 @@ def run_system(
     # Fresh copies of mutable per-run model state (history lists are extended during a run).
     models = [replace(m, avg_history=list(m.avg_history), peak_history=list(m.peak_history))
               for m in prep.models]
+    c_layout = time.process_time()
     hooks = system_hooks(prep, system)
+    layout_cpu = time.process_time() - c_layout
     predictor = None
     if sc.predictor:
         from warmserve.policy.predictor import make_predictor
@@ -283,6 +285,8 @@ def run_system(
     out.extra["cpu_s"] = time.process_time() - c0
     if isinstance(hooks, StaticLayout) and hooks.info:
         out.extra["layout"] = hooks.info
+    if layout_cpu > 0.5:  # choosing the layout simulated (dedicated): report it apart
+        out.extra["layout_cpu_s"] = layout_cpu
     log.info(
         "event=sim_done system=%s requests=%d events=%d wall_s=%.2f",
         system, out.requests, out.events, wall,

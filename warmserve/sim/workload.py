@@ -185,7 +185,8 @@ class ArrivalTemplate:
             a = int(np.searchsorted(pts, u0, "right"))
             idx = a + np.arange(k + 1)
             u = pts[idx % size] + (idx // size) * per
-            out.append(minutes[j] + (u[:k] - u0) / (u[k] - u0))
+            frac = np.minimum((u[:k] - u0) / (u[k] - u0), 1.0 - 1e-9)  # stays in the minute
+            out.append(minutes[j] + frac)
         return np.concatenate(out) if out else np.zeros(0)
 
 
