@@ -106,10 +106,20 @@ def _history_cm(ns: str, uid: str, model: str) -> dict[str, Any]:
     }
 
 
-def _apply(plane: Any, items: list[dict[str, Any]]) -> None:
-    for k in range(0, len(items), 200):
-        body = {"apiVersion": "v1", "kind": "List", "items": items[k : k + 200]}
-        plane.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(body), timeout=300)
+def _apply(plane: Any, items: list[dict[str, Any]], batch: int = 50) -> None:
+    """Create objects in batches; a batch the (busy) API server times out is retried."""
+    for k in range(0, len(items), batch):
+        body = json.dumps({"apiVersion": "v1", "kind": "List", "items": items[k : k + batch]})
+        for attempt in range(5):
+            proc = plane.kubectl(
+                "apply", "--server-side", "-f", "-", input=body, timeout=300, check=False
+            )
+            if proc.returncode == 0:
+                break
+            print(f"  retrying a batch ({proc.stderr.strip()[:120]})", flush=True)
+            time.sleep(2 * (attempt + 1))
+        else:
+            raise SystemExit(f"bench: cannot create objects: {proc.stderr.strip()}")
 
 
 def _placed(plane: Any, ns: str, names: set[str]) -> int:

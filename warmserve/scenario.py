@@ -49,13 +49,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections import Counter, defaultdict
 from collections.abc import Mapping
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
+from warmserve import units
 from warmserve.control.snapshot import gpu_free_bytes
 from warmserve.policy.autoscaler import lendable_per_gpu
 from warmserve.policy.cluster import (
@@ -73,19 +72,6 @@ from warmserve.policy.cluster import (
 )
 
 __all__ = ["load_cluster_state", "parse_cluster_state", "parse_size"]
-
-_UNITS = {
-    "B": 1,
-    "KB": 1000,
-    "MB": 1000**2,
-    "GB": 1000**3,
-    "TB": 1000**4,
-    "KIB": 1024,
-    "MIB": 1024**2,
-    "GIB": 1024**3,
-    "TIB": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 _TOP = {"description", "nodes", "models", "replicas", "instances"}
 _NODE = {"name", "gpus"}
@@ -111,27 +97,11 @@ def _fail(where: str, msg: str) -> PolicyInputError:
 
 
 def parse_size(value: Any, where: str = "size") -> int:
-    """Bytes from an int or a string like ``"80GiB"`` / ``"12.55GB"`` (see module docstring)."""
-    if isinstance(value, bool):
-        raise _fail(where, f"expected a size, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise _fail(where, f"negative size {value}")
-        return value
-    if isinstance(value, str):
-        if value.strip().startswith("-"):
-            raise _fail(where, f"negative size {value!r}")
-        m = _SIZE_RE.match(value)
-        if not m:
-            raise _fail(where, f"bad size {value!r} (use bytes or e.g. '80GiB', '12.55GB')")
-        unit = m.group(2).upper() or "B"
-        if unit not in _UNITS:
-            raise _fail(where, f"unknown unit {m.group(2)!r} in {value!r}")
-        try:
-            return int((Decimal(m.group(1)) * _UNITS[unit]).to_integral_value())
-        except InvalidOperation as exc:  # pragma: no cover - regex admits only digits
-            raise _fail(where, f"bad size {value!r}") from exc
-    raise _fail(where, f"expected bytes (int) or a size string, got {type(value).__name__}")
+    """Bytes from an int or a string like ``"80GiB"`` / ``"12.55GB"`` (:mod:`warmserve.units`)."""
+    try:
+        return units.parse_size(value, where)
+    except units.SizeError as exc:
+        raise PolicyInputError(str(exc)) from None
 
 
 def _obj(value: Any, where: str, allowed: set[str], required: set[str]) -> Mapping[str, Any]:

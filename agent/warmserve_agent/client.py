@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,17 +133,21 @@ class AgentClient:
         *,
         request_id: str | None = None,
         timeout_s: float | None = 600.0,
+        source: str = "",
         owner: str = "",
     ) -> AsyncIterator[pb.PrewarmProgress]:
         """Stream progress of loading ``model`` (first ``layers``, 0 = all) onto ``gpus``.
 
-        The last message has ``done=True`` and the final :class:`SlotInfo`.
+        With ``source``, a model missing from the node's store is fetched first (messages with
+        ``fetch`` set, no slot yet).  The last message has ``done=True`` and the final
+        :class:`SlotInfo`.
         """
         req = pb.PrewarmRequest(
             request_id=request_id or new_request_id("prewarm"),
             model=model,
             gpus=list(gpus),
             layers=layers,
+            source=source,
             owner=owner,
         )
         call = self._stub.Prewarm(req, metadata=self._metadata, timeout=timeout_s)
@@ -160,12 +164,25 @@ class AgentClient:
         layers: int = 0,
         *,
         request_id: str | None = None,
+        source: str = "",
+        timeout_s: float | None = 600.0,
+        on_progress: Callable[[pb.PrewarmProgress], Any] | None = None,
         owner: str = "",
     ) -> pb.PrewarmProgress:
         """Prewarm and return the final progress message (``.slot`` is the resident slot)."""
         last: pb.PrewarmProgress | None = None
-        async for msg in self.prewarm(model, gpus, layers, request_id=request_id, owner=owner):
+        async for msg in self.prewarm(
+            model,
+            gpus,
+            layers,
+            request_id=request_id,
+            source=source,
+            timeout_s=timeout_s,
+            owner=owner,
+        ):
             last = msg
+            if on_progress is not None:
+                on_progress(msg)
         if last is None:  # pragma: no cover - the server always sends a final message
             raise AgentError(grpc.StatusCode.UNKNOWN, "prewarm stream ended without a message")
         return last
@@ -180,8 +197,11 @@ class AgentClient:
         gpus: Sequence[int],
         *,
         slot_id: str = "",
+        engine: str = "",
+        engine_args: Sequence[str] = (),
         request_id: str | None = None,
         timeout_s: float | None = 600.0,
+        source: str = "",
         owner: str = "",
     ) -> pb.ActivateResponse:
         req = pb.ActivateRequest(
@@ -189,6 +209,9 @@ class AgentClient:
             model=model,
             gpus=list(gpus),
             slot_id=slot_id,
+            source=source,
+            engine=engine,
+            engine_args=list(engine_args),
             owner=owner,
         )
         return await self._unary(self._stub.Activate, req, timeout_s)
@@ -214,6 +237,12 @@ class AgentClient:
     async def lendable(self, instance_ids: Iterable[str] = ()) -> pb.LendableResponse:
         return await self._unary(
             self._stub.GetLendable, pb.LendableRequest(instance_ids=list(instance_ids))
+        )
+
+    async def inspect_model(self, model: str, source: str = "") -> pb.ModelInfo:
+        """Layers and weight bytes of ``model`` (from the store, else from ``source``)."""
+        return await self._unary(
+            self._stub.InspectModel, pb.InspectModelRequest(model=model, source=source)
         )
 
     async def watch(self, include_snapshot: bool = True) -> AsyncIterator[pb.WatchEvent]:
@@ -274,6 +303,9 @@ class SyncAgentClient:
 
     def prewarm_wait(self, model: str, gpus: Sequence[int], layers: int = 0, **kw: Any) -> Any:
         return self._run(self._client.prewarm_wait(model, gpus, layers, **kw))
+
+    def inspect_model(self, model: str, source: str = "") -> pb.ModelInfo:
+        return self._run(self._client.inspect_model(model, source))
 
     def evict(self, slot_id: str, **kw: Any) -> pb.EvictResponse:
         return self._run(self._client.evict(slot_id, **kw))

@@ -1,80 +1,86 @@
 """How the core reaches an instance's engine: in a GPU worker process, or in this process.
 
-:class:`WorkerEngine` is the production path: the engine runs in the worker process of the
-group's first GPU (rank 0 hosts the HTTP endpoint; the other GPUs' workers stay attached to
-their GPUs as the paper's per-GPU actors).  :class:`InProcessEngine` runs the same
-:class:`~warmserve_agent.engine.SimulatedEngine` in the agent process; the property tests use it
-to drive thousands of steps without starting processes.
+Both hosts implement the same :class:`~warmserve_agent.engine.Engine` protocol as the engines
+themselves, so ``NodeCore`` never knows where an engine runs.  :class:`WorkerEngine` is the
+production path: the engine (chosen by ``spec.engine`` from the registry in
+``warmserve_agent.engines``) runs in the pooled worker process of the group's first GPU (rank 0
+hosts the HTTP endpoint; the other GPUs' workers stay attached to their GPUs as the paper's
+per-GPU actors).  :class:`InProcessEngine` runs the engine in the agent process; the property
+tests use it to drive thousands of steps without starting processes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-from warmserve_agent.engine import SimulatedEngine, WeightsMismatch
-from warmserve_agent.worker import WorkerPool, timeout_for_bytes
+from warmserve_agent.engine import Engine, WeightsMismatch
+from warmserve_agent.engines import engine_info
+from warmserve_agent.engines.spec import EngineSpec, EngineStats
+from warmserve_agent.worker import WorkerError, WorkerPool, timeout_for_bytes
 
 
 class InProcessEngine:
-    """InstanceEngine over a SimulatedEngine in this process."""
+    """Engine protocol over an engine in this process (tests, ``use_workers=False``)."""
 
     def __init__(self, gpus: Sequence[int] = ()) -> None:
         self.gpus = tuple(gpus)
-        self.engine = SimulatedEngine()
+        self.engine: Engine | None = None
 
-    def start(self, spec: dict[str, Any]) -> str:
-        return self.engine.start(spec)["endpoint"]
+    def start(self, spec: EngineSpec) -> str:
+        self.engine = engine_info(spec.engine).create()
+        return self.engine.start(spec)
+
+    def _eng(self) -> Engine:
+        if self.engine is None:
+            raise RuntimeError("engine not started")
+        return self.engine
 
     def layers_ready(self, n: int) -> None:
-        bad = self.engine.layers_ready(n)
-        if bad:
-            raise WeightsMismatch(f"weights differ from the store: {bad[:3]}")
+        self._eng().layers_ready(n)
 
     def set_kv_capacity(self, nbytes: int) -> int:
-        return self.engine.set_kv_capacity(nbytes)
+        return self._eng().set_kv_capacity(nbytes)
 
-    def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+    def stats(self) -> EngineStats:
+        return self._eng().stats()
 
     def stop(self) -> None:
-        self.engine.stop()
+        if self.engine is not None:
+            self.engine.stop()
 
 
 class WorkerEngine:
-    """InstanceEngine whose engine lives in the worker process of ``gpus[0]``.
+    """Engine protocol over the engine in the worker process of ``gpus[0]``.
 
     When the slot is given by virtual address (memory owned by the workers), each other rank's
     shard is verified by that rank's own worker — only it can read its GPU — before the engine
     starts and whenever more layers land."""
 
+    start_timeout_s = 600.0  # a real engine builds (and on a GPU compiles) within this
+
     def __init__(self, pool: WorkerPool, gpus: Sequence[int]) -> None:
         self.pool = pool
         self.gpus = tuple(gpus)
         self.worker = pool.worker(self.gpus[0])
-        self._spec: dict[str, Any] = {}
+        self._spec: EngineSpec | None = None
         self._layers = 0
 
     def _verify_remote(self, start: int, end: int) -> None:
         spec = self._spec
-        for rank, w in enumerate(spec["weights"]):
-            if "va" not in w or w.get("local"):
+        assert spec is not None
+        for rank, region in enumerate(spec.regions):
+            if region.host_file or region.local:
                 continue
             tensors = [
-                (
-                    f"{t['name']}[rank {rank}]",
-                    t["offset"],
-                    t["shard_len"][rank],
-                    spec["digests"][rank][i],
-                )
-                for i, t in enumerate(spec["tensors"])
-                if start <= t["layer"] < end
+                (f"{t.name}[rank {rank}]", t.offset, t.shard_len[rank], spec.digests[rank][i])
+                for i, t in enumerate(spec.tensors)
+                if start <= t.layer < end
             ]
             # Hashing reads every byte back from the GPU: the timeout grows with the shard.
             bad = self.pool.worker(self.gpus[rank]).call(
                 "verify",
                 timeout_s=timeout_for_bytes(sum(t[2] for t in tensors)),
-                va=w["va"],
+                va=region.va,
                 tensors=tensors,
             )
             if bad:
@@ -83,50 +89,57 @@ class WorkerEngine:
                     f"(first: {bad[0]}); evict the slot and prewarm again"
                 )
 
-    def start(self, spec: dict[str, Any]) -> str:
+    def start(self, spec: EngineSpec) -> str:
         self._spec = spec
-        self._layers = spec["layers_resident"]
+        self._layers = spec.layers_resident
         self._verify_remote(0, self._layers)
-        local = sum(t["shard_len"][0] for t in spec["tensors"])  # the engine verifies rank 0
-        timeout = 60 + timeout_for_bytes(local)
-        return self.worker.call("start_engine", timeout_s=timeout, spec=spec)["endpoint"]
+        # the simulated engine verifies rank 0's bytes; vLLM builds its engine (minutes on a
+        # loaded CPU, compilation on a GPU): the larger of the two bounds
+        local = sum(t.shard_len[0] for t in spec.tensors)
+        timeout = max(self.start_timeout_s, 60 + timeout_for_bytes(local))
+        return str(self.worker.call("start_engine", timeout_s=timeout, spec=spec))
 
     def layers_ready(self, n: int) -> None:
         if n > self._layers:
             self._verify_remote(self._layers, n)
+        assert self._spec is not None
         layer_bytes = sum(
-            t["shard_len"][0] for t in self._spec["tensors"] if self._layers <= t["layer"] < n
+            t.shard_len[0] for t in self._spec.tensors if self._layers <= t.layer < n
         )
-        bad = self.worker.call("layers_ready", timeout_s=timeout_for_bytes(layer_bytes), n=n)
+        try:
+            self.worker.call("layers_ready", timeout_s=timeout_for_bytes(layer_bytes), n=n)
+        except WorkerError as exc:
+            if "WeightsMismatch" in str(exc):
+                raise WeightsMismatch(str(exc)) from None
+            raise
         self._layers = max(self._layers, n)
-        if bad:
-            raise WeightsMismatch(f"weights differ from the store: {bad[:3]}")
 
     def set_kv_capacity(self, nbytes: int) -> int:
         return int(self.worker.call("set_kv_capacity", nbytes=nbytes))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return self.worker.call("stats")
 
     def stop(self) -> None:
         if self.worker.alive():
-            self.worker.call("stop_engine")
+            self.worker.call("stop_engine", timeout_s=60.0)
 
 
 class FreshWorkerEngine(WorkerEngine):
     """Baseline without pooling: start a new worker process for each instance (what a system
     without pre-started per-GPU workers pays).  Used by ``bench/agent_bench.py``."""
 
-    def __init__(self, gpus: Sequence[int]) -> None:
+    def __init__(self, gpus: Sequence[int], engines: tuple[str, ...] = ("simulated",)) -> None:
         from warmserve_agent.worker import WorkerHandle
 
         self.gpus = tuple(gpus)
         self._handle_cls = WorkerHandle
+        self._engines = engines
         self.worker = None  # type: ignore[assignment]
 
-    def start(self, spec: dict[str, Any]) -> str:
-        self.worker = self._handle_cls()
-        self.worker.wait_ready(timeout_s=120)
+    def start(self, spec: EngineSpec) -> str:
+        self.worker = self._handle_cls(engines=self._engines)
+        self.worker.wait_ready(timeout_s=300)
         self.worker.call("bind", gpu=self.gpus[0])
         return super().start(spec)
 

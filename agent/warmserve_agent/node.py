@@ -38,11 +38,20 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from warmserve.engine_args import EngineArgsError, validate_engine_args
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve.policy.proactive import reservation_target
-from warmserve_agent.engine import WeightsMismatch
+from warmserve_agent.engine import Engine, WeightsMismatch
+from warmserve_agent.engines import DEFAULT_ENGINE, ENGINES
+from warmserve_agent.engines.spec import (
+    EngineProfile,
+    EngineSpec,
+    EngineStats,
+    SlotRegion,
+    TensorPlacement,
+)
 from warmserve_agent.loader import LoadCancelled, load_layers
 from warmserve_agent.memory import MemoryManager, pages_for
 from warmserve_agent.safe_text import shown
@@ -80,17 +89,8 @@ class IllegalTransition(RuntimeError):
     """A bug: the core tried a transition Figure 5 does not have (never half-applied)."""
 
 
-class InstanceEngine(Protocol):
-    """What the core needs from the engine of one instance (see warmserve_agent.engine)."""
-
-    def start(self, spec: dict[str, Any]) -> str: ...
-    def layers_ready(self, n: int) -> None: ...
-    def set_kv_capacity(self, nbytes: int) -> int: ...
-    def stats(self) -> dict[str, Any]: ...
-    def stop(self) -> None: ...
-
-
-EngineFactory = Callable[[Sequence[int]], InstanceEngine]
+InstanceEngine = Engine  # the one engine protocol (warmserve_agent.engine)
+EngineFactory = Callable[[Sequence[int]], Engine]
 
 
 @dataclass
@@ -140,7 +140,8 @@ class InstanceRec:
     prewarm_hit: bool = False
     started_unix: float = field(default_factory=time.time)
     activation_seconds: float = 0.0
-    last_stats: dict[str, Any] = field(default_factory=dict)
+    last_stats: EngineStats = field(default_factory=EngineStats)
+    engine_name: str = DEFAULT_ENGINE
     reservation_target: int = 0  # per GPU, bytes (grace only)
     owner: str = ""  # as SlotRec.owner
     grace_started_unix: float = 0.0  # when BeginGrace took effect
@@ -176,7 +177,16 @@ class NodeCore:
         node_name: str = "node",
         engine_host: str = "127.0.0.1",
         advertise_host: str = "",
+        engines: Sequence[str] = (DEFAULT_ENGINE,),
+        default_engine: str = "",
     ) -> None:
+        unknown = [e for e in engines if e not in ENGINES]
+        if unknown or not engines:
+            raise ValueError(f"unknown engine(s) {unknown}; engines: {sorted(ENGINES)}")
+        self.engines = tuple(engines)  # what this node's workers can host
+        self.default_engine = default_engine or self.engines[0]
+        if self.default_engine not in self.engines:
+            raise ValueError(f"default engine {self.default_engine!r} is not in {self.engines}")
         self.engine_host = engine_host  # where engines bind their HTTP endpoint
         self.advertise_host = advertise_host or engine_host  # what Activate returns
         self.mm = mm
@@ -332,8 +342,8 @@ class NodeCore:
         inst.last_stats = st
         tp = len(inst.gpus)
         m_gpu = inst.kv_pages_initial * self.page
-        k_gpu = min(math.ceil(st["kv_used_bytes"] / tp), m_gpu)
-        target = reservation_target(st["running"], inst.max_batch, m_gpu, k_gpu)
+        k_gpu = min(math.ceil(st.kv_used_bytes / tp), m_gpu)
+        target = reservation_target(st.running, inst.max_batch, m_gpu, k_gpu)
         inst.reservation_target = target
         want = pages_for(target, self.page)
         cur = inst.kv_pages
@@ -384,10 +394,10 @@ class NodeCore:
                         "instance_id": iid,
                         "model": inst.model,
                         "gpus": inst.gpus,
-                        "running": st.get("running", 0),
+                        "running": st.running,
                         "max_batch": inst.max_batch,
                         "kv_capacity_bytes": inst.kv_pages_initial * self.page,
-                        "kv_used_bytes": math.ceil(st.get("kv_used_bytes", 0) / tp),
+                        "kv_used_bytes": math.ceil(st.kv_used_bytes / tp),
                         "reservation_target_bytes": inst.reservation_target,
                         "lendable_bytes": min(self.mm.available_pages(g) for g in inst.gpus)
                         * self.page,
@@ -559,15 +569,43 @@ class NodeCore:
             return slot, freed
 
     # ---- activate --------------------------------------------------------------------------
+    def check_engine(self, engine: str, args: Sequence[str]) -> str:
+        """The engine an Activate names (default: the node's), refused unless it is hosted here
+        and ``args`` pass the engine-args schema; no state is read or changed."""
+        name = engine or self.default_engine
+        if name not in ENGINES:
+            raise Refusal(
+                "INVALID_ARGUMENT", f"unknown engine {name!r}; engines: {', '.join(ENGINES)}"
+            )
+        if name not in self.engines:
+            raise Refusal(
+                "FAILED_PRECONDITION",
+                f"engine {name!r} is not enabled on node {self.node_name} (it hosts "
+                f"{', '.join(self.engines)}; start the agent with --engines including {name})",
+            )
+        try:
+            validate_engine_args(list(args))
+        except EngineArgsError as exc:
+            raise Refusal("INVALID_ARGUMENT", str(exc)) from None
+        return name
+
     def activate(
-        self, model: str, gpus: Iterable[int], slot_id: str = "", owner: str = ""
+        self,
+        model: str,
+        gpus: Iterable[int],
+        slot_id: str = "",
+        engine: str = "",
+        engine_args: Sequence[str] = (),
+        owner: str = "",
     ) -> tuple[InstanceRec, list[str]]:
-        """Start an instance of ``model`` on ``gpus`` (prewarm hit if a slot holds it)."""
+        """Start an instance of ``model`` on ``gpus`` (prewarm hit if a slot holds it) with
+        ``engine`` (default: the node's) and vLLM-style ``engine_args``."""
         t0 = time.perf_counter()
         with self._lock:
             self._check_owner(owner)
             group = self._check_gpus(gpus)
             layout = self._model_layout(model, len(group))
+            engine_name = self.check_engine(engine, engine_args)
             for g in group:
                 rec = self.gpus[g]
                 if rec.state in (WorkerState.DEDICATED, WorkerState.GRACE):
@@ -646,6 +684,7 @@ class NodeCore:
                 kv_pages,
                 kv_pages,
                 prewarm_hit=hit,
+                engine_name=engine_name,
                 owner=owner,
             )
             self.instances[iid] = inst
@@ -655,7 +694,8 @@ class NodeCore:
             self._emit("instance", iid, "starting")
             self._start_loader(chosen)  # cold start, or the rest of a partial prewarm
             try:
-                inst.endpoint = engine.start(self._engine_spec(inst, chosen))
+                inst.endpoint = engine.start(self._engine_spec(inst, chosen, tuple(engine_args)))
+                inst.max_batch = engine.stats().max_batch or inst.max_batch  # C of Eq. 1
                 inst.phase = InstancePhase.SERVING
                 if chosen.layers_resident > 0:
                     engine.layers_ready(chosen.layers_resident)
@@ -686,8 +726,10 @@ class NodeCore:
             )
             return inst, [s.slot_id for s in evict]
 
-    def _engine_spec(self, inst: InstanceRec, slot: SlotRec) -> dict[str, Any]:
-        """What the engine needs to serve from the slot (weights by physical page here)."""
+    def _engine_spec(
+        self, inst: InstanceRec, slot: SlotRec, engine_args: tuple[str, ...]
+    ) -> EngineSpec:
+        """What the engine needs to serve from the slot (typed; see engines/spec.py)."""
         backend = self.mm.backend
         path = getattr(backend, "path", None)
         in_workers = getattr(backend, "in_workers", False)
@@ -698,46 +740,59 @@ class NodeCore:
                 "mappings belong to the agent; run with memory owned by the workers",
             )
         layout = slot.layout
-        digests = [self.store.digests(layout, r) for r in range(len(inst.gpus))]
+        tp = len(inst.gpus)
+        digests = [self.store.digests(layout, r) for r in range(tp)]
         prof = layout.model.profile
-        return {
-            "model": inst.model,
-            "instance_id": inst.instance_id,
-            "page_bytes": self.page,
-            "host": self.engine_host,
-            "advertise_host": self.advertise_host,
-            "layers_total": layout.model.num_layers,
-            "layers_resident": slot.layers_resident,
-            "kv_capacity_bytes": inst.kv_pages * self.page * len(inst.gpus),
-            "profile": {
-                "max_batch": prof.max_batch,
-                "prefill_tok_s": prof.prefill_tok_s,
-                "decode_tok_s": prof.decode_tok_s,
-                "kv_bytes_per_token": prof.kv_bytes_per_token,
-            },
-            # By virtual address when the workers own the memory (rank 0's worker hosts the
-            # engine and reads its GPU; other ranks are verified by their workers), else by
-            # physical page of the shared simulated files.
-            "weights": [
-                {"va": self.mm.va_base(slot.slot_id, g), "local": r == 0}
+        mapped = inst.weight_pages + inst.kv_pages
+        regions = tuple(
+            SlotRegion(
+                gpu=g,
+                va=self.mm.va_base(slot.slot_id, g),
+                page_bytes=self.page,
+                weight_bytes=layout.total_bytes,
+                kv_bytes=mapped * self.page - layout.total_bytes,
+                local=r == 0,
+                # The shared simulated file, readable by physical page from any process, when
+                # the agent owns the memory; with memory in workers only the owner reads it.
+                host_file="" if in_workers else str(path(g)),
+                ppages=()
                 if in_workers
-                else {
-                    "path": str(path(g)),
-                    "ppages": self.mm.physical_pages(slot.slot_id, g, 0, inst.weight_pages),
-                }
-                for r, g in enumerate(inst.gpus)
-            ],
-            "tensors": [
-                {
-                    "name": p.tensor.name,
-                    "layer": p.tensor.layer,
-                    "offset": p.slot_offset,
-                    "shard_len": [p.shard(r)[1] for r in range(len(inst.gpus))],
-                }
+                else tuple(self.mm.physical_pages(slot.slot_id, g, 0, mapped)),
+            )
+            for r, g in enumerate(inst.gpus)
+        )
+        return EngineSpec(
+            engine=inst.engine_name,
+            model=inst.model,
+            instance_id=inst.instance_id,
+            model_dir=str(layout.model.path),
+            layers_total=layout.model.num_layers,
+            layers_resident=slot.layers_resident,
+            kv_capacity_bytes=inst.kv_pages * self.page * tp,
+            regions=regions,
+            tensors=tuple(
+                TensorPlacement(
+                    name=p.tensor.name,
+                    layer=p.tensor.layer,
+                    offset=p.slot_offset,
+                    nbytes=p.tensor.nbytes,
+                    dtype=p.tensor.dtype,
+                    shape=p.tensor.shape,
+                    shard_len=tuple(p.shard(r)[1] for r in range(tp)),
+                )
                 for p in layout.placements
-            ],
-            "digests": [[d.hex() for d in ds] for ds in digests],
-        }
+            ),
+            digests=tuple(tuple(d.hex() for d in ds) for ds in digests),
+            profile=EngineProfile(
+                max_batch=prof.max_batch,
+                prefill_tok_s=prof.prefill_tok_s,
+                decode_tok_s=prof.decode_tok_s,
+                kv_bytes_per_token=prof.kv_bytes_per_token,
+            ),
+            engine_args=engine_args,
+            host=self.engine_host,
+            advertise_host=self.advertise_host,
+        )
 
     def _abort_instance(self, inst: InstanceRec, why: str) -> None:
         """Tear an instance down after its engine failed or died (crash transition)."""

@@ -28,40 +28,23 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from warmserve.units import SizeError, parse_size
 from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
 from warmserve_agent.memory import MemoryManager
 from warmserve_agent.node import NodeCore
 from warmserve_agent.service import AgentService, ServiceInfo
 from warmserve_agent.shm import PREFIX, MemoryDir, MemoryDirBusy, remove_stale
+from warmserve_agent.sources import SourceSettings
+from warmserve_agent.sources.fetcher import FetchStatus, ModelFetcher
 from warmserve_agent.store import WeightStore
 
 log = logging.getLogger("warmserve.agent")
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _GPUS_RE = re.compile(r"^\s*(\d+)\s*x\s*(.+)$")
 
 
 class ConfigError(ValueError):
     """A bad agent setting (the CLI prints it as one line)."""
-
-
-def parse_size(text: str) -> int:
-    m = _SIZE_RE.match(text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"bad size {text!r}: use e.g. 80GiB, 512MiB, 2MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def parse_simulated_gpus(spec: str) -> list[int]:
@@ -74,7 +57,11 @@ def parse_simulated_gpus(spec: str) -> list[int]:
         n = int(m.group(1))
         if not 1 <= n <= 64:
             raise ConfigError(f"bad --simulate-gpus {spec!r}: 1-64 GPUs per part")
-        out += [parse_size(m.group(2))] * n
+        try:
+            size = parse_size(m.group(2), f"--simulate-gpus {spec!r}", require_unit=True)
+        except SizeError as exc:
+            raise ConfigError(str(exc)) from None
+        out += [size] * n
     return out
 
 
@@ -117,6 +104,19 @@ class AgentConfig:
     # Simulated backend timing model (0: off): host-to-GPU copy bandwidth and map cost per page.
     sim_copy_bytes_per_s: float = 0.0
     sim_map_s_per_page: float = 0.0
+    # Filling the store from model sources (warmserve_agent.sources): budget 0 = the disk's free
+    # space only; the token and credentials come from files/environment, never from a request.
+    store_budget_bytes: int = 0
+    fetch_attempts: int = 3
+    fetch_backoff_s: float = 1.0
+    hf_endpoint: str = ""
+    hf_token_file: Path | None = None
+    s3_endpoint_url: str = ""
+    s3_region: str = ""
+    pvc_root: Path = Path("/mnt/warmserve/pvc")
+    allowed_paths: tuple[Path, ...] = ()
+    engines: tuple[str, ...] = ("simulated",)  # what workers preload and may host
+    default_engine: str = ""  # for Activate calls naming none (default: engines[0])
 
 
 class _TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -264,6 +264,7 @@ class AgentServer:
         self.pool: Any = None
         self.core: NodeCore | None = None
         self.service: AgentService | None = None
+        self.fetcher: ModelFetcher | None = None
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -312,7 +313,7 @@ class AgentServer:
             from warmserve_agent.engine_host import WorkerEngine
             from warmserve_agent.worker import WorkerPool
 
-            self.pool = WorkerPool(gpu_ids, spares=cfg.spare_workers)
+            self.pool = WorkerPool(gpu_ids, spares=cfg.spare_workers, engines=cfg.engines)
             await asyncio.to_thread(self.pool.start)
             pool = self.pool
 
@@ -335,6 +336,8 @@ class AgentServer:
             node_name=cfg.node_name,
             engine_host=cfg.engine_host,
             advertise_host=cfg.advertise_host,
+            engines=cfg.engines,
+            default_engine=cfg.default_engine,
         )
         log.info(
             "event=gpus_opened gpus=%d backend=%s seconds=%.2f",
@@ -357,11 +360,13 @@ class AgentServer:
                     pool.replace(g)
 
             self.core.on_instance_ended = recycle
+        self.fetcher = self._make_fetcher(store)
         self.service = AgentService(
             self.core,
             info,
             max_watch_queue=cfg.watch_queue_max,
             watch_write_timeout_s=cfg.watch_write_timeout_s,
+            fetcher=self.fetcher,
         )
         self.service.bind_loop(asyncio.get_running_loop())
 
@@ -420,6 +425,42 @@ class AgentServer:
         )
         return self
 
+    def _make_fetcher(self, store: WeightStore) -> ModelFetcher:
+        cfg = self.cfg
+        core = self.core
+        assert core is not None
+        token = ""
+        if cfg.hf_token_file is not None:
+            token = Path(cfg.hf_token_file).read_text().strip()
+        settings = SourceSettings(
+            hf_endpoint=cfg.hf_endpoint,
+            hf_token=token,
+            s3_endpoint_url=cfg.s3_endpoint_url,
+            s3_region=cfg.s3_region,
+            pvc_root=cfg.pvc_root,
+            allowed_paths=tuple(cfg.allowed_paths),
+        )
+
+        def in_use() -> set[str]:
+            with core._lock:
+                return {s.model for s in core.slots.values()} | {
+                    i.model for i in core.instances.values()
+                }
+
+        def on_change(st: FetchStatus) -> None:
+            core.emit("fetch", st.model, f"{st.state.value} {st.bytes_done}/{st.bytes_total}")
+
+        return ModelFetcher(
+            store,
+            settings,
+            lock=core._lock,
+            in_use=in_use,
+            on_change=on_change,
+            budget_bytes=cfg.store_budget_bytes,
+            attempts=cfg.fetch_attempts,
+            backoff_s=cfg.fetch_backoff_s,
+        )
+
     def _start_metrics(self, port: int) -> None:
         from prometheus_client import CollectorRegistry, start_http_server
 
@@ -429,6 +470,10 @@ class AgentServer:
         reg = CollectorRegistry()
         restarts = (lambda g: self.pool.restarts[g]) if self.pool is not None else (lambda g: 0)
         reg.register(AgentCollector(self.core, restarts))
+        if self.fetcher is not None:
+            from warmserve_agent.sources.metrics import FetchCollector
+
+            reg.register(FetchCollector(self.fetcher, self.core.node_name))
         self._metrics_server, _ = start_http_server(port, addr=self.cfg.metrics_host, registry=reg)
         self.metrics_port = self._metrics_server.server_port
 
@@ -476,6 +521,8 @@ class AgentServer:
             await self.server.stop(grace_s)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+        if self.fetcher is not None:
+            self.fetcher.close()
         if self.core is not None:
             await asyncio.to_thread(self.core.shutdown)
             self.core.mm.close()

@@ -39,6 +39,9 @@ from warmserve_agent.api.v1 import agent_pb2 as pb
 from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
 from warmserve_agent.node import ID_RE, Event, InstanceRec, NodeCore, Refusal, SlotRec
 from warmserve_agent.safe_text import bounded, shown
+from warmserve_agent.sources.fetcher import FetchFailed, ModelFetcher
+from warmserve_agent.sources.wire import fetch_pb, store_pb
+from warmserve_agent.store import StoreError
 from warmserve_agent.wire import PHASE_TO_PB, SLOT_TO_PB, WORKER_TO_PB
 
 log = logging.getLogger("warmserve.agent.service")
@@ -55,6 +58,7 @@ _KIND = {
     "instance": pb.WatchEvent.KIND_INSTANCE,
     "instance_removed": pb.WatchEvent.KIND_INSTANCE_REMOVED,
     "worker_replaced": pb.WatchEvent.KIND_WORKER_REPLACED,
+    "fetch": pb.WatchEvent.KIND_FETCH,
 }
 
 
@@ -100,14 +104,18 @@ class AgentService(pb_grpc.NodeAgentServicer):
         max_request_ids: int = 10000,
         max_watch_queue: int = 1024,
         watch_write_timeout_s: float = 30.0,
+        fetcher: ModelFetcher | None = None,
     ) -> None:
         self.core = core
         self.info = info
+        self.fetcher = fetcher
+        self._usage: tuple[int, float, pb.StoreInfo] | None = None
         self.max_request_ids = max_request_ids
         self.max_watch_queue = max_watch_queue
         self.watch_write_timeout_s = watch_write_timeout_s
         self._idem: OrderedDict[str, _Idem] = OrderedDict()
-        self._catalog_cache: tuple[int, float, list[pb.ModelInfo]] | None = None
+        self._catalog_cache: tuple[tuple[int, ...], float, list[pb.ModelInfo]] | None = None
+        self._catalog_orgs: tuple[str, ...] = ()  # ORG directories seen by the last scan
         self._watchers: set[_Watcher] = set()
         self._wakers: set[asyncio.Event] = set()  # Prewarm streams: "something changed"
         self._pb_cache: OrderedDict[int, pb.WatchEvent] = OrderedDict()
@@ -209,11 +217,11 @@ class AgentService(pb_grpc.NodeAgentServicer):
             gpus=list(i.gpus),
             endpoint=i.endpoint,
             phase=_IP[i.phase],
-            running=int(st.get("running", 0)),
-            waiting=int(st.get("waiting", 0)),
+            running=st.running,
+            waiting=st.waiting,
             max_batch=i.max_batch,
             kv_capacity_bytes=i.kv_pages * page * len(i.gpus),
-            kv_used_bytes=int(st.get("kv_used_bytes", 0)),
+            kv_used_bytes=st.kv_used_bytes,
             lendable_bytes=(
                 min(self.core.mm.available_pages(g) for g in i.gpus) * page
                 if i.phase == InstancePhase.GRACE
@@ -225,6 +233,11 @@ class AgentService(pb_grpc.NodeAgentServicer):
             layers_resident=slot.layers_resident if slot else 0,
             layers_total=slot.layers_total if slot else 0,
             started_unix=i.started_unix,
+            engine=i.engine_name,
+            ttft_p95_seconds=st.ttft_p95_s,
+            ttft_samples=st.ttft_samples,
+            ttft_window_seconds=st.ttft_window_s,
+            dropped_requests=st.dropped,
             owner=i.owner,
             grace_started_unix=i.grace_started_unix,
         )
@@ -238,25 +251,37 @@ class AgentService(pb_grpc.NodeAgentServicer):
             except Exception as exc:  # worker died: the monitor will reconcile
                 log.debug("event=stats_failed instance=%s err=%s", i.instance_id, exc)
 
+    def _catalog_stamp(self) -> tuple[int, ...]:
+        """What changes when a model is added or removed: the mtimes of the store's root and of
+        its ``ORG`` directories (``ORG/NAME`` models change only their org's mtime), and the
+        fetcher's generation (fetch end, eviction)."""
+        root = self.core.store.root
+        stamp = [self.fetcher.generation if self.fetcher else 0]
+        for d in (root, *(root / org for org in self._catalog_orgs)):
+            try:
+                stamp.append(d.stat().st_mtime_ns)
+            except OSError:
+                stamp.append(0)
+        return tuple(stamp)
+
     def _catalog(self) -> list[pb.ModelInfo]:
-        """The weight store's models, re-scanned when the store's directory changed (a model
-        added or removed) and at most every ``CATALOG_TTL_S`` otherwise: with 1,000 models a
-        scan per Describe made every poll slow (issue 16)."""
+        """The weight store's models, re-scanned when the store changed (a model added or
+        removed: see ``_catalog_stamp``) and at most every ``CATALOG_TTL_S`` otherwise: with
+        1,000 models a scan per Describe made every poll slow (issue 16)."""
         store = self.core.store
-        try:
-            stamp = store.root.stat().st_mtime_ns
-        except OSError:
-            stamp = 0
+        stamp = self._catalog_stamp()
         now = time.monotonic()
         cached = self._catalog_cache
         if cached is not None and cached[0] == stamp and now - cached[1] < CATALOG_TTL_S:
             return cached[2]
         models = []
-        for name in store.list_models():
+        names = store.list_models()
+        for name in names:
             try:
                 m = store.model(name)
             except Exception:  # a malformed model dir is reported by Prewarm, not here
                 continue
+            source, disk, used = self.fetcher.model_info(name) if self.fetcher else ("", 0, 0)
             models.append(
                 pb.ModelInfo(
                     name=name,
@@ -264,8 +289,15 @@ class AgentService(pb_grpc.NodeAgentServicer):
                     weight_bytes=m.weight_bytes,
                     num_tensors=len(m.tensors),
                     max_batch=m.profile.max_batch,
+                    source=source,
+                    disk_bytes=disk,
+                    last_used_unix=used,
                 )
             )
+        orgs = tuple(sorted({n.split("/", 1)[0] for n in names if "/" in n}))
+        if orgs != self._catalog_orgs:  # their mtimes were not in the stamp: scan once more
+            self._catalog_orgs = orgs
+            stamp = ()
         self._catalog_cache = (stamp, now, models)
         return models
 
@@ -288,7 +320,86 @@ class AgentService(pb_grpc.NodeAgentServicer):
                 agent_id=self.info.agent_id,
                 agent_started_unix=self.info.started_unix,
                 spare_workers=self.info.spare_workers(),
+                fetches=[fetch_pb(f) for f in self.fetcher.statuses()] if self.fetcher else [],
+                store=self._store_info(),
             )
+
+    def _store_info(self) -> pb.StoreInfo:
+        """The store's usage, recomputed after each fetch or eviction, else at most every 5 s (it
+        walks pre-filled models)."""
+        if self.fetcher is None:
+            return pb.StoreInfo()
+        now = time.monotonic()
+        gen = self.fetcher.generation
+        if self._usage is None or self._usage[0] != gen or now - self._usage[1] > 5.0:
+            self._usage = (gen, now, store_pb(self.fetcher.usage()))
+        return self._usage[2]
+
+    # ---- fetching models into the store ----------------------------------------------------
+    def _pin(self, model: str) -> contextlib.AbstractContextManager[None]:
+        return self.fetcher.pinned(model) if self.fetcher else contextlib.nullcontext()
+
+    async def _fetch(
+        self, model: str, source: str, gpus: list[int] | None, context: Any
+    ) -> AsyncIterator[pb.FetchInfo]:
+        """Make ``model`` present (fetching it from ``source``), yielding progress while a fetch
+        runs; aborts the RPC with the fetch's status code when it fails."""
+        if self.fetcher is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this agent has no model fetcher"
+            )
+        assert self.fetcher is not None
+        try:
+            if gpus is not None:
+                with self.core._lock:
+                    self.core._check_gpus(gpus)  # refuse a bad request before a long fetch
+            fetch = await asyncio.to_thread(self.fetcher.ensure, model, source)
+        except Refusal as r:
+            await context.abort(grpc.StatusCode[r.code], r.message)
+        except FetchFailed as f:
+            await context.abort(grpc.StatusCode[f.code], f.message)
+        except StoreError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        last = None
+        while True:
+            st = fetch.status
+            if st is not last and st.started_unix:  # nothing to report for a model present
+                last = st
+                yield fetch_pb(st)
+            if (fetch.done.is_set() and fetch.status is last) or not st.started_unix:
+                break
+            await asyncio.sleep(0.25)
+        if fetch.error is not None:
+            await context.abort(grpc.StatusCode[fetch.error.code], fetch.error.message)
+
+    async def InspectModel(self, request: pb.InspectModelRequest, context: Any) -> pb.ModelInfo:
+        if self.fetcher is None or (not request.source and not self.core.store.has(request.model)):
+            try:
+                m = await asyncio.to_thread(self.core.store.model, request.model)
+            except StoreError as exc:
+                code = "NOT_FOUND" if "unknown model" in str(exc) else "INVALID_ARGUMENT"
+                await context.abort(grpc.StatusCode[code], str(exc))
+            return pb.ModelInfo(
+                name=request.model,
+                num_layers=m.num_layers,
+                weight_bytes=m.weight_bytes,
+                num_tensors=len(m.tensors),
+                max_batch=m.profile.max_batch,
+            )
+        try:
+            facts = await asyncio.to_thread(self.fetcher.inspect, request.model, request.source)
+        except FetchFailed as f:
+            await context.abort(grpc.StatusCode[f.code], f.message)
+        except StoreError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.ModelInfo(
+            name=request.model,
+            num_layers=facts.num_layers,
+            weight_bytes=facts.weight_bytes,
+            num_tensors=facts.num_tensors,
+            max_batch=facts.max_batch,
+            source=request.source,
+        )
 
     # ---- idempotency -----------------------------------------------------------------------
     async def _check_request_id(self, rid: str, context: grpc.aio.ServicerContext) -> None:
@@ -351,10 +462,23 @@ class AgentService(pb_grpc.NodeAgentServicer):
     async def Prewarm(
         self, request: pb.PrewarmRequest, context: Any
     ) -> AsyncIterator[pb.PrewarmProgress]:
-        fp = (request.model, tuple(sorted(request.gpus)), request.layers, request.owner)
+        fp = (
+            request.model,
+            tuple(sorted(request.gpus)),
+            request.layers,
+            request.owner,
+            request.source,
+        )
         changed = asyncio.Event()
         self._wakers.add(changed)
+        pin = self._pin(request.model)
+        pin.__enter__()
         try:
+            if request.source:
+                async for info in self._fetch(
+                    request.model, request.source, list(request.gpus), context
+                ):
+                    yield pb.PrewarmProgress(fetch=info)
             slot, entry = await self._once(
                 "Prewarm",
                 request.request_id,
@@ -409,6 +533,9 @@ class AgentService(pb_grpc.NodeAgentServicer):
                     await asyncio.wait_for(changed.wait(), timeout=0.5)
         finally:
             self._wakers.discard(changed)
+            pin.__exit__(None, None, None)
+            if self.fetcher is not None:
+                self.fetcher.touch(request.model)
 
     async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:
         (slot, freed), _ = await self._once(
@@ -425,14 +552,43 @@ class AgentService(pb_grpc.NodeAgentServicer):
         )
 
     async def Activate(self, request: pb.ActivateRequest, context: Any) -> pb.ActivateResponse:
-        fp = (request.model, tuple(sorted(request.gpus)), request.slot_id, request.owner)
-        (inst, evicted), _ = await self._once(
-            "Activate",
-            request.request_id,
-            fp,
-            context,
-            lambda: self.core.activate(request.model, request.gpus, request.slot_id, request.owner),
+        args = tuple(request.engine_args)
+        fp = (
+            request.model,
+            tuple(sorted(request.gpus)),
+            request.slot_id,
+            request.owner,
+            request.source,
+            request.engine,
+            args,
         )
+        if request.source:
+            try:  # a bad engine or argument is refused before a fetch changes the store
+                self.core.check_engine(request.engine, args)
+            except Refusal as r:
+                await _abort(context, grpc.StatusCode[r.code], r.message)
+        with self._pin(request.model):
+            if request.source:
+                async for _ in self._fetch(
+                    request.model, request.source, list(request.gpus), context
+                ):
+                    pass  # progress shows in Describe/Watch; Activate answers once
+            (inst, evicted), _ = await self._once(
+                "Activate",
+                request.request_id,
+                fp,
+                context,
+                lambda: self.core.activate(
+                    request.model,
+                    request.gpus,
+                    request.slot_id,
+                    request.engine,
+                    args,
+                    request.owner,
+                ),
+            )
+        if self.fetcher is not None:
+            self.fetcher.touch(request.model)
         return pb.ActivateResponse(
             instance=self.instance_pb(inst),
             prewarm_hit=inst.prewarm_hit,
@@ -545,6 +701,10 @@ class AgentService(pb_grpc.NodeAgentServicer):
                 out.slot.CopyFrom(self.slot_pb(self.core.slots[ev.subject]))
             elif ev.kind == "instance" and ev.subject in self.core.instances:
                 out.instance.CopyFrom(self.instance_pb(self.core.instances[ev.subject]))
+            elif ev.kind == "fetch" and self.fetcher is not None:
+                st = next((f for f in self.fetcher.statuses() if f.model == ev.subject), None)
+                if st is not None:
+                    out.fetch.CopyFrom(fetch_pb(st))
         except Exception:  # object changed under us; subject_id + kind still tell the story
             log.debug("event=watch_convert_failed kind=%s", ev.kind)
         return out

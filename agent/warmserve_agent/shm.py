@@ -9,8 +9,10 @@ included — so at start an agent can tell a dead agent's directory (lock free) 
 (lock held) without trusting pids:
 
 * :func:`remove_stale` deletes every ``warmserve-*`` directory under the root whose lock is free
-  (or that has no lock file and is older than ``grace_s``: created by a version without locks, or
-  by an agent that died between ``mkdir`` and locking), except those marked ``.keep``.
+  (or that has no lock file, holds nothing but ``gpu<N>.mem`` files and is older than ``grace_s``:
+  created by a version without locks, or by an agent that died between ``mkdir`` and locking),
+  except those marked ``.keep``.  A directory that merely shares the prefix (another program's,
+  e.g. a test control plane's etcd data once named ``warmserve-etcd.*``) is never touched.
 * :meth:`MemoryDir.claim` takes a directory (refusing one a live agent holds) and drops the files a
   dead previous owner left in it.
 """
@@ -21,6 +23,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -30,6 +33,15 @@ log = logging.getLogger("warmserve.agent.shm")
 PREFIX = "warmserve-"
 LOCK = ".owner"
 KEEP = ".keep"
+_GPU_FILE = re.compile(r"gpu\d+\.mem")
+
+
+def _agent_shaped(d: Path) -> bool:
+    """Only simulated-GPU files (what an agent that died before locking can have left)."""
+    try:
+        return all(_GPU_FILE.fullmatch(e.name) and e.is_file() for e in d.iterdir())
+    except OSError:
+        return False
 
 
 class MemoryDirBusy(RuntimeError):
@@ -71,6 +83,8 @@ def remove_stale(root: Path, *, grace_s: float = 60.0) -> list[Path]:
                 fd = _try_lock(lock)
                 if fd is None:
                     continue  # a live agent's
+            elif not _agent_shaped(d):
+                continue  # not an agent's memory directory: never ours to delete
             elif time.time() - d.stat().st_mtime < grace_s:
                 continue  # maybe an agent between mkdir and locking
             held = _size(d)

@@ -5,6 +5,10 @@ Store layout (HF-style)::
     <root>/<model>/config.json          # num_hidden_layers (or n_layer / num_layers)
     <root>/<model>/*.safetensors        # tensors named model.layers.<i>.<...> etc.
 
+``<model>`` is the model's name, ``NAME`` or ``ORG/NAME`` (:mod:`warmserve.modelref`; up to 200
+characters), so ``meta-llama/Llama-3.1-8B`` lives in ``<root>/meta-llama/Llama-3.1-8B/``.  The
+store only reads; :mod:`warmserve_agent.sources` fills it on demand from a model's source.
+
 ``config.json`` may carry a ``"warmserve"`` object with engine profile fields (``max_batch``,
 ``prefill_tok_s``, ``decode_tok_s``, ``kv_bytes_per_token``); defaults apply otherwise.
 
@@ -14,8 +18,9 @@ belongs to layer ``i``; tensors outside the layer stack are assigned by role —
 them), everything else (final norm, ``lm_head``) with the last layer (only the last layer needs
 them).  So "first N layers" is well defined and N = num_layers is the whole model.
 
-Slot layout: tensors are placed in layer order (then by name), each at a 256-byte aligned offset
-from the slot start; the weights of the first N layers are a prefix of the slot.
+Slot layout: tensors are placed in layer order (then by name, with the projections an engine
+fuses — q/k/v, gate/up — adjacent and in that order), each at a 256-byte aligned offset from the
+slot start; the weights of the first N layers are a prefix of the slot.
 
 Tensor parallelism (a group of D GPUs): each tensor's bytes are split evenly into D contiguous
 shards of ``ceil(n/D)`` bytes (the last may be shorter); rank r's shard sits at the same slot
@@ -39,12 +44,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from warmserve.modelref import SourceURIError, check_model_name
 from warmserve_agent.safe_text import shown, shown_names
 
 ALIGN = 256
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 _EMBED_RE = re.compile(r"embed|(?:^|\.)wte(?:\.|$)|(?:^|\.)wpe(?:\.|$)")
-MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
 class StoreError(ValueError):
@@ -138,6 +144,31 @@ class SlotLayout:
         return [p for p in self.placements if p.tensor.layer == layer]
 
 
+def config_num_layers(cfg: object) -> int | None:
+    """Layers a model's ``config.json`` declares (None when it declares no positive count)."""
+    if not isinstance(cfg, dict):
+        return None
+    n = next((cfg[k] for k in _LAYER_KEYS if k in cfg), None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
+# Projections an engine fuses into one parameter (vLLM's ``packed_modules_mapping``: qkv_proj =
+# q, k, v; gate_up_proj = gate, up): placing them adjacent and in this order lets an engine view
+# them as one tensor over the slot without a copy (engines/vllm/loader.py).
+_FUSED = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2)}
+_FUSED |= {"gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1)}
+
+
+def _slot_order(name: str) -> tuple[str, int]:
+    """Sort key within a layer: by name, except that fused projections sit together in order."""
+    module, _, leaf = name.rpartition(".")
+    parent, _, last = module.rpartition(".")
+    if last in _FUSED:
+        group, idx = _FUSED[last]
+        return f"{parent}.{group}.{leaf}", idx
+    return name, 0
+
+
 def _layer_of(name: str, num_layers: int) -> int:
     m = _LAYER_RE.search(name)
     if m:
@@ -181,22 +212,56 @@ class WeightStore:
         self.stats: dict[str, int] = {"host_hits": 0}
 
     def list_models(self) -> list[str]:
+        """Model names in the store: ``<root>/NAME`` and ``<root>/ORG/NAME`` holding config.json
+        (hidden entries, e.g. the fetcher's staging area, are skipped)."""
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if (p / "config.json").is_file())
+        out = []
+        for p in self.root.iterdir():
+            if p.name.startswith(".") or not p.is_dir():
+                continue
+            if (p / "config.json").is_file():
+                out.append(p.name)
+                continue
+            out += [
+                f"{p.name}/{q.name}"
+                for q in p.iterdir()
+                if not q.name.startswith(".") and (q / "config.json").is_file()
+            ]
+        return sorted(out)
+
+    def model_path(self, name: str) -> Path:
+        """Where model ``name`` lives in the store (checked name; may not exist)."""
+        try:
+            check_model_name(name)
+        except SourceURIError:
+            raise StoreError(
+                f"malformed model name {shown(name)}: use NAME or ORG/NAME (1-200 characters), "
+                "each part of [A-Za-z0-9._-] starting with a letter or digit"
+            ) from None
+        return self.root / name
+
+    def has(self, name: str) -> bool:
+        return (self.model_path(name) / "config.json").is_file()
+
+    def forget(self, name: str) -> None:
+        """Drop cached scans, host copies and digests of ``name`` (its files went away)."""
+        with self._lock:
+            self._models.pop(name, None)
+            for key in [k for k, _ in self._digests.items() if k[0].name == name]:
+                del self._digests[key]
+            prefix = str(self.root / name) + "/"
+            for key in [k for k in self._host if k.startswith(prefix)]:
+                self._host_bytes -= len(self._host.pop(key))
 
     def model(self, name: str) -> ModelEntry:
-        if not MODEL_NAME_RE.match(name or ""):
-            raise StoreError(
-                f"malformed model name {shown(name)}: use 1-128 of [A-Za-z0-9._-], starting with a "
-                "letter or digit"
-            )
-        path = self.root / name
+        path = self.model_path(name)
         cfg = path / "config.json"
         if not cfg.is_file():
             have = shown_names(self.list_models()) or "none"
             raise UnknownModel(
-                f"unknown model {name!r}: no {cfg} in the weight store (models here: {have})"
+                f"unknown model {shown(name)}: no {cfg} in the weight store (models here: {have}); "
+                "set spec.model.source so agents fetch it, or copy it there"
             )
         mtime = max([cfg.stat().st_mtime] + [f.stat().st_mtime for f in path.glob("*.safetensors")])
         with self._lock:
@@ -213,10 +278,8 @@ class WeightStore:
             cfg = json.loads(cfg_path.read_text())
         except json.JSONDecodeError as exc:
             raise StoreError(f"{cfg_path}: invalid JSON: {exc}") from None
-        num_layers = next(
-            (cfg[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in cfg), None
-        )
-        if not isinstance(num_layers, int) or num_layers < 1:
+        num_layers = config_num_layers(cfg)
+        if num_layers is None:
             raise StoreError(f"{cfg_path}: needs num_hidden_layers >= 1")
         files = sorted(path.glob("*.safetensors"))
         if not files:
@@ -237,7 +300,7 @@ class WeightStore:
                         tname, layer, f, start + b, e - b, meta["dtype"], tuple(meta["shape"])
                     )
                 )
-        tensors.sort(key=lambda t: (t.layer, t.name))
+        tensors.sort(key=lambda t: (t.layer, _slot_order(t.name)))
         ws = cfg.get("warmserve", {})
         try:
             profile = EngineProfile(**{k: ws[k] for k in EngineProfile.__annotations__ if k in ws})

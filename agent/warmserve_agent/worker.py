@@ -3,14 +3,17 @@
 Each GPU has one long-lived worker process that hosts the engine while the GPU is dedicated
 (or in grace).  The agent talks to it over a ``multiprocessing`` pipe with a tiny request/answer
 protocol: ``(command, kwargs)`` -> ``("ok", result)`` or ``("err", message)``.  Commands:
-``ping``, ``bind`` (attach to a GPU), ``start_engine``, ``layers_ready``, ``set_kv_capacity``,
-``stats``, ``stop_engine``, ``exit``.
+``ping``, ``bind`` (attach to a GPU), ``start_engine`` (an
+:class:`~warmserve_agent.engines.spec.EngineSpec`; the engine class comes from the registry by
+``spec.engine``), ``layers_ready``, ``set_kv_capacity``, ``stats``, ``stop_engine``, ``exit``.
 
 Why pooled processes: starting a Python process and importing the engine's libraries takes far
 longer than activating a slot, so the :class:`WorkerPool` keeps ``spares`` processes started and
-imported.  A crashed worker (or one recycled after an instance ends) is replaced from the spares
-at once and a new spare starts in the background.  ``bench/agent_bench.py`` measures the
-difference (pooled activation vs a freshly started process).
+imported.  The preload list follows the engines the agent serves (``engines.EngineInfo.preload``:
+for ``vllm`` that is torch + vLLM + its OpenAI server, and CUDA initialisation on a GPU node).
+A crashed worker (or one recycled after an instance ends) is replaced from the spares at once
+and a new spare starts in the background.  ``bench/agent_bench.py`` measures the difference
+(pooled activation vs a freshly started process).
 
 A worker exits on its own when the agent's end of the pipe closes (agent crash or restart), so
 no orphan engines keep serving after the agent is gone (see docs/agent.md, "Agent restart").
@@ -49,31 +52,45 @@ def timeout_for_bytes(
 
 
 # ---- the worker process -------------------------------------------------------------------
-def worker_main(conn: Connection, preload: bool = True) -> None:
-    """Entry point of a worker process (spawned)."""
-    t0 = time.perf_counter()
-    if preload:  # what makes a pooled worker faster than a fresh one: libraries already in
-        import aiohttp.web  # noqa: F401
-        import prometheus_client  # noqa: F401
+def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> None:
+    """Entry point of a worker process (spawned).
 
-        import warmserve_agent.backends.simulated
-        import warmserve_agent.engine  # noqa: F401
-    state: dict[str, Any] = {"gpu": None, "engine": None, "import_s": time.perf_counter() - t0}
+    ``engines``: the engines this worker may host; their libraries are imported now, before any
+    model is known (what makes a pooled worker faster than a fresh one, WarmServe §6)."""
+    from warmserve_agent.engines import preload
+
+    t0 = time.perf_counter()
+    failed = preload(engines)
+    for name, why in failed.items():
+        log.warning("event=engine_preload_failed engine=%s err=%s", name, why)
+    state: dict[str, Any] = {
+        "gpu": None,
+        "engine": None,
+        "import_s": time.perf_counter() - t0,
+        "engines": [e for e in engines if e not in failed],
+    }
 
     def engine() -> Any:
         if state["engine"] is None:
             raise WorkerError("no engine is running on this worker")
         return state["engine"]
 
-    def start_engine(spec: dict[str, Any]) -> dict[str, Any]:
-        from warmserve_agent.engine import SimulatedEngine
+    def start_engine(spec: Any) -> str:
+        from warmserve_agent.engines import engine_info
 
         if state["engine"] is not None:
             raise WorkerError("an engine is already running on this worker")
-        eng = SimulatedEngine(read_va=read_va if state.get("mem") is not None else None)
-        out = eng.start(spec)
+        if spec.engine in failed:
+            raise WorkerError(f"engine {spec.engine!r} is unavailable here: {failed[spec.engine]}")
+        eng = engine_info(spec.engine).create(backend=state.get("mem"))
+        try:
+            endpoint = eng.start(spec)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                eng.stop()
+            raise
         state["engine"] = eng
-        return out
+        return endpoint
 
     def read_va(va: int, nbytes: int) -> bytes:
         return state["mem"].read(state["gpu"], va, nbytes)
@@ -117,7 +134,12 @@ def worker_main(conn: Connection, preload: bool = True) -> None:
         "mem_init": mem_init,
         "verify": verify,
         "mem": mem,
-        "ping": lambda: {"pid": os.getpid(), "gpu": state["gpu"], "import_s": state["import_s"]},
+        "ping": lambda: {
+            "pid": os.getpid(),
+            "gpu": state["gpu"],
+            "import_s": state["import_s"],
+            "engines": state["engines"],
+        },
         "bind": lambda gpu: state.__setitem__("gpu", gpu),
         "start_engine": start_engine,
         "layers_ready": lambda n: engine().layers_ready(n),
@@ -167,9 +189,10 @@ _MEM_OPS = frozenset(
 class WorkerHandle:
     """The agent's handle on one worker process (thread-safe, blocking calls)."""
 
-    def __init__(self, preload: bool = True) -> None:
+    def __init__(self, engines: tuple[str, ...] = ("simulated",)) -> None:
         parent, child = _CTX.Pipe()
-        self.proc = _CTX.Process(target=worker_main, args=(child, preload), daemon=True)
+        self.engines = tuple(engines)
+        self.proc = _CTX.Process(target=worker_main, args=(child, self.engines), daemon=True)
         self.started = time.perf_counter()
         self.proc.start()
         child.close()
@@ -199,7 +222,8 @@ class WorkerHandle:
             raise WorkerError(f"worker gpu {self.gpu}: {cmd} failed: {result}")
         return result
 
-    def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
+    def wait_ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        # generous: a worker preloading vLLM imports torch + vllm (10-30 s on a loaded CPU)
         return self.call("ping", timeout_s=timeout_s)
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -216,8 +240,11 @@ class WorkerHandle:
 class WorkerPool:
     """One worker per GPU plus ``spares`` pre-started processes to replace them at once."""
 
-    def __init__(self, gpus: list[int], spares: int = 1) -> None:
+    def __init__(
+        self, gpus: list[int], spares: int = 1, engines: tuple[str, ...] = ("simulated",)
+    ) -> None:
         self.gpus = list(gpus)
+        self.engines = tuple(engines)  # what every worker preloads and may host
         self.spares_target = spares
         self._spares: deque[WorkerHandle] = deque()
         self._workers: dict[int, WorkerHandle] = {}
@@ -227,8 +254,8 @@ class WorkerPool:
         self._refilling = False
 
     def start(self) -> None:
-        handles = [WorkerHandle() for _ in self.gpus]
-        spares = [WorkerHandle() for _ in range(self.spares_target)]
+        handles = [WorkerHandle(self.engines) for _ in self.gpus]
+        spares = [WorkerHandle(self.engines) for _ in range(self.spares_target)]
         for g, h in zip(self.gpus, handles, strict=True):
             h.wait_ready()
             h.call("bind", gpu=g)
@@ -257,7 +284,7 @@ class WorkerPool:
                 else:
                     cand.stop()  # reap it and close its pipe
             if new is None:
-                new = WorkerHandle()
+                new = WorkerHandle(self.engines)
                 new.wait_ready()
             new.call("bind", gpu=gpu)
             new.gpu = gpu
@@ -283,7 +310,7 @@ class WorkerPool:
 
     def _refill_loop(self) -> None:
         while not self._closed and len(self._spares) < self.spares_target:
-            h = WorkerHandle()
+            h = WorkerHandle(self.engines)
             try:
                 h.wait_ready()
             except WorkerError:

@@ -93,6 +93,10 @@ class Gateway:
             self.dispatcher.update(model, dep)
             self.metrics.instances.labels(model).set(len(dep.serving) if dep else 0)
             if dep is not None:
+                # Series exist at 0 from the moment the model is known, so Prometheus' rate()
+                # sees the first requests as an increase (a series born with its first
+                # observation already counted shows no rate: a dead dashboard panel).
+                self.metrics.model(model)
                 log.debug("event=route model=%s serving=%d", model, len(dep.serving))
 
     def _counts(self) -> dict[str, ModelDemand]:

@@ -20,6 +20,8 @@ from .agents import ActivateResult, AgentCallError, AgentPort, NodeSnapshot
 from .identity import gpus_str, request_id
 from .metrics import Metrics
 from .observe import PendingPrewarm, PendingStart
+from .sources import fetch_event
+from .spec import ModelDeploymentSpec
 
 log = logging.getLogger("warmserve.operator")
 
@@ -40,17 +42,35 @@ def rid(d: Decision, snap: NodeSnapshot | None) -> str:
 
 
 async def call(
-    client: AgentPort, d: Decision, request: str, owner: str = ""
+    client: AgentPort,
+    d: Decision,
+    request: str,
+    owner: str = "",
+    md: ModelDeploymentSpec | None = None,
+    on_fetch: Callable[[Any], None] | None = None,
 ) -> ActivateResult | None:
-    """The one dispatch from a decision to an agent call."""
+    """The one dispatch from a decision to an agent call (``md``: the owning deployment, for
+    its model source and engine)."""
+    fetch_kw: dict[str, Any] = {"source": md.source} if md is not None and md.source else {}
     if isinstance(d, Start):
-        return await client.activate(d.model, d.gpus, d.slot_id, request, owner)
+        return await client.activate(
+            d.model,
+            d.gpus,
+            d.slot_id,
+            request,
+            owner,
+            engine=md.engine if md else "",
+            engine_args=md.engine_args if md else (),
+            **fetch_kw,
+        )
     if isinstance(d, Drain):
         await client.begin_grace(d.instance_id, request)
     elif isinstance(d, EndGrace):
         await client.end_instance(d.instance_id, d.evict_weights, request)
     elif isinstance(d, Prewarm):
-        await client.prewarm(d.model, d.gpus, d.layers, request, owner)
+        if fetch_kw and on_fetch is not None:
+            fetch_kw["on_fetch"] = on_fetch
+        await client.prewarm(d.model, d.gpus, d.layers, request, owner, **fetch_kw)
     else:
         await client.evict(d.slot_id, request)
     return None
@@ -90,6 +110,7 @@ class Actor:
         event: Callable[[str, str, str, str], Awaitable[None]],
         metrics: Metrics,
         on_start: Callable[[str, ActivateResult], None] = lambda m, r: None,
+        md_of: Callable[[str], ModelDeploymentSpec | None] = lambda uid: None,
     ) -> None:
         self.client_of = client_of
         self.snap_of = snap_of
@@ -97,6 +118,7 @@ class Actor:
         self.event = event  # (owner uid, type, reason, message)
         self.metrics = metrics
         self.on_start = on_start
+        self.md_of = md_of
         self.pending_prewarms: dict[tuple[str, str, tuple[int, ...]], PendingPrewarm] = {}
         self.pending_starts: dict[tuple[str, tuple[int, ...]], PendingStart] = {}
         self.ended: set[str] = set()  # instance ids this operator ended
@@ -154,10 +176,20 @@ class Actor:
             request,
             describe(d),
         )
+        md = self.md_of(owner)
+        src = md.source if md is not None else ""
+        snap = self.snap_of(d.node)
+        fetching = (
+            isinstance(d, Start) and bool(src) and (snap is None or d.model not in snap.models)
+        )
         try:
-            if isinstance(d, Prewarm):
-                await self.event(owner, "Normal", "Prewarm", describe(d))
-            res = await call(client, d, request, owner)
+            if fetching:  # a cold start on a node whose store lacks the model
+                msg = f"node {d.node} is fetching {d.model} from {src} to start it"
+                await self.event(owner, "Normal", "Fetching", msg)
+            res = await call(client, d, request, owner, md, self._fetch_reporter(owner, d.node))
+            if fetching:
+                msg = f"node {d.node} fetched {d.model} from {src}"
+                await self.event(owner, "Normal", "Fetched", msg)
             if res is not None:
                 self._started(d, res, owner)
                 await self.event(
@@ -171,7 +203,7 @@ class Actor:
                         f"endpoint {res.instance.endpoint}"
                     ),
                 )
-            elif not isinstance(d, Prewarm):
+            elif not isinstance(d, Prewarm):  # a placed replica shows in status + "Prewarmed"
                 await self.event(owner, "Normal", EVENT[type(d)], describe(d))
             self.metrics.actions.labels(verb, "ok").inc()
         except AgentCallError as exc:
@@ -194,6 +226,20 @@ class Actor:
                 self.pending_prewarms.pop((d.node, d.model, d.gpus), None)
             elif isinstance(d, Start):
                 self.pending_starts.pop((d.node, d.gpus), None)
+
+    def _fetch_reporter(self, owner: str, node: str) -> Callable[[Any], None]:
+        """Events for a fetch seen on one Prewarm stream: when it starts and when it ends."""
+        seen = [False]
+
+        def report(f: Any) -> None:
+            ev = fetch_event(f, node, first=not seen[0])
+            seen[0] = True
+            if ev is not None:
+                task = asyncio.get_running_loop().create_task(self.event(owner, *ev))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+
+        return report
 
     def _started(self, d: Start, res: ActivateResult, owner: str) -> None:
         start = "hit" if res.hit else "cold"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -89,6 +89,10 @@ class InstanceView:
     prewarm_hit: bool = False
     slot_id: str = ""
     started_unix: float = 0.0
+    engine: str = ""
+    ttft_p95_s: float = 0.0  # the engine's p95 TTFT over its window (ttft_samples requests)
+    ttft_samples: int = 0
+    ttft_window_s: float = 0.0
     owner: str = ""  # the owning ModelDeployment's UID (see SlotView.owner)
     grace_started_unix: float = 0.0  # agent clock; 0 when not in grace or unknown
 
@@ -96,6 +100,40 @@ class InstanceView:
     def load(self) -> int:
         """Requests in flight at this instance (running + queued), the paper's load (§2.2)."""
         return self.running + self.waiting
+
+
+@dataclass(frozen=True, slots=True)
+class FetchView:
+    """A model being fetched into a node's store from its source (agent's FetchInfo)."""
+
+    model: str
+    source: str
+    state: str  # listing | downloading | verifying | done | failed
+    bytes_done: int = 0
+    bytes_total: int = 0
+    bytes_per_s: float = 0.0
+    eta_s: float = 0.0
+    attempt: int = 0
+    message: str = ""
+    started_unix: float = 0.0
+
+
+_FETCH = {1: "listing", 2: "downloading", 3: "verifying", 4: "done", 5: "failed"}
+
+
+def fetch_from_pb(f: Any) -> FetchView:
+    return FetchView(
+        model=f.model,
+        source=f.source,
+        state=_FETCH.get(int(f.state), "listing"),
+        bytes_done=int(f.bytes_done),
+        bytes_total=int(f.bytes_total),
+        bytes_per_s=float(f.bytes_per_second),
+        eta_s=float(f.eta_seconds),
+        attempt=int(f.attempt),
+        message=f.message,
+        started_unix=float(f.started_unix),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +149,8 @@ class NodeSnapshot:
     models: Mapping[str, CatalogEntry] = field(default_factory=dict)
     backend: str = ""
     version: str = ""
+    fetches: tuple[FetchView, ...] = ()
+    store: tuple[int, int, int] = (0, 0, 0)  # used bytes, budget bytes (0: none), evictions
 
     def slot(self, slot_id: str) -> SlotView | None:
         return next((s for s in self.slots if s.slot_id == slot_id), None)
@@ -161,14 +201,26 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
             prewarm_hit=bool(i.prewarm_hit),
             slot_id=i.slot_id,
             started_unix=float(i.started_unix),
+            engine=getattr(i, "engine", ""),
+            ttft_p95_s=float(getattr(i, "ttft_p95_seconds", 0.0)),
+            ttft_samples=int(getattr(i, "ttft_samples", 0)),
+            ttft_window_s=float(getattr(i, "ttft_window_seconds", 0.0)),
             owner=i.owner,
             grace_started_unix=float(i.grace_started_unix),
         )
         for i in desc.instances
     )
     models = {
-        m.name: CatalogEntry(m.name, int(m.weight_bytes), int(m.num_layers)) for m in desc.models
+        m.name: CatalogEntry(
+            m.name,
+            int(m.weight_bytes),
+            int(m.num_layers),
+            getattr(m, "source", ""),
+            int(getattr(m, "disk_bytes", 0)),
+        )
+        for m in desc.models
     }
+    store = getattr(desc, "store", None)
     return NodeSnapshot(
         node=node,
         agent_id=desc.agent_id,
@@ -179,6 +231,12 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
         models=models,
         backend=desc.backend,
         version=desc.agent_version,
+        fetches=tuple(fetch_from_pb(f) for f in getattr(desc, "fetches", ())),
+        store=(
+            (int(store.used_bytes), int(store.budget_bytes), int(store.evictions))
+            if store is not None
+            else (0, 0, 0)
+        ),
     )
 
 
@@ -196,14 +254,32 @@ class AgentPort(Protocol):
     async def describe(self) -> NodeSnapshot: ...
 
     async def prewarm(
-        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str, owner: str = ""
-    ) -> SlotView: ...
+        self,
+        model: str,
+        gpus: tuple[int, ...],
+        layers: int,
+        request_id: str,
+        owner: str = "",
+    ) -> SlotView:
+        """Also takes ``source=`` (fetch the model first if the node lacks it) and
+        ``on_fetch=`` (called with each :class:`FetchView` while it is fetched)."""
 
     async def evict(self, slot_id: str, request_id: str) -> None: ...
 
     async def activate(
-        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str, owner: str = ""
-    ) -> ActivateResult: ...
+        self,
+        model: str,
+        gpus: tuple[int, ...],
+        slot_id: str,
+        request_id: str,
+        owner: str = "",
+        engine: str = "",
+        engine_args: tuple[str, ...] = (),
+    ) -> ActivateResult:
+        """Also takes ``source=`` (fetch the model first if the node lacks it)."""
+
+    async def inspect_model(self, model: str, source: str) -> CatalogEntry:
+        """A model's size and layers, from the node's store or its source (no download)."""
 
     async def begin_grace(self, instance_id: str, request_id: str) -> None: ...
 
@@ -256,22 +332,67 @@ class GrpcAgent:
         return snapshot_from_pb(self.node, await self._call(self._client.describe()))
 
     async def prewarm(
-        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str, owner: str = ""
+        self,
+        model: str,
+        gpus: tuple[int, ...],
+        layers: int,
+        request_id: str,
+        owner: str = "",
+        *,
+        source: str = "",
+        on_fetch: Callable[[FetchView], Any] | None = None,
     ) -> SlotView:
+        def progress(msg: Any) -> None:
+            if on_fetch is not None and msg.HasField("fetch"):
+                on_fetch(fetch_from_pb(msg.fetch))
+
         last = await self._call(
-            self._client.prewarm_wait(model, gpus, layers, request_id=request_id, owner=owner)
+            self._client.prewarm_wait(
+                model,
+                gpus,
+                layers,
+                request_id=request_id,
+                owner=owner,
+                source=source,
+                # A fetch of many GB can take a while; loading itself is bounded by the agent.
+                timeout_s=3600.0 if source else 600.0,
+                on_progress=progress,
+            )
         )
         snap = snapshot_from_pb(self.node, _FakeDesc(slots=[last.slot]))
         return snap.slots[0]
+
+    async def inspect_model(self, model: str, source: str) -> CatalogEntry:
+        m = await self._call(self._client.inspect_model(model, source))
+        return CatalogEntry(model, int(m.weight_bytes), int(m.num_layers), m.source)
 
     async def evict(self, slot_id: str, request_id: str) -> None:
         await self._call(self._client.evict(slot_id, request_id=request_id))
 
     async def activate(
-        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str, owner: str = ""
+        self,
+        model: str,
+        gpus: tuple[int, ...],
+        slot_id: str,
+        request_id: str,
+        owner: str = "",
+        engine: str = "",
+        engine_args: tuple[str, ...] = (),
+        *,
+        source: str = "",
     ) -> ActivateResult:
         resp = await self._call(
-            self._client.activate(model, gpus, slot_id=slot_id, request_id=request_id, owner=owner)
+            self._client.activate(
+                model,
+                gpus,
+                slot_id=slot_id,
+                request_id=request_id,
+                owner=owner,
+                engine=engine,
+                engine_args=engine_args,
+                source=source,
+                timeout_s=3600.0 if source else 600.0,
+            )
         )
         inst = snapshot_from_pb(self.node, _FakeDesc(instances=[resp.instance])).instances[0]
         return ActivateResult(

@@ -15,6 +15,7 @@ from .agents import NodeSnapshot
 from .kube import KubePort
 from .metrics import Metrics
 from .report import Deployment, Reporter
+from .sources import SourceCatalog
 from .spec import ModelDeploymentSpec, SpecError, parse_model_deployment, resolve_model
 from .status import Condition
 
@@ -40,6 +41,7 @@ class DeploymentBook:
         self.cfg = cfg
         self.clock = clock
         self.items: dict[str, Deployment] = {}
+        self.sources = SourceCatalog(clock)  # sizes of models only at their spec.model.source
         # UIDs being (or just) torn down -> when teardown finished (inf while it runs); nothing
         # is started or prewarmed for them until a later listing drops them.
         self.deleting: dict[str, float] = {}
@@ -67,6 +69,7 @@ class DeploymentBook:
             d = self.items.get(md.uid)
             if d is None:
                 d = self.items[md.uid] = Deployment(md, raw_status=body.get("status") or {})
+                self.metrics.model_seen(md.model)
             d.md = md
             if not d.counters_loaded:
                 d.counters_loaded = True
@@ -90,7 +93,7 @@ class DeploymentBook:
     ) -> dict[str, Condition]:
         """Each owner's policy spec (from its spec and the agents' catalogs), the controller's
         managed models, and why a deployment cannot be acted on."""
-        catalog: dict[str, Any] = {}
+        catalog: dict[str, Any] = dict(self.sources.entries())  # only at their sources yet
         for snap in snaps.values():
             catalog.update(snap.models)
         problems: dict[str, Condition] = {}
@@ -104,9 +107,14 @@ class DeploymentBook:
                 d.spec = resolve_model(md, catalog, self.cfg.load_bandwidth)
             except SpecError as exc:
                 d.spec = None
-                problems[md.uid] = Condition("Degraded", True, "ModelNotFound", str(exc))
+                why = self.sources.error(md)
+                problems[md.uid] = (
+                    Condition("Degraded", True, "SourceUnavailable", f"{md.source}: {why}")
+                    if why
+                    else Condition("Degraded", True, "ModelNotFound", str(exc))
+                )
                 continue
-            if snaps and md.model not in catalog and not getattr(md, "source", None):
+            if snaps and md.model not in catalog and not md.source:
                 # Sized by its spec but in no reachable agent's weight store: every prewarm or
                 # start would be refused, so the controller does not manage it (issue 16).
                 problems[md.uid] = Condition(

@@ -73,6 +73,11 @@ class Metrics:
             registry=r,
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
         )
+        self.events_dropped = Counter(
+            f"{PREFIX}_events_dropped_total",
+            "Events not posted because a burst exceeded the Event budget",
+            registry=r,
+        )
         self.poll_seconds = Histogram(
             f"{PREFIX}_poll_seconds",
             "Time one poll of the loop takes, by phase",
@@ -87,6 +92,17 @@ class Metrics:
             registry=r,
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
         )
+
+        # Every label set a dashboard rates over exists (at 0) from the start: a counter or
+        # histogram series that appears with its first observation already counted hides that
+        # observation from rate()/increase() (the dashboard test caught exactly that).
+        for start in ("hit", "cold"):
+            self.activation_seconds.labels(start)
+
+    def model_seen(self, model: str) -> None:
+        """Create a model's per-model series at 0 when the operator first serves it."""
+        for start in ("hit", "cold"):
+            self.starts.labels(model, start)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

@@ -28,6 +28,8 @@ from .status import Condition, ModelView, model_status, node_status, now_iso, st
 log = logging.getLogger("warmserve.operator")
 
 REPORT_CONCURRENCY = 16
+EVENT_RATE = 20.0  # Events per second the operator posts at most (and bursts of EVENT_BURST)
+EVENT_BURST = 200.0
 
 
 @dataclass
@@ -66,6 +68,8 @@ class Reporter:
         self.clock = clock
         self._seen: dict[tuple[str, str, str], float] = {}
         self.problem_seen: dict[str, str] = {}  # uid -> last problem status written
+        self._tokens = float(EVENT_BURST)
+        self._refilled = clock()
 
     async def event(
         self, ref: ObjRef | None, type_: str, reason: str, message: str, dedupe_s: float = 0.0
@@ -77,6 +81,14 @@ class Reporter:
         if dedupe_s and now - self._seen.get(key, -math.inf) < dedupe_s:
             return
         self._seen[key] = now
+        # Events are best effort: a burst beyond the budget (1,000 deployments placed at once)
+        # is dropped and counted rather than competing with status writes for the API server.
+        self._tokens = min(EVENT_BURST, self._tokens + (now - self._refilled) * EVENT_RATE)
+        self._refilled = now
+        if self._tokens < 1:
+            self.metrics.events_dropped.inc()
+            return
+        self._tokens -= 1
         await self.kube.emit_event(ref, type_, reason, message)
 
     async def problem(self, md_ns: str, md_name: str, uid: str, reason: str, msg: str) -> None:
@@ -131,6 +143,7 @@ class Reporter:
             "Unplaceable",
             "ModelNotFound",
             "ModelNotInStore",
+            "SourceUnavailable",
             "DuplicateModel",
             "NoAgents",
         ):
@@ -223,6 +236,7 @@ class Reporter:
             inflight=d.inflight,
             held=d.held,
             gateway_replicas=d.gateway_replicas,
+            ttft_objective_s=md.ttft_s,
         )
         view.conditions = self.conditions(d, mine, problem)
         status = model_status(model, view, mine, slot_of, d.raw_status, now_iso(self.clock()))
@@ -273,6 +287,8 @@ class Reporter:
                 continue
             if c["type"] == "Degraded" and c["status"] == "True":
                 await self.event(d.ref, "Warning", c["reason"], c["message"])
+            elif c["type"] == "TTFTObjectiveMet" and c["status"] == "False":
+                await self.event(d.ref, "Warning", "TTFTObjectiveMissed", c["message"])
             elif c["type"] == "Prewarmed" and c["reason"] == "Unplaced":
                 await self.event(d.ref, "Warning", "Unplaced", c["message"])
             elif c["type"] == "Prewarmed" and c["reason"] == "AllPlaced":

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from warmserve.modelref import SourceURIError, parse_source
 from warmserve.policy.cluster import ModelSpec, PolicyInputError
 
 GROUP = "warmserve.io"
@@ -91,9 +92,11 @@ class ModelDeploymentSpec:
     prewarm_layers: int | None
     engine_args: tuple[str, ...]
     deleting: bool = False
+    source: str = ""  # spec.model.source: where agents fetch the weights ("" = pre-filled)
     # spec.gateway: how the gateway holds requests while no instance has room (docs/gateway.md)
     max_queue: int = 100
     max_hold_s: float = 120.0
+    engine: str = ""  # spec.engine.name; "" = the agent's default engine
 
     @property
     def key(self) -> str:
@@ -114,9 +117,15 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
     assert min_i is not None and max_i is not None
     if min_i > max_i:
         raise SpecError(f"spec.minInstances ({min_i}) must be <= spec.maxInstances ({max_i})")
-    args = _get(spec, "engine.args", []) or []
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise SpecError("spec.engine.args must be a list of strings")
+    from .engine import parse_engine  # spec.engine.name/args, checked against vLLM's schema
+
+    engine, args = parse_engine(spec)
+    source = _get(spec, "model.source", "") or ""
+    if source:
+        try:
+            parse_source(source)
+        except SourceURIError as exc:
+            raise SpecError(f"spec.model.source: {exc}") from None
     enabled = _get(spec, "prewarm.enabled", True)
     if not isinstance(enabled, bool):
         raise SpecError("spec.prewarm.enabled must be a boolean")
@@ -137,10 +146,12 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         max_instances=max_i,
         prewarm=enabled,
         prewarm_layers=_int(spec, "prewarm.layers", None, 1, 1024),
-        engine_args=tuple(args),
+        engine_args=args,
         deleting=bool(meta.get("deletionTimestamp")),
+        source=source,
         max_queue=_int(spec, "gateway.maxQueue", 100, 0, 100_000) or 0,
         max_hold_s=_num(spec, "gateway.maxHoldSeconds", 120.0, 0.001, 3600.0) or 120.0,
+        engine=engine,
     )
     if out.num_layers and out.prewarm_layers and out.prewarm_layers > out.num_layers:
         raise SpecError("spec.prewarm.layers must be <= spec.model.numLayers")
@@ -154,6 +165,8 @@ class CatalogEntry:
     name: str
     weight_bytes: int
     num_layers: int
+    source: str = ""  # where the node fetched it from ("" = pre-filled or not fetched)
+    disk_bytes: int = 0
 
 
 def resolve_model(
@@ -174,7 +187,8 @@ def resolve_model(
     if not weight or not layers:
         raise SpecError(
             f"model {md.model!r} is in no node agent's weight cache and spec.model.weightBytes/"
-            "numLayers are not set: copy the weights to the nodes or set them"
+            "numLayers are not set: set spec.model.source (agents fetch it), copy the weights "
+            "to the nodes, or set them"
         )
     if md.prewarm_layers and md.prewarm_layers > layers:
         raise SpecError(

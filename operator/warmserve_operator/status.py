@@ -20,6 +20,7 @@ from typing import Any
 from warmserve.policy.cluster import Replica, WorkerState
 
 from .agents import NodeSnapshot
+from .engine import ttft_report
 
 
 def now_iso(t: float | None = None) -> str:
@@ -90,6 +91,7 @@ class ModelView:
     held: float | None = None  # ... + at the gateways (None: no gateway configured)
     gateway_replicas: int | None = None
     conditions: list[Condition] = field(default_factory=list)
+    ttft_objective_s: float | None = None  # spec.ttftObjectiveSeconds
 
 
 def _round(x: float | None) -> float | None:
@@ -106,6 +108,7 @@ def model_status(
 ) -> dict[str, Any]:
     """The ``status`` of a ModelDeployment."""
     instances = []
+    ttft_obs: list[tuple[float, int, float]] = []
     for node in sorted(snaps):
         for i in snaps[node].instances:
             if i.model == model:
@@ -120,6 +123,7 @@ def model_status(
                         "prewarmHit": i.prewarm_hit,
                     }
                 )
+                ttft_obs.append((i.ttft_p95_s, i.ttft_samples, i.ttft_window_s))
     replicas = []
     for r in sorted(view.replicas, key=lambda r: (r.kind != "basic", r.rank, r.node, r.gpus)):
         sid = slot_of.get((r.node, r.model, r.gpus), "")
@@ -165,7 +169,13 @@ def model_status(
         prewarm["hitRatio"] = round(view.hits / total, 4)
     if view.unplaced_reason:
         prewarm["unplacedReason"] = view.unplaced_reason
+    conditions = list(view.conditions)
+    extra: dict[str, Any] = {}
+    if view.ttft_objective_s is not None:
+        extra["ttft"], cond = ttft_report(ttft_obs, view.ttft_objective_s)
+        conditions.append(Condition(*cond))
     return {
+        **extra,
         "observedGeneration": view.generation,
         "instanceCount": sum(1 for i in instances if i["phase"] != "grace"),
         **({"desiredInstances": view.desired} if view.desired is not None else {}),
@@ -176,7 +186,7 @@ def model_status(
         "prewarm": prewarm,
         "model": model_facts,
         "conditions": merge_conditions(
-            (old or {}).get("conditions"), view.conditions, view.generation, now
+            (old or {}).get("conditions"), conditions, view.generation, now
         ),
     }
 
@@ -254,12 +264,42 @@ def node_status(
                 for i in snap.instances
             ],
             "models": [
-                {"name": m.name, "weightBytes": m.weight_bytes, "numLayers": m.num_layers}
+                {
+                    "name": m.name,
+                    "weightBytes": m.weight_bytes,
+                    "numLayers": m.num_layers,
+                    **({"source": m.source, "diskBytes": m.disk_bytes} if m.source else {}),
+                }
                 for m in sorted(snap.models.values(), key=lambda m: m.name)
+            ],
+            "store": {
+                "usedBytes": snap.store[0],
+                "budgetBytes": snap.store[1],
+                "evictions": snap.store[2],
+            },
+            "fetches": [
+                {
+                    "model": f.model,
+                    "source": f.source,
+                    "state": f.state,
+                    "bytesDone": f.bytes_done,
+                    "bytesTotal": f.bytes_total,
+                    "bytesPerSecond": round(f.bytes_per_s, 1),
+                    "etaSeconds": round(f.eta_s, 1),
+                    "attempt": f.attempt,
+                    "message": f.message,
+                    **({"startedAt": now_iso(f.started_unix)} if f.started_unix else {}),
+                }
+                for f in snap.fetches
             ],
         }
     )
     return out
+
+
+# Timestamps, and TTFT figures that move with every request (the TTFTObjectiveMet condition's
+# status is not volatile: a flip is written at once).
+_VOLATILE = frozenset({"lastTransitionTime", "lastSeen", "observedP95Seconds", "samples"})
 
 
 def strip_volatile(status: Mapping[str, Any]) -> Any:
@@ -267,7 +307,7 @@ def strip_volatile(status: Mapping[str, Any]) -> Any:
 
     def walk(x: Any) -> Any:
         if isinstance(x, Mapping):
-            return {k: walk(v) for k, v in x.items() if k not in ("lastTransitionTime", "lastSeen")}
+            return {k: walk(v) for k, v in x.items() if k not in _VOLATILE}
         if isinstance(x, list):
             return [walk(v) for v in x]
         return x

@@ -34,3 +34,22 @@ def test_catalog_is_cached_and_follows_added_and_removed_models(
     assert [m.name for m in svc.describe_pb().models] == ["alpha", "beta", "delta", "gamma"]
     shutil.rmtree(model_root / "beta")
     assert [m.name for m in svc.describe_pb().models] == ["alpha", "delta", "gamma"]
+
+
+def test_catalog_follows_models_added_inside_an_existing_org_directory(
+    make_core: Callable[..., NodeCore], model_root: Path
+) -> None:
+    """``ORG/NAME`` models live one level down: adding one changes the org directory's mtime,
+    not the store root's (an e2e test saw a freshly fetched ``acme/chat`` missing from Describe
+    for the cache's whole TTL)."""
+    write_model(model_root, "acme/one", layers=2, hidden=32, seed=5)
+    svc = AgentService(make_core(), ServiceInfo("a"))
+    assert "acme/one" in [m.name for m in svc.describe_pb().models]
+    svc.describe_pb()  # the org is known now: the cache holds
+    root_mtime = model_root.stat().st_mtime_ns
+    write_model(model_root, "acme/two", layers=2, hidden=32, seed=6)
+    assert model_root.stat().st_mtime_ns == root_mtime  # the case the root's mtime cannot see
+    names = [m.name for m in svc.describe_pb().models]
+    assert {"acme/one", "acme/two"} <= set(names), names
+    shutil.rmtree(model_root / "acme" / "one")
+    assert "acme/one" not in [m.name for m in svc.describe_pb().models]

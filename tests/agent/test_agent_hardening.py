@@ -142,6 +142,14 @@ def test_memory_dir_ownership(tmp_path: Path, model_root: Path) -> None:
     assert remove_stale(tmp_path, grace_s=3600) == []
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     assert remove_stale(tmp_path, grace_s=3600) == [old] and not old.exists()
+    # Another program's directory that only shares the prefix (a test control plane's etcd data
+    # was once /dev/shm/warmserve-etcd.*) is never removed, however old.
+    other = tmp_path / "warmserve-etcd.x1y2"
+    (other / "member" / "snap").mkdir(parents=True)
+    (other / "member" / "snap" / "db").write_bytes(b"etcd")
+    os.utime(other, (time.time() - 7200, time.time() - 7200))
+    assert remove_stale(tmp_path, grace_s=3600) == []
+    assert (other / "member" / "snap" / "db").exists()
 
 
 # ---- error messages ------------------------------------------------------------------------------

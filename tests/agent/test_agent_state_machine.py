@@ -19,13 +19,13 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
 
 import hypothesis.strategies as st
 from conftest import PAGE, write_model
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from warmserve_agent.backends.simulated import SimulatedBackend
+from warmserve_agent.engines.spec import EngineSpec, EngineStats
 from warmserve_agent.loader import verify_layers
 from warmserve_agent.memory import MemoryManager
 from warmserve_agent.node import NodeCore, Refusal
@@ -47,8 +47,8 @@ class ScriptedEngine:
         self.started = False
         self.layers = 0
 
-    def start(self, spec: dict[str, Any]) -> str:
-        self.capacity = spec["kv_capacity_bytes"]
+    def start(self, spec: EngineSpec) -> str:
+        self.capacity = spec.kv_capacity_bytes
         self.started = True
         return "http://127.0.0.1:1"
 
@@ -59,8 +59,8 @@ class ScriptedEngine:
         self.capacity = max(nbytes, self.kv_used)
         return self.capacity
 
-    def stats(self) -> dict[str, Any]:
-        return {"running": self.running, "waiting": 0, "kv_used_bytes": self.kv_used}
+    def stats(self) -> EngineStats:
+        return EngineStats(running=self.running, kv_used_bytes=self.kv_used)
 
     def stop(self) -> None:
         self.started = False

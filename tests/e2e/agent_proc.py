@@ -28,6 +28,11 @@ async def main() -> None:
     ap.add_argument(
         "--sim-copy-gbps", type=float, default=0.0, help="host-to-GPU GB/s (0: memcpy speed)"
     )
+    # Model sources (tests/e2e/test_model_sources_e2e.py) and metrics (the dashboard test).
+    ap.add_argument("--hf-endpoint", default="")
+    ap.add_argument("--store-budget", type=int, default=0)
+    ap.add_argument("--fetch-attempts", type=int, default=3)
+    ap.add_argument("--metrics-port", type=int, default=None)
     args = ap.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s agent=" + args.node + " %(message)s"
@@ -42,12 +47,19 @@ async def main() -> None:
         spare_workers=0,
         host_cache_bytes=64 * 1024**2,
         sim_copy_bytes_per_s=args.sim_copy_gbps * 1e9,
+        hf_endpoint=args.hf_endpoint,
+        store_budget_bytes=args.store_budget,
+        fetch_attempts=args.fetch_attempts,
+        fetch_backoff_s=0.2,
+        metrics_port=args.metrics_port,
     )
     server = await AgentServer(cfg).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if args.metrics_port is not None:  # the port the kernel picked, for the test's scrape config
+        args.address_file.with_suffix(".metrics").write_text(str(server.metrics_port))
     tmp = args.address_file.with_suffix(".tmp")
     tmp.write_text(server.address)
     tmp.rename(args.address_file)

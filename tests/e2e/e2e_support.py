@@ -170,3 +170,24 @@ class Load:
         with contextlib.suppress(Exception), urllib.request.urlopen(req, timeout=60) as resp:
             while resp.read(256):
                 pass
+
+
+def install_for_operator(
+    kubectl: Any, helm: Any, sa_kubeconfig: Any, ns: str, release: str
+) -> tuple[Path, dict[str, str]]:
+    """CRDs (established), the chart's operator ServiceAccount and RBAC for a release in ``ns``;
+    returns the operator's kubeconfig (that ServiceAccount's token) and a clean environment for
+    child processes (no KUBECONFIG, no POD_NAMESPACE)."""
+    import os
+
+    from k8s_support import apply_chart_operator_rbac
+
+    kubectl("apply", "-f", str(REPO / "crds"))
+    kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s",
+        "crd/modeldeployments.warmserve.io", "crd/gpunodes.warmserve.io",
+        "crd/clusterkopfpeerings.kopf.dev",
+    )  # fmt: skip
+    sa = apply_chart_operator_rbac(helm, kubectl, ns, release)
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "POD_NAMESPACE")}
+    return sa_kubeconfig(ns, sa), env

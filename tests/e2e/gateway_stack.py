@@ -107,9 +107,16 @@ class Stack:
 
     # ---- agents -----------------------------------------------------------------------------
 
-    def start_agents(self, models: Path, nodes: dict[str, str], copy_gbps: float = 0.0) -> None:
+    def start_agents(
+        self,
+        models: Path,
+        nodes: dict[str, str],
+        copy_gbps: float = 0.0,
+        extra: tuple[str, ...] = (),
+    ) -> None:
         """One agent process per node (``{"node-a": "4x64MiB"}``), registered as GPUNodes;
-        ``copy_gbps`` > 0 paces weight loads like a host-to-GPU link of that speed."""
+        ``copy_gbps`` > 0 paces weight loads like a host-to-GPU link of that speed; ``extra``:
+        more tests/e2e/agent_proc.py flags (e.g. ``--metrics-port 0``)."""
         files = {}
         for node, gpus in nodes.items():
             files[node] = self.tmp / f"{node}.addr"
@@ -120,7 +127,7 @@ class Stack:
                     "--models", str(models), "--gpus", gpus, "--node", node,
                     "--address-file", str(files[node]),
                     "--memory-dir", str(self.tmp / f"mem-{node}"),
-                    "--sim-copy-gbps", str(copy_gbps),
+                    "--sim-copy-gbps", str(copy_gbps), *extra,
                 ],
                 self.env,
             )  # fmt: skip
@@ -148,7 +155,13 @@ class Stack:
     # ---- operator ---------------------------------------------------------------------------
 
     def start_operator(
-        self, name: str, priority: int, *, poll_s: float = 5.0, window_s: float = 5.0
+        self,
+        name: str,
+        priority: int,
+        *,
+        poll_s: float = 5.0,
+        window_s: float = 5.0,
+        extra: tuple[str, ...] = (),
     ) -> None:
         assert self.op_kubeconfig is not None
         self.procs.start(
@@ -159,7 +172,7 @@ class Stack:
                 "--predictor", "seasonal", "--peering", f"{self.ns}-peering",
                 "--priority", str(priority), "--metrics-port", "0",
                 "--scale-down-delay", "600", "--namespace", self.ns,
-                "--gateway-service", f"{self.ns}/{DEMAND_SERVICE}",
+                "--gateway-service", f"{self.ns}/{DEMAND_SERVICE}", *extra,
             ],
             {**self.env, "KUBECONFIG": str(self.op_kubeconfig)},
         )  # fmt: skip

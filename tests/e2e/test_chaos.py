@@ -234,6 +234,8 @@ def test_operator_killed_at_random_points_10_times(env: Env) -> None:
         op = env.start_operator(100)
         took.append(env.consistent(f"kill -9 #{k + 1}"))
     print(f"consistent after each operator kill -9 in: {[round(t, 1) for t in took]} s")
+    events = json.loads(env.kubectl("get", "events", "-n", env.ns, "-o", "json").stdout)["items"]
+    assert any(e["reason"] == "SpecChanged" for e in events), "kopf's SpecChanged is posted"
 
 
 def test_agent_killed_and_restarted(env: Env) -> None:

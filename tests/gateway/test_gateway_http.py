@@ -395,3 +395,78 @@ async def test_ready_only_once_every_watched_namespace_is_listed() -> None:
                 assert r.status == 200
     finally:
         await gw.stop()
+
+
+async def test_an_engine_dying_mid_stream_aborts_the_client_connection(
+    make_gateway: Any, tmp_path: Any
+) -> None:
+    """A node agent process (its engines inside) is SIGKILLed in the middle of an answer: the
+    client must see a broken stream, not a clean end of a truncated answer."""
+    import signal
+    import subprocess
+    import sys
+
+    from gw_support import REPO, write_model
+    from warmserve_agent.client import SyncAgentClient
+
+    write_model(tmp_path / "m", "doomed", layers=2, hidden=32, profile={"decode_tok_s": 20.0})
+    addr_file = tmp_path / "agent.addr"
+    agent = subprocess.Popen(
+        [
+            sys.executable, str(REPO / "tests/e2e/agent_proc.py"), "--models", str(tmp_path / "m"),
+            "--gpus", "1x64MiB", "--node", "doomed", "--address-file", str(addr_file),
+            "--memory-dir", str(tmp_path / "mem"),
+        ],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        for _ in range(600):
+            if addr_file.exists():
+                break
+            await asyncio.sleep(0.1)
+
+        def activate() -> Any:
+            with SyncAgentClient(addr_file.read_text()) as c:
+                return c.activate("doomed", [0]).instance
+
+        inst = await asyncio.to_thread(activate)
+        gw, _ = await make_gateway([md("doomed", "doomed", [(inst.instance_id, inst.endpoint)])])
+        body = {"model": "doomed", "prompt": "a", "max_tokens": 200, "stream": True}  # ~10 s
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{gw.urls['api']}/v1/completions", json=body) as r:
+                assert r.status == 200
+                assert (await r.content.readline()).startswith(b"data:")  # the answer began
+                agent.send_signal(signal.SIGKILL)
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    while await asyncio.wait_for(r.content.readline(), 10):
+                        pass
+            text = await (await s.get(f"{gw.urls['admin']}/metrics")).text()
+        assert (
+            'warmserve_gateway_upstream_errors_total{kind="mid_stream",model="doomed"} 1.0' in text
+        )
+    finally:
+        agent.kill()
+        agent.wait(10)
+
+
+async def test_per_model_series_exist_at_zero_once_the_model_is_known() -> None:
+    """A dashboard's rate() needs the series before the first request: a histogram born with its
+    first observation already counted shows no increase (the dead-panel failure of the real
+    Prometheus dashboard test)."""
+    from gw_support import ListSource
+    from warmserve_gateway.config import GatewayConfig
+    from warmserve_gateway.server import Gateway
+
+    class OneModel(ListSource):
+        def start(self, loop: Any, on_list: Any, on_event: Any) -> None:
+            on_list(None, [md("known", "known", [])])
+
+    gw = Gateway(GatewayConfig(host="127.0.0.1", port=0, admin_port=0), OneModel())
+    await gw.start()
+    try:
+        async with aiohttp.ClientSession() as s, s.get(f"{gw.urls['admin']}/metrics") as r:
+            text = await r.text()
+        assert 'warmserve_gateway_ttft_seconds_count{model="known",stream="true"} 0.0' in text
+        assert 'warmserve_gateway_queue_wait_seconds_count{model="known"} 0.0' in text
+    finally:
+        await gw.stop()

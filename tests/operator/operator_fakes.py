@@ -22,6 +22,7 @@ from typing import Any
 from warmserve_operator.agents import (
     ActivateResult,
     AgentCallError,
+    FetchView,
     GpuView,
     InstanceView,
     NodeSnapshot,
@@ -30,6 +31,7 @@ from warmserve_operator.agents import (
 from warmserve_operator.kube import ObjRef
 from warmserve_operator.spec import CatalogEntry
 
+from warmserve.engine_args import EngineArgsError, validate_engine_args
 from warmserve.policy.cluster import GiB, InstancePhase, WorkerState
 
 
@@ -54,6 +56,8 @@ class _Inst:
     hit: bool
     phase: InstancePhase = InstancePhase.SERVING
     running: int = 0
+    engine: str = ""
+    ttft: tuple[float, int] = (0.0, 0)  # (p95 seconds, samples) the engine reports
     owner: str = ""
     grace_started: float = 0.0
 
@@ -66,12 +70,16 @@ class FakeAgent:
         memory: int = 80 * GiB,
         catalog: dict[str, tuple[int, int]] | None = None,
         clock: Callable[[], float] = time.time,
+        remote: dict[str, tuple[int, int]] | None = None,
     ) -> None:
         self.node = node
         self.memory = memory
         self.n = gpus
         self.catalog = catalog or {}
         self.clock = clock
+        # Model sources this agent can fetch from: source URI -> (weight bytes, layers).
+        self.remote = remote or {}
+        self.fetched: list[tuple[str, str]] = []
         self.slots: dict[str, _Slot] = {}
         self.instances: dict[str, _Inst] = {}
         self.generation = 1
@@ -79,6 +87,8 @@ class FakeAgent:
         self.ids = itertools.count(1)
         self.done: dict[str, Any] = {}
         self.calls: list[tuple[str, str]] = []
+        # (model, gpus) -> (engine, engine args) of the last activation
+        self.engine_args: dict[tuple[str, tuple[int, ...]], tuple[str, tuple[str, ...]]] = {}
         self.down = False
 
     # ------------------------------------------------------------------ helpers
@@ -180,6 +190,10 @@ class FakeAgent:
                 kv_capacity_bytes=GiB,
                 prewarm_hit=i.hit,
                 slot_id=i.slot_id,
+                engine=i.engine,
+                ttft_p95_s=i.ttft[0],
+                ttft_samples=i.ttft[1],
+                ttft_window_s=300.0 if i.ttft[1] else 0.0,
                 owner=i.owner,
                 grace_started_unix=i.grace_started,
             )
@@ -190,16 +204,53 @@ class FakeAgent:
             self.node, self.agent_id, self.generation, gpus, slots, insts, models, "fake", "0"
         )
 
+    def _fetch(
+        self, request_id: str, key: tuple[Any, ...], model: str, source: str, on_fetch: Any = None
+    ) -> None:
+        """As the real agent: a model missing from the store is fetched from ``source`` before
+        the call's own work; a failed fetch is not remembered for the request id (a replay
+        tries the fetch again), as at the real agent."""
+        if model in self.catalog or not source:
+            return
+        if source not in self.remote:
+            raise AgentCallError("FAILED_PRECONDITION", f"{source}: repository not found")
+        weight, layers = self.remote[source]
+        if on_fetch is not None:
+            on_fetch(FetchView(model, source, "downloading", 0, weight, attempt=1))
+        self.catalog[model] = (weight, layers)
+        self.fetched.append((model, source))
+        if on_fetch is not None:
+            on_fetch(FetchView(model, source, "done", weight, weight, attempt=1))
+
+    async def inspect_model(self, model: str, source: str) -> CatalogEntry:
+        self._check_up()
+        if model in self.catalog:
+            w, n = self.catalog[model]
+        elif source in self.remote:
+            w, n = self.remote[source]
+        else:
+            raise AgentCallError("FAILED_PRECONDITION", f"{source}: repository not found")
+        return CatalogEntry(model, w, n, source)
+
     async def prewarm(
-        self, model: str, gpus: tuple[int, ...], layers: int, request_id: str, owner: str = ""
+        self,
+        model: str,
+        gpus: tuple[int, ...],
+        layers: int,
+        request_id: str,
+        owner: str = "",
+        *,
+        source: str = "",
+        on_fetch: Any = None,
     ) -> SlotView:
         self._check_up()
         self.calls.append(("prewarm", request_id))
-        key = ("prewarm", model, tuple(sorted(gpus)), layers, owner)
+        key = ("prewarm", model, tuple(sorted(gpus)), layers, owner, source)
         if (prev := self._idem(request_id, key)) is not None:
             return prev
         self._check_owner(request_id, key, owner)
         group = self._group(request_id, key, gpus)
+        self._fetch(request_id, key, model, source, on_fetch)
         if model not in self.catalog:
             self._refuse(request_id, key, "NOT_FOUND", f"unknown model {model}")
         weight, total = self.catalog[model]
@@ -248,15 +299,38 @@ class FakeAgent:
         self.done[request_id] = (key, True)
 
     async def activate(
-        self, model: str, gpus: tuple[int, ...], slot_id: str, request_id: str, owner: str = ""
+        self,
+        model: str,
+        gpus: tuple[int, ...],
+        slot_id: str,
+        request_id: str,
+        owner: str = "",
+        engine: str = "",
+        engine_args: tuple[str, ...] = (),
+        *,
+        source: str = "",
     ) -> ActivateResult:
         self._check_up()
         self.calls.append(("activate", request_id))
-        key = ("activate", model, tuple(sorted(gpus)), slot_id, owner)
+        key = (
+            "activate",
+            model,
+            tuple(sorted(gpus)),
+            slot_id,
+            owner,
+            source,
+            engine,
+            tuple(engine_args),
+        )
         if (prev := self._idem(request_id, key)) is not None:
             return prev
         self._check_owner(request_id, key, owner)
         group = self._group(request_id, key, gpus)
+        try:  # the real agent refuses what the engine-args schema refuses, before any change
+            validate_engine_args(engine_args)
+        except EngineArgsError as exc:
+            self._refuse(request_id, key, "INVALID_ARGUMENT", str(exc))
+        self._fetch(request_id, key, model, source)
         if model not in self.catalog:
             self._refuse(request_id, key, "NOT_FOUND", f"unknown model {model}")
         for g in group:
@@ -290,7 +364,10 @@ class FakeAgent:
         self.slots[hit_slot].active = True
         self.slots[hit_slot].owner = owner
         iid = self._new_id("inst")
-        self.instances[iid] = _Inst(iid, model, group, hit_slot, hit, owner=owner)
+        self.instances[iid] = _Inst(
+            iid, model, group, hit_slot, hit, owner=owner, engine=engine or "simulated"
+        )
+        self.engine_args[(model, group)] = (engine, tuple(engine_args))
         self.generation += 1
         snap = await self.describe()
         inst = next(i for i in snap.instances if i.instance_id == iid)

@@ -357,3 +357,16 @@ def test_operator_cli_defaults_are_safe_outside_the_chart() -> None:
     args = parser.parse_args(["operator"])
     assert args.metrics_address == "127.0.0.1"
     assert args.lease_seconds <= 10 and args.peering_lifetime <= 20
+
+
+def test_kopf_api_retries_never_run_out() -> None:
+    """With etcd down for long the operator used to exit once kopf's retries ran out."""
+    import itertools
+
+    from warmserve_operator.handlers import RetryForever
+
+    delays = RetryForever()
+    first = list(itertools.islice(iter(delays), 200))
+    assert first[:3] == [1, 1, 2] and max(first) == 30 and len(first) == 200
+    assert list(itertools.islice(iter(delays), 3)) == [1, 1, 2], "re-iterable per request"
+    assert not hasattr(delays, "__len__"), "unsized: kopf counts no last attempt"

@@ -154,7 +154,7 @@ async def test_grace_instance_lends_memory_to_a_prewarm(agent_address: str) -> N
 
         await _until(universal_with_both, "grace ended, GPU universal with B resident")
         reasons = kube.reasons("ModelDeployment/a") + kube.reasons("ModelDeployment/b")
-        assert "Draining" in reasons and "InstanceEnded" in reasons and "Prewarm" in reasons
+        assert "Draining" in reasons and "InstanceEnded" in reasons and "Prewarmed" in reasons
     finally:
         stop.set()
         await asyncio.wait_for(loop_task, 15)

@@ -110,7 +110,7 @@ async def test_prewarm_follows_policy_plan_and_status_reports_it() -> None:
     assert st["load"]["predictedAverage"] == pytest.approx(6.0, rel=1e-2)
     assert h.cond("a", "Prewarmed")["status"] == "True"
     assert h.cond("a", "Ready")["reason"] == "ScaledToZero"
-    assert "Prewarm" in h.kube.reasons("ModelDeployment/a")
+    assert "Prewarmed" in h.kube.reasons("ModelDeployment/a")  # one Event, not one per replica
     node_st = h.kube.nodes["node-0"]["status"]
     assert node_st["gpuCount"] == 4 and node_st["conditions"][0]["status"] == "True"
 

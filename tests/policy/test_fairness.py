@@ -11,7 +11,7 @@ from warmserve.policy.fairness import FairDemand, fair_caps
 
 demands = st.dictionaries(
     st.sampled_from(list("abcdefgh")),
-    st.builds(FairDemand, st.sampled_from([1, 2, 4, 8]), st.integers(0, 40)),
+    st.builds(FairDemand, st.sampled_from([1, 2, 4, 8]), st.integers(0, 40), st.integers(0, 40)),
     max_size=8,
 )
 
@@ -31,18 +31,25 @@ def test_fair_caps_invariants(d: dict[str, FairDemand], capacity: int) -> None:
     for m, x in d.items():
         if caps[m] < x.want:
             assert x.tp > left, f"{m} could still get an instance: not work-conserving"
-            # max-min: nobody unsatisfied-and-fitting holds less than another's share minus one
-            # of its own instances
+            # weighted max-min: another model's last instance went to it while its GPUs per
+            # unit of need were no more than this one's (unless this one's did not fit then)
             for o, y in d.items():
                 if caps[o] > 0 and o != m:
-                    assert caps[m] * x.tp + x.tp > (caps[o] - 1) * y.tp or x.tp > left + y.tp
+                    before = (caps[o] - 1) * y.tp / y.weight
+                    assert before <= caps[m] * x.tp / x.weight + 1e-9 or x.tp > left + y.tp
 
 
 def test_a_hog_does_not_starve_the_others() -> None:
     caps = fair_caps(
-        {"hog": FairDemand(1, 1000), "chat": FairDemand(1, 2), "big": FairDemand(4, 1)}, 8
+        {"hog": FairDemand(1, 1000), "chat": FairDemand(1, 2, 2), "big": FairDemand(4, 1, 1)}, 8
     )
     assert caps["chat"] == 2 and caps["big"] == 1 and caps["hog"] == 2
+
+
+def test_shares_follow_load_not_gpu_counts() -> None:
+    """A model with ten times the load gets about ten times the GPUs, not an equal split."""
+    caps = fair_caps({"busy": FairDemand(1, 20, 20), "quiet": FairDemand(1, 2, 2)}, 11)
+    assert caps == {"busy": 10, "quiet": 1}
 
 
 def test_bad_input_is_a_clear_error() -> None:

@@ -38,6 +38,23 @@ class CliError(Exception):
     """An error the user can act on; printed as one line, exit status 2."""
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Adds "(default: X)" to an option's help once: only when the help does not already say
+    what the default is, and never for defaults that mean "not set" (None, False, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text.lower()
+            or default in (None, False, "", [], argparse.SUPPRESS)
+            or action.option_strings == []
+            or isinstance(action, argparse._HelpAction | argparse._VersionAction)
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="warmserve",

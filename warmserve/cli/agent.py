@@ -127,6 +127,61 @@ def register(subparsers: Any) -> None:
         help="host put in the endpoints Activate returns (default --engine-host; required "
         "with --engine-host 0.0.0.0, e.g. the pod IP)",
     )
+    p.add_argument(
+        "--engines",
+        default="simulated",
+        help="comma-separated engines this node hosts; worker processes preload their "
+        "libraries (simulated, vllm; default simulated)",
+    )
+    p.add_argument(
+        "--engine",
+        default="",
+        help="engine of instances whose ModelDeployment names none (spec.engine.name); "
+        "default: the first of --engines",
+    )
+    src = p.add_argument_group(
+        "model sources",
+        "filling the weight store on demand from a ModelDeployment's spec.model.source "
+        "(hf://, s3://, pvc://, file://; see docs/model-sources.md)",
+    )
+    src.add_argument(
+        "--store-budget",
+        default="0",
+        metavar="SIZE",
+        help="most disk the weight store may use, e.g. 500GiB; cold fetched models are evicted "
+        "(least recently used first) to make room (0: no budget, only the disk's free space)",
+    )
+    src.add_argument(
+        "--fetch-attempts",
+        type=int,
+        default=3,
+        help="tries per file before a fetch fails (a file failing its checksum is fetched again)",
+    )
+    src.add_argument(
+        "--hf-endpoint",
+        default=os.environ.get("HF_ENDPOINT", ""),
+        help="Hugging Face Hub endpoint (default $HF_ENDPOINT or the public hub)",
+    )
+    src.add_argument("--hf-token-file", help="file with the Hugging Face token (gated/private)")
+    src.add_argument(
+        "--s3-endpoint-url",
+        default=os.environ.get("AWS_ENDPOINT_URL_S3", ""),
+        help="S3-compatible endpoint (default $AWS_ENDPOINT_URL_S3 or AWS); credentials come "
+        "from boto3's usual chain (AWS_ACCESS_KEY_ID, ...)",
+    )
+    src.add_argument("--s3-region", default="", help="S3 region (default: boto3's)")
+    src.add_argument(
+        "--pvc-root",
+        default="/mnt/warmserve/pvc",
+        help="where pvc://CLAIM volumes are mounted, one folder per claim",
+    )
+    src.add_argument(
+        "--allow-path",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a node directory file:// sources may name (repeatable; none by default)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=run_agent)
 
@@ -150,7 +205,9 @@ def register(subparsers: Any) -> None:
 def _config(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
-    from warmserve_agent.server import AgentConfig, ConfigError, parse_simulated_gpus, parse_size
+    from warmserve_agent.server import AgentConfig, ConfigError, parse_simulated_gpus
+
+    from warmserve.units import SizeError, parse_size
 
     try:
         sim = None
@@ -158,12 +215,18 @@ def _config(args: argparse.Namespace) -> Any:
             sim = parse_simulated_gpus(args.simulate_gpus)
         elif args.gpus != "auto":
             raise CliError("choose --gpus auto (real GPUs) or --simulate-gpus NxSIZE")
-        page = parse_size(args.page_size)
-        reserve = parse_size(args.gpu_reserve)
-    except ConfigError as exc:
+        page = parse_size(args.page_size, "--page-size")
+        budget = parse_size(args.store_budget, "--store-budget")
+        reserve = parse_size(args.gpu_reserve, "--gpu-reserve")
+    except (ConfigError, SizeError) as exc:
         raise CliError(str(exc)) from None
     if page < 4096 or page & (page - 1):
         raise CliError(f"--page-size must be a power of two >= 4KiB, got {args.page_size}")
+    if sim and min(sim) < page:
+        raise CliError(
+            f"--simulate-gpus {args.simulate_gpus}: each GPU needs at least one page "
+            f"(--page-size {args.page_size}); e.g. 8x80GiB"
+        )
     model_dir = Path(args.model_dir)
     if not model_dir.is_dir():
         raise CliError(f"--model-dir {model_dir} is not a directory (the weight store)")
@@ -173,8 +236,23 @@ def _config(args: argparse.Namespace) -> Any:
             raise CliError(f"--{flag.replace('_', '-')} {val}: no such file")
     if args.spare_workers < 0:
         raise CliError("--spare-workers must be >= 0")
+    if args.fetch_attempts < 1:
+        raise CliError("--fetch-attempts must be >= 1")
+    if args.hf_token_file and not Path(args.hf_token_file).is_file():
+        raise CliError(f"--hf-token-file {args.hf_token_file}: no such file")
+    for d in args.allow_path:
+        if not Path(d).is_absolute():
+            raise CliError(f"--allow-path {d}: give an absolute directory")
     if args.sim_copy_gbps < 0 or args.sim_map_us < 0:
         raise CliError("--sim-copy-gbps and --sim-map-us must be >= 0")
+    from warmserve_agent.engines import ENGINES
+
+    engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    bad = [e for e in engines if e not in ENGINES]
+    if not engines or bad:
+        raise CliError(f"--engines {args.engines!r}: choose from {', '.join(ENGINES)}")
+    if args.engine and args.engine not in engines:
+        raise CliError(f"--engine {args.engine!r} must be one of --engines ({', '.join(engines)})")
     kw: dict[str, Any] = {}
     if args.node_name:
         kw["node_name"] = args.node_name
@@ -200,6 +278,16 @@ def _config(args: argparse.Namespace) -> Any:
         metrics_host=args.metrics_host,
         engine_host=args.engine_host,
         advertise_host=args.advertise_host,
+        store_budget_bytes=budget,
+        fetch_attempts=args.fetch_attempts,
+        hf_endpoint=args.hf_endpoint,
+        hf_token_file=Path(args.hf_token_file) if args.hf_token_file else None,
+        s3_endpoint_url=args.s3_endpoint_url,
+        s3_region=args.s3_region,
+        pvc_root=Path(args.pvc_root),
+        allowed_paths=tuple(Path(d) for d in args.allow_path),
+        engines=engines,
+        default_engine=args.engine or engines[0],
         **kw,
     )
 
@@ -295,6 +383,29 @@ def render(d: Any) -> str:
         out.append(_table(rows))
     else:
         out.append("(none)")
+    if d.fetches or d.store.budget_bytes or d.store.used_bytes:
+        fstate = {v: k.removeprefix("FETCH_STATE_").lower() for k, v in pb.FetchState.items()}
+        budget = _gib(d.store.budget_bytes) if d.store.budget_bytes else "none"
+        out += [
+            "",
+            f"STORE  used {_gib(d.store.used_bytes)}  budget {budget}  "
+            f"evictions {d.store.evictions}",
+        ]
+        if d.fetches:
+            rows = [["FETCHING", "FROM", "STATE", "BYTES", "RATE", "ETA", "TRY"]]
+            for f in d.fetches:
+                rows.append(
+                    [
+                        f.model,
+                        f.source,
+                        fstate[f.state] + (f" ({f.message})" if f.message else ""),
+                        f"{_gib(f.bytes_done)}/{_gib(f.bytes_total)}",
+                        f"{_gib(int(f.bytes_per_second))}/s",
+                        f"{f.eta_seconds:.0f}s" if f.eta_seconds else "-",
+                        str(f.attempt),
+                    ]
+                )
+            out.append(_table(rows))
     out += ["", "INSTANCES"]
     if d.instances:
         rows = [

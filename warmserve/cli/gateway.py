@@ -9,21 +9,13 @@ from typing import Any
 
 
 def _size(text: str) -> int:
-    """``4194304``, ``4MiB``, ``16KiB``, ``1M`` -> bytes."""
-    units = {"k": 1000, "ki": 1024, "m": 1000**2, "mi": 1024**2, "g": 1000**3, "gi": 1024**3}
-    t = text.strip().lower().removesuffix("b")
-    for suffix in sorted(units, key=len, reverse=True):
-        if t.endswith(suffix):
-            try:
-                return int(float(t[: -len(suffix)]) * units[suffix])
-            except ValueError:
-                break
+    """``4194304``, ``4MiB``, ``16KiB`` -> bytes, by the one size parser (warmserve.units)."""
+    from warmserve.units import SizeError, parse_size
+
     try:
-        return int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not a size: {text!r} (e.g. 4MiB, 16KiB, 65536)"
-        ) from None
+        return parse_size(text, "size")
+    except SizeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(subparsers: Any) -> None:

@@ -12,6 +12,8 @@ import socket
 import uuid
 from typing import Any
 
+from warmserve.cli import DefaultsHelpFormatter
+
 
 def _env_float(name: str, default: float) -> float:
     value = os.environ.get(name)
@@ -28,7 +30,7 @@ def register(subparsers: Any) -> None:
             "starts / drains instances through the agents' gRPC API. Uses the kubeconfig "
             "($KUBECONFIG or ~/.kube/config) or the in-cluster service account."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument(
         "--window-seconds",

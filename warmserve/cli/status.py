@@ -15,6 +15,8 @@ from typing import Any
 
 from warmserve_operator.spec import GROUP, VERSION  # the CRDs' one home
 
+from warmserve.units import format_size
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -138,6 +140,24 @@ def summarize(data: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any]
                 "address": (n.get("spec") or {}).get("agentAddress"),
                 "reachable": _cond(st, "Reachable").get("status", "Unknown"),
                 "gpus": gpus,
+                "store": st.get("store") or {},
+                "fetches": [
+                    {
+                        k: f.get(k)
+                        for k in (
+                            "model",
+                            "source",
+                            "state",
+                            "bytesDone",
+                            "bytesTotal",
+                            "bytesPerSecond",
+                            "etaSeconds",
+                            "attempt",
+                            "message",
+                        )
+                    }
+                    for f in st.get("fetches") or []
+                ],
             }
         )
     models = []
@@ -228,6 +248,26 @@ def render(view: Mapping[str, Any]) -> str:
             )
             first = False
     out.append(_table(rows))
+    fetches = [(n["name"], f) for n in view["nodes"] for f in n.get("fetches") or []]
+    if fetches:
+        rows = [["NODE", "FETCHING", "FROM", "STATE", "PROGRESS", "RATE", "ETA", "TRY"]]
+        for node, f in fetches:
+            done, total = f.get("bytesDone") or 0, f.get("bytesTotal") or 0
+            pct = f" {100 * done / total:.0f}%" if total else ""
+            eta = f.get("etaSeconds") or 0
+            rows.append(
+                [
+                    node,
+                    str(f.get("model")),
+                    str(f.get("source")),
+                    str(f.get("state")) + (f" ({f['message']})" if f.get("message") else ""),
+                    f"{format_size(done)}/{format_size(total)}{pct}",
+                    f"{format_size(f.get('bytesPerSecond') or 0)}/s",
+                    f"{eta:.0f}s" if eta and f.get("state") == "downloading" else "-",
+                    str(f.get("attempt") or "-"),
+                ]
+            )
+        out += ["", _table(rows)]
     rows = [
         [
             "MODELDEPLOYMENT",

@@ -27,8 +27,8 @@ What the controller owns, so no executor re-decides it:
   model can still hit it.  (Measured against evicting at once: ``docs/policy.md``.)
 * **Replica priorities**: the kind, rank and score it gave each replica when it planned it.
 
-**Fairness**: the autoscaler's bounds are capped by each model's max-min fair share of the GPUs
-(:mod:`warmserve.policy.fairness`) whenever what the models want does not fit.
+**Fairness**: the autoscaler's bounds are capped by each model's demand-weighted max-min share
+of the GPUs (:mod:`warmserve.policy.fairness`) whenever what the models want does not fit.
 
 **Reclaim** (issue 12): a model with requests held at the gateway whose start found no GPU group
 may take one from instances other models can spare (:mod:`warmserve.policy.reclaim`): they are
@@ -120,6 +120,10 @@ class _ModelState:
     last_window: tuple[float, float, float] | None = None  # (start, avg, peak)
     memory: ScaleMemory | None = None
     closed: list[int] = field(default_factory=list)  # windows closed since take_closed()
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.entry.spec
 
 
 class Controller:
@@ -399,6 +403,8 @@ class Controller:
         that keep its utilisation at the scale-up threshold, without the instances the
         hysteresis band merely keeps (issue 12): a band instance running at a quarter of its
         batch must not count as demand while another model queues requests for lack of GPUs.
+        Each share is weighted by the instances the model's load alone asks for (a
+        ``minInstances`` floor is wanted but weighs nothing; :mod:`warmserve.policy.fairness`).
         """
         foreign = sum(len(i.gpus) for i in obs.instances if i.foreign)
         capacity = max(sum(len(n.gpus) for n in state.nodes) - foreign, 0)
@@ -414,8 +420,12 @@ class Controller:
             load = loads.get(model, 0.0)
             args = (e.spec.max_batch, self.cfg.autoscaler, e.min_instances, e.max_instances)
             want = desired_instances(load, args[0], current, *args[1:])
-            wants[model] = FairDemand(e.spec.tp, want)
-            needs[model] = FairDemand(e.spec.tp, desired_instances(load, args[0], 0, *args[1:]))
+            # weight (demand-weighted shares): the instances the load alone asks for
+            weight = desired_instances(load, args[0], 0, self.cfg.autoscaler, 0, None)
+            wants[model] = FairDemand(e.spec.tp, want, weight)
+            needs[model] = FairDemand(
+                e.spec.tp, desired_instances(load, args[0], 0, *args[1:]), weight
+            )
         if sum(d.want * d.tp for d in wants.values()) <= capacity:
             return {m: d.want for m, d in wants.items()}
         return fair_caps(needs, capacity)

@@ -48,6 +48,16 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
+{{/* The agent's image: agent.image (the CUDA image, images/agent-cuda.Dockerfile) unless its
+repository is empty, then the shared image (images/warmserve.Dockerfile). */}}
+{{- define "warmserve.agentImage" -}}
+{{- if .Values.agent.image.repository }}
+{{- printf "%s:%s" .Values.agent.image.repository (default .Chart.AppVersion .Values.agent.image.tag) }}
+{{- else }}
+{{- include "warmserve.image" . }}
+{{- end }}
+{{- end }}
+
 {{- define "warmserve.operatorServiceAccountName" -}}
 {{- if .Values.operator.serviceAccount.create }}
 {{- default (printf "%s-operator" (include "warmserve.fullname" .)) .Values.operator.serviceAccount.name }}

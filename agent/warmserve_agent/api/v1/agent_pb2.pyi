@@ -29,6 +29,15 @@ class InstancePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INSTANCE_PHASE_STARTING: _ClassVar[InstancePhase]
     INSTANCE_PHASE_SERVING: _ClassVar[InstancePhase]
     INSTANCE_PHASE_GRACE: _ClassVar[InstancePhase]
+
+class FetchState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FETCH_STATE_UNSPECIFIED: _ClassVar[FetchState]
+    FETCH_STATE_LISTING: _ClassVar[FetchState]
+    FETCH_STATE_DOWNLOADING: _ClassVar[FetchState]
+    FETCH_STATE_VERIFYING: _ClassVar[FetchState]
+    FETCH_STATE_DONE: _ClassVar[FetchState]
+    FETCH_STATE_FAILED: _ClassVar[FetchState]
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_IDLE: WorkerState
 WORKER_STATE_UNIVERSAL: WorkerState
@@ -43,6 +52,12 @@ INSTANCE_PHASE_UNSPECIFIED: InstancePhase
 INSTANCE_PHASE_STARTING: InstancePhase
 INSTANCE_PHASE_SERVING: InstancePhase
 INSTANCE_PHASE_GRACE: InstancePhase
+FETCH_STATE_UNSPECIFIED: FetchState
+FETCH_STATE_LISTING: FetchState
+FETCH_STATE_DOWNLOADING: FetchState
+FETCH_STATE_VERIFYING: FetchState
+FETCH_STATE_DONE: FetchState
+FETCH_STATE_FAILED: FetchState
 
 class GpuInfo(_message.Message):
     __slots__ = ("index", "memory_bytes", "page_bytes", "pages_total", "pages_free", "free_bytes", "state", "worker_pid", "worker_restarts", "slot_ids", "instance_id")
@@ -97,7 +112,7 @@ class SlotInfo(_message.Message):
     def __init__(self, slot_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., layers_target: _Optional[int] = ..., resident_bytes_per_gpu: _Optional[int] = ..., weight_bytes_per_gpu: _Optional[int] = ..., state: _Optional[_Union[SlotState, str]] = ..., message: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "model", "gpus", "endpoint", "phase", "running", "waiting", "max_batch", "kv_capacity_bytes", "kv_used_bytes", "lendable_bytes", "lent_bytes", "prewarm_hit", "slot_id", "layers_resident", "layers_total", "started_unix", "owner", "grace_started_unix")
+    __slots__ = ("instance_id", "model", "gpus", "endpoint", "phase", "running", "waiting", "max_batch", "kv_capacity_bytes", "kv_used_bytes", "lendable_bytes", "lent_bytes", "prewarm_hit", "slot_id", "layers_resident", "layers_total", "started_unix", "owner", "grace_started_unix", "engine", "ttft_p95_seconds", "ttft_samples", "ttft_window_seconds", "dropped_requests")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +132,11 @@ class InstanceInfo(_message.Message):
     STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     GRACE_STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P95_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TTFT_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model: str
     gpus: _containers.RepeatedScalarFieldContainer[int]
@@ -136,24 +156,79 @@ class InstanceInfo(_message.Message):
     started_unix: float
     owner: str
     grace_started_unix: float
-    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., endpoint: _Optional[str] = ..., phase: _Optional[_Union[InstancePhase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., lendable_bytes: _Optional[int] = ..., lent_bytes: _Optional[int] = ..., prewarm_hit: _Optional[bool] = ..., slot_id: _Optional[str] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., started_unix: _Optional[float] = ..., owner: _Optional[str] = ..., grace_started_unix: _Optional[float] = ...) -> None: ...
+    engine: str
+    ttft_p95_seconds: float
+    ttft_samples: int
+    ttft_window_seconds: float
+    dropped_requests: int
+    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., endpoint: _Optional[str] = ..., phase: _Optional[_Union[InstancePhase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., lendable_bytes: _Optional[int] = ..., lent_bytes: _Optional[int] = ..., prewarm_hit: _Optional[bool] = ..., slot_id: _Optional[str] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., started_unix: _Optional[float] = ..., owner: _Optional[str] = ..., grace_started_unix: _Optional[float] = ..., engine: _Optional[str] = ..., ttft_p95_seconds: _Optional[float] = ..., ttft_samples: _Optional[int] = ..., ttft_window_seconds: _Optional[float] = ..., dropped_requests: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "num_layers", "weight_bytes", "num_tensors", "max_batch")
+    __slots__ = ("name", "num_layers", "weight_bytes", "num_tensors", "max_batch", "source", "disk_bytes", "last_used_unix")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_UNIX_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_layers: int
     weight_bytes: int
     num_tensors: int
     max_batch: int
-    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., max_batch: _Optional[int] = ...) -> None: ...
+    source: str
+    disk_bytes: int
+    last_used_unix: float
+    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., max_batch: _Optional[int] = ..., source: _Optional[str] = ..., disk_bytes: _Optional[int] = ..., last_used_unix: _Optional[float] = ...) -> None: ...
+
+class FetchInfo(_message.Message):
+    __slots__ = ("model", "source", "state", "bytes_done", "bytes_total", "bytes_per_second", "eta_seconds", "attempt", "message", "started_unix", "finished_unix")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    ETA_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    source: str
+    state: FetchState
+    bytes_done: int
+    bytes_total: int
+    bytes_per_second: float
+    eta_seconds: float
+    attempt: int
+    message: str
+    started_unix: float
+    finished_unix: float
+    def __init__(self, model: _Optional[str] = ..., source: _Optional[str] = ..., state: _Optional[_Union[FetchState, str]] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_per_second: _Optional[float] = ..., eta_seconds: _Optional[float] = ..., attempt: _Optional[int] = ..., message: _Optional[str] = ..., started_unix: _Optional[float] = ..., finished_unix: _Optional[float] = ...) -> None: ...
+
+class StoreInfo(_message.Message):
+    __slots__ = ("used_bytes", "budget_bytes", "evictions")
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    used_bytes: int
+    budget_bytes: int
+    evictions: int
+    def __init__(self, used_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+
+class InspectModelRequest(_message.Message):
+    __slots__ = ("model", "source")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    source: str
+    def __init__(self, model: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class NodeDescription(_message.Message):
-    __slots__ = ("node_name", "agent_version", "backend", "page_bytes", "gpus", "slots", "instances", "models", "generation", "agent_id", "agent_started_unix", "spare_workers")
+    __slots__ = ("node_name", "agent_version", "backend", "page_bytes", "gpus", "slots", "instances", "models", "generation", "agent_id", "agent_started_unix", "spare_workers", "fetches", "store")
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +241,8 @@ class NodeDescription(_message.Message):
     AGENT_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     SPARE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
     node_name: str
     agent_version: str
     backend: str
@@ -178,28 +255,32 @@ class NodeDescription(_message.Message):
     agent_id: str
     agent_started_unix: float
     spare_workers: int
-    def __init__(self, node_name: _Optional[str] = ..., agent_version: _Optional[str] = ..., backend: _Optional[str] = ..., page_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., slots: _Optional[_Iterable[_Union[SlotInfo, _Mapping]]] = ..., instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., generation: _Optional[int] = ..., agent_id: _Optional[str] = ..., agent_started_unix: _Optional[float] = ..., spare_workers: _Optional[int] = ...) -> None: ...
+    fetches: _containers.RepeatedCompositeFieldContainer[FetchInfo]
+    store: StoreInfo
+    def __init__(self, node_name: _Optional[str] = ..., agent_version: _Optional[str] = ..., backend: _Optional[str] = ..., page_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., slots: _Optional[_Iterable[_Union[SlotInfo, _Mapping]]] = ..., instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., generation: _Optional[int] = ..., agent_id: _Optional[str] = ..., agent_started_unix: _Optional[float] = ..., spare_workers: _Optional[int] = ..., fetches: _Optional[_Iterable[_Union[FetchInfo, _Mapping]]] = ..., store: _Optional[_Union[StoreInfo, _Mapping]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class PrewarmRequest(_message.Message):
-    __slots__ = ("request_id", "model", "gpus", "layers", "owner")
+    __slots__ = ("request_id", "model", "gpus", "layers", "source", "owner")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     gpus: _containers.RepeatedScalarFieldContainer[int]
     layers: int
+    source: str
     owner: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., source: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class PrewarmProgress(_message.Message):
-    __slots__ = ("slot_id", "layers_loaded", "layers_target", "bytes_loaded", "bytes_target", "bandwidth_bytes_per_s", "done", "slot")
+    __slots__ = ("slot_id", "layers_loaded", "layers_target", "bytes_loaded", "bytes_target", "bandwidth_bytes_per_s", "done", "slot", "fetch")
     SLOT_ID_FIELD_NUMBER: _ClassVar[int]
     LAYERS_LOADED_FIELD_NUMBER: _ClassVar[int]
     LAYERS_TARGET_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +289,7 @@ class PrewarmProgress(_message.Message):
     BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
     slot_id: str
     layers_loaded: int
     layers_target: int
@@ -216,7 +298,8 @@ class PrewarmProgress(_message.Message):
     bandwidth_bytes_per_s: float
     done: bool
     slot: SlotInfo
-    def __init__(self, slot_id: _Optional[str] = ..., layers_loaded: _Optional[int] = ..., layers_target: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., bytes_target: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., done: _Optional[bool] = ..., slot: _Optional[_Union[SlotInfo, _Mapping]] = ...) -> None: ...
+    fetch: FetchInfo
+    def __init__(self, slot_id: _Optional[str] = ..., layers_loaded: _Optional[int] = ..., layers_target: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., bytes_target: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., done: _Optional[bool] = ..., slot: _Optional[_Union[SlotInfo, _Mapping]] = ..., fetch: _Optional[_Union[FetchInfo, _Mapping]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
     __slots__ = ("request_id", "slot_id")
@@ -237,18 +320,24 @@ class EvictResponse(_message.Message):
     def __init__(self, slot_id: _Optional[str] = ..., freed_bytes_per_gpu: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ...) -> None: ...
 
 class ActivateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "gpus", "slot_id", "owner")
+    __slots__ = ("request_id", "model", "gpus", "slot_id", "source", "owner", "engine", "engine_args")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SLOT_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ARGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     gpus: _containers.RepeatedScalarFieldContainer[int]
     slot_id: str
+    source: str
     owner: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., slot_id: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+    engine: str
+    engine_args: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., slot_id: _Optional[str] = ..., source: _Optional[str] = ..., owner: _Optional[str] = ..., engine: _Optional[str] = ..., engine_args: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ActivateResponse(_message.Message):
     __slots__ = ("instance", "prewarm_hit", "activation_seconds", "evicted_slot_ids")
@@ -339,7 +428,7 @@ class WatchRequest(_message.Message):
     def __init__(self, include_snapshot: _Optional[bool] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("kind", "generation", "time_unix", "snapshot", "gpu", "slot", "instance", "subject_id", "message")
+    __slots__ = ("kind", "generation", "time_unix", "snapshot", "gpu", "slot", "instance", "subject_id", "message", "fetch")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[WatchEvent.Kind]
@@ -350,6 +439,7 @@ class WatchEvent(_message.Message):
         KIND_INSTANCE: _ClassVar[WatchEvent.Kind]
         KIND_INSTANCE_REMOVED: _ClassVar[WatchEvent.Kind]
         KIND_WORKER_REPLACED: _ClassVar[WatchEvent.Kind]
+        KIND_FETCH: _ClassVar[WatchEvent.Kind]
     KIND_UNSPECIFIED: WatchEvent.Kind
     KIND_SNAPSHOT: WatchEvent.Kind
     KIND_GPU: WatchEvent.Kind
@@ -358,6 +448,7 @@ class WatchEvent(_message.Message):
     KIND_INSTANCE: WatchEvent.Kind
     KIND_INSTANCE_REMOVED: WatchEvent.Kind
     KIND_WORKER_REPLACED: WatchEvent.Kind
+    KIND_FETCH: WatchEvent.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
@@ -367,6 +458,7 @@ class WatchEvent(_message.Message):
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     SUBJECT_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
     kind: WatchEvent.Kind
     generation: int
     time_unix: float
@@ -376,4 +468,5 @@ class WatchEvent(_message.Message):
     instance: InstanceInfo
     subject_id: str
     message: str
-    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., generation: _Optional[int] = ..., time_unix: _Optional[float] = ..., snapshot: _Optional[_Union[NodeDescription, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., slot: _Optional[_Union[SlotInfo, _Mapping]] = ..., instance: _Optional[_Union[InstanceInfo, _Mapping]] = ..., subject_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    fetch: FetchInfo
+    def __init__(self, kind: _Optional[_Union[WatchEvent.Kind, str]] = ..., generation: _Optional[int] = ..., time_unix: _Optional[float] = ..., snapshot: _Optional[_Union[NodeDescription, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., slot: _Optional[_Union[SlotInfo, _Mapping]] = ..., instance: _Optional[_Union[InstanceInfo, _Mapping]] = ..., subject_id: _Optional[str] = ..., message: _Optional[str] = ..., fetch: _Optional[_Union[FetchInfo, _Mapping]] = ...) -> None: ...

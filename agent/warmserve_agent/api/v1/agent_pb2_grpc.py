@@ -74,6 +74,11 @@ class NodeAgentStub:
                 request_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.WatchRequest.SerializeToString,
                 response_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.WatchEvent.FromString,
                 _registered_method=True)
+        self.InspectModel = channel.unary_unary(
+                '/warmserve.agent.v1.NodeAgent/InspectModel',
+                request_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.InspectModelRequest.SerializeToString,
+                response_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class NodeAgentServicer:
@@ -127,6 +132,14 @@ class NodeAgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InspectModel(self, request, context):
+        """Layers and weight bytes of a model: from the store, or from its source's config.json and
+        safetensors headers without downloading it (how the operator plans a model no node holds).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +182,11 @@ def add_NodeAgentServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.WatchRequest.FromString,
                     response_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.WatchEvent.SerializeToString,
+            ),
+            'InspectModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.InspectModel,
+                    request_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.InspectModelRequest.FromString,
+                    response_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +405,33 @@ class NodeAgent:
             '/warmserve.agent.v1.NodeAgent/Watch',
             warmserve__agent_dot_api_dot_v1_dot_agent__pb2.WatchRequest.SerializeToString,
             warmserve__agent_dot_api_dot_v1_dot_agent__pb2.WatchEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InspectModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/warmserve.agent.v1.NodeAgent/InspectModel',
+            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.InspectModelRequest.SerializeToString,
+            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,125 @@
+"""Typed values crossing the engine boundary: what an engine is given and what it reports.
+
+:class:`EngineSpec` is everything an engine needs to serve one instance from an activated slot
+(WarmServe §4: weights at the start of the slot, KV cache in the pages after them).  It is built
+by the agent core (``NodeCore``), sent to the worker process that hosts the engine (pickled over
+the worker pipe: plain frozen dataclasses), and never re-interpreted by anything in between.
+
+Where the weights are has **one shape**, :class:`SlotRegion`, per tensor-parallel rank: the
+slot's virtual address on that rank's GPU, the bytes of weights and KV cache behind it, and —
+when the memory is the simulated backend's shared file — the file and the physical page of every
+virtual page, so a process that does not own the memory can still map it (``slotmem``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRegion:
+    """One rank's part of a slot: ``[va, va + weight_bytes)`` weights, then KV cache.
+
+    ``va`` is a virtual address in the process that owns the GPU's memory (the agent for the
+    simulated backend by default, the GPU's worker with ``--memory-in-workers`` or CUDA).
+    ``host_file``/``ppages`` are set only for the simulated backend's shared files: physical page
+    ``p`` is bytes ``[p * page_bytes, (p + 1) * page_bytes)`` of ``host_file``; ``ppages[i]``
+    backs virtual page ``i`` of the slot (weights then KV pages, as mapped at activation).
+    ``local`` is true for the rank whose worker hosts the engine (it owns ``va`` itself).
+    """
+
+    gpu: int
+    va: int
+    page_bytes: int
+    weight_bytes: int
+    kv_bytes: int
+    local: bool = False
+    host_file: str = ""
+    ppages: tuple[int, ...] = ()
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPlacement:
+    """A checkpoint tensor in the slot: rank ``r``'s shard is ``shard_len[r]`` bytes at
+    ``offset`` (the store's byte split, ``store.SlotLayout``)."""
+
+    name: str
+    layer: int
+    offset: int
+    nbytes: int
+    dtype: str  # safetensors dtype: BF16, F16, F32, ...
+    shape: tuple[int, ...]
+    shard_len: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProfile:
+    """Pacing of the simulated engine and the model's batch limit C (Eq. 1)."""
+
+    max_batch: int = 32
+    prefill_tok_s: float = 20000.0
+    decode_tok_s: float = 200.0
+    kv_bytes_per_token: int = 4096
+    max_waiting: int = 0  # queue bound; 0: 4 x max_batch
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """What an engine needs to serve one instance (see module docstring)."""
+
+    engine: str
+    model: str
+    instance_id: str
+    model_dir: str  # config.json, tokenizer files; the weights are read from the slot only
+    layers_total: int
+    layers_resident: int
+    kv_capacity_bytes: int  # summed over the group (M of Eq. 1)
+    regions: tuple[SlotRegion, ...]  # one per tensor-parallel rank
+    tensors: tuple[TensorPlacement, ...]
+    digests: tuple[tuple[str, ...], ...]  # per rank, blake2b-128 hex of each tensor's shard
+    profile: EngineProfile = field(default_factory=EngineProfile)
+    engine_args: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    advertise_host: str = ""
+    port: int = 0
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.regions)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.regions[0].page_bytes
+
+    def url(self, port: int) -> str:
+        host = self.advertise_host or self.host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # an IPv6 literal needs brackets in a URL (RFC 3986)
+        return f"http://{host}:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """An engine's load, from its own scheduler (Eq. 1's R, K, M) and its TTFT observations.
+
+    ``ttft_p95_s`` is the 95th percentile of time to first token over the requests that got
+    their first token in the last ``ttft_window_s`` seconds (``ttft_samples`` of them; 0 and 0.0
+    when none)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_used_bytes: int = 0
+    kv_capacity_bytes: int = 0
+    kv_reserved_bytes: int = 0
+    layers_resident: int = 0
+    max_batch: int = 0  # the engine's batch limit (C of Eq. 1); 0: use the model profile's
+    served: int = 0
+    dropped: int = 0  # requests refused (queue full) or abandoned by their client
+    ttft_p95_s: float = 0.0
+    ttft_samples: int = 0
+    ttft_window_s: float = 0.0
+    bad_tensors: tuple[str, ...] = ()

@@ -1,0 +1,1 @@
+"""The ``vllm`` engine (see ``engine.py``); importing this package imports nothing heavy."""

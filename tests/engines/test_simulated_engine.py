@@ -1,0 +1,111 @@
+"""The simulated engine through the engine boundary: queue bound, abandoned requests, engine
+args, TTFT stats (issue 16: 243 abandoned requests stayed queued and counted as load)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from warmserve_agent.node import NodeCore
+
+from tests.engines.helpers import post_json
+
+
+def _slow_core(make_core: Callable[..., NodeCore], model_root: Path) -> NodeCore:
+    """One instance of a model whose batch is 1 and whose decode is slow (0.5 s per token)."""
+    cfg = model_root / "gamma" / "config.json"
+    data = json.loads(cfg.read_text())
+    data["warmserve"].update(max_batch=1, decode_tok_s=2.0)
+    cfg.write_text(json.dumps(data))
+    return make_core(gpus=1)
+
+
+async def _flood(endpoint: str, n: int, timeout: float) -> list[BaseException | int]:
+    import aiohttp
+
+    async def one(s: aiohttp.ClientSession) -> int:
+        async with s.post(f"{endpoint}/v1/completions", json={"prompt": "x", "max_tokens": 4}) as r:
+            await r.read()
+            return r.status
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+        return await asyncio.gather(*(one(s) for _ in range(n)), return_exceptions=True)
+
+
+def test_queue_is_bounded_and_abandoned_requests_are_dropped(
+    make_core: Callable[..., NodeCore], model_root: Path
+) -> None:
+    core = _slow_core(make_core, model_root)
+    inst, _ = core.activate("gamma", [0])
+    eng = inst.engine
+    limit = 4 * 1  # 4 x max_batch
+    # 12 clients that give up after 0.6 s: one runs, `limit` wait, the rest are refused (429)
+    results = asyncio.run(_flood(inst.endpoint, 12, timeout=0.6))
+    refused = [r for r in results if r == 429]
+    assert len(refused) == 12 - 1 - limit, results
+    # every client went away: nothing may stay queued or running and count as load
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        st = eng.stats()
+        if st.waiting == 0 and st.running == 0:
+            break
+        time.sleep(0.05)
+    st = eng.stats()
+    assert (st.running, st.waiting, st.kv_used_bytes, st.kv_reserved_bytes) == (0, 0, 0, 0)
+    assert st.dropped == 12, "refused + abandoned requests are counted"
+    # the engine still serves afterwards
+    status, body = post_json(f"{inst.endpoint}/v1/completions", {"prompt": "x", "max_tokens": 1})
+    assert status == 200 and body["usage"]["completion_tokens"] == 1
+    assert eng.stats().ttft_samples >= 1
+
+
+def test_engine_args_are_honoured(make_core: Callable[..., NodeCore]) -> None:
+    core = make_core(gpus=1)
+    inst, _ = core.activate(
+        "gamma", [0], engine="simulated", engine_args=["--max-model-len", "8", "--enforce-eager"]
+    )
+    url = f"{inst.endpoint}/v1/completions"
+    status, body = post_json(url, {"prompt": "a b c", "max_tokens": 6})
+    assert status == 400 and "maximum context length is 8" in body["error"]["message"]
+    status, _ = post_json(url, {"prompt": "a b c", "max_tokens": 5})
+    assert status == 200
+
+
+def test_unknown_engine_and_bad_args_refused_before_any_change(
+    make_core: Callable[..., NodeCore],
+) -> None:
+    from warmserve_agent.node import Refusal
+
+    core = make_core(gpus=1)
+    before = core.generation
+    with pytest.raises(Refusal) as e:
+        core.activate("gamma", [0], engine_args=["--max-num-seqs", "many"])
+    assert e.value.code == "INVALID_ARGUMENT" and "--max-num-seqs" in e.value.message
+    with pytest.raises(Refusal) as e:
+        core.activate("gamma", [0], engine="vllm")  # not enabled on this node
+    assert e.value.code == "FAILED_PRECONDITION" and "--engines" in e.value.message
+    with pytest.raises(Refusal) as e:
+        core.activate("gamma", [0], engine="tgi")
+    assert e.value.code == "INVALID_ARGUMENT"
+    assert core.generation == before and not core.instances and not core.slots
+
+
+@pytest.mark.parametrize(
+    ("flags", "msg"),
+    [
+        (["--engines", "simulated,tgi"], "--engines 'simulated,tgi': choose from simulated, vllm"),
+        (["--engines", "simulated", "--engine", "vllm"], "--engine 'vllm' must be one of"),
+    ],
+)
+def test_agent_cli_refuses_unknown_engines(
+    flags: list[str], msg: str, model_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from warmserve.cli import main
+
+    argv = ["agent", "--simulate-gpus", "1x4MiB", "--model-dir", str(model_root), *flags]
+    assert main(argv) == 2
+    assert msg in capsys.readouterr().err

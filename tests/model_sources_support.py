@@ -1,0 +1,279 @@
+"""Test servers for model sources: a local server speaking the Hugging Face Hub's file protocol,
+and the real S3-compatible server (Versity S3 Gateway) built by ``hack/testbin/build.sh``.
+
+**Hub protocol server** (``HubServer``).  No Hub server software can be installed here, so the
+hf:// tests run ``huggingface_hub`` (the real client) against this server through its endpoint
+setting (``HF_ENDPOINT``/``--hf-endpoint``).  It implements what the client calls, as the public
+Hub answers it:
+
+* ``GET /api/models/{repo}/revision/{rev}?blobs=true`` — ``sha`` (the commit) and ``siblings``
+  with ``size``, ``blobId`` (git blob sha1) and ``lfs`` (``sha256``, ``size``, ``pointerSize``)
+  for LFS files (here: ``*.safetensors``);
+* ``HEAD``/``GET /{repo}/resolve/{rev}/{file}`` — ``X-Repo-Commit``, ``ETag`` (git blob sha1,
+  quoted); for LFS files a ``302`` to ``/lfs-cdn/{sha256}`` with ``X-Linked-Etag`` (the sha256)
+  and ``X-Linked-Size``, as the Hub redirects LFS downloads to its CDN; ``Range`` requests
+  (``206``); errors with ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``,
+  ``EntryNotFound``) and 401 without a valid token when ``token`` is set.
+
+Fault injection for the tests: ``corrupt[file] = n`` serves the first ``n`` downloads of that
+file with one byte flipped (same size, so only a checksum can tell); ``rate`` throttles downloads
+(bytes/s) so progress can be watched.  ``downloads[file]`` counts full GETs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+
+
+@dataclass
+class Repo:
+    files: dict[str, bytes]
+    commit: str = ""
+    refs: dict[str, str] = field(default_factory=dict)  # branch/tag -> commit
+
+    def __post_init__(self) -> None:
+        if not self.commit:
+            h = hashlib.sha1(usedforsecurity=False)
+            for name in sorted(self.files):
+                h.update(name.encode() + hashlib.sha256(self.files[name]).digest())
+            self.commit = h.hexdigest()
+        self.refs.setdefault("main", self.commit)
+
+
+def repo_from_dir(path: Path) -> Repo:
+    """A hub repo holding every file of a model directory (as ``write_model`` makes them)."""
+    files = {
+        p.relative_to(path).as_posix(): p.read_bytes()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+    return Repo(files)
+
+
+class HubServer:
+    """``with HubServer({"org/name": repo}) as hub: hub.url``; see the module docstring."""
+
+    def __init__(self, repos: dict[str, Repo], *, token: str = "", rate: float = 0.0) -> None:
+        self.repos = repos
+        self.token = token
+        self.rate = rate  # bytes/s per download (0: unthrottled)
+        self.corrupt: Counter[str] = Counter()
+        self.downloads: Counter[str] = Counter()
+        self.requests: list[tuple[str, str]] = []
+        # The Hub and its LFS "CDN" on two origins, as on the real Hub: the client follows the
+        # 302 only within the Hub and takes the file's metadata from the redirect itself.
+        handler = self._handler()
+        self._servers = [ThreadingHTTPServer(("127.0.0.1", 0), handler) for _ in range(2)]
+        for srv in self._servers:
+            srv.daemon_threads = True
+
+    @staticmethod
+    def _url_of(srv: ThreadingHTTPServer) -> str:
+        host, port = srv.server_address[:2]
+        return f"http://{host}:{port}"
+
+    @property
+    def url(self) -> str:
+        return self._url_of(self._servers[0])
+
+    @property
+    def cdn_url(self) -> str:
+        return self._url_of(self._servers[1])
+
+    def __enter__(self) -> HubServer:
+        for srv in self._servers:
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for srv in self._servers:
+            srv.shutdown()
+            srv.server_close()
+
+    def _blob(self, sha256: str) -> tuple[str, bytes] | None:
+        for repo in self.repos.values():
+            for name, data in repo.files.items():
+                if hashlib.sha256(data).hexdigest() == sha256:
+                    return name, data
+        return None
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:  # quiet
+                pass
+
+            def _send(self, code: int, body: bytes = b"", headers: dict[str, str] | None = None):
+                self.send_response(code)
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD" and body:
+                    self.wfile.write(body)
+
+            def _error(self, code: int, error_code: str, message: str) -> None:
+                body = json.dumps({"error": message}).encode()
+                self._send(
+                    code,
+                    body,
+                    {
+                        "X-Error-Code": error_code,
+                        "X-Error-Message": message,
+                        "Content-Type": "application/json",
+                    },
+                )
+
+            def _authorized(self) -> bool:
+                if not hub.token:
+                    return True
+                return self.headers.get("authorization", "") == f"Bearer {hub.token}"
+
+            def _repo(self, repo_id: str) -> Repo | None:
+                repo = hub.repos.get(repo_id)
+                if repo is None or not self._authorized():
+                    self._error(401, "RepoNotFound", f"Repository Not Found for url: {self.path}")
+                    return None
+                return repo
+
+            def do_HEAD(self) -> None:
+                self.do_GET()
+
+            def do_GET(self) -> None:
+                path = unquote(urlparse(self.path).path)
+                hub.requests.append((self.command, path))
+                m = re.match(r"^/api/models/([^/]+/[^/]+)(?:/revision/(.+))?$", path)
+                if m:
+                    return self._info(m.group(1), m.group(2) or "main")
+                m = re.match(r"^/lfs-cdn/([0-9a-f]{64})$", path)
+                if m:
+                    found = hub._blob(m.group(1))
+                    if found is None:
+                        return self._error(404, "EntryNotFound", "no such blob")
+                    return self._file(found[0], found[1], {"ETag": f'"{m.group(1)}"'})
+                m = re.match(r"^/([^/]+/[^/]+)/resolve/(.+?)/(.+)$", path)
+                if m:
+                    return self._resolve(m.group(1), m.group(2), m.group(3))
+                self._error(404, "NotFound", f"no route {path}")
+
+            def _commit(self, repo: Repo, rev: str) -> str | None:
+                commit = repo.refs.get(rev, rev if rev == repo.commit else None)
+                if commit is None:
+                    self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+                return commit
+
+            def _info(self, repo_id: str, rev: str) -> None:
+                repo = self._repo(repo_id)
+                if repo is None:
+                    return
+                commit = self._commit(repo, rev)
+                if commit is None:
+                    return
+                siblings = []
+                for name, data in sorted(repo.files.items()):
+                    sib = {"rfilename": name, "size": len(data), "blobId": git_blob_sha1(data)}
+                    if name.endswith(".safetensors"):
+                        sib["lfs"] = {
+                            "sha256": hashlib.sha256(data).hexdigest(),
+                            "size": len(data),
+                            "pointerSize": 134,
+                        }
+                    siblings.append(sib)
+                body = json.dumps(
+                    {"id": repo_id, "modelId": repo_id, "sha": commit, "siblings": siblings}
+                ).encode()
+                self._send(200, body, {"Content-Type": "application/json"})
+
+            def _resolve(self, repo_id: str, rev: str, name: str) -> None:
+                repo = self._repo(repo_id)
+                if repo is None:
+                    return
+                commit = self._commit(repo, rev)
+                if commit is None:
+                    return
+                data = repo.files.get(name)
+                if data is None:
+                    return self._error(404, "EntryNotFound", f"{name} not found")
+                base = {"X-Repo-Commit": commit}
+                if name.endswith(".safetensors"):  # LFS: redirect to the "CDN"
+                    sha = hashlib.sha256(data).hexdigest()
+                    return self._send(
+                        302,
+                        b"",
+                        {
+                            **base,
+                            "Location": f"{hub.cdn_url}/lfs-cdn/{sha}",
+                            "X-Linked-Etag": f'"{sha}"',
+                            "X-Linked-Size": str(len(data)),
+                            "ETag": f'"{git_blob_sha1(data)}"',
+                        },
+                    )
+                self._file(name, data, {**base, "ETag": f'"{git_blob_sha1(data)}"'})
+
+            def _file(self, name: str, data: bytes, headers: dict[str, str]) -> None:
+                rng = self.headers.get("range")
+                if rng:
+                    m = re.match(r"bytes=(\d+)-(\d*)", rng)
+                    start = int(m.group(1)) if m else 0
+                    end = min(int(m.group(2)) if m and m.group(2) else len(data) - 1, len(data) - 1)
+                    part = data[start : end + 1]
+                    headers = {**headers, "Content-Range": f"bytes {start}-{end}/{len(data)}"}
+                    return self._send(206, part, headers)
+                if self.command == "GET":
+                    hub.downloads[name] += 1
+                    if hub.corrupt[name] > 0:
+                        hub.corrupt[name] -= 1
+                        data = bytearray(data)
+                        data[len(data) // 2] ^= 0xFF
+                        data = bytes(data)
+                self.send_response(200)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command == "HEAD":
+                    return
+                step = 64 * 1024
+                for i in range(0, len(data), step):
+                    self.wfile.write(data[i : i + step])
+                    if hub.rate:
+                        time.sleep(step / hub.rate)
+
+        return Handler
+
+
+# ---- the real S3-compatible server ------------------------------------------------------------
+def built_server(name: str) -> Path:
+    """A test server binary built by hack/testbin/build.sh (hack/test.sh builds them before
+    pytest; built here on first use otherwise, then cached)."""
+    linked = ROOT / ".testbin" / name
+    if linked.is_file() and os.access(linked, os.X_OK):
+        return linked
+    out = subprocess.run(
+        [str(ROOT / "hack" / "testbin" / "build.sh"), name],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    return Path(out.stdout.strip().splitlines()[-1]) / name
