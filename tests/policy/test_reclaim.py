@@ -236,9 +236,10 @@ def test_tp1_cold_start_keeps_an_empty_block_whole() -> None:
 # --------------------------------------------------------------------------- in the controller
 
 
-def _controller_case(reclaim: bool, held: int):
+def _controller_setup(reclaim: bool, held: int):
     """One node of 8: "a" (7B) has 6 instances with 2 requests each on GPUs 0-5, "b" 2
-    instances on 6-7 with a full batch; the TP-4 model "big" has ``held`` requests waiting."""
+    instances on 6-7 with a full batch; the TP-4 model "big" has ``held`` requests waiting.
+    Returns the controller (having observed) and the observation."""
     from warmserve.control.controller import ControlConfig, Controller, ModelEntry
     from warmserve.control.observation import GpuObs, InstanceObs, Observation
 
@@ -252,6 +253,11 @@ def _controller_case(reclaim: bool, held: int):
     )
     obs = Observation(10.0, gpus, (), insts, {"big": held} if held else {})
     ctl.observe(obs)
+    return ctl, obs
+
+
+def _controller_case(reclaim: bool, held: int):
+    ctl, obs = _controller_setup(reclaim, held)
     return ctl.decide(obs)
 
 
@@ -273,19 +279,7 @@ def test_fair_shares_do_not_count_band_instances_when_oversubscribed() -> None:
     """"a" runs 6 instances at 2 requests each (the hysteresis band keeps them: 12 requests need
     1 at the scale-up threshold); "big" wants far more than the node.  The fair share is computed
     from needs, so "big" may have one instance (4 GPUs), not zero."""
-    from warmserve.control.controller import ControlConfig, Controller, ModelEntry
-    from warmserve.control.observation import GpuObs, InstanceObs, Observation
-
-    ctl = Controller(ControlConfig(window_s=300.0, prewarm=False))
-    ctl.set_models({m.name: ModelEntry(m) for m in (spec("a"), spec("b"), spec("big", 4))}, 0.0)
-    gpus = tuple(GpuObs("n0", g, 80 * GiB) for g in range(8))
-    insts = tuple(
-        InstanceObs(f"a{g}", "a", "n0", (g,), SERVING, in_flight=2, running=2) for g in range(6)
-    ) + tuple(
-        InstanceObs(f"b{g}", "b", "n0", (g,), SERVING, in_flight=32, running=32) for g in (6, 7)
-    )
-    obs = Observation(10.0, gpus, (), insts, {"big": 400})
-    ctl.observe(obs)
+    ctl, obs = _controller_setup(reclaim=False, held=400)
     state = ctl.snapshot(obs)
     from warmserve.control.demand import observed_demand
 
