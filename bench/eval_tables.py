@@ -21,6 +21,7 @@ PAPER = {
 }
 # issue 12's goals for the `paper` profile on the paper grid
 GOAL_GAIN, GOAL_HIT, GOAL_VS_DED, GOAL_GPUH = 10.0, 0.90, 2.0, 0.60
+CAPACITY_BOUND_S = 5.0  # `dedicated` P99 above this: the point is capacity-bound at its batch
 
 # ablation -> (what it removes, the warmserve counter that says the mechanism acted)
 ABLATIONS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -210,6 +211,23 @@ def _goals_section(points: list[dict[str, Any]]) -> list[str]:
         f"{sum(1 for v in npro if v > 1.05)} of {len(npro)} points, largest "
         f"{_x(max(npro, default=None))} -> {ok(any(v > 1.05 for v in npro))}",
     ]
+    # where even the best static allocation queues, capacity at the batch, not start-up, sets
+    # the tail: say so, with what a larger batch (Prism's own 256) does at the same points
+    bound = []
+    for p in points:
+        r = rows_by(p)
+        d = r.get("dedicated", {}).get("ttft_p99_s")
+        if d is not None and d > CAPACITY_BOUND_S:
+            big = r.get("prism-256", {}).get("ttft_p99_s")
+            bound.append(f"alpha {_ov(p)[0]:g} RPS {_ov(p)[1]:g} (`dedicated` "
+                         f"{fmt_seconds(d)}, `prism-256` {fmt_seconds(big)})")
+    if bound:
+        lines += [
+            f"* capacity-bound points at this batch (the best static allocation, which never "
+            f"starts anything, has a P99 > {CAPACITY_BOUND_S:g} s: the tail is queueing for "
+            f"batch slots, not start-up cost; a larger batch removes it): "
+            + "; ".join(bound) + "."
+        ]
     return lines
 
 
