@@ -16,10 +16,11 @@ from typing import Any
 
 from warmserve.control.decisions import Decision, Drain, EndGrace, Evict, Prewarm, Start
 
-from .agents import ActivateResult, AgentCallError, AgentPort, NodeSnapshot
+from .agents import ActivateResult, AgentPort
 from .identity import gpus_str, request_id
 from .metrics import Metrics
 from .observe import PendingPrewarm, PendingStart
+from .snapshot import AgentCallError, NodeSnapshot
 from .sources import fetch_event
 from .spec import ModelDeploymentSpec
 

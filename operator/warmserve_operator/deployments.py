@@ -11,10 +11,10 @@ from warmserve.control.controller import Controller, ModelEntry
 from warmserve.control.decisions import Decisions
 
 from . import history as history_io
-from .agents import NodeSnapshot
 from .kube import KubePort
 from .metrics import Metrics
 from .report import Deployment, Reporter
+from .snapshot import NodeSnapshot
 from .sources import SourceCatalog
 from .spec import ModelDeploymentSpec, SpecError, parse_model_deployment, resolve_model
 from .status import Condition

@@ -24,7 +24,7 @@ from enum import StrEnum
 from warmserve.control.decisions import Decision, Drain, EndGrace, Evict
 from warmserve.policy.cluster import InstancePhase
 
-from .agents import InstanceView, NodeSnapshot
+from .snapshot import InstanceView, NodeSnapshot
 
 _BAD = re.compile(r"[^A-Za-z0-9._:-]")
 MAX_ID = 128

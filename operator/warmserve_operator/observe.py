@@ -24,9 +24,10 @@ from typing import Any
 from warmserve.control.observation import GpuObs, InstanceObs, Observation, SlotObs
 from warmserve.policy.cluster import InstancePhase
 
-from .agents import AgentCallError, AgentPool, NodeSnapshot
+from .agents import AgentPool
 from .identity import Ownership, gpus_str, ownership
 from .kube import KubePort, ObjRef, node_ref
+from .snapshot import AgentCallError, NodeSnapshot
 from .spec import GPUNodeSpec, SpecError, parse_gpu_node
 
 log = logging.getLogger("warmserve.operator")

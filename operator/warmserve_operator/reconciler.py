@@ -33,7 +33,7 @@ from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import ModelSpec, PolicyInputError
 
 from .act import Actor
-from .agents import ActivateResult, AgentPool, AgentPort, NodeSnapshot
+from .agents import ActivateResult, AgentPool, AgentPort
 from .deployments import DeploymentBook
 from .gateway_demand import GatewayDemand, GatewayHeld
 from .identity import orphans
@@ -41,6 +41,7 @@ from .kube import KubePort, ObjRef, md_ref
 from .metrics import Metrics, Phases
 from .observe import Observer, note_grace, observation
 from .report import Deployment, Reporter
+from .snapshot import NodeSnapshot
 from .spec import (
     DEFAULT_LOAD_BANDWIDTH,
     ModelDeploymentSpec,

@@ -18,10 +18,10 @@ from typing import Any
 from warmserve.control.controller import Controller
 from warmserve.policy.cluster import ModelSpec, Replica
 
-from .agents import NodeSnapshot
 from .kube import KubePort, ObjRef, md_ref
 from .metrics import Metrics
 from .observe import NodeRuntime
+from .snapshot import NodeSnapshot
 from .spec import ModelDeploymentSpec
 from .status import Condition, ModelView, model_status, node_status, now_iso, strip_volatile
 

@@ -17,7 +17,8 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from .agents import AgentCallError, AgentPort, FetchView
+from .agents import AgentPort
+from .snapshot import AgentCallError, FetchView
 from .spec import CatalogEntry, ModelDeploymentSpec
 
 log = logging.getLogger("warmserve.operator.sources")

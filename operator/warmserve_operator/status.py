@@ -19,8 +19,8 @@ from typing import Any
 
 from warmserve.policy.cluster import Replica, WorkerState
 
-from .agents import NodeSnapshot
 from .engine import ttft_report
+from .snapshot import NodeSnapshot
 
 
 def now_iso(t: float | None = None) -> str:

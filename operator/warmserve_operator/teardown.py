@@ -20,10 +20,11 @@ from typing import Any, Protocol
 from warmserve.control.decisions import EndGrace
 
 from .act import Actor, call, describe, rid
-from .agents import AgentCallError, AgentPool, AgentPort, NodeSnapshot
+from .agents import AgentPool, AgentPort
 from .identity import teardown as teardown_decisions
 from .kube import KubePort
 from .observe import NodeRuntime, Observer
+from .snapshot import AgentCallError, NodeSnapshot
 from .spec import ModelDeploymentSpec
 
 

@@ -126,7 +126,7 @@ def get_json(kubectl: Any, *args: str) -> Any:
 
 def describe_agents(addresses: dict[str, str]) -> dict[str, Any]:
     from warmserve_agent.client import SyncAgentClient
-    from warmserve_operator.agents import snapshot_from_pb
+    from warmserve_operator.snapshot import snapshot_from_pb
 
     out = {}
     for node, addr in addresses.items():

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from warmserve_operator.agents import (
-    ActivateResult,
+from warmserve_operator.agents import ActivateResult
+from warmserve_operator.kube import ObjRef
+from warmserve_operator.snapshot import (
     AgentCallError,
     FetchView,
     GpuView,
@@ -28,7 +29,6 @@ from warmserve_operator.agents import (
     NodeSnapshot,
     SlotView,
 )
-from warmserve_operator.kube import ObjRef
 from warmserve_operator.spec import CatalogEntry
 
 from warmserve.engine_args import EngineArgsError, validate_engine_args

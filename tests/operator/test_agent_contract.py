@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 from operator_fakes import FakeAgent
-from warmserve_operator.agents import AgentAuth, AgentCallError, GrpcAgent
+from warmserve_operator.agents import AgentAuth, GrpcAgent
+from warmserve_operator.snapshot import AgentCallError
 
 from warmserve.policy.cluster import InstancePhase, WorkerState
 

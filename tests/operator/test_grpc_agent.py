@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from warmserve_operator.agents import AgentAuth, AgentCallError, GrpcAgent
+from warmserve_operator.agents import AgentAuth, GrpcAgent
+from warmserve_operator.snapshot import AgentCallError
 
 from warmserve.policy.cluster import InstancePhase, WorkerState
 

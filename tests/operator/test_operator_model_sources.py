@@ -76,7 +76,7 @@ def test_spec_parses_and_checks_the_source() -> None:
 
 async def test_fake_agent_refuses_like_the_real_one() -> None:
     """The contract cases the real agent answers in tests/agent/test_model_sources_grpc.py."""
-    from warmserve_operator.agents import AgentCallError
+    from warmserve_operator.snapshot import AgentCallError
 
     a = FakeAgent("n", remote={SRC: (GiB, 4)})
     with pytest.raises(AgentCallError) as e:

@@ -12,11 +12,11 @@ import pytest
 import warmserve_operator.history as history_io
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from warmserve_operator.agents import GpuView, InstanceView, NodeSnapshot, SlotView
 from warmserve_operator.history import F16_MAX
 from warmserve_operator.identity import MAX_ID, orphans, request_id, teardown
 from warmserve_operator.leader import LeaseRecord, next_lease
 from warmserve_operator.observe import observation
+from warmserve_operator.snapshot import GpuView, InstanceView, NodeSnapshot, SlotView
 from warmserve_operator.spec import (
     CatalogEntry,
     SpecError,

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from operator_fakes import FakeAgent
 from warmserve_operator.act import call, rid
-from warmserve_operator.agents import AgentCallError
 from warmserve_operator.observe import observation
+from warmserve_operator.snapshot import AgentCallError
 
 from warmserve.control.controller import ControlConfig, Controller, ModelEntry
 from warmserve.control.decisions import Evict, Prewarm, Start

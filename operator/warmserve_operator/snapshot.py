@@ -1,0 +1,229 @@
+"""What one node agent reports, as plain frozen dataclasses: its GPUs, prewarm slots, instances and
+fetches (``NodeSnapshot``), translated once from the agent's protobuf ``Describe`` answer.
+
+Everything in the operator past :mod:`.agents` (the gRPC port) reads these types only, so the
+control loop's decision-to-action translation is tested with in-memory fakes, without gRPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from warmserve_agent.wire import SlotState, instance_phase, slot_state, worker_state
+
+from warmserve.policy.cluster import InstancePhase, WorkerState
+
+from .spec import CatalogEntry
+
+
+class AgentCallError(Exception):
+    """An agent refused or failed a call; ``code`` is the gRPC status name (e.g. NOT_FOUND)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class GpuView:
+    index: int
+    memory_bytes: int
+    free_bytes: int
+    state: WorkerState
+    slot_ids: tuple[str, ...] = ()
+    instance_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotView:
+    slot_id: str
+    model: str
+    gpus: tuple[int, ...]
+    layers_resident: int
+    layers_total: int
+    layers_target: int
+    resident_bytes_per_gpu: int
+    weight_bytes_per_gpu: int
+    state: SlotState
+    owner: str = ""  # the owning ModelDeployment's UID ("" : set by no operator / older agent)
+
+    @property
+    def target_bytes_per_gpu(self) -> int:
+        """Bytes per GPU the slot holds once loaded (what placement must account for)."""
+        if self.layers_total <= 0:
+            return self.resident_bytes_per_gpu
+        target = self.layers_target or self.layers_total
+        return max(
+            self.resident_bytes_per_gpu, self.weight_bytes_per_gpu * target // self.layers_total
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    instance_id: str
+    model: str
+    gpus: tuple[int, ...]
+    endpoint: str
+    phase: InstancePhase
+    running: int = 0
+    waiting: int = 0
+    max_batch: int = 0
+    kv_capacity_bytes: int = 0
+    kv_used_bytes: int = 0
+    lendable_bytes: int = 0
+    lent_bytes: int = 0
+    prewarm_hit: bool = False
+    slot_id: str = ""
+    started_unix: float = 0.0
+    engine: str = ""
+    ttft_p95_s: float = 0.0  # the engine's p95 TTFT over its window (ttft_samples requests)
+    ttft_samples: int = 0
+    ttft_window_s: float = 0.0
+    owner: str = ""  # the owning ModelDeployment's UID (see SlotView.owner)
+    grace_started_unix: float = 0.0  # agent clock; 0 when not in grace or unknown
+
+    @property
+    def load(self) -> int:
+        """Requests in flight at this instance (running + queued), the paper's load (§2.2)."""
+        return self.running + self.waiting
+
+
+@dataclass(frozen=True, slots=True)
+class FetchView:
+    """A model being fetched into a node's store from its source (agent's FetchInfo)."""
+
+    model: str
+    source: str
+    state: str  # listing | downloading | verifying | done | failed
+    bytes_done: int = 0
+    bytes_total: int = 0
+    bytes_per_s: float = 0.0
+    eta_s: float = 0.0
+    attempt: int = 0
+    message: str = ""
+    started_unix: float = 0.0
+
+
+_FETCH = {1: "listing", 2: "downloading", 3: "verifying", 4: "done", 5: "failed"}
+
+
+def fetch_from_pb(f: Any) -> FetchView:
+    return FetchView(
+        model=f.model,
+        source=f.source,
+        state=_FETCH.get(int(f.state), "listing"),
+        bytes_done=int(f.bytes_done),
+        bytes_total=int(f.bytes_total),
+        bytes_per_s=float(f.bytes_per_second),
+        eta_s=float(f.eta_seconds),
+        attempt=int(f.attempt),
+        message=f.message,
+        started_unix=float(f.started_unix),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSnapshot:
+    """What one agent reported in one Describe call."""
+
+    node: str  # the GPUNode name
+    agent_id: str
+    generation: int
+    gpus: tuple[GpuView, ...]
+    slots: tuple[SlotView, ...] = ()
+    instances: tuple[InstanceView, ...] = ()
+    models: Mapping[str, CatalogEntry] = field(default_factory=dict)
+    backend: str = ""
+    version: str = ""
+    fetches: tuple[FetchView, ...] = ()
+    store: tuple[int, int, int] = (0, 0, 0)  # used bytes, budget bytes (0: none), evictions
+
+    def slot(self, slot_id: str) -> SlotView | None:
+        return next((s for s in self.slots if s.slot_id == slot_id), None)
+
+
+def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
+    """Convert a ``warmserve.agent.v1.NodeDescription`` into a :class:`NodeSnapshot`."""
+    gpus = tuple(
+        GpuView(
+            index=int(g.index),
+            memory_bytes=int(g.memory_bytes),
+            free_bytes=min(int(g.free_bytes), int(g.memory_bytes)),
+            state=worker_state(int(g.state)),
+            slot_ids=tuple(g.slot_ids),
+            instance_id=g.instance_id,
+        )
+        for g in desc.gpus
+    )
+    slots = tuple(
+        SlotView(
+            slot_id=s.slot_id,
+            model=s.model,
+            gpus=tuple(sorted(int(x) for x in s.gpus)),
+            layers_resident=int(s.layers_resident),
+            layers_total=int(s.layers_total),
+            layers_target=int(s.layers_target),
+            resident_bytes_per_gpu=int(s.resident_bytes_per_gpu),
+            weight_bytes_per_gpu=int(s.weight_bytes_per_gpu),
+            state=slot_state(int(s.state)),
+            owner=s.owner,
+        )
+        for s in desc.slots
+    )
+    instances = tuple(
+        InstanceView(
+            instance_id=i.instance_id,
+            model=i.model,
+            gpus=tuple(sorted(int(x) for x in i.gpus)),
+            endpoint=i.endpoint,
+            phase=instance_phase(int(i.phase)),
+            running=int(i.running),
+            waiting=int(i.waiting),
+            max_batch=int(i.max_batch),
+            kv_capacity_bytes=int(i.kv_capacity_bytes),
+            kv_used_bytes=int(i.kv_used_bytes),
+            lendable_bytes=int(i.lendable_bytes),
+            lent_bytes=int(i.lent_bytes),
+            prewarm_hit=bool(i.prewarm_hit),
+            slot_id=i.slot_id,
+            started_unix=float(i.started_unix),
+            engine=getattr(i, "engine", ""),
+            ttft_p95_s=float(getattr(i, "ttft_p95_seconds", 0.0)),
+            ttft_samples=int(getattr(i, "ttft_samples", 0)),
+            ttft_window_s=float(getattr(i, "ttft_window_seconds", 0.0)),
+            owner=i.owner,
+            grace_started_unix=float(i.grace_started_unix),
+        )
+        for i in desc.instances
+    )
+    models = {
+        m.name: CatalogEntry(
+            m.name,
+            int(m.weight_bytes),
+            int(m.num_layers),
+            getattr(m, "source", ""),
+            int(getattr(m, "disk_bytes", 0)),
+        )
+        for m in desc.models
+    }
+    store = getattr(desc, "store", None)
+    return NodeSnapshot(
+        node=node,
+        agent_id=desc.agent_id,
+        generation=int(desc.generation),
+        gpus=gpus,
+        slots=slots,
+        instances=instances,
+        models=models,
+        backend=desc.backend,
+        version=desc.agent_version,
+        fetches=tuple(fetch_from_pb(f) for f in getattr(desc, "fetches", ())),
+        store=(
+            (int(store.used_bytes), int(store.budget_bytes), int(store.evictions))
+            if store is not None
+            else (0, 0, 0)
+        ),
+    )
