@@ -27,14 +27,13 @@ three kinds exist:
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from warmserve.sim.hardware import GpuProfile, ProfileError, StartupStages
+from warmserve.sim.hardware import GpuProfile, ProfileError, StartupStages, _number
 
 STARTUP_DIR = Path(__file__).resolve().parent / "startup_profiles"
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
@@ -76,13 +75,8 @@ class StartupProfile:
 
 
 def _num(origin: str, key: str, v: Any, minimum: float = 0.0, strict: bool = False) -> float:
-    if isinstance(v, bool):
-        raise ProfileError(f"{origin}: {key}: expected a number, got {v!r}")
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        raise ProfileError(f"{origin}: {key}: expected a number, got {v!r}") from None
-    if not math.isfinite(x) or x < minimum or (strict and x <= minimum):
+    x = _number(f"{origin}: {key}", v)  # a finite number, as the GPU profiles parse them
+    if x < minimum or (strict and x <= minimum):
         op = ">" if strict else ">="
         raise ProfileError(f"{origin}: {key}: must be finite and {op} {minimum:g}, got {v!r}")
     return x
