@@ -225,7 +225,7 @@ def _goals_section(points: list[dict[str, Any]]) -> list[str]:
         lines += [
             f"* capacity-bound points at this batch (the best static allocation, which never "
             f"starts anything, has a P99 > {CAPACITY_BOUND_S:g} s: the tail is queueing for "
-            f"batch slots, not start-up cost; a larger batch removes it): "
+            f"batch slots, not start-up cost; Prism at batch 256 beside it): "
             + "; ".join(bound) + "."
         ]
     return lines
