@@ -95,6 +95,13 @@ def test_cache_never_changes_a_result(h: list[float], per_day: int, calls: list[
         )
     wp.clear_cache()
     assert pred.predict_peak(arr[: arr.size - 1], per_day) == fresh_peak[-1]
+    # a second run from the same history starts from the checkpoint (a copy: advancing the
+    # first run's state does not change it) and gives the same forecasts
+    half = arr.size // 2
+    first = [pred.predict(arr[:n], per_day) for n in range(half, arr.size)]
+    assert len(wp._checkpoints) >= 1
+    again = [pred.predict(arr[:n], per_day) for n in range(half, arr.size)]
+    assert again == first == [pytest.approx(v, rel=1e-12, abs=0) for v in fresh_avg[half:]]
 
 
 def test_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -56,6 +56,7 @@ def _sim(system: str, static, arrivals, models_of, n_in=500, n_out=50, gpus=1, m
         queue_timeout_s=3600.0,
         drain_s=600.0,
         hooks=StaticLayout(static),
+        record=True,
     )
 
 
@@ -71,26 +72,35 @@ def test_adbs_batch_is_kv_quota_over_average_request_capped_at_256():
         muxserve.adbs_max_num_seqs(0, load)
 
 
-def test_muxserve_instances_use_their_own_batch_not_the_scenarios():
+def test_muxserve_instances_cap_at_the_scenarios_batch_and_adbs_keeps_its_own():
     from tests.sim.test_baselines import TPS, _fake_prep
 
     rates = dict(zip(TPS, power_law_rates(25, 0.5, 4), strict=True))
     prep = _fake_prep(rates, TPS)
     loads = muxserve.average_loads(prep)
-    insts = muxserve.static_instances(prep)
-    for inst in insts:
-        assert inst.max_batch == muxserve.adbs_max_num_seqs(inst.kv_cap_tokens, loads[inst.model])
+    spec_batch = {m.spec.name: m.spec.max_batch for m in prep.models}
+    # default (issue 12's fair comparison): MuxServe's quota capped at the scenario's batch
+    for inst in muxserve.static_instances(prep):
+        own = muxserve.adbs_max_num_seqs(inst.kv_cap_tokens, loads[inst.model])
+        assert inst.max_batch == min(own, spec_batch[inst.model])
         assert inst.config_slowdown is not None and inst.config_slowdown > 0
         assert inst.prefill_config_slowdown is not None and inst.prefill_config_slowdown > 0
-    # the scenario's batch is 32; MuxServe's quota lets every model run far more requests
+    # the `muxserve-adbs` variant keeps its own batch: far more than the scenario's 32
+    insts = muxserve.static_instances(prep, own_batch=True)
+    for inst in insts:
+        assert inst.max_batch == muxserve.adbs_max_num_seqs(inst.kv_cap_tokens, loads[inst.model])
     assert min(i.max_batch for i in insts) > 32
 
 
-def test_prism_instances_use_vllm_default_max_num_seqs():
+def test_prism_instances_default_to_the_scenarios_batch_prism256_to_vllms():
     from tests.sim.test_baselines import TPS, _fake_prep
 
     rates = dict(zip(TPS, power_law_rates(25, 0.5, 4), strict=True))
-    for inst in prism.static_instances(_fake_prep(rates, TPS)):
+    prep = _fake_prep(rates, TPS)
+    spec_batch = {m.spec.name: m.spec.max_batch for m in prep.models}
+    for inst in prism.static_instances(prep):
+        assert inst.max_batch == spec_batch[inst.model]
+    for inst in prism.static_instances(prep, max_batch=prism.MAX_NUM_SEQS):
         assert inst.max_batch == prism.MAX_NUM_SEQS == 256
 
 
@@ -253,11 +263,9 @@ def test_baselines_conserve_requests_and_causality(system):
     from warmserve.sim.scenario import parse
 
     prep = runner.prepare(parse(make_doc(**{"workload.total_rps": 12})))
-    out, wall = runner.run_system(prep, system, check=True)
+    out, wall = runner.run_system(prep, system, check=True, record=True)
     names = [m.spec.name for m in prep.models]
-    row = metrics.summarize(
-        out, prep.requests.arrival, prep.requests.model, prep.requests.output_tokens, names, wall
-    )
+    row = metrics.summarize(out, names, wall)
     metrics.check_conservation(row)
     served = ~np.isnan(out.finish)
     arr = prep.requests.arrival

@@ -321,7 +321,20 @@ def _fake_prep(rates: dict[str, float], tps: dict[str, int], duration: float = 1
         output_tokens=np.array(out),
     )
     sc = SimpleNamespace(nodes=2, gpus_per_node=8, duration_s=duration)
-    return SimpleNamespace(scenario=sc, profile=H800, models=models, requests=reqs)
+    facts = []
+    for idx in range(len(models)):
+        mine = reqs.model == idx
+        facts.append(SimpleNamespace(
+            requests=int(mine.sum()), mean_input=float(reqs.input_tokens[mine].mean()),
+            mean_output=float(reqs.output_tokens[mine].mean()), peak_inflight=0.0,
+        ))
+
+    def model_period(idx):
+        mine = reqs.model == idx
+        return reqs.arrival[mine], reqs.input_tokens[mine], reqs.output_tokens[mine]
+
+    return SimpleNamespace(scenario=sc, profile=H800, models=models, requests=reqs, facts=facts,
+                           model_period=model_period)
 
 
 TPS = {"7b-0": 1, "7b-1": 1, "13b": 2, "70b": 4}

@@ -30,6 +30,10 @@ What the controller owns, so no executor re-decides it:
 **Fairness**: the autoscaler's bounds are capped by each model's demand-weighted max-min share
 of the GPUs (:mod:`warmserve.policy.fairness`) whenever what the models want does not fit.
 
+**Reclaim** (issue 12): a model with requests held at the gateway whose start found no GPU group
+may take one from instances other models can spare (:mod:`warmserve.policy.reclaim`): they are
+drained (grace) and the model starts there once they are done.
+
 Decision order per call: the autoscaler for each model (sorted): its starts where
 :func:`~warmserve.policy.placement.choose_start` says (each applied to the snapshot before the
 next), its drains, its grace ends; then, when a re-plan is due, Algorithm 1 on the snapshot
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from warmserve.policy.autoscaler import (
     AutoscalerConfig,
@@ -51,6 +55,7 @@ from warmserve.policy.autoscaler import (
 from warmserve.policy.autoscaler import decide as autoscale
 from warmserve.policy.cluster import (
     ClusterState,
+    Instance,
     InstancePhase,
     LoadForecast,
     ModelSpec,
@@ -62,11 +67,12 @@ from warmserve.policy.fairness import FairDemand, fair_caps
 from warmserve.policy.load import WindowLoadTracker
 from warmserve.policy.placement import NoCapacity, PrewarmPlan, choose_start, plan_prewarm
 from warmserve.policy.predictor import Predictor, forecast, season_length
+from warmserve.policy.reclaim import plan_reclaim
 
 from .decisions import Decision, Decisions, Drain, EndGrace, Evict, Prewarm, Start
 from .demand import observed_demand
 from .history import LoadHistory
-from .observation import Observation
+from .observation import InstanceObs, Observation
 from .snapshot import ReplicaKey, ReplicaMeta, apply_start, build_state, instance_key
 
 FREE_GROWTH_BYTES = 2**20  # free memory must grow by more than this to trigger a re-plan
@@ -77,7 +83,9 @@ SURPLUS: ReplicaMeta = (ReplicaKind.BURST, 0, 0.0)  # a replica kept though no l
 class ControlConfig:
     """The loop's rules: window length, autoscaler thresholds, predictor, and which WarmServe
     mechanisms run (``prewarm``: Algorithm 1 at all; ``proactive``: grace GPUs lend Eq. 1
-    memory; ``evict_aware``: §5.2 nesting, else first-fit — the §7.5 ablations)."""
+    memory; ``evict_aware``: §5.2 nesting, else first-fit — the §7.5 ablations; ``reclaim``:
+    a starving model may drain instances other models can spare,
+    :mod:`warmserve.policy.reclaim`)."""
 
     window_s: float = 300.0
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
@@ -88,6 +96,7 @@ class ControlConfig:
     prewarm: bool = True
     proactive: bool = True
     evict_aware: bool = True
+    reclaim: bool = True
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.window_s) and self.window_s > 0):
@@ -136,6 +145,7 @@ class Controller:
         self.replan_reasons: set[str] = {"start"}
         self.stale: set[str] = set()  # models whose forecast must be recomputed
         self.last_plan: PrewarmPlan | None = None
+        self.last_plan_state: ClusterState | None = None  # the snapshot it was planned on
         self.plans = 0
 
     # ------------------------------------------------------------------ models and history
@@ -285,6 +295,10 @@ class Controller:
         no_capacity: dict[str, str] = {}
         caps = self._fair_caps(state, obs, loads)
         models = sorted(self.models if only is None else set(only) & set(self.models))
+        # each model's instances, once (a model's own starts come after its autoscale call)
+        mine: dict[str, list[Instance]] = {}
+        for i in state.instances:
+            mine.setdefault(i.model, []).append(i)
         for model in models:
             st = self.models[model]
             entry = st.entry
@@ -293,7 +307,7 @@ class Controller:
             d = autoscale(
                 entry.spec,
                 loads.get(model, 0.0),
-                [i for i in state.instances if i.model == model],
+                mine.get(model, []),
                 self.cfg.autoscaler,
                 obs.now,
                 st.memory,
@@ -343,38 +357,88 @@ class Controller:
                     EndGrace(model, inst.node, inst.gpus, seen.id, why, evict_weights=not keep)
                 )
                 self.ended.add(seen.id)
+        if self.cfg.reclaim and no_capacity and only is None:
+            # full decisions only (each poll), not the fast path an executor may take per
+            # request: how often reclaim is tried must not depend on the executor's rhythm
+            state, drains = self._reclaim(state, obs, loads, caps, no_capacity, by_key)
+            items += drains
         plan = None
         if only is None and self.cfg.prewarm and self.replan_reasons:
             plan, plan_items = self._plan(state, slot_of)
             items += plan_items
         return Decisions(tuple(items), scale, plan, no_capacity)
 
+    def _reclaim(
+        self,
+        state: ClusterState,
+        obs: Observation,
+        loads: Mapping[str, float],
+        caps: Mapping[str, int],
+        no_capacity: Mapping[str, str],
+        by_key: Mapping[str, InstanceObs],
+    ) -> tuple[ClusterState, list[Decision]]:
+        """Drains that free a GPU group for each model with held requests and no group
+        (:mod:`warmserve.policy.reclaim`); the snapshot returned shows them in grace."""
+        items: list[Decision] = []
+        mins = {m: st.entry.min_instances for m, st in self.models.items()}
+        for model in sorted(no_capacity):
+            if obs.held.get(model, 0) <= 0:
+                continue
+            r = plan_reclaim(state, model, loads, self.cfg.autoscaler, caps=caps,
+                             min_instances=mins)
+            if r is None:
+                continue
+            gone = {v.name for v in r.victims}
+            for v in r.victims:
+                seen = by_key.get(v.name)
+                if seen is not None:
+                    items.append(Drain(v.model, v.node, v.gpus, seen.id, f"reclaimed for {model}"))
+            state = replace(
+                state,
+                instances=tuple(
+                    replace(i, phase=InstancePhase.GRACE) if i.name in gone else i
+                    for i in state.instances
+                ),
+            )
+        return state, items
+
     def _fair_caps(
         self, state: ClusterState, obs: Observation, loads: Mapping[str, float]
     ) -> dict[str, int]:
         """Each model's fair share in instances (:mod:`warmserve.policy.fairness`) of the GPUs
-        not held by instances of models the controller does not manage."""
+        not held by instances of models the controller does not manage.
+
+        A model's demand is what the autoscaler wants for it (hysteresis included).  When those
+        do not all fit, the shares are computed from what each model *needs* — the instances
+        that keep its utilisation at the scale-up threshold, without the instances the
+        hysteresis band merely keeps (issue 12): a band instance running at a quarter of its
+        batch must not count as demand while another model queues requests for lack of GPUs.
+        Each share is weighted by the instances the model's load alone asks for (a
+        ``minInstances`` floor is wanted but weighs nothing; :mod:`warmserve.policy.fairness`).
+        """
         foreign = sum(len(i.gpus) for i in obs.instances if i.foreign)
-        capacity = sum(len(n.gpus) for n in state.nodes) - foreign
-        wants = {}
+        capacity = max(sum(len(n.gpus) for n in state.nodes) - foreign, 0)
+        wants: dict[str, FairDemand] = {}
+        needs: dict[str, FairDemand] = {}
+        active: dict[str, int] = {}
+        for i in state.instances:
+            if i.phase != InstancePhase.GRACE:
+                active[i.model] = active.get(i.model, 0) + 1
         for model, st in self.models.items():
             e = st.entry
-            current = sum(
-                1 for i in state.instances if i.model == model and i.phase != InstancePhase.GRACE
+            current = active.get(model, 0)
+            load = loads.get(model, 0.0)
+            args = (e.spec.max_batch, self.cfg.autoscaler, e.min_instances, e.max_instances)
+            want = desired_instances(load, args[0], current, *args[1:])
+            # weight (demand-weighted shares): the instances the load alone asks for
+            weight = desired_instances(load, args[0], 0, self.cfg.autoscaler, 0, None)
+            wants[model] = FairDemand(e.spec.tp, want, weight)
+            needs[model] = FairDemand(
+                e.spec.tp, desired_instances(load, args[0], 0, *args[1:]), weight
             )
-            want = desired_instances(
-                loads.get(model, 0.0),
-                e.spec.max_batch,
-                current,
-                self.cfg.autoscaler,
-                e.min_instances,
-                e.max_instances,
-            )
-            need = desired_instances(
-                loads.get(model, 0.0), e.spec.max_batch, current, self.cfg.autoscaler, 0, None
-            )
-            wants[model] = FairDemand(e.spec.tp, want, need)
-        return fair_caps(wants, max(capacity, 0))
+        if sum(d.want * d.tp for d in wants.values()) <= capacity:
+            return {m: d.want for m, d in wants.items()}
+        return fair_caps(needs, capacity)
 
     def _free_map(self, state: ClusterState) -> dict[tuple[str, int], int]:
         return {
@@ -397,6 +461,7 @@ class Controller:
         plan = plan_prewarm(state, evict_aware=self.cfg.evict_aware)
         self.plans += 1
         self.last_plan = plan
+        self.last_plan_state = state
         self.replan_reasons = set()
         self.last_free = self._free_map(state)
         items: list[Decision] = []

@@ -220,6 +220,21 @@ def _unaligned_group(
     return tuple(sorted(sorted(free, key=lambda g: (weight[g], g))[: spec.tp]))
 
 
+def _buddy_free(mask: int, free: int, degree: int, n: int) -> tuple[int, ...]:
+    """Free GPUs left in each larger aligned block around ``mask`` (smallest block first):
+    the buddy allocator's best fit — a start goes where the enclosing blocks are already most
+    used, so that whole free blocks stay whole for wider models."""
+    out = []
+    size = _next_pow2(degree) * 2
+    low = (mask & -mask).bit_length() - 1
+    while size <= n:
+        start = low // size * size
+        block = ((1 << size) - 1) << start
+        out.append(((free & ~mask) & block).bit_count())
+        size *= 2
+    return tuple(out)
+
+
 def _next_pow2(d: int) -> int:
     return 1 << (d - 1).bit_length()
 
@@ -655,8 +670,11 @@ def choose_start(state: ClusterState, model: str) -> StartChoice | NoCapacity:
 
     Ties (equal evicted score) break *best fit* first: the node with the fewest startable GPUs
     left after the start, so a narrow instance fills a node that is already fragmented and
-    keeps another node's free block whole for a wider model; then node name, then lowest GPU
-    index.  (The paper does not say how ties break; with the node name alone, TP-1 starts
+    keeps another node's free block whole for a wider model; then, inside the node, the buddy
+    allocator's best fit (issue 12): the group whose enclosing aligned blocks (2x, 4x ... its
+    size) have the fewest free GPUs left, so a TP-1 start takes the free GPU beside a busy one
+    rather than splitting an empty block a TP-4 model could use; then node name, then lowest
+    GPU index.  (The paper does not say how ties break; with the node name alone, TP-1 starts
     took the last free GPU of a block and a TP-2/TP-4 model waited hundreds of seconds for two
     GPUs on one node while single GPUs were free on both — measured in the simulator,
     ``start_failure_kinds`` ``spread``.)
@@ -695,11 +713,12 @@ def choose_start(state: ClusterState, model: str) -> StartChoice | NoCapacity:
         return NoCapacity(
             model, f"{spec.bytes_per_gpu} bytes per GPU exceed the memory of every GPU"
         )
-    best: tuple[float, int, int, int, StartChoice] | None = None
+    best: tuple[float, int, tuple[int, ...], int, int, StartChoice] | None = None
     for order, node in enumerate(nodes):
         ns = _NodeSlots(node, order, set())
         for r in by_node.get(node.name, []):
             ns.extra_masks.add(ns.mask_of(r.gpus))
+        free_mask = ns.mask_of(g.index for g in node.gpus if startable(node, (g.index,)))
         for m in ns.groups(spec.tp):
             gpus = ns.gpus_of(m)
             if not startable(node, gpus):
@@ -708,11 +727,17 @@ def choose_start(state: ClusterState, model: str) -> StartChoice | NoCapacity:
                 continue
             ev = evicted_by(by_node.get(node.name, []), node.name, gpus)
             choice = StartChoice(model, node.name, gpus, False, None, ev)
-            key = (choice.evicted_score, spare[node.name], order, (m & -m).bit_length())
-            if best is None or key < best[:4]:
+            key = (
+                choice.evicted_score,
+                spare[node.name],
+                _buddy_free(m, free_mask, spec.tp, ns.n),
+                order,
+                (m & -m).bit_length(),
+            )
+            if best is None or key < best[:5]:
                 best = (*key, choice)
     if best is not None:
-        return best[4]
+        return best[5]
     for node in sorted(nodes, key=lambda n: spare[n.name]):
         group = _unaligned_group(node, spec, by_node.get(node.name, []), startable)
         if group is not None:

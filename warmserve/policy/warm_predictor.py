@@ -34,6 +34,7 @@ week of history every window for every model in the operator and the simulator.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import threading
@@ -67,6 +68,7 @@ from warmserve.policy.seasonal import (
 from warmserve.policy.streaming import Tail
 
 CACHE_SIZE = 1024  # streaming states kept: two per model (average, peak) for 512 models
+CHECKPOINTS = 64  # states built by a full fold, kept apart (see cached_forecast)
 AR_STEP_CLIP = 3.0  # a log-AR step beyond e^±3 is an artefact of a near-singular early fit
 
 
@@ -226,6 +228,7 @@ def fold(state: StreamingForecaster, h: np.ndarray) -> np.ndarray:
 
 
 _cache: OrderedDict[tuple[object, ...], StreamingForecaster] = OrderedDict()
+_checkpoints: OrderedDict[tuple[object, ...], StreamingForecaster] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
@@ -236,6 +239,11 @@ def cached_forecast(
 
     The state for ``h`` is looked up by ``key`` and a 128-bit digest of ``h``; if only the state
     for ``h[:-1]`` is cached it takes in the last window; otherwise it is built from scratch.
+    A state built from scratch (a full fold over days of history: most of a short simulation's
+    predictor time) is also kept as a *checkpoint*, copied on use, so a second run from the same
+    history (the next system of a simulator comparison, an operator restarted on the same
+    history) starts from it instead of folding again; the states that advance window by window
+    are not copied.
     """
     hasher = hashlib.blake2b(digest_size=16)
     hasher.update(np.ascontiguousarray(h[:-1]).tobytes())
@@ -248,9 +256,16 @@ def cached_forecast(
             state = _cache.pop((key, h.size - 1, before), None) if h.size else None
             if state is not None:
                 state.observe(h)
+            elif now in _checkpoints:
+                _checkpoints.move_to_end(now)
+                state = copy.deepcopy(_checkpoints[now])
             else:
                 state = make()
                 fold(state, h)
+                state.forecast(h)  # memoised in the state: the checkpoint carries it
+                _checkpoints[now] = copy.deepcopy(state)
+                while len(_checkpoints) > CHECKPOINTS:
+                    _checkpoints.popitem(last=False)
         value = state.forecast(h)
         _cache[now] = state
         while len(_cache) > CACHE_SIZE:
@@ -262,6 +277,7 @@ def clear_cache() -> None:
     """Forget every memoised state (tests use it to compare cached and fresh runs)."""
     with _cache_lock:
         _cache.clear()
+        _checkpoints.clear()
 
 
 @dataclass(frozen=True)

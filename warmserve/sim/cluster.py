@@ -32,12 +32,43 @@ PHASE = {
 }
 
 
+class Req:
+    """One request while it is alive in the simulation (created at arrival, dropped from
+    memory once served or dropped: runs stream, issue 12 §5)."""
+
+    __slots__ = (
+        "assigned",
+        "delayed",
+        "drop",
+        "finish",
+        "first",
+        "inp",
+        "m",
+        "out",
+        "rid",
+        "t",
+    )
+
+    def __init__(self, rid: int, t: float, m: int, inp: int, out: int) -> None:
+        self.rid = rid
+        self.t = t
+        self.m = m
+        self.inp = inp
+        self.out = out
+        self.assigned = -1.0
+        self.first = -1.0
+        self.finish = -1.0
+        self.drop: str | None = None
+        self.delayed = False  # waited for its instance's start (metrics: delayed by a start)
+
+
 @dataclass(eq=False)
 class SimReplica:
     """Prewarmed (or cached) weights of one model on a GPU group, possibly still loading.
 
-    Loading runs at the host→GPU link rate from ``t_begin``; ``layers_at(t)`` is how many leading
-    layers are resident then (whole layers only: a layer is usable once all of it is in).
+    Loading runs at the host→GPU link rate from ``t_begin`` (after the start-up profile's fixed
+    load set-up, which ends at ``t_begin``); ``layers_at(t)`` is how many leading layers are
+    resident then (whole layers only: a layer is usable once all of it is in).
     ``sid`` is its slot id (what decisions name); ``priority`` the kind/rank/score a rule outside
     the controller gave it (SLLM-GPU's cache), else ``None``.
     """
@@ -52,6 +83,7 @@ class SimReplica:
     lender: SimInstance | None = None  # grace instance whose KV memory holds it (§4.1)
     sid: str = ""
     priority: tuple[ReplicaKind, int, float] | None = None
+    kept: bool = False  # the weights a stopped instance left behind (§4.1)
 
     def layers_at(self, t: float) -> int:
         if t < self.t_begin:
@@ -75,6 +107,7 @@ class SimInstance:
     node: str
     gpus: tuple[int, ...]
     engine: object  # H3b's EngineModel
+    timer: object  # its warmserve.sim.perf.StepTimer
     max_batch: int
     kv_cap_tokens: int
     kv_bytes_per_token: float
@@ -90,9 +123,9 @@ class SimInstance:
     t_last: float = 0.0
     step_s: float = 0.0  # 0: not decoding
     prefill_end: float = -1.0  # >= 0 while a prefill runs
-    prefill_batch: list[int] = field(default_factory=list)
-    pending: deque[int] = field(default_factory=deque)
-    running: list[tuple[float, int]] = field(default_factory=list)  # heap (target V, rid)
+    prefill_batch: list[Req] = field(default_factory=list)
+    pending: deque[Req] = field(default_factory=deque)
+    running: list[tuple[float, int, Req]] = field(default_factory=list)  # heap (target V, rid, r)
     n_assigned: int = 0
     kv_reserved: int = 0  # prompt + output tokens of every assigned request (admission)
     sum_in_running: int = 0
@@ -153,6 +186,7 @@ class SimCluster:
         self.link_free: dict[tuple[str, int], float] = {
             (n, g): 0.0 for n in self.node_names for g in range(gpus_per_node)
         }
+        self.generation = 0  # bumped whenever an instance takes or frees a GPU
 
     @property
     def total_gpus(self) -> int:

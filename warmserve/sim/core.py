@@ -1,8 +1,8 @@
-"""The discrete-event loop: requests, engines, GPU accounting (issue 3 §1; issue 11).
+"""The discrete-event loop: requests, engines, GPU accounting (issue 3 §1; issues 11, 12).
 
 One :class:`Simulation` runs one system on one workload.  Time is seconds from the start of the
 simulated period.  Events live in one ``heapq`` (time, sequence number, kind, object, version);
-arrivals are merged in from the sorted request arrays without going through the heap.  Stale
+arrivals are merged in from the request stream without going through the heap.  Stale
 instance events are skipped by a version number.
 
 What is simulated here (the physics; what *decides* is elsewhere):
@@ -14,6 +14,12 @@ What is simulated here (the physics; what *decides* is elsewhere):
   :mod:`warmserve.sim.cluster`); a grace instance's lent replicas are evicted if its KV use grows
   into them (§4.1).
 - **Start-up and loading** (§6, Fig. 8) are carried out by :mod:`warmserve.sim.executor`.
+
+Streaming (issue 12 §5): requests arrive chunk by chunk from a
+:class:`~warmserve.sim.workload.RequestStream` (or from arrays, for tests), live as
+:class:`~warmserve.sim.cluster.Req` objects only while queued or running, and leave their
+latencies in online histograms (:mod:`warmserve.sim.metrics`).  ``record=True`` also keeps
+per-request outcome arrays (tests).
 
 Who decides (:mod:`warmserve.sim.hooks`): for controlled systems (WarmServe and the autoscaling
 baselines) the loop is an executor of :class:`warmserve.control.Controller` decisions — the same
@@ -27,8 +33,9 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -42,6 +49,7 @@ from warmserve.sim.cluster import (
     SERVING,
     STARTING,
     STOPPED,
+    Req,
     SimCluster,
     SimInstance,
     SimReplica,
@@ -59,7 +67,9 @@ from warmserve.sim.model import (
     StaticInstance,
 )
 from warmserve.sim.sharing import dynamic_slowdown
+from warmserve.sim.stats import ModelStats
 from warmserve.sim.systems import SystemConfig
+from warmserve.sim.workload import Requests
 
 log = logging.getLogger("warmserve.sim")
 
@@ -77,7 +87,12 @@ __all__ = [
 
 
 class Simulation:
-    """One run of one system.  Deterministic: no randomness after the workload is drawn."""
+    """One run of one system.  Deterministic: no randomness after the workload is drawn.
+
+    Requests come from ``source`` (an iterable of :class:`~warmserve.sim.workload.Requests`
+    chunks in time order) or, for tests, from the arrays ``arrival``, ``model_of``,
+    ``input_tokens`` and ``output_tokens`` (one chunk).
+    """
 
     def __init__(
         self,
@@ -85,21 +100,23 @@ class Simulation:
         system: SystemConfig,
         models: list[SimModel],
         cluster: SimCluster,
-        arrival: np.ndarray,
-        model_of: np.ndarray,
-        input_tokens: np.ndarray,
-        output_tokens: np.ndarray,
         duration_s: float,
         window_s: float,
         autoscaler: autoscaler_mod.AutoscalerConfig,
         scale_interval_s: float,
         queue_timeout_s: float,
         drain_s: float,
+        source: Iterable[Requests] | None = None,
+        arrival: np.ndarray | None = None,
+        model_of: np.ndarray | None = None,
+        input_tokens: np.ndarray | None = None,
+        output_tokens: np.ndarray | None = None,
         predictor: object | None = None,
         hooks: SystemHooks | None = None,
         initial_instances: dict[str, int] | None = None,
         progress: Callable[[float], None] | None = None,
         check: bool = False,
+        record: bool = False,
     ) -> None:
         self.check = check
         self.sys = system
@@ -107,16 +124,18 @@ class Simulation:
         self.models = models
         self.by_name = {m.spec.name: m for m in models}
         self.specs = {m.spec.name: m.spec for m in models}
+        self.timers = [m.step_timer() for m in models]
         self.cl = cluster
-        self.arr = arrival.tolist()
-        self.mod = model_of.tolist()
-        self.inp = input_tokens.tolist()
-        self.out = output_tokens.tolist()
-        n = len(self.arr)
-        self.first_token = [math.nan] * n
-        self.finish = [math.nan] * n
-        self.drop: list[str | None] = [None] * n
-        self.assigned = [math.nan] * n
+        if source is None:
+            if arrival is None or model_of is None or input_tokens is None or output_tokens is None:
+                raise ValueError("a Simulation needs a request source or request arrays")
+            source = [Requests(np.asarray(arrival, dtype=float), np.asarray(model_of),
+                               np.asarray(input_tokens), np.asarray(output_tokens))]
+        self.source: Iterator[Requests] = iter(source)
+        self.record = record
+        self.recorded: list[Req] = []
+        self.issued = 0
+        self.stats = [ModelStats() for _ in models]
         self.start_failures = 0
         self.failure_kinds: Counter[str] = Counter()
         self.duration = duration_s
@@ -131,7 +150,8 @@ class Simulation:
         self.seq = 0
         self.iid = 0
         self.instances: list[SimInstance] = []
-        self.queue: list[deque[int]] = [deque() for _ in models]
+        self.by_model: list[list[SimInstance]] = [[] for _ in models]
+        self.queue: list[deque[Req]] = [deque() for _ in models]
         self.inflight = [0] * len(models)
         self.starts: list[StartRecord] = []
         self.held = 0
@@ -155,6 +175,7 @@ class Simulation:
                     prewarm=system.prewarm,
                     proactive=system.proactive,
                     evict_aware=system.evict_aware,
+                    reclaim=system.reclaim,
                 )
             )
             self.controller.set_models(
@@ -167,7 +188,9 @@ class Simulation:
                         end=0,
                         avg=np.array(m.avg_history, dtype=np.float64),
                         peak=np.array(m.peak_history, dtype=np.float64),
-                        max_windows=max(len(m.avg_history) + 1, 16),
+                        # never shorter than the seeded history: a sliding window would
+                        # shift the series every window and defeat the predictor's cache
+                        max_windows=max(len(m.avg_history) * 2, 2 * 86400 // int(window_s)),
                     )
                     self.controller.seed_history(m.spec.name, hist, 0.0)
             self.executor = ControlExecutor(self, self.controller)
@@ -179,27 +202,47 @@ class Simulation:
         heapq.heappush(self.heap, (t, self.seq, kind, obj, ver))
 
     def run(self) -> SimOutput:
+        c0 = time.process_time()  # measured only (bench/sim_speed.py), never decides anything
         self._setup()
-        n = len(self.arr)
-        nxt = 0
+        self.setup_cpu_s = time.process_time() - c0
         t_end = self.duration + self.drain_s
         t = 0.0
         last_progress = 0.0
+        heap = self.heap
+        arr: list[float] = []
+        mod: list[int] = []
+        inp: list[int] = []
+        outs: list[int] = []
+        k = 0
+        exhausted = False
         while True:
-            t_arr = self.arr[nxt] if nxt < n else math.inf
-            t_ev = self.heap[0][0] if self.heap else math.inf
-            if t_arr == math.inf and self.done >= n:
+            if k >= len(arr) and not exhausted:
+                chunk = next(self.source, None)
+                if chunk is None:
+                    exhausted = True
+                else:
+                    arr = chunk.arrival.tolist()
+                    mod = chunk.model.tolist()
+                    inp = chunk.input_tokens.tolist()
+                    outs = chunk.output_tokens.tolist()
+                    k = 0
+                    continue
+            t_arr = arr[k] if k < len(arr) else math.inf
+            t_ev = heap[0][0] if heap else math.inf
+            if t_arr == math.inf and exhausted and self.done >= self.issued:
                 break
-            t = min(t_arr, t_ev)
+            t = t_arr if t_arr <= t_ev else t_ev
             if t > t_end or t == math.inf:
                 break
             self.t_now = t
             self.events += 1
             if t_arr <= t_ev:
-                self._arrive(nxt, t_arr)
-                nxt += 1
+                r = Req(self.issued, t_arr, mod[k], inp[k], outs[k])
+                self.issued += 1
+                k += 1
+                self._arrive(r, t_arr)
             else:
-                _, _, kind, obj, ver = heapq.heappop(self.heap)
+                _, _, kind, obj, ver = heapq.heappop(heap)
                 if kind == EV_INST:
                     assert isinstance(obj, SimInstance)
                     if ver == obj.version and obj.phase != STOPPED:
@@ -215,29 +258,57 @@ class Simulation:
                 last_progress = t
                 self.progress(min(t, self.duration))
         end = min(max(t, self.duration), t_end) if math.isfinite(t) else self.duration
-        for i in range(n):
-            if math.isnan(self.finish[i]) and self.drop[i] is None:
-                self.drop[i] = DROP_UNFINISHED
+        # Requests left: still queued or running when the drain ended, or never pulled from
+        # the source because the loop stopped first.
+        for q in self.queue:
+            for r in q:
+                self._drop(r, DROP_UNFINISHED)
+            q.clear()
+        for inst in self.instances:
+            if inst.phase != STOPPED:
+                for r in self._requests_of(inst):
+                    self._drop(r, DROP_UNFINISHED)
+        while k < len(arr):
+            self._drop(Req(self.issued, arr[k], mod[k], inp[k], outs[k]), DROP_UNFINISHED,
+                       issued=True)
+            k += 1
+        for chunk in self.source:
+            for i in range(len(chunk)):
+                self._drop(Req(self.issued, float(chunk.arrival[i]), int(chunk.model[i]),
+                               int(chunk.input_tokens[i]), int(chunk.output_tokens[i])),
+                           DROP_UNFINISHED, issued=True)
         self._account(end)
-        return SimOutput(
+        out = SimOutput(
             system=self.sys.name,
-            first_token=np.array(self.first_token),
-            finish=np.array(self.finish),
-            drop=self.drop,
+            stats=self.stats,
             starts=self.starts,
             gpu_seconds=self.gpu_seconds,
             universal_gpu_seconds=self.universal_seconds,
             timeline=self.timeline,
             end_s=end,
+            requests=self.issued,
             plans=self.controller.plans if self.controller else 0,
             unplaced=self.executor.unplaced if self.executor else 0,
             lent_evictions=self.lent_evictions,
             lent_placements=self.lent_placements,
             events=self.events,
-            assigned=np.array(self.assigned),
             start_failures=self.start_failures,
             failure_kinds=dict(sorted(self.failure_kinds.items())),
         )
+        if self.executor is not None:
+            out.extra.update(self.executor.counts)
+        out.extra["setup_cpu_s"] = self.setup_cpu_s
+        if self.record:
+            rs = sorted(self.recorded, key=lambda r: r.rid)
+            nan = math.nan
+            out.first_token = np.array([r.first if r.finish >= 0 else nan for r in rs])
+            out.finish = np.array([r.finish if r.finish >= 0 else nan for r in rs])
+            out.assigned = np.array([r.assigned if r.assigned >= 0 else nan for r in rs])
+            out.drop = [r.drop for r in rs]
+        return out
+
+    def _requests_of(self, inst: SimInstance) -> list[Req]:
+        return list(inst.pending) + list(inst.prefill_batch) + [x[2] for x in inst.running]
 
     # ------------------------------------------------------------------ setup
 
@@ -293,6 +364,7 @@ class Simulation:
             node=node,
             gpus=tuple(gpus),
             engine=m.engine,
+            timer=self.timers[m.idx],
             max_batch=m.spec.max_batch,
             kv_cap_tokens=m.kv_cap_tokens,
             kv_bytes_per_token=m.kv_bytes_per_token,
@@ -303,11 +375,13 @@ class Simulation:
             t_last=t,
         )
         self.instances.append(inst)
+        self.by_model[m.idx].append(inst)
         self._account(t)
         for g in inst.gpus:
             if (node, g) not in self.cl.holder:  # colocated static instances share GPUs
                 self.held += 1
             self.cl.holder[(node, g)] = inst
+        self.cl.generation += 1
         return inst
 
     # ------------------------------------------------------------------ accounting
@@ -318,10 +392,11 @@ class Simulation:
         if t > self.t_held:
             dt = t - self.t_held
             self.gpu_seconds += self.held * dt
-            universal = {(r.node, g) for r in self.cl.replicas for g in r.gpus} - set(
-                self.cl.holder
-            )
-            self.universal_seconds += len(universal) * dt
+            if self.cl.replicas:
+                universal = {(r.node, g) for r in self.cl.replicas for g in r.gpus} - set(
+                    self.cl.holder
+                )
+                self.universal_seconds += len(universal) * dt
             self.t_held = t
 
     def sample(self, t: float) -> None:
@@ -337,54 +412,70 @@ class Simulation:
         if self.controller is not None:  # demand (warmserve.control.demand), measured exactly
             self.controller.measure(self.models[midx].spec.name, t, self.inflight[midx])
 
-    def _arrive(self, rid: int, t: float) -> None:
-        midx = self.mod[rid]
+    def _drop(self, r: Req, reason: str, issued: bool = False) -> None:
+        """``r`` leaves unserved (counted once; ``issued``: it never entered the loop)."""
+        if issued:
+            self.issued += 1
+            self.stats[r.m].requests += 1
+        r.drop = reason
+        self.stats[r.m].drops[reason] += 1
+        self.done += 1
+        if self.record:
+            self.recorded.append(r)
+
+    def _arrive(self, r: Req, t: float) -> None:
+        midx = r.m
+        self.stats[midx].requests += 1
         m = self.models[midx]
         if not m.placeable:
-            self.drop[rid] = DROP_NO_CAPACITY
-            self.done += 1
+            self._drop(r, DROP_NO_CAPACITY)
             return
         self._set_inflight(midx, t, +1)
         q = self.queue[midx]
-        q.append(rid)
+        q.append(r)
         if len(q) == 1:
             self._dispatch(midx, t)
-        if q and self.executor is not None:
-            self.executor.step(t, only=m.spec.name)
-        elif q:
-            self.hooks.on_waiting(self, m, t)
+        if q:
+            if self.executor is not None:
+                self.executor.wake(t, m)
+            else:
+                self.hooks.on_waiting(self, m, t)
 
     def _dispatch(self, midx: int, t: float) -> None:
         """Hand queued requests of a model to serving instances with a free slot, FIFO."""
         q = self.queue[midx]
+        mine = self.by_model[midx]
         while q:
-            rid = q[0]
-            if t - self.arr[rid] > self.queue_timeout:
+            r = q[0]
+            if t - r.t > self.queue_timeout:
                 q.popleft()
-                self.drop[rid] = DROP_QUEUE_TIMEOUT
-                self.done += 1
+                self._drop(r, DROP_QUEUE_TIMEOUT)
                 self._set_inflight(midx, t, -1)
                 continue
-            need = self.inp[rid] + self.out[rid]
+            need = r.inp + r.out
             best = None
-            for inst in self.instances:
-                if inst.midx != midx or inst.phase != SERVING or not inst.free_slot(need):
-                    continue
-                if best is None or inst.n_assigned < best.n_assigned:
+            for inst in mine:
+                if (
+                    inst.phase == SERVING
+                    and inst.n_assigned < inst.max_batch
+                    and inst.kv_reserved + need <= inst.kv_usable_tokens
+                    and (best is None or inst.n_assigned < best.n_assigned)
+                ):
                     best = inst
             if best is None:
                 return
             q.popleft()
-            self._assign(best, rid, t)
+            self._assign(best, r, t)
 
-    def _assign(self, inst: SimInstance, rid: int, t: float) -> None:
-        self.assigned[rid] = t
+    def _assign(self, inst: SimInstance, r: Req, t: float) -> None:
+        r.assigned = t
+        r.delayed = inst.ready_at > r.t
         inst.last_request_s = t
         inst.settle(t)
         was_busy = inst.busy
-        inst.pending.append(rid)
+        inst.pending.append(r)
         inst.n_assigned += 1
-        inst.kv_reserved += self.inp[rid] + self.out[rid]
+        inst.kv_reserved += r.inp + r.out
         if inst.prefill_end < 0:
             self._start_prefill(inst, t)
             self._reschedule(inst, t)
@@ -412,8 +503,14 @@ class Simulation:
     def _start_prefill(self, inst: SimInstance, t: float) -> None:
         batch = list(inst.pending)
         inst.pending.clear()
-        p = inst.engine.prefill_s([self.inp[r] for r in batch]) * self._slowdown_now(inst, True)
-        layers = self.by_name[inst.model].spec.num_layers
+        tokens = squares = 0
+        for r in batch:
+            tokens += r.inp
+            squares += r.inp * r.inp
+        p = inst.timer.prefill(len(batch), tokens, squares)  # type: ignore[attr-defined]
+        if inst.slowdown != 1.0 or inst.config_slowdown is not None:
+            p *= self._slowdown_now(inst, True)
+        layers = self.models[inst.midx].spec.num_layers
         # The last layer's compute cannot finish before that layer is resident (streaming).
         inst.prefill_end = max(t + p, inst.full_at + p / layers)
         inst.prefill_batch = batch
@@ -432,31 +529,34 @@ class Simulation:
             self.push(inst.full_at, EV_INST, inst, inst.version)
             return
         kv = round(inst.kv_tokens_now())
-        inst.step_s = inst.engine.decode_step_s(len(inst.running), kv) * self._slowdown_now(inst)
+        step = inst.timer.decode(len(inst.running), kv)  # type: ignore[attr-defined]
+        if inst.slowdown != 1.0 or inst.config_slowdown is not None:
+            step *= self._slowdown_now(inst)
+        inst.step_s = step
         target = inst.running[0][0]
-        self.push(t + max(target - inst.v, 0.0) * inst.step_s, EV_INST, inst, inst.version)
+        self.push(t + max(target - inst.v, 0.0) * step, EV_INST, inst, inst.version)
 
     def _engine_event(self, inst: SimInstance, t: float) -> None:
         inst.settle(t)
         was_busy = inst.busy
         if inst.prefill_end >= 0 and t >= inst.prefill_end - 1e-12:
-            for rid in inst.prefill_batch:
-                self.first_token[rid] = t
-                n_out = self.out[rid]
-                if n_out <= 1:
-                    self._complete(inst, rid, t)
+            for r in inst.prefill_batch:
+                r.first = t
+                if r.out <= 1:
+                    self._complete(inst, r, t)
                 else:
-                    heapq.heappush(inst.running, (inst.v + n_out - 1, rid))
-                    inst.sum_in_running += self.inp[rid]
+                    heapq.heappush(inst.running, (inst.v + r.out - 1, r.rid, r))
+                    inst.sum_in_running += r.inp
                     inst.sum_v0_running += inst.v
             inst.prefill_batch = []
             inst.prefill_end = -1.0
-        while inst.running and inst.running[0][0] <= inst.v + 1e-6:
-            target, rid = heapq.heappop(inst.running)
-            inst.sum_in_running -= self.inp[rid]
-            inst.sum_v0_running -= target - (self.out[rid] - 1)
-            self._complete(inst, rid, t)
-        if not inst.running:
+        running = inst.running
+        while running and running[0][0] <= inst.v + 1e-6:
+            target, _, r = heapq.heappop(running)
+            inst.sum_in_running -= r.inp
+            inst.sum_v0_running -= target - (r.out - 1)
+            self._complete(inst, r, t)
+        if not running:
             inst.sum_in_running = 0
             inst.sum_v0_running = 0.0
         if inst.pending and inst.prefill_end < 0:
@@ -467,22 +567,26 @@ class Simulation:
         if inst.peers and inst.busy != was_busy:
             self._retime_peers(inst, t)
         if inst.phase == SERVING:
-            self._dispatch(inst.midx, t)
+            if self.queue[inst.midx]:
+                self._dispatch(inst.midx, t)
         elif inst.phase == GRACE and inst.n_assigned == 0 and self.executor is not None:
             self.executor.step(t)  # its last request finished: the grace may end
 
-    def _complete(self, inst: SimInstance, rid: int, t: float) -> None:
-        self.finish[rid] = t
+    def _complete(self, inst: SimInstance, r: Req, t: float) -> None:
+        r.finish = t
         self.done += 1
         inst.n_assigned -= 1
         inst.served += 1
-        inst.kv_reserved -= self.inp[rid] + self.out[rid]
+        inst.kv_reserved -= r.inp + r.out
+        self.stats[r.m].served_request(r.t, r.assigned, r.first, t, r.out, r.delayed)
+        if self.record:
+            self.recorded.append(r)
         self._set_inflight(inst.midx, t, -1)
 
     # ------------------------------------------------------------------ instances
 
     def instances_of(self, name: str) -> list[SimInstance]:
-        return [i for i in self.instances if i.model == name and i.phase != STOPPED]
+        return [i for i in self.by_model[self.by_name[name].idx] if i.phase != STOPPED]
 
     def live(self) -> list[SimInstance]:
         return [i for i in self.instances if i.phase != STOPPED]
@@ -523,18 +627,17 @@ class Simulation:
     def cut_off(self, inst: SimInstance, t: float) -> None:
         """Its grace period ran out with requests still running: they are dropped."""
         inst.settle(t)
-        rids = list(inst.pending) + list(inst.prefill_batch) + [r for _, r in inst.running]
+        rs = self._requests_of(inst)
         inst.pending.clear()
         inst.prefill_batch = []
         inst.prefill_end = -1.0
         inst.running = []
         inst.sum_in_running = 0
         inst.sum_v0_running = 0.0
-        for rid in rids:
-            self.drop[rid] = DROP_GRACE_CUTOFF
-            self.done += 1
+        for r in rs:
+            self._drop(r, DROP_GRACE_CUTOFF)
             inst.n_assigned -= 1
-            inst.kv_reserved -= self.inp[rid] + self.out[rid]
+            inst.kv_reserved -= r.inp + r.out
             self._set_inflight(inst.midx, t, -1)
 
     def terminate(self, inst: SimInstance, t: float) -> None:
@@ -549,6 +652,7 @@ class Simulation:
                 else:
                     del self.cl.holder[(inst.node, g)]
                     self.held -= 1
+        self.cl.generation += 1
         for p in inst.peers:
             if inst in p.peers:
                 p.peers.remove(inst)
@@ -573,10 +677,12 @@ class Simulation:
                 t_begin=t,
                 per_layer_s=0.0,
                 priority=prio,
+                kept=True,
             )
             self._make_room(rep, t)
             self.cl.add_replica(rep)
         self.instances = [i for i in self.instances if i.phase != STOPPED]
+        self.by_model[inst.midx] = [i for i in self.by_model[inst.midx] if i.phase != STOPPED]
         self._sample(t)
 
     _terminate = terminate
@@ -600,7 +706,7 @@ class Simulation:
         for midx in range(len(self.models)):
             if self.queue[midx]:
                 self._dispatch(midx, t)
-        if t < self.duration or self.done < len(self.arr):
+        if t < self.duration or self.done < self.issued:
             self.push(t + self.scale_interval, EV_TICK)
 
     def _window(self, t: float) -> None:
@@ -613,7 +719,7 @@ class Simulation:
         if self.check:
             self.check_invariants(t)
         if t + self.window_s <= self.duration + self.drain_s and (
-            t < self.duration or self.done < len(self.arr)
+            t < self.duration or self.done < self.issued
         ):
             self.push(t + self.window_s, EV_WINDOW)
 

@@ -14,7 +14,17 @@ The same :class:`warmserve.control.Controller` the operator runs decides here; t
 When it decides (the operator's equivalents in brackets): every ``scale_interval_s`` [poll],
 at each window boundary [poll at the boundary], when a request finds no room [the gateway's
 held-demand wake-up; autoscaling of that model only], and when a grace instance's last request
-finishes [the agent's KV-page event].  After a decision that drained or ended an instance it
+finishes [the agent's KV-page event].
+
+A request finding no room wakes the controller only when it could start something
+(:meth:`ControlExecutor.wake`, issue 12 §5): when the autoscaler's count rule
+(:func:`~warmserve.policy.autoscaler.desired_instances`, the rule the controller applies) asks
+for more instances than the model has, and not again while nothing that could give it GPUs has
+changed since the last such call started nothing (no instance took or freed a GPU, the model's
+instance count and desired count are the same); the next poll asks anyway.  Under saturation
+this was a full snapshot per arriving request (82 % of the run).  It changes *when* the
+controller is asked, not what it decides: a test keeps the results within a few percent of
+asking at every waiting request.  After a decision that drained or ended an instance it
 decides again at once [the agent's instance event wakes the loop], so a freed GPU is re-planned
 without waiting for the next tick.
 """
@@ -27,8 +37,10 @@ from typing import TYPE_CHECKING
 from warmserve.control import decisions as dec
 from warmserve.control.controller import Controller
 from warmserve.control.observation import GpuObs, InstanceObs, Observation, SlotObs
-from warmserve.sim.cluster import GRACE, PHASE, STOPPED, SimInstance, SimReplica
-from warmserve.sim.model import StartRecord
+from warmserve.policy.autoscaler import desired_instances
+from warmserve.policy.placement import plan_prewarm
+from warmserve.sim.cluster import GRACE, PHASE, SERVING, STARTING, STOPPED, SimInstance, SimReplica
+from warmserve.sim.model import SimModel, StartRecord
 
 if TYPE_CHECKING:
     from warmserve.sim.hooks import SimAccess as Simulation
@@ -64,15 +76,24 @@ class ControlExecutor:
         self.sim = sim
         self.ctl = controller
         self.unplaced = 0
+        self._gpus: tuple[GpuObs, ...] | None = None
+        # how often each WarmServe mechanism acted (docs/evaluation.md: "exercised")
+        self.counts = {"prewarms": 0, "evict_aware_choices": 0, "reclaim_drains": 0,
+                       "kept_replica_hits": 0}
+        # model -> ((GPU generation, instances, desired), failure kind or None): the last
+        # wake-up that started nothing, and why
+        self.idle_wake: dict[str, tuple[tuple[int, int, int], str | None]] = {}
 
     # ------------------------------------------------------------------ observe
 
     def observation(self, t: float) -> Observation:
         sim = self.sim
         cl = sim.cl
-        gpus = tuple(
-            GpuObs(n, g, cl.hbm_bytes) for n in cl.node_names for g in range(cl.gpus_per_node)
-        )
+        if self._gpus is None:  # the GPUs never change during a run
+            self._gpus = tuple(
+                GpuObs(n, g, cl.hbm_bytes) for n in cl.node_names for g in range(cl.gpus_per_node)
+            )
+        gpus = self._gpus
         slots = tuple(
             SlotObs(
                 r.sid,
@@ -91,18 +112,61 @@ class ControlExecutor:
 
     # ------------------------------------------------------------------ decide + act
 
-    def step(self, t: float, only: str | None = None) -> None:
+    def step(self, t: float, only: str | None = None) -> dec.Decisions | None:
         """Decide at ``t`` (``only``: autoscale that model only) and act; repeat after drains
-        and grace ends (a bounded number of rounds)."""
+        and grace ends (a bounded number of rounds).  Returns the last decisions."""
+        out = None
         for _ in range(MAX_ROUNDS):
             obs = self.observation(t)
             self.ctl.observe(obs)
             out = self.ctl.decide(obs, only=None if only is None else (only,))
             if out.plan is not None:
                 self.unplaced += len(out.plan.unplaced)
+                self._count_evict_aware(out.plan)
             changed = self.execute(out, t)
             if not changed or only is not None:
-                return
+                break
+        return out
+
+    def _count_evict_aware(self, plan: object) -> None:
+        """Evict-aware placement acted when first fit would have placed the same replicas
+        elsewhere (reported with the §7.5 ablation; one extra plan per plan, simulator only)."""
+        state = self.ctl.last_plan_state
+        if not self.ctl.cfg.evict_aware or state is None:
+            return
+        ff = plan_prewarm(state, evict_aware=False)
+        ours = {(r.model, r.node, r.gpus) for r in plan.place}  # type: ignore[attr-defined]
+        if ours != {(r.model, r.node, r.gpus) for r in ff.place}:
+            self.counts["evict_aware_choices"] += 1
+
+    def wake(self, t: float, m: SimModel) -> None:
+        """A request of ``m`` found no room: autoscale ``m`` now if that can start something
+        (module docstring)."""
+        name = m.spec.name
+        st = self.ctl.models.get(name)
+        if st is None:
+            return
+        sim = self.sim
+        current = sum(1 for i in sim.by_model[m.idx] if i.phase in (STARTING, SERVING))
+        e = st.entry
+        want = desired_instances(
+            float(sim.inflight[m.idx]), e.spec.max_batch, current, self.ctl.cfg.autoscaler,
+            e.min_instances, e.max_instances,
+        )
+        if want <= current:
+            return  # the autoscaler would start nothing
+        last = self.idle_wake.get(name)
+        if last is not None and last[0] == (sim.cl.generation, current, want):
+            if last[1] is not None:  # the same failed start as last time
+                sim.start_failures += 1
+                sim.failure_kinds[last[1]] += 1
+            return
+        out = self.step(t, only=name)
+        if out is not None and not any(isinstance(d, dec.Start) for d in out.items):
+            kind = sim.failure_kind(m.spec.tp) if name in out.no_capacity else None
+            self.idle_wake[name] = ((sim.cl.generation, current, want), kind)
+        else:
+            self.idle_wake.pop(name, None)
 
     def bootstrap(self, t: float, counts: dict[str, int]) -> None:
         """Instances serving when the simulated period begins, all weights resident."""
@@ -152,11 +216,17 @@ class ControlExecutor:
         sys = sim.sys
         sim.account(t)
         resident = 0
+        # A load from scratch pays the start-up profile's fixed set-up before its first layer
+        # arrives; a replica has paid it (or is paying it: the rest of it is waited for).
+        copy_from = t + m.load_setup_s
         if d.slot_id:
             rep = sim.cl.replica(d.slot_id)
             if rep is not None:
                 resident = rep.layers_at(t)
+                copy_from = max(t, rep.t_begin)
                 sim.cl.remove_replica(rep, t)
+                if rep.kept and not prewarmed:
+                    self.counts["kept_replica_hits"] += 1
         for sid in d.evicts:
             rep = sim.cl.replica(sid)
             if rep is not None:
@@ -172,19 +242,20 @@ class ControlExecutor:
                 comm_group_ready=(d.hit and sys.comm_group_on_hit) or m.spec.tp == 1,
             )
             link = max(sim.cl.link_free[(d.node, g)] for g in d.gpus)
-            wait = max(link - t, 0.0)
-            per_layer = m.per_layer_load_s * sys.load_slowdown
+            missing = layers - resident
+            per_layer = m.per_layer_load_s * (m.stock_slowdown if sys.stock_loader else 1.0)
             if sys.stream_layers:
                 # WarmServe's worker copies the missing layers from the moment of the start,
                 # overlapping the remaining stages; serving may begin once the first
                 # prewarm_layers are resident.
-                load_start = t + wait
+                load_start = max(copy_from, link) if missing else t
                 need = max(m.spec.resident_layers - resident, 0)
                 ready = max(t + stages, load_start + need * per_layer)
-                full = load_start + (layers - resident) * per_layer
+                full = load_start + missing * per_layer
             else:
                 # Stock vLLM: process, import, device, engine ... and all weights, in sequence.
-                ready = t + stages + wait + (layers - resident) * per_layer
+                setup = copy_from - t if missing else 0.0
+                ready = max(t + stages + setup, link) + missing * per_layer
                 full = ready
             for g in d.gpus:
                 sim.cl.link_free[(d.node, g)] = max(full, t)
@@ -208,6 +279,8 @@ class ControlExecutor:
             return
         inst.phase = GRACE
         inst.grace_since = t
+        if d.reason.startswith("reclaimed"):
+            self.counts["reclaim_drains"] += 1
 
     def _end(self, d: dec.EndGrace, t: float) -> None:
         inst = self._find(d.instance_id)
@@ -221,7 +294,7 @@ class ControlExecutor:
         sim = self.sim
         m = sim.by_name[d.model]
         layers = d.layers or m.spec.num_layers
-        begin = max([t] + [sim.cl.link_free[(d.node, g)] for g in d.gpus])
+        begin = max([t + m.load_setup_s] + [sim.cl.link_free[(d.node, g)] for g in d.gpus])
         lender = next(
             (
                 i
@@ -233,6 +306,7 @@ class ControlExecutor:
         rep = SimReplica(
             d.model, d.node, d.gpus, d.bytes_per_gpu, layers, begin, m.per_layer_load_s, lender
         )
+        self.counts["prewarms"] += 1
         for g in d.gpus:
             sim.cl.link_free[(d.node, g)] = rep.t_done
         sim.cl.add_replica(rep)

@@ -38,7 +38,9 @@ class SimAccess(Protocol):
     by_name: dict[str, SimModel]
     sys: Any
     instances: list[SimInstance]
+    by_model: list[list[SimInstance]]
     queue: list[Any]
+    inflight: list[int]
     lent_placements: int
 
     def cut_off(self, inst: SimInstance, t: float) -> None: ...
@@ -78,8 +80,9 @@ class SystemHooks:
 class StaticLayout(SystemHooks):
     """A fixed set of always-on instances (dedicated, MuxServe)."""
 
-    def __init__(self, instances: list[StaticInstance]) -> None:
+    def __init__(self, instances: list[StaticInstance], info: dict[str, Any] | None = None) -> None:
         self.instances = instances
+        self.info = info or {}  # how the layout was chosen (reported with the results)
 
     def setup(self, sim: SimAccess) -> None:
         for s in self.instances:

@@ -39,6 +39,16 @@ class SimModel:
     avg_history: list[float]
     peak_history: list[float]
     placeable: bool = True
+    load_setup_s: float = 0.0  # fixed cost before a load from scratch copies its first layer
+    stock_slowdown: float = 1.0  # stock vLLM's loader vs the weight path (start-up profile)
+    timer: Any = None  # warmserve.sim.perf.StepTimer of ``engine`` (built on first use)
+
+    def step_timer(self) -> Any:
+        if self.timer is None:
+            from warmserve.sim.perf import StepTimer
+
+            self.timer = StepTimer(self.engine)
+        return self.timer
 
 
 @dataclass
@@ -70,38 +80,81 @@ class StartRecord:
 
 @dataclass
 class SimOutput:
-    """Raw results of one run (turned into a table by :mod:`warmserve.sim.metrics`)."""
+    """Raw results of one run (turned into a row by :mod:`warmserve.sim.metrics`).
+
+    ``stats``: one :class:`warmserve.sim.metrics.ModelStats` per model (online metrics).  The
+    per-request arrays (``first_token``, ``finish``, ``assigned``, ``drop``, indexed by request
+    in arrival order) exist only for runs made with ``record=True`` (tests, small runs).
+    """
 
     system: str
-    first_token: np.ndarray
-    finish: np.ndarray
-    drop: list[str | None]
+    stats: list[Any]
     starts: list[StartRecord]
     gpu_seconds: float
     universal_gpu_seconds: float
     timeline: list[tuple[float, dict[str, int]]]
     end_s: float
+    requests: int = 0
     plans: int = 0
     unplaced: int = 0
     lent_evictions: int = 0
     lent_placements: int = 0
     events: int = 0
-    assigned: np.ndarray | None = None
     start_failures: int = 0
     failure_kinds: dict[str, int] = field(default_factory=dict)
     extra: dict[str, object] = field(default_factory=dict)
+    first_token: np.ndarray | None = None
+    finish: np.ndarray | None = None
+    assigned: np.ndarray | None = None
+    drop: list[str | None] | None = None
+
+
+@dataclass(frozen=True)
+class PeriodFacts:
+    """One model's simulated period seen whole (an oracle: baselines that plan from average
+    rates use it, the most favourable estimate for them)."""
+
+    requests: int
+    mean_input: float
+    mean_output: float
+    peak_inflight: float  # the largest per-window peak in flight at nominal speeds
 
 
 @dataclass
 class Prepared:
-    """Everything shared by the systems of one scenario run."""
+    """Everything shared by the systems of one scenario run.
+
+    ``stream`` generates the requests on demand; every system replays the same ones.
+    """
 
     scenario: Scenario
     profile: GpuProfile
     models: list[SimModel]
-    requests: wl.Requests
+    stream: wl.RequestStream
     start_minute: int
     shares: np.ndarray
-    peak_inflight: list[float]  # oracle peak of the simulated period, per model (dedicated)
+    facts: list[PeriodFacts]
     initial: dict[str, int]
     prep_s: float
+    startup: Any = None  # warmserve.sim.startup.StartupProfile
+    _requests: wl.Requests | None = None
+
+    @property
+    def requests(self) -> wl.Requests:
+        """All of the period's requests in one array set (materialised on first use: tests,
+        plots and small runs; simulation runs stream them)."""
+        if self._requests is None:
+            self._requests = self.stream.materialize()
+        return self._requests
+
+    @property
+    def n_requests(self) -> int:
+        return sum(f.requests for f in self.facts)
+
+    @property
+    def peak_inflight(self) -> list[float]:
+        return [f.peak_inflight for f in self.facts]
+
+    def model_period(self, idx: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(arrival, input, output) of one model's whole period."""
+        return self.stream.model_requests(idx, 0.0, self.scenario.duration_s)

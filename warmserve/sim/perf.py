@@ -567,6 +567,62 @@ class EngineModel:
         return fixed + rest
 
 
+class StepTimer:
+    """:meth:`EngineModel.decode_step_s` and :meth:`EngineModel.prefill_s` with every constant
+    folded once: the event loop times a step at every batch change, millions of times a run.
+
+    Same formulas (the roofline of the module docstring), written as linear functions of the
+    batch, the KV tokens and the prompts' sum and sum of squares; results agree with the
+    engine model's to float rounding (``tests/sim/test_perf.py``).  No argument checks: the
+    loop only passes batches >= 1 and token counts >= 0.
+    """
+
+    __slots__ = (
+        "L",
+        "ar_c",
+        "ar_l",
+        "b_kv",
+        "b_w",
+        "f_dec",
+        "f_pre",
+        "f_tok",
+        "h_b",
+        "h_f",
+        "over",
+    )
+
+    def __init__(self, e: EngineModel) -> None:
+        p, a, tp = e.profile, e.arch, e.tp
+        flops = p.bf16_flops * p.prefill_efficiency
+        bw = p.hbm_bw * p.decode_efficiency
+        self.L = a.num_layers
+        self.f_tok = 2.0 * a.layer_params / tp / flops  # GEMMs, per token
+        self.f_dec = 4.0 * a.attn_dim / tp / flops  # decode attention, per KV token
+        self.f_pre = 2.0 * a.attn_dim / tp / flops  # causal prefill attention, per n^2
+        self.b_w = e.block_read_bytes_per_gpu / bw
+        self.b_kv = a.kv_bytes_per_token_per_layer / min(tp, a.num_kv_heads) / bw
+        if tp == 1:
+            self.ar_c = self.ar_l = 0.0
+        else:
+            self.ar_c = 2.0 * 2 * (tp - 1) / tp * a.hidden * a.dtype_bytes / p.gpu_to_gpu_bw
+            self.ar_l = 2.0 * p.allreduce_latency_s
+        self.h_f = 2.0 * a.head_params / tp / flops
+        self.h_b = e._bytes_per_param * a.head_params / tp / bw
+        self.over = p.step_overhead_s
+
+    def decode(self, batch: int, kv_tokens: float) -> float:
+        layer = max(self.f_tok * batch + self.f_dec * kv_tokens, self.b_w + self.b_kv * kv_tokens)
+        layer += self.ar_c * batch + self.ar_l
+        return self.L * layer + max(self.h_f * batch, self.h_b) + self.over
+
+    def prefill(self, prompts: int, tokens: int, squares: int) -> float:
+        """One prefill pass of ``prompts`` prompts, ``tokens`` in total, sum of squared lengths
+        ``squares``."""
+        layer = max(self.f_tok * tokens + self.f_pre * squares, self.b_w + self.b_kv * tokens)
+        layer += self.ar_c * tokens + self.ar_l
+        return self.L * layer + max(self.h_f * prompts, self.h_b) + self.over
+
+
 def scaled_profile(profile: GpuProfile, compute_share: float, hbm_share: float) -> GpuProfile:
     """The profile as seen by a job holding ``compute_share`` of the SMs (CUDA MPS) and
     ``hbm_share`` of the HBM bandwidth (jobs running concurrently on one GPU split it).
@@ -583,21 +639,31 @@ def scaled_profile(profile: GpuProfile, compute_share: float, hbm_share: float) 
     )
 
 
+PAPER_TABLE1_GIB = {"7b": 12.55, "13b": 24.24, "70b": 128.49}  # WarmServe Table 1 sizes
+
+
 def physics_table(
-    profile: GpuProfile, prompt_tokens: int = 1155, output_tokens: int = 211
+    profile: GpuProfile,
+    prompt_tokens: int = 1155,
+    output_tokens: int = 211,
+    load_setup_s: float = 0.0,
 ) -> list[dict[str, float | str]]:
-    """Headline numbers of the paper's three models (TP 1/2/4) on ``profile``: step times, KV
-    capacity, load and start-up times, and the §7.2 Figure 8 stage-by-stage first-token times.
-    ``python -m warmserve.sim.perf [profile]`` prints it as the table in docs/simulator.md."""
+    """Headline numbers of the paper's three models (TP 1/2/4, Table 1 sizes) on ``profile``:
+    step times, KV capacity, load and start-up times, and the §7.2 Figure 8 stage-by-stage
+    first-token times; ``load_setup_s`` is the start-up profile's fixed cost of a load from
+    scratch.  ``python -m warmserve.sim.perf [gpu profile] [start-up profile]`` prints it as the
+    table in docs/simulator.md."""
     rows: list[dict[str, float | str]] = []
     ctx = 32 * (prompt_tokens + output_tokens // 2)
     for size, tp in (("7b", 1), ("13b", 2), ("70b", 4)):
-        e = EngineModel(profile, ModelArch.llama2(size), tp)
+        arch = ModelArch.llama2(size).with_weight_bytes(int(PAPER_TABLE1_GIB[size] * 2**30))
+        e = EngineModel(profile, arch, tp)
         full = e.arch.num_layers
+        f = load_setup_s
         stages = [
-            e.ttft_s(prompt_tokens),
-            e.ttft_s(prompt_tokens, pooled_process=True),
-            e.ttft_s(prompt_tokens, pooled_process=True, engine_ready=True),
+            e.ttft_s(prompt_tokens) + f,
+            e.ttft_s(prompt_tokens, pooled_process=True) + f,
+            e.ttft_s(prompt_tokens, pooled_process=True, engine_ready=True) + f,
             e.ttft_s(prompt_tokens, resident_layers=full, pooled_process=True, engine_ready=True),
             e.ttft_s(
                 prompt_tokens,
@@ -614,13 +680,16 @@ def physics_table(
                 "decode_b32_ms": e.decode_step_s(32, ctx) * 1e3,
                 "prefill_ms": e.prefill_s(prompt_tokens) * 1e3,
                 "kv_tokens": e.kv_capacity_tokens(),
-                "load_s": e.load_s(),
-                "cold_start_s": e.cold_start_s(),
+                "load_s": e.load_s() + f,
+                "cold_start_s": e.cold_start_s() + f,
                 "ttft_no_prewarm_s": stages[0],
                 "ttft_device_s": stages[1],
                 "ttft_engine_s": stages[2],
                 "ttft_weights_s": stages[3],
                 "ttft_commgroup_s": stages[4],
+                "device_x": stages[0] / stages[1],
+                "engine_x": stages[1] / stages[2],
+                "weights_comm_x": stages[2] / stages[4],
                 "total_reduction": stages[0] / stages[4],
             }
         )
@@ -631,9 +700,11 @@ if __name__ == "__main__":  # pragma: no cover - a documentation helper
     import sys
 
     from warmserve.sim.hardware import load_profile
+    from warmserve.sim.startup import load_startup
 
-    prof = load_profile(sys.argv[1] if len(sys.argv) > 1 else "h800")
-    table = physics_table(prof)
+    gpu = load_profile(sys.argv[1] if len(sys.argv) > 1 else "h800")
+    sp = load_startup(sys.argv[2] if len(sys.argv) > 2 else "fast-path", gpu)
+    table = physics_table(sp.apply(gpu), load_setup_s=sp.load_setup_s)
     print("| " + " | ".join(table[0]) + " |")
     print("|" + "---|" * len(table[0]))
     for row in table:

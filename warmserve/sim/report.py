@@ -14,6 +14,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("TTFT p50", "ttft_p50_s", "t"),
     ("TTFT p95", "ttft_p95_s", "t"),
     ("TTFT p99", "ttft_p99_s", "t"),
+    ("TTFT p99.9", "ttft_p999_s", "t"),
+    ("delayed by start", "start_delayed_share", "pct2"),
     ("TPOT p50", "tpot_p50_s", "ms"),
     ("TPOT p99", "tpot_p99_s", "ms"),
     ("hit ratio", "hit_ratio", "pct"),
@@ -49,6 +51,8 @@ def _cell(row: dict[str, Any], key: str, kind: str) -> str:
         return f"{float(v) * 1000:.1f} ms"
     if kind == "pct":
         return f"{float(v) * 100:.0f}%"
+    if kind == "pct2":
+        return f"{float(v) * 100:.2f}%"
     if kind == "f2":
         return f"{float(v):.2f}"
     return str(v)
@@ -78,7 +82,7 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> None:
 def plot(path: str | Path, results: Sequence[tuple[str, Any, Any]], title: str = "") -> None:
     """TTFT CDF per system (left) and the timeline of GPU worker states per system (right).
 
-    ``results``: (system, ttft seconds array of served requests, timeline list of
+    ``results``: (system, TTFT CDF as (seconds, cumulative share) arrays, timeline list of
     (t, {state: count})).
     """
     import matplotlib
@@ -91,10 +95,9 @@ def plot(path: str | Path, results: Sequence[tuple[str, Any, Any]], title: str =
     fig = plt.figure(figsize=(13, max(4.0, 1.6 * n + 1)))
     grid = fig.add_gridspec(n, 2, width_ratios=[1.2, 1.0])
     ax = fig.add_subplot(grid[:, 0])
-    for name, ttft, _ in results:
-        x = np.sort(np.asarray(ttft))
-        if x.size:
-            ax.plot(np.maximum(x, 1e-3), np.arange(1, x.size + 1) / x.size, label=name)
+    for name, (x, y), _ in results:
+        if len(x):
+            ax.plot(np.maximum(np.asarray(x), 1e-3), y, label=name, drawstyle="steps-post")
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("CDF")

@@ -11,32 +11,26 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
 from warmserve.policy.autoscaler import AutoscalerConfig, desired_instances
 from warmserve.policy.cluster import (
-    GPU,
-    ClusterState,
     GiB,
-    Instance,
-    InstancePhase,
     ModelSpec,
-    Node,
-    WorkerState,
 )
 from warmserve.policy.load import inflight_load, request_durations
-from warmserve.policy.placement import NoCapacity, choose_start
 from warmserve.policy.predictor import DEFAULT_PREDICTOR
-from warmserve.policy.scoring import instances_for
 from warmserve.sim import workload as wl
 from warmserve.sim.cluster import SimCluster
 from warmserve.sim.core import Simulation
 from warmserve.sim.hardware import GpuProfile, load_profile
 from warmserve.sim.hooks import Controlled, StaticLayout, SystemHooks
-from warmserve.sim.model import Prepared, SimModel, SimOutput, StaticInstance
+from warmserve.sim.model import PeriodFacts, Prepared, SimModel, SimOutput
 from warmserve.sim.perf import EngineModel, ModelArch
 from warmserve.sim.scenario import Scenario, ScenarioError, start_minute_of
+from warmserve.sim.startup import load_startup
 from warmserve.sim.systems import get_system
 
 log = logging.getLogger("warmserve.sim")
@@ -47,7 +41,7 @@ def _engine_speeds(engine: EngineModel, spec: ModelSpec, lengths) -> tuple[float
 
     Used only to turn history arrivals into in-flight load (§2.2: "the running time of a request
     is computed based on its input and output lengths"): the median prompt prefilled alone, and a
-    half-full batch decoding with median contexts.
+    half-full batch decoding median contexts.
     """
     p = max(1, int(np.median(lengths[0])))
     ctx = int(np.median(lengths[0]) + np.median(lengths[1]) / 2)
@@ -55,7 +49,19 @@ def _engine_speeds(engine: EngineModel, spec: ModelSpec, lengths) -> tuple[float
     return p / engine.prefill_s(p), 1.0 / engine.decode_step_s(b, b * ctx)
 
 
-def build_models(sc: Scenario, profile: GpuProfile, lengths) -> list[tuple[ModelSpec, EngineModel]]:
+def budget_layers(profile: GpuProfile, engine: EngineModel, n_models: int) -> int:
+    """Prewarm depth from the memory budget (§4, §5): every served model's replica should fit
+    on one GPU beside one of each of the others (one-for-many prewarming), so each may take
+    ``1 / n_models`` of a GPU's usable memory; within that share a replica keeps as many
+    leading layers as fit (all of them when the share holds the whole shard)."""
+    share = profile.usable_bytes / max(n_models, 1)
+    return int(min(engine.arch.num_layers, share // engine.layer_bytes_per_gpu))
+
+
+def build_models(
+    sc: Scenario, profile: GpuProfile, lengths
+) -> list[tuple[ModelSpec, EngineModel, int]]:
+    """(spec, engine model, profiled minimum depth) per model, in scenario order."""
     out = []
     median_prompt = max(1, int(np.median(lengths[0])))
     for cfg in sc.models:
@@ -71,14 +77,16 @@ def build_models(sc: Scenario, profile: GpuProfile, lengths) -> list[tuple[Model
                 f"{profile.name} node"
             )
         engine = EngineModel(profile, arch, cfg.tp)
+        # the paper's offline profiling pass (§4): fewest leading layers that never block the
+        # first token when the rest streams in behind the activation
+        profiled = max(
+            1, engine.min_resident_layers(median_prompt, head_start_s=profile.startup.activation_s)
+        )
         layers = cfg.prewarm_layers
-        if layers is None:  # the paper's offline profiling pass (§4)
-            layers = max(
-                1,
-                engine.min_resident_layers(
-                    median_prompt, head_start_s=profile.startup.activation_s
-                ),
-            )
+        if layers is None:
+            layers = profiled
+            if sc.prewarm_depth == "budget":
+                layers = max(profiled, budget_layers(profile, engine, len(sc.models)))
         if not 1 <= layers <= arch.num_layers:
             raise ScenarioError(
                 f"model {cfg.name}: prewarm_layers must be in [1, {arch.num_layers}]"
@@ -88,18 +96,27 @@ def build_models(sc: Scenario, profile: GpuProfile, lengths) -> list[tuple[Model
             weight_bytes=arch.weight_bytes,
             tp=cfg.tp,
             max_batch=cfg.max_batch,
-            cold_start_s=engine.load_s(),  # T_c of Eq. 7-8: loading the whole weights
+            cold_start_s=0.0,  # set by prepare (T_c: the whole weights' load time)
             num_layers=arch.num_layers,
             prewarm_layers=layers,
         )
-        out.append((spec, engine))
+        out.append((spec, engine, profiled))
     return out
+
+
+def _template(sc: Scenario) -> wl.ArrivalTemplate | None:
+    name = sc.fine_arrivals or sc.lengths
+    if name == wl.POISSON:
+        return None
+    return wl.ArrivalTemplate.from_trace(name)
 
 
 def prepare(sc: Scenario) -> Prepared:
     """Physics, workload and history for ``sc`` (deterministic for ``sc.seed``)."""
     t0 = time.perf_counter()
-    profile = load_profile(sc.profile)
+    gpu = load_profile(sc.profile)
+    startup = load_startup(sc.startup, gpu)
+    profile = startup.apply(gpu)
     counts = wl.read_minute_series(sc.arrivals)
     lengths = wl.read_lengths(sc.lengths)
     days = [m.trace_day for m in sc.models]
@@ -120,33 +137,39 @@ def prepare(sc: Scenario) -> Prepared:
     shapes = wl.model_shapes(
         counts, days, start, duration_min, shares, sc.total_rps, sc.history_days
     )
-    rng = np.random.default_rng(sc.seed)
-    reqs = wl.generate(rng, shapes, lengths)
+    stream = wl.RequestStream(sc.seed, shapes, lengths, _template(sc), sc.duration_s)
     built = build_models(sc, profile, lengths)
     models: list[SimModel] = []
-    peaks: list[float] = []
+    facts: list[PeriodFacts] = []
     initial: dict[str, int] = {}
     asc = autoscaler_config(sc)
-    for idx, ((spec, engine), shape) in enumerate(zip(built, shapes, strict=True)):
+    for idx, ((spec0, engine, _profiled), shape) in enumerate(zip(built, shapes, strict=True)):
+        spec = replace(spec0, cold_start_s=startup.load_setup_s + engine.load_s())
         pre, dec = _engine_speeds(engine, spec, lengths)
-        h_t, h_in, h_out = wl.generate_history(rng, shape, lengths)
         avg_h: list[float] = []
         peak_h: list[float] = []
-        hist_len = shape.history_rate_per_minute.size * wl.MINUTE_S
+        hist_len = shape.history_min * wl.MINUTE_S
         if hist_len >= sc.window_s:
+            h_t, h_in, h_out = stream.model_requests(idx, -hist_len, 0.0)
             loads = inflight_load(
                 h_t, request_durations(h_in, h_out, pre, dec), sc.window_s,
                 start_s=-hist_len, end_s=0.0,
             )
             avg_h = [w.avg for w in loads]
             peak_h = [w.peak for w in loads]
-        mine = reqs.model == idx
+        p_t, p_in, p_out = stream.model_requests(idx, 0.0, sc.duration_s)
         period = inflight_load(
-            reqs.arrival[mine],
-            request_durations(reqs.input_tokens[mine], reqs.output_tokens[mine], pre, dec),
+            p_t, request_durations(p_in, p_out, pre, dec),
             sc.window_s, start_s=0.0, end_s=sc.duration_s,
-        ) if mine.any() else []
-        peaks.append(max((w.peak for w in period), default=0.0))
+        ) if p_t.size else []
+        facts.append(
+            PeriodFacts(
+                int(p_t.size),
+                float(p_in.mean()) if p_t.size else 1.0,
+                float(p_out.mean()) if p_t.size else 1.0,
+                max((w.peak for w in period), default=0.0),
+            )
+        )
         placeable = engine.free_kv_bytes_per_gpu() > 0
         models.append(
             SimModel(
@@ -159,12 +182,15 @@ def prepare(sc: Scenario) -> Prepared:
                 avg_history=avg_h,
                 peak_history=peak_h,
                 placeable=placeable,
+                load_setup_s=startup.load_setup_s,
+                stock_slowdown=startup.stock_slowdown,
             )
         )
         last = avg_h[-1] if avg_h else 0.0
         initial[spec.name] = desired_instances(last, spec.max_batch, 0, asc) if placeable else 0
     return Prepared(
-        sc, profile, models, reqs, start, shares, peaks, initial, time.perf_counter() - t0
+        sc, profile, models, stream, start, shares, facts, initial, time.perf_counter() - t0,
+        startup=startup,
     )
 
 
@@ -177,55 +203,6 @@ def autoscaler_config(sc: Scenario) -> AutoscalerConfig:
     )
 
 
-def _empty_state(sc: Scenario, profile: GpuProfile, models: list[SimModel],
-                 placed: list[StaticInstance]) -> ClusterState:
-    held = {(s.node, g) for s in placed for g in s.gpus}
-    nodes = tuple(
-        Node(
-            f"node-{n}",
-            tuple(
-                GPU(g, profile.hbm_bytes, 0 if (f"node-{n}", g) in held else profile.hbm_bytes,
-                    WorkerState.DEDICATED if (f"node-{n}", g) in held else WorkerState.IDLE)
-                for g in range(sc.gpus_per_node)
-            ),
-        )
-        for n in range(sc.nodes)
-    )
-    specs = {m.spec.name: m.spec for m in models}
-    insts = tuple(
-        Instance(s.model, s.node, s.gpus, phase=InstancePhase.SERVING) for s in placed
-    )
-    return ClusterState(nodes, specs, (), insts, {})
-
-
-def dedicated_layout(prep: Prepared) -> list[StaticInstance]:
-    """Enough always-on instances per model for its peak in-flight load (the oracle peak of the
-    simulated period), placed one instance per model per round (largest TP first) with
-    ``choose_start``; when the cluster is too small, the rounds stop where they stop and the
-    shortfall shows as queueing."""
-    sc = prep.scenario
-    need = {
-        m.spec.name: max(1, instances_for(prep.peak_inflight[m.idx], m.spec.max_batch))
-        for m in prep.models if m.placeable
-    }
-    order = sorted((m for m in prep.models if m.placeable), key=lambda m: (-m.spec.tp, m.idx))
-    placed: list[StaticInstance] = []
-    progress = True
-    while progress:
-        progress = False
-        for m in order:
-            if need[m.spec.name] <= 0:
-                continue
-            state = _empty_state(sc, prep.profile, prep.models, placed)
-            choice = choose_start(state, m.spec.name)
-            if isinstance(choice, NoCapacity):
-                continue
-            placed.append(StaticInstance(m.spec.name, choice.node, choice.gpus))
-            need[m.spec.name] -= 1
-            progress = True
-    return placed
-
-
 def system_hooks(prep: Prepared, system: str) -> SystemHooks:
     """The plug-in that runs ``system`` in the event loop (:mod:`warmserve.sim.hooks`): the
     controller for autoscaling systems, a static layout for dedicated and MuxServe, Prism's
@@ -233,19 +210,22 @@ def system_hooks(prep: Prepared, system: str) -> SystemHooks:
     cfg = get_system(system)
     if cfg.mode == "autoscale":
         return Controlled()
-    if system == "dedicated":
-        return StaticLayout(dedicated_layout(prep))
-    if system == "muxserve":
+    if cfg.mode == "dedicated":
+        from warmserve.sim.baselines import dedicated
+
+        return StaticLayout(*dedicated.static_instances(prep))
+    if cfg.mode == "muxserve":
         from warmserve.sim.baselines import muxserve
 
-        return StaticLayout(muxserve.static_instances(prep))
-    if system == "prism":
+        return StaticLayout(muxserve.static_instances(prep, own_batch=cfg.own_batch))
+    if cfg.mode == "prism":
         from warmserve.sim.baselines import prism
         from warmserve.sim.baselines.prism_runtime import PrismHooks
 
-        layout = prism.static_instances(prep)
+        batch = prism.MAX_NUM_SEQS if cfg.own_batch else None
+        layout = prism.static_instances(prep, max_batch=batch)
         if cfg.activate:
-            return PrismHooks(prism.runtime_facts(prep), layout)
+            return PrismHooks(prism.runtime_facts(prep, max_batch=batch), layout)
         return StaticLayout(layout)
     raise ScenarioError(f"no event-loop plug-in for system {system!r}")
 
@@ -255,22 +235,22 @@ def run_system(
     system: str,
     progress: Callable[[float], None] | None = None,
     check: bool = False,
+    record: bool = False,
 ) -> tuple[SimOutput, float]:
-    """Run one system; returns its output and the wall seconds it took."""
+    """Run one system; returns its output and the wall seconds it took (the CPU seconds are in
+    ``out.extra["cpu_s"]``).  ``record``: keep per-request outcome arrays (tests)."""
     sc = prep.scenario
     cfg = get_system(system)
     t0 = time.perf_counter()
+    c0 = time.process_time()
     profile = prep.profile
     cluster = SimCluster(sc.nodes, sc.gpus_per_node, profile.hbm_bytes)
     # Fresh copies of mutable per-run model state (history lists are extended during a run).
-    models = [
-        SimModel(
-            m.idx, m.spec, m.engine, m.kv_bytes_per_token, m.kv_cap_tokens, m.per_layer_load_s,
-            list(m.avg_history), list(m.peak_history), m.placeable,
-        )
-        for m in prep.models
-    ]
+    models = [replace(m, avg_history=list(m.avg_history), peak_history=list(m.peak_history))
+              for m in prep.models]
+    c_layout = time.process_time()
     hooks = system_hooks(prep, system)
+    layout_cpu = time.process_time() - c_layout
     predictor = None
     if sc.predictor:
         from warmserve.policy.predictor import make_predictor
@@ -286,10 +266,7 @@ def run_system(
         system=cfg,
         models=models,
         cluster=cluster,
-        arrival=prep.requests.arrival,
-        model_of=prep.requests.model,
-        input_tokens=prep.requests.input_tokens,
-        output_tokens=prep.requests.output_tokens,
+        source=prep.stream.chunks(),
         duration_s=sc.duration_s,
         window_s=sc.window_s,
         autoscaler=autoscaler_config(sc),
@@ -301,12 +278,18 @@ def run_system(
         initial_instances=prep.initial,
         progress=progress,
         check=check,
+        record=record,
     )
     out = sim.run()
     wall = time.perf_counter() - t0
+    out.extra["cpu_s"] = time.process_time() - c0
+    if isinstance(hooks, StaticLayout) and hooks.info:
+        out.extra["layout"] = hooks.info
+    if layout_cpu > 0.5:  # choosing the layout simulated (dedicated): report it apart
+        out.extra["layout_cpu_s"] = layout_cpu
     log.info(
         "event=sim_done system=%s requests=%d events=%d wall_s=%.2f",
-        system, len(prep.requests), out.events, wall,
+        system, out.requests, out.events, wall,
     )
     return out, wall
 
@@ -317,7 +300,9 @@ def describe(prep: Prepared) -> dict[str, object]:
     return {
         "scenario": sc.name,
         "cluster": f"{sc.nodes}x{sc.gpus_per_node} {prep.profile.name}",
-        "requests": len(prep.requests),
+        "requests": prep.n_requests,
+        "startup": prep.startup.name if prep.startup else "fast-path",
+        "arrivals_within_minute": sc.fine_arrivals or sc.lengths,
         "total_rps": sc.total_rps,
         "alpha": sc.alpha,
         "duration_s": sc.duration_s,
@@ -326,7 +311,8 @@ def describe(prep: Prepared) -> dict[str, object]:
                                                                      strict=True)},
         "prewarm_layers": {m.spec.name: m.spec.prewarm_layers for m in prep.models},
         "cold_start_s": {
-            m.spec.name: round(float(m.engine.cold_start_s()), 3) for m in prep.models
+            m.spec.name: round(float(m.engine.cold_start_s() + m.load_setup_s), 3)
+            for m in prep.models
         },
         "seed": sc.seed,
         "predictor": sc.predictor or DEFAULT_PREDICTOR,
@@ -361,15 +347,14 @@ def run_scenario(
     for s in systems:
         cb = (lambda t, _s=s: progress(_s, t)) if progress is not None else None
         out, wall = run_system(prep, s, cb)
-        row = metrics.summarize(
-            out, prep.requests.arrival, prep.requests.model, prep.requests.output_tokens, names,
-            wall,
-        )
+        row = metrics.summarize(out, names, wall)
         metrics.check_conservation(row)
         rows.append(row)
         if keep_raw:
-            served = ~np.isnan(out.finish)
-            raw.append((s, (out.first_token - prep.requests.arrival)[served], out.timeline))
+            total = metrics.ModelStats()
+            for st in out.stats:
+                total.merge(st)
+            raw.append((s, total.ttft.cdf(), out.timeline))
     result: dict[str, object] = {"facts": describe(prep), "rows": rows}
     if keep_raw:
         result["raw"] = raw

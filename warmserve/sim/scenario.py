@@ -57,6 +57,9 @@ class Scenario:
     history_days: int = 3
     window_s: float = 300.0
     predictor: str | None = None
+    startup: str = "paper"  # start-up profile (warmserve.sim.startup)
+    fine_arrivals: str | None = None  # arrival template trace, "poisson"; None: the lengths trace
+    prewarm_depth: str = "budget"  # "budget" or "profiled" (models[].prewarm_layers overrides)
     grace_s: float = 300.0
     scale_down_delay_s: float = 60.0
     scale_up_utilization: float = 1.0
@@ -77,7 +80,8 @@ class Scenario:
 _TOP_KEYS = {
     "name", "cluster", "models", "workload", "policy", "seed", "systems", "grid",
 }
-_GRID_KEYS = {"total_rps", "alpha", "lengths", "window_s"}
+_GRID_KEYS = {"total_rps", "alpha", "lengths", "window_s", "startup"}
+PREWARM_DEPTHS = ("budget", "profiled")
 
 
 def _get(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str, default: Any):
@@ -109,11 +113,12 @@ def parse(doc: Any, source: str = "scenario") -> Scenario:
         raise ScenarioError(f"{source}: top level must be a mapping")
     _unknown(doc, _TOP_KEYS, source)
     cluster = _get(doc, "cluster", Mapping, source, _REQUIRED)
-    _unknown(cluster, {"nodes", "gpus_per_node", "profile"}, "cluster")
+    _unknown(cluster, {"nodes", "gpus_per_node", "profile", "startup"}, "cluster")
     wl = _get(doc, "workload", Mapping, source, _REQUIRED)
     _unknown(
         wl,
-        {"arrivals", "lengths", "total_rps", "alpha", "duration_s", "start", "history_days"},
+        {"arrivals", "lengths", "total_rps", "alpha", "duration_s", "start", "history_days",
+         "fine_arrivals"},
         "workload",
     )
     pol = _get(doc, "policy", Mapping, source, {})
@@ -122,6 +127,7 @@ def parse(doc: Any, source: str = "scenario") -> Scenario:
         {
             "window_s", "predictor", "grace_s", "scale_interval_s", "queue_timeout_s", "drain_s",
             "scale_down_delay_s", "scale_up_utilization", "scale_down_utilization",
+            "prewarm_depth",
         },
         "policy",
     )
@@ -159,6 +165,9 @@ def parse(doc: Any, source: str = "scenario") -> Scenario:
         nodes=_get(cluster, "nodes", int, "cluster", _REQUIRED),
         gpus_per_node=_get(cluster, "gpus_per_node", int, "cluster", _REQUIRED),
         profile=_get(cluster, "profile", str, "cluster", "h800"),
+        startup=_get(cluster, "startup", str, "cluster", "paper"),
+        fine_arrivals=_get(wl, "fine_arrivals", str, "workload", None),
+        prewarm_depth=_get(pol, "prewarm_depth", str, "policy", "budget"),
         models=tuple(models),
         arrivals=_get(wl, "arrivals", str, "workload", _REQUIRED),
         lengths=_get(wl, "lengths", str, "workload", _REQUIRED),
@@ -249,8 +258,15 @@ def validate(sc: Scenario) -> None:
     _positive(sc.scale_interval_s, "policy.scale_interval_s")
     _positive(sc.queue_timeout_s, "policy.queue_timeout_s")
     _positive(sc.drain_s, "policy.drain_s", allow_zero=True)
+    if sc.prewarm_depth not in PREWARM_DEPTHS:
+        raise ScenarioError(
+            f"policy.prewarm_depth must be one of {', '.join(PREWARM_DEPTHS)}, "
+            f"got {sc.prewarm_depth!r}"
+        )
     for key, vals in sc.grid.items():
         for v in vals:
+            if key == "startup" and not isinstance(v, str):
+                raise ScenarioError(f"grid.startup values must be profile names, got {v!r}")
             if key in ("total_rps", "alpha", "window_s"):
                 if not isinstance(v, int | float) or isinstance(v, bool):
                     raise ScenarioError(f"grid.{key} values must be numbers, got {v!r}")

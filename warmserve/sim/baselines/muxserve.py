@@ -588,18 +588,15 @@ def average_loads(prep: Prepared) -> dict[str, Load]:
     """Average rate and lengths of each model over the simulated period (an oracle average:
     MuxServe plans from average rates "estimated from history traffic", §3.1 footnote; using
     the period itself is the most favourable estimate for the baseline)."""
-    reqs, dur = prep.requests, prep.scenario.duration_s
+    dur = prep.scenario.duration_s
     out: dict[str, Load] = {}
     for m in prep.models:
-        mine = reqs.model == m.idx
-        n = int(mine.sum())
-        if n == 0:
+        f = prep.facts[m.idx]
+        if f.requests == 0:
             out[m.spec.name] = Load(0.0, 1.0, 1.0)
             continue
         out[m.spec.name] = Load(
-            n / dur,
-            max(1.0, float(reqs.input_tokens[mine].mean())),
-            max(1.0, float(reqs.output_tokens[mine].mean())),
+            f.requests / dur, max(1.0, f.mean_input), max(1.0, f.mean_output)
         )
     return out
 
@@ -623,10 +620,13 @@ def adbs_max_num_seqs(kv_tokens: int, load: Load) -> int:
     return max(1, min(MAX_NUM_SEQS, kv_tokens // per_seq))
 
 
-def static_instances(prep: Prepared) -> list[StaticInstance]:
+def static_instances(prep: Prepared, *, own_batch: bool = False) -> list[StaticInstance]:
     """MuxServe's always-on instances for a simulator run: one per model, on its unit's GPUs,
-    with the unit's KV quota, MuxServe's own batch cap (:func:`adbs_max_num_seqs`) and a sharing
-    slowdown (:mod:`warmserve.sim.sharing`)."""
+    with the unit's KV quota, a batch cap and a sharing slowdown (:mod:`warmserve.sim.sharing`).
+
+    Batch cap: MuxServe's own (:func:`adbs_max_num_seqs`, up to 256) capped at the scenario's
+    batch (the paper's 32) by default, issue 12's fair comparison; ``own_batch=True`` keeps
+    MuxServe's own (the ``muxserve-adbs`` variant, what WarmServe §7.1 ran)."""
     from warmserve.sim.model import StaticInstance
 
     sc = prep.scenario
@@ -648,6 +648,8 @@ def static_instances(prep: Prepared) -> list[StaticInstance]:
     for unit in placement.units:
         busy = {}
         batch = {m.model: adbs_max_num_seqs(m.kv_tokens, loads[m.model]) for m in unit.members}
+        if not own_batch:
+            batch = {k: min(v, runtimes[k].spec.max_batch) for k, v in batch.items()}
         for mem in unit.members:
             rt = runtimes[mem.model]
             eng = EngineModel(scaled_profile(profile, mem.sm_share, 1.0), rt.engine.arch, mem.tp)

@@ -395,14 +395,20 @@ DEFAULT_SLO_S = 1.0  # the scenario carries no per-model SLOs: equal SLOs, so r/
 MAX_NUM_SEQS = 256
 
 
-def static_instances(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> list[StaticInstance]:
+def static_instances(
+    prep: Prepared, *, slo_s: float = DEFAULT_SLO_S, max_batch: int | None = None
+) -> list[StaticInstance]:
     """Prism's initial placement as always-on instances for a simulator run.
+
+    ``max_batch``: the batch cap of every instance; ``None`` (the default, issue 12's fair
+    comparison) gives each model the scenario's batch, the paper's 32 for every system;
+    :data:`MAX_NUM_SEQS` is Prism's own engine default (the ``prism-256`` variant).
 
     Placement: :func:`kvpr_placement` from average rates (oracle period averages, see
     ``muxserve.average_loads``) with every model at its scenario TP, at least one average
     request's KV left per GPU.  Each instance's KV capacity is its share of the GPU's leftover
     memory in proportion to its ``r/s`` (kvcached shares the pool on demand; the static share is
-    its demand-weighted expectation), a batch cap of :data:`MAX_NUM_SEQS`, and the dynamic
+    its demand-weighted expectation), a batch cap (above), and the dynamic
     sharing slowdown for time-shared GPUs (:mod:`warmserve.sim.sharing`).  This is the
     layout at t = 0; the event loop then evicts and activates (:func:`plan_activation` with
     :func:`runtime_facts`; docs/simulator.md, "Prism").
@@ -431,8 +437,9 @@ def static_instances(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> list[St
         min_kv_bytes=min_kv,
     )
     by_name = {m.name: m for m in models}
+    cap = {name: max_batch or rt.spec.max_batch for name, rt in runtimes.items()}
     busy = {
-        name: busy_fraction(runtimes[name].engine, loads[name], MAX_NUM_SEQS)
+        name: busy_fraction(runtimes[name].engine, loads[name], cap[name])
         for name in placement.assignment
     }
     out: list[StaticInstance] = []
@@ -448,7 +455,7 @@ def static_instances(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> list[St
         kv_tokens = int(free // rt.engine.kv_bytes_per_token_per_gpu)
         others = {o for g in gpus for o in placement.gpus[g].models if o != name}
         slow = sharing_slowdown(
-            rt.engine, rt.engine, loads[name], MAX_NUM_SEQS, [busy[o] for o in sorted(others)]
+            rt.engine, rt.engine, loads[name], cap[name], [busy[o] for o in sorted(others)]
         )
         node = gpus[0] // sc.gpus_per_node
         out.append(
@@ -458,7 +465,7 @@ def static_instances(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> list[St
                 gpus=tuple(g % sc.gpus_per_node for g in gpus),
                 slowdown=slow,
                 kv_cap_tokens=max(0, kv_tokens),
-                max_batch=MAX_NUM_SEQS,
+                max_batch=cap[name],
                 config_slowdown=1.0,  # same engine, time-shared: only the neighbours slow it
             )
         )
@@ -474,7 +481,8 @@ class PrismFacts:
     inter-arrival gaps); ``activation_s``: each model's activation time on a pooled engine
     (:func:`activation_s`); ``min_kv_bytes``: KV room an activation must leave on each GPU (one
     average request of the largest model, as the initial placement); ``usable_bytes``: memory
-    per GPU for weights + KV.
+    per GPU for weights + KV; ``max_batch``: the batch cap of an activated instance (one for
+    all models, or per model).
     """
 
     rates: Mapping[str, float]
@@ -483,21 +491,26 @@ class PrismFacts:
     min_kv_bytes: float
     usable_bytes: float
     slo_s: float = DEFAULT_SLO_S
-    max_batch: int = MAX_NUM_SEQS
+    max_batch: int | Mapping[str, int] = MAX_NUM_SEQS
+
+    def batch_of(self, model: str) -> int:
+        return self.max_batch if isinstance(self.max_batch, int) else self.max_batch[model]
 
 
-def runtime_facts(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> PrismFacts:
-    """:class:`PrismFacts` for a simulator run (see :func:`static_instances` for the averages)."""
+def runtime_facts(
+    prep: Prepared, *, slo_s: float = DEFAULT_SLO_S, max_batch: int | None = None
+) -> PrismFacts:
+    """:class:`PrismFacts` for a simulator run (see :func:`static_instances` for the averages
+    and ``max_batch``)."""
     import numpy as np
 
     from warmserve.sim.baselines.muxserve import average_loads
 
     loads = average_loads(prep)
-    reqs = prep.requests
     runtimes = {m.spec.name: m for m in prep.models if m.placeable}
     idle: dict[str, float] = {}
     for m in prep.models:
-        arr = np.sort(reqs.arrival[reqs.model == m.idx])
+        arr = np.sort(prep.model_period(m.idx)[0])
         idle[m.spec.name] = idle_threshold_s(np.diff(arr).tolist()) if arr.size > 1 else MIN_IDLE_S
     min_kv = max(
         (
@@ -514,4 +527,5 @@ def runtime_facts(prep: Prepared, *, slo_s: float = DEFAULT_SLO_S) -> PrismFacts
         min_kv_bytes=min_kv,
         usable_bytes=float(prep.profile.usable_bytes),
         slo_s=slo_s,
+        max_batch=max_batch or {name: rt.spec.max_batch for name, rt in runtimes.items()},
     )

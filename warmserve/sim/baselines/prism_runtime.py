@@ -108,7 +108,7 @@ class PrismHooks(StaticLayout):
         act = self.facts.activation_s[name]
         sim.account(t)
         inst = sim.new_instance(m, node, local, t, t + act, t + act, hit=False)
-        inst.max_batch = self.facts.max_batch
+        inst.max_batch = self.facts.batch_of(name)
         inst.config_slowdown = 1.0
         inst.last_request_s = t
         for other in sim.live():
