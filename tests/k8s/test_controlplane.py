@@ -303,7 +303,10 @@ def test_kubeconfig_env_points_at_the_test_cluster(k8s_control_plane: ControlPla
     from kubernetes import client, config
 
     assert os.environ["KUBECONFIG"] == str(k8s_control_plane.kubeconfig)
-    api = client.VersionApi(config.new_client_from_config())
+    # read $KUBECONFIG now, as warmserve's clients do: the client library's default location
+    # is fixed when it is first imported, which in a full run is at collection, before the
+    # plane exists
+    api = client.VersionApi(config.new_client_from_config(config_file=os.environ["KUBECONFIG"]))
     assert api.get_code().git_version == k8s_control_plane.version()["gitVersion"]
 
 

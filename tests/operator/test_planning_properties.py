@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from operator_fakes import FakeAgent
 from warmserve_operator.act import call, rid
@@ -85,8 +85,22 @@ async def _build(sc: dict) -> dict[str, FakeAgent]:
     return agents
 
 
+_ZERO = {m: (0.0, 0.0) for m in MODELS}
+
+
 @given(scenarios())
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# an autoscaler drain and reclaim (for m4, which needs the whole node) once drained the same
+# instance twice: the drain must leave it in grace for the rest of the decision
+@example(
+    {
+        "gpus": [4],
+        "ops": [("activate", 0, "m1", 0)],
+        "fc": _ZERO,
+        "loads": {"m1": 0, "m2": 0, "m3": 0, "m4": 1},
+        "bounds": {m: (0, 1) for m in MODELS},
+    }
+)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_one_poll_of_actions_is_consistent_and_accepted(sc: dict) -> None:
     asyncio.run(_check(sc))
 

@@ -338,11 +338,17 @@ class Controller:
                 if choice.replica is not None:
                     self.meta.pop((model, choice.node, choice.gpus), None)
                 state = apply_start(state, choice, "")
+            drained: set[str] = set()
             for inst in d.drain:
                 seen = by_key.get(inst.name)
                 if seen is None or seen.phase != InstancePhase.SERVING:
                     continue  # starting (or only planned): drained once it serves, if still low
                 items.append(Drain(model, inst.node, inst.gpus, seen.id, d.reason))
+                drained.add(inst.name)
+            if drained:
+                # the rest of this decision (reclaim, Algorithm 1) sees them in grace, as the
+                # next snapshot will: reclaim must not drain them a second time
+                state = _in_grace(state, drained)
             for inst in d.grace_ended:
                 seen = by_key.get(inst.name)
                 if seen is None:
@@ -388,18 +394,11 @@ class Controller:
                              min_instances=mins)
             if r is None:
                 continue
-            gone = {v.name for v in r.victims}
             for v in r.victims:
                 seen = by_key.get(v.name)
                 if seen is not None:
                     items.append(Drain(v.model, v.node, v.gpus, seen.id, f"reclaimed for {model}"))
-            state = replace(
-                state,
-                instances=tuple(
-                    replace(i, phase=InstancePhase.GRACE) if i.name in gone else i
-                    for i in state.instances
-                ),
-            )
+            state = _in_grace(state, {v.name for v in r.victims})
         return state, items
 
     def _fair_caps(
@@ -504,3 +503,14 @@ class Controller:
                 out.append(Start(model, choice.node, choice.gpus, False, "", (), "initial"))
                 state = apply_start(state, choice, "")
         return out
+
+
+def _in_grace(state: ClusterState, names: set[str]) -> ClusterState:
+    """``state`` with the named instances in grace (drained by this decision)."""
+    return replace(
+        state,
+        instances=tuple(
+            replace(i, phase=InstancePhase.GRACE) if i.name in names else i
+            for i in state.instances
+        ),
+    )

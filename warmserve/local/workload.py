@@ -157,14 +157,15 @@ def _plan_series(
         shapes = wl.model_shapes(counts, days, start, total_min, shares, sc.rps / speed, hist_days)
     except wl.WorkloadError as exc:
         raise PlanError(str(exc)) from None
-    rng = np.random.default_rng(sc.seed)
-    reqs = wl.generate(rng, shapes, lengths)
+    stream = wl.RequestStream(sc.seed, shapes, lengths, None, total_min * 60.0)
+    reqs = stream.materialize()
     warm_s = warm_min * 60 / speed
     arrival = reqs.arrival / speed - warm_s
     history, planned = {}, {}
     for i, (m, shape) in enumerate(zip(sc.models, shapes, strict=True)):
-        h_t, h_in, h_out = wl.generate_history(rng, shape, lengths)
-        span = shape.history_rate_per_minute.size * 60 / speed
+        span_trace = shape.history_rate_per_minute.size * 60.0
+        h_t, h_in, h_out = stream.model_requests(i, -span_trace, 0.0)
+        span = span_trace / speed
         history[m.name] = _windows(sc, i, h_t / speed, h_in, h_out, -span, 0.0, window)
         mine = reqs.model == i
         planned[m.name] = _windows(
