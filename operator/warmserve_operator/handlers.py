@@ -30,9 +30,10 @@ from typing import Any
 import kopf
 
 from .agents import AgentAuth, AgentPool
+from .config import OperatorConfig
 from .kube import KubeApi
 from .metrics import Metrics
-from .reconciler import OperatorConfig, Reconciler
+from .reconciler import Reconciler
 from .spec import GROUP, MD_PLURAL, NODE_PLURAL, VERSION, SpecError, parse_model_deployment
 
 log = logging.getLogger("warmserve.operator")

@@ -78,35 +78,7 @@ class KubePort(Protocol):
     async def write_history(self, uid: str, data: dict[str, str], owner_key: str) -> None: ...
     async def delete_history(self, uid: str) -> None: ...
     async def list_history_uids(self) -> list[str]: ...
-    async def emit_event(self, ref: ObjRef, type_: str, reason: str, message: str) -> None:
-        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        ns = ref.namespace or self.event_namespace
-        involved = {"apiVersion": ref.api_version, "kind": ref.kind, "name": ref.name}
-        if ref.namespace:
-            involved["namespace"] = ref.namespace
-        if ref.uid:
-            involved["uid"] = ref.uid
-        body = {  # a plain core/v1 Event (client models cost more CPU than the POST itself)
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{ref.name[:200]}."},
-            "involvedObject": involved,
-            "reason": reason,
-            "message": message[:1024],
-            "type": type_,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-            "source": {"component": COMPONENT},
-            "reportingComponent": COMPONENT,
-            "reportingInstance": self.identity[:128],
-            "action": reason,
-        }
-        try:
-            await self._write(self._core.create_namespaced_event, ns, body)
-        except self._exc as exc:  # an Event is best effort; never fail a decision on it
-            log.warning("event=post_event_failed reason=%s status=%s", reason, exc.status)
-
+    async def emit_event(self, ref: ObjRef, type_: str, reason: str, message: str) -> None: ...
     async def is_leader(self) -> bool: ...
     async def sync_agent_nodes(self) -> None: ...
 

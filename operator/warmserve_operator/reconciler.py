@@ -21,19 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from warmserve.control.controller import ControlConfig, Controller
+from warmserve.control.controller import Controller
 from warmserve.control.decisions import Decisions
-from warmserve.policy.autoscaler import AutoscalerConfig
-from warmserve.policy.cluster import ModelSpec, PolicyInputError
+from warmserve.policy.cluster import ModelSpec
 
 from .act import Actor
 from .agents import ActivateResult, AgentPool, AgentPort
+from .config import OperatorConfig
 from .deployments import DeploymentBook
 from .gateway_demand import GatewayDemand, GatewayHeld
 from .identity import orphans
@@ -42,70 +40,14 @@ from .metrics import Metrics, Phases
 from .observe import Observer, note_grace, observation
 from .report import Deployment, Reporter
 from .snapshot import NodeSnapshot
-from .spec import (
-    DEFAULT_LOAD_BANDWIDTH,
-    ModelDeploymentSpec,
-    dedupe_models,
-)
+from .spec import ModelDeploymentSpec, dedupe_models
 from .status import Condition
+from .watchers import AgentWatchers
 
 log = logging.getLogger("warmserve.operator")
 
 MIN_TICK_S = 0.25
 REPEAT_EVENT_S = 300.0
-# Agent Watch events that may change a decision before the next poll (see docs/operator.md).
-WAKE_EVENTS = frozenset(
-    {
-        "KIND_INSTANCE_REMOVED",
-        "KIND_INSTANCE",
-        "KIND_SLOT_REMOVED",
-        "KIND_SLOT",
-        "KIND_GPU",
-        "KIND_WORKER_REPLACED",
-    }
-)
-
-
-@dataclass(frozen=True)
-class OperatorConfig:
-    """Tunables of the loop (``warmserve operator`` flags / env)."""
-
-    window_s: float = 300.0
-    poll_s: float = 5.0
-    # Length of the seasonal day (86400 s; shorter only for a time-compressed replay, see
-    # ``season_length``): the predictor's period is day_s / window_s windows.
-    day_s: float = 86400.0
-    predictor: str | None = None  # None: the policy core's default predictor
-    load_bandwidth: float = DEFAULT_LOAD_BANDWIDTH
-    agent_lost_after: int = 3
-    evict_aware: bool = True
-    autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
-    node_status_refresh_s: float = 30.0
-    # Consecutive polls this replica must hold the Lease before acting (docs/operator.md); the
-    # Lease is written atomically, so one poll is enough.
-    leader_settle_polls: int = 1
-
-    def __post_init__(self) -> None:
-        from warmserve.policy.predictor import season_length
-
-        if not (math.isfinite(self.window_s) and self.window_s > 0):
-            raise PolicyInputError(f"window must be > 0 seconds, got {self.window_s}")
-        season_length(self.window_s, self.day_s)  # raises unless the window divides a day
-        if not (math.isfinite(self.poll_s) and 0 < self.poll_s <= self.window_s):
-            raise PolicyInputError(f"poll interval must be in (0, window], got {self.poll_s}")
-        if self.agent_lost_after < 1:
-            raise PolicyInputError("agent_lost_after must be >= 1")
-        if self.load_bandwidth <= 0:
-            raise PolicyInputError("load bandwidth must be > 0")
-
-    def control(self) -> ControlConfig:
-        return ControlConfig(
-            window_s=self.window_s,
-            day_s=self.day_s,
-            autoscaler=self.autoscaler,
-            predictor=self.predictor,
-            evict_aware=self.evict_aware,
-        )
 
 
 class Reconciler:
@@ -154,7 +96,7 @@ class Reconciler:
         self._leader_streak = 0
         self._wake = asyncio.Event()
         self._watching = False  # only inside run(): unit tests drive tick() directly
-        self._watchers: dict[str, tuple[str, asyncio.Task[None]]] = {}
+        self.watchers = AgentWatchers(agents, self._wake.set, config.poll_s)
         self.grace_started: dict[str, float] = {}
         # Requests held at the gateways (None: no gateway configured; gateway_demand.py). A test
         # without gateways may set ``held`` instead (model -> requests held).
@@ -251,7 +193,7 @@ class Reconciler:
                     log.exception("event=tick_failed")
                 await self._sleep(stop, started)
         finally:
-            self._stop_watchers()
+            self.watchers.stop()
             if self.demand is not None:
                 await self.demand.close()
             await self.drain_tasks(timeout=5.0)
@@ -267,40 +209,13 @@ class Reconciler:
                 w.cancel()
 
     def _sync_watchers(self) -> None:
-        """One Watch stream per agent while this replica leads; agent events wake the loop."""
+        """One Watch stream per agent while this replica leads (:mod:`.watchers`)."""
         if not self._watching:
             return
         nodes = self.observer.nodes
-        want = {name: rt.spec.address for name, rt in nodes.items()} if self.leader else {}
-        for name in list(self._watchers):
-            addr, task = self._watchers[name]
-            if want.get(name) != addr or task.done():
-                task.cancel()
-                del self._watchers[name]
-        for name, addr in want.items():
-            if name not in self._watchers:
-                task = asyncio.get_running_loop().create_task(self._watch(name, addr))
-                self._watchers[name] = (addr, task)
-
-    def _stop_watchers(self) -> None:
-        for _, task in self._watchers.values():
-            task.cancel()
-        self._watchers.clear()
-
-    async def _watch(self, node: str, address: str) -> None:
-        watch = getattr(self.agents.get(node, address), "watch", None)
-        if watch is None:
-            return
-        while True:
-            try:
-                async for kind in watch():
-                    if kind in WAKE_EVENTS:
-                        self._wake.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the poll still covers this agent; retry the stream
-                log.debug("event=watch_failed node=%s error=%r", node, str(exc))
-            await asyncio.sleep(self.cfg.poll_s)
+        self.watchers.sync(
+            {name: rt.spec.address for name, rt in nodes.items()} if self.leader else {}
+        )
 
     # ------------------------------------------------------------------ one poll
 

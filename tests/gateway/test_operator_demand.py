@@ -18,6 +18,7 @@ from gw_support import REPO, md
 from hypothesis import given
 from hypothesis import strategies as st
 from warmserve_operator.agents import AgentPool
+from warmserve_operator.config import OperatorConfig
 from warmserve_operator.gateway_demand import (
     DemandError,
     DemandReport,
@@ -28,7 +29,7 @@ from warmserve_operator.gateway_demand import (
     endpoints_from_slices,
     sum_held,
 )
-from warmserve_operator.reconciler import OperatorConfig, Reconciler
+from warmserve_operator.reconciler import Reconciler
 
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import GiB

@@ -111,7 +111,7 @@ def test_readme_first_command_runs_up_and_second_runs_the_tests() -> None:
 
 def test_operator_day_seconds_flag() -> None:
     """The flag `up` added to the operator: a compressed seasonal day, checked like the window."""
-    from warmserve_operator.reconciler import OperatorConfig
+    from warmserve_operator.config import OperatorConfig
 
     from warmserve.policy.cluster import PolicyInputError
 

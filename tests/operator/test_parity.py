@@ -30,7 +30,8 @@ import pytest
 import warmserve_operator.history as history_io
 from operator_fakes import Clock, FakeAgent, FakeKube
 from warmserve_operator.agents import AgentPool
-from warmserve_operator.reconciler import OperatorConfig, Reconciler
+from warmserve_operator.config import OperatorConfig
+from warmserve_operator.reconciler import Reconciler
 
 from warmserve.control.decisions import Decisions, canonical
 from warmserve.control.history import LoadHistory

@@ -25,7 +25,8 @@ import pytest
 import warmserve_operator.history as history_io
 from operator_fakes import FakeKube
 from warmserve_operator.agents import AgentAuth, AgentPool, GrpcAgent
-from warmserve_operator.reconciler import OperatorConfig, Reconciler
+from warmserve_operator.config import OperatorConfig
+from warmserve_operator.reconciler import Reconciler
 
 from warmserve.control.history import LoadHistory
 from warmserve.policy.autoscaler import AutoscalerConfig

@@ -1,0 +1,54 @@
+"""The operator loop's tunables (``warmserve operator`` flags / env), checked once at start."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from warmserve.control.controller import ControlConfig
+from warmserve.policy.autoscaler import AutoscalerConfig
+from warmserve.policy.cluster import PolicyInputError
+
+from .spec import DEFAULT_LOAD_BANDWIDTH
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Tunables of the loop (``warmserve operator`` flags / env)."""
+
+    window_s: float = 300.0
+    poll_s: float = 5.0
+    # Length of the seasonal day (86400 s; shorter only for a time-compressed replay, see
+    # ``season_length``): the predictor's period is day_s / window_s windows.
+    day_s: float = 86400.0
+    predictor: str | None = None  # None: the policy core's default predictor
+    load_bandwidth: float = DEFAULT_LOAD_BANDWIDTH
+    agent_lost_after: int = 3
+    evict_aware: bool = True
+    autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
+    node_status_refresh_s: float = 30.0
+    # Consecutive polls this replica must hold the Lease before acting (docs/operator.md); the
+    # Lease is written atomically, so one poll is enough.
+    leader_settle_polls: int = 1
+
+    def __post_init__(self) -> None:
+        from warmserve.policy.predictor import season_length
+
+        if not (math.isfinite(self.window_s) and self.window_s > 0):
+            raise PolicyInputError(f"window must be > 0 seconds, got {self.window_s}")
+        season_length(self.window_s, self.day_s)  # raises unless the window divides a day
+        if not (math.isfinite(self.poll_s) and 0 < self.poll_s <= self.window_s):
+            raise PolicyInputError(f"poll interval must be in (0, window], got {self.poll_s}")
+        if self.agent_lost_after < 1:
+            raise PolicyInputError("agent_lost_after must be >= 1")
+        if self.load_bandwidth <= 0:
+            raise PolicyInputError("load bandwidth must be > 0")
+
+    def control(self) -> ControlConfig:
+        return ControlConfig(
+            window_s=self.window_s,
+            day_s=self.day_s,
+            autoscaler=self.autoscaler,
+            predictor=self.predictor,
+            evict_aware=self.evict_aware,
+        )
