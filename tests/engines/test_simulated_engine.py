@@ -16,10 +16,10 @@ from tests.engines.helpers import post_json
 
 
 def _slow_core(make_core: Callable[..., NodeCore], model_root: Path) -> NodeCore:
-    """One instance of a model whose batch is 1 and whose decode is slow (0.5 s per token)."""
+    """One instance of a model whose batch is 1 and whose decode is slow (1 s per token)."""
     cfg = model_root / "gamma" / "config.json"
     data = json.loads(cfg.read_text())
-    data["warmserve"].update(max_batch=1, decode_tok_s=2.0)
+    data["warmserve"].update(max_batch=1, decode_tok_s=1.0)
     cfg.write_text(json.dumps(data))
     return make_core(gpus=1)
 
@@ -43,12 +43,13 @@ def test_queue_is_bounded_and_abandoned_requests_are_dropped(
     inst, _ = core.activate("gamma", [0])
     eng = inst.engine
     limit = 4 * 1  # 4 x max_batch
-    # 12 clients that give up after 0.6 s: one runs, `limit` wait, the rest are refused (429)
-    results = asyncio.run(_flood(inst.endpoint, 12, timeout=0.6))
+    # 12 clients that give up after 1.5 s (the first request needs 4 s): one runs, `limit`
+    # wait, the rest are refused (429) at once; 1.5 s leaves a loaded CI machine time to connect
+    results = asyncio.run(_flood(inst.endpoint, 12, timeout=1.5))
     refused = [r for r in results if r == 429]
     assert len(refused) == 12 - 1 - limit, results
     # every client went away: nothing may stay queued or running and count as load
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         st = eng.stats()
         if st.waiting == 0 and st.running == 0:

@@ -588,8 +588,13 @@ class ModelFetcher:
 
     def _sample_loop(self) -> None:
         """Bytes on disk of each download; the rate over the last ``RATE_WINDOW_S`` gives the
-        ETA (a sliding window: it follows a slowing or recovering source within seconds)."""
-        samples: dict[int, deque[tuple[float, int]]] = {}
+        ETA (a sliding window: it follows a slowing or recovering source within seconds).
+
+        Progress never goes back within one staging directory: a walk racing the hub client's
+        rename of a finished file out of its temporary name (or a rejected file being deleted)
+        can see fewer bytes than the last walk did; progress then holds until the disk catches
+        up, as a progress bar should.  A new attempt (new staging directory) starts from 0."""
+        samples: dict[int, tuple[Path, deque[tuple[float, int]]]] = {}
         while not self._stop.wait(self.sample_s):
             with self._lock:
                 active = [f for f in self._active.values() if f.staging is not None]
@@ -598,10 +603,13 @@ class ModelFetcher:
             for f in active:
                 if f.status.state != FetchState.DOWNLOADING or f.staging is None:
                     continue
-                now, done = time.time(), min(_du(f.staging), f.status.bytes_total)
-                win = samples.setdefault(id(f), deque([(f.download_started, 0)]))
-                if done < win[-1][1]:  # a rejected file was deleted: measure afresh
-                    win.clear()
+                staging = f.staging
+                now, done = time.time(), min(_du(staging), f.status.bytes_total)
+                seen = samples.get(id(f))
+                if seen is None or seen[0] != staging:
+                    seen = samples[id(f)] = (staging, deque([(f.download_started, 0)]))
+                win = seen[1]
+                done = max(done, win[-1][1])
                 win.append((now, done))
                 while len(win) > 2 and now - win[1][0] >= RATE_WINDOW_S:
                     win.popleft()
