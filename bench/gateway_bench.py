@@ -484,8 +484,8 @@ def main() -> int:
             )
         print(
             f"{'':<12}gateway/direct: throughput x{o['throughput_ratio']:.2f}, "
-            f"p50 +{o['added_p50_ms']:.2f} ms (x{o['p50_ratio']:.2f}), "
-            f"p99 +{o['added_p99_ms']:.2f} ms (x{o['p99_ratio']:.2f}); CPU per request: "
+            f"p50 {o['added_p50_ms']:+.2f} ms (x{o['p50_ratio']:.2f}), "
+            f"p99 {o['added_p99_ms']:+.2f} ms (x{o['p99_ratio']:.2f}); CPU per request: "
             f"gateway {o['gateway_cpu_us_per_request']:.0f} us, "
             f"bare aiohttp proxy {o['bare_proxy_cpu_us_per_request']:.0f} us, "
             f"engine {o['engine_cpu_us_per_request']:.0f} us; load avg "
@@ -493,7 +493,7 @@ def main() -> int:
         )
         print(
             f"{'':<12}bare aiohttp proxy/direct: throughput "
-            f"x{o['bare_proxy_throughput_ratio']:.2f}, p99 +{o['bare_proxy_added_p99_ms']:.2f} ms"
+            f"x{o['bare_proxy_throughput_ratio']:.2f}, p99 {o['bare_proxy_added_p99_ms']:+.2f} ms"
         )
         print(
             f"{'':<12}goal added p99 <= 5 ms: "
