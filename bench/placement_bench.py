@@ -36,7 +36,7 @@ from warmserve.policy.cluster import (
     Node,
     WorkerState,
 )
-from warmserve.policy.placement import apply_plan, plan_prewarm
+from warmserve.policy.evict_aware_placement import apply_plan, plan_prewarm
 
 # (weight bytes, tp, cold start s): Table 1's Llama2 family plus two common larger shapes.
 FAMILY = [

@@ -58,7 +58,7 @@ def policy_replicas(kubectl: Any, ns: str, snaps: dict[str, Any]) -> tuple[Any, 
 
     from warmserve.control.snapshot import build_state
     from warmserve.policy.cluster import LoadForecast, WorkerState
-    from warmserve.policy.placement import plan_prewarm
+    from warmserve.policy.evict_aware_placement import plan_prewarm
 
     catalog = {}
     for snap in snaps.values():

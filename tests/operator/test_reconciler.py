@@ -14,7 +14,7 @@ from warmserve_operator.reconciler import OperatorConfig, Reconciler
 from warmserve.control.history import LoadHistory
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import GiB
-from warmserve.policy.placement import plan_prewarm
+from warmserve.policy.evict_aware_placement import plan_prewarm
 
 W = 2.0
 CATALOG = {"llama-a": (10 * GiB, 32), "llama-b": (20 * GiB, 40), "huge": (8 * GiB, 8)}

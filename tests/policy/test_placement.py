@@ -23,15 +23,8 @@ from warmserve.policy.cluster import (
     ReplicaKind,
     WorkerState,
 )
-from warmserve.policy.placement import (
-    NoCapacity,
-    StartChoice,
-    aligned_groups,
-    apply_plan,
-    choose_start,
-    is_laminar,
-    plan_prewarm,
-)
+from warmserve.policy.evict_aware_placement import apply_plan, plan_prewarm
+from warmserve.policy.gpu_groups import aligned_groups, is_laminar
 from warmserve.policy.scoring import (
     basic_score,
     burst_score,
@@ -39,6 +32,7 @@ from warmserve.policy.scoring import (
     priority_key,
     replica_counts,
 )
+from warmserve.policy.start_choice import NoCapacity, StartChoice, choose_start
 
 BASIC, BURST = ReplicaKind.BASIC, ReplicaKind.BURST
 

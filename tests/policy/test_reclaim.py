@@ -21,8 +21,9 @@ from warmserve.policy.cluster import (
     PolicyInputError,
     WorkerState,
 )
-from warmserve.policy.placement import StartChoice, aligned_groups, choose_start
+from warmserve.policy.gpu_groups import aligned_groups
 from warmserve.policy.reclaim import plan_reclaim, spare_instances
+from warmserve.policy.start_choice import StartChoice, choose_start
 
 CFG = AutoscalerConfig()  # u = 1.0, d = 0.5
 SERVING, GRACE, STARTING = InstancePhase.SERVING, InstancePhase.GRACE, InstancePhase.STARTING

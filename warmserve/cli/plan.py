@@ -1,7 +1,7 @@
 """``warmserve plan``: a cluster snapshot in, the prewarm plan out (WarmServe §5.2, Algorithm 1).
 
 The command is a thin shell: :func:`warmserve.scenario.load_cluster_state` validates the file,
-:func:`warmserve.policy.placement.plan_prewarm` decides, and this module only formats.
+:func:`warmserve.policy.evict_aware_placement.plan_prewarm` decides, and this module only formats.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _replica_row(r: Any, action: str) -> dict[str, Any]:
 
 def plan_document(state: Any, plan: Any, *, evict_aware: bool, starts: list[Any]) -> dict[str, Any]:
     """The JSON document ``warmserve plan --json`` prints."""
-    from warmserve.policy.placement import NoCapacity
+    from warmserve.policy.start_choice import NoCapacity
 
     doc: dict[str, Any] = {
         "evict_aware": evict_aware,
@@ -174,7 +174,8 @@ def render_text(doc: dict[str, Any], source: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from warmserve.policy.placement import choose_start, plan_prewarm
+    from warmserve.policy.evict_aware_placement import plan_prewarm
+    from warmserve.policy.start_choice import choose_start
     from warmserve.scenario import load_cluster_state
 
     state = load_cluster_state(args.scenario)

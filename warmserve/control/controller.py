@@ -35,7 +35,7 @@ may take one from instances other models can spare (:mod:`warmserve.policy.recla
 drained (grace) and the model starts there once they are done.
 
 Decision order per call: the autoscaler for each model (sorted): its starts where
-:func:`~warmserve.policy.placement.choose_start` says (each applied to the snapshot before the
+:func:`~warmserve.policy.start_choice.choose_start` says (each applied to the snapshot before the
 next), its drains, its grace ends; then, when a re-plan is due, Algorithm 1 on the snapshot
 *after* the starts: evictions (of replicas whose GPUs a new replica needs) before loads.
 """
@@ -63,11 +63,12 @@ from warmserve.policy.cluster import (
     ReplicaKind,
     WorkerState,
 )
+from warmserve.policy.evict_aware_placement import PrewarmPlan, plan_prewarm
 from warmserve.policy.fairness import FairDemand, fair_caps
 from warmserve.policy.load import WindowLoadTracker
-from warmserve.policy.placement import NoCapacity, PrewarmPlan, choose_start, plan_prewarm
 from warmserve.policy.predictor import Predictor, forecast, season_length
 from warmserve.policy.reclaim import plan_reclaim
+from warmserve.policy.start_choice import NoCapacity, choose_start
 
 from .decisions import Decision, Decisions, Drain, EndGrace, Evict, Prewarm, Start
 from .demand import observed_demand

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from warmserve.policy.autoscaler import ScaleDecision
 from warmserve.policy.cluster import GpuSet, ReplicaKind
-from warmserve.policy.placement import PrewarmPlan
+from warmserve.policy.evict_aware_placement import PrewarmPlan
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,7 @@ from warmserve.policy.cluster import (
     ReplicaKind,
     WorkerState,
 )
-from warmserve.policy.placement import StartChoice
+from warmserve.policy.start_choice import StartChoice
 
 from .observation import InstanceObs, Observation
 

@@ -2,7 +2,7 @@
 
 WarmServe's prewarming sits next to an ordinary load-driven autoscaler: the autoscaler decides
 *how many* instances a model needs right now; the placement module decides *where* a new one
-starts (:func:`warmserve.policy.placement.choose_start`), and scale-down puts instances into a
+starts (:func:`warmserve.policy.start_choice.choose_start`), and scale-down puts instances into a
 *grace period* during which they get no new requests, finish what they run, and lend their free
 KV memory to prewarming (Eq. 1, :mod:`warmserve.policy.proactive`).
 
@@ -34,7 +34,7 @@ their GPUs soonest and lend the most KV memory), ties by name, node and GPUs.
 
 Grace instances are not revived on a scale-up: the paper gives them no new requests, and their
 free KV memory may already hold other models' prewarmed weights; a scale-up starts a new instance
-where :func:`~warmserve.policy.placement.choose_start` says.
+where :func:`~warmserve.policy.start_choice.choose_start` says.
 
 Everything is pure and deterministic; time is passed in explicitly (``now_s``) and the only
 memory between calls is the small :class:`ScaleMemory` the caller keeps per model.

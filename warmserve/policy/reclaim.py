@@ -1,7 +1,8 @@
 """Reclaim: free a GPU group for a model whose requests wait and that has nowhere to start.
 
-The autoscaler scales each model on its own load; :func:`~warmserve.policy.placement.choose_start`
-finds a group of free (idle or universal) GPUs for a new instance.  Under load the GPUs can all
+The autoscaler scales each model on its own load;
+:func:`~warmserve.policy.start_choice.choose_start` finds a group of free (idle or universal) GPUs
+for a new instance.  Under load the GPUs can all
 be held by *other* models' instances that no longer need them — a model scales down only after
 its load stayed below the scale-down threshold for ``scale_down_delay_s``, and one whose load
 sits inside the hysteresis band never does — or the free GPUs lie scattered over the nodes so
@@ -58,7 +59,7 @@ from warmserve.policy.cluster import (
     PolicyInputError,
     WorkerState,
 )
-from warmserve.policy.placement import aligned_groups
+from warmserve.policy.gpu_groups import aligned_groups
 
 __all__ = ["Reclaim", "plan_reclaim", "spare_instances"]
 

@@ -43,7 +43,7 @@ from warmserve.control.controller import ControlConfig, Controller, ModelEntry
 from warmserve.control.history import LoadHistory
 from warmserve.policy import autoscaler as autoscaler_mod
 from warmserve.policy.cluster import ReplicaKind
-from warmserve.policy.placement import is_laminar
+from warmserve.policy.gpu_groups import is_laminar
 from warmserve.sim.cluster import (
     GRACE,
     SERVING,

@@ -38,7 +38,7 @@ from warmserve.control import decisions as dec
 from warmserve.control.controller import Controller
 from warmserve.control.observation import GpuObs, InstanceObs, Observation, SlotObs
 from warmserve.policy.autoscaler import desired_instances
-from warmserve.policy.placement import plan_prewarm
+from warmserve.policy.evict_aware_placement import plan_prewarm
 from warmserve.sim.cluster import GRACE, PHASE, SERVING, STARTING, STOPPED, SimInstance, SimReplica
 from warmserve.sim.model import SimModel, StartRecord
 

@@ -20,7 +20,7 @@ rule of thumb:
    lowers the overall tail mean most per GPU it takes (the P99 of a mixture is flat in most
    single steps, so a greedy step on it stalls).
 3. The instances are placed like any start on an empty cluster
-   (:func:`~warmserve.policy.placement.choose_start`, largest TP first).
+   (:func:`~warmserve.policy.start_choice.choose_start`, largest TP first).
 
 The result is the reference point of the evaluation: WarmServe's P99 against it, and its
 GPU-hours.
@@ -45,8 +45,8 @@ from warmserve.policy.cluster import (
     Node,
     WorkerState,
 )
-from warmserve.policy.placement import NoCapacity, choose_start
 from warmserve.policy.scoring import instances_for
+from warmserve.policy.start_choice import NoCapacity, choose_start
 from warmserve.sim.cluster import SimCluster
 from warmserve.sim.core import Simulation
 from warmserve.sim.hooks import StaticLayout
