@@ -6,8 +6,8 @@ Responsibilities beyond translating messages:
   a replay with the same id and the same arguments waits for / returns the first outcome (the
   same answer, or the same error) without redoing the work; the same id with different
   arguments is refused with ALREADY_EXISTS.  The last ``max_request_ids`` ids are remembered.
-* **Status codes.** :class:`~warmserve_agent.node.Refusal` carries the gRPC status name and a
-  message a person can act on; it becomes ``context.abort(code, message)``.
+* **Status codes.** :class:`~warmserve_agent.node_records.Refusal` carries the gRPC status name
+  and a message a person can act on; it becomes ``context.abort(code, message)``.
 * **Streams.** ``Prewarm`` streams progress of its slot until the requested layers are resident;
   ``Watch`` streams every state change (the core's event bus) with the changed object.  Each event
   is fanned out once (one hop onto the event loop, converted to protobuf once for all watchers) into
@@ -37,7 +37,8 @@ from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent import __version__
 from warmserve_agent.api.v1 import agent_pb2 as pb
 from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
-from warmserve_agent.node import ID_RE, Event, InstanceRec, NodeCore, Refusal, SlotRec
+from warmserve_agent.node import NodeCore
+from warmserve_agent.node_records import ID_RE, Event, InstanceRec, Refusal, SlotRec
 from warmserve_agent.safe_text import bounded, shown
 from warmserve_agent.sources.fetcher import FetchFailed, ModelFetcher
 from warmserve_agent.sources.wire import fetch_pb, store_pb

@@ -28,7 +28,8 @@ from warmserve_agent.backends.simulated import SimulatedBackend
 from warmserve_agent.engines.spec import EngineSpec, EngineStats
 from warmserve_agent.loader import verify_layers
 from warmserve_agent.memory import MemoryManager
-from warmserve_agent.node import NodeCore, Refusal
+from warmserve_agent.node import NodeCore
+from warmserve_agent.node_records import Refusal
 from warmserve_agent.store import WeightStore
 
 from warmserve.policy.cluster import InstancePhase

@@ -79,7 +79,7 @@ def test_engine_args_are_honoured(make_core: Callable[..., NodeCore]) -> None:
 def test_unknown_engine_and_bad_args_refused_before_any_change(
     make_core: Callable[..., NodeCore],
 ) -> None:
-    from warmserve_agent.node import Refusal
+    from warmserve_agent.node_records import Refusal
 
     core = make_core(gpus=1)
     before = core.generation

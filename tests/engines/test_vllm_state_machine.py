@@ -27,7 +27,8 @@ from warmserve_agent.backends.simulated import SimulatedBackend
 from warmserve_agent.engine_host import InProcessEngine
 from warmserve_agent.loader import verify_layers
 from warmserve_agent.memory import MemoryManager
-from warmserve_agent.node import NodeCore, Refusal
+from warmserve_agent.node import NodeCore
+from warmserve_agent.node_records import Refusal
 from warmserve_agent.store import WeightStore
 
 from tests.engines.test_vllm_engine import ARGS, PROMPT, REF_SCRIPT, _check_inside_slot, _env

@@ -406,7 +406,7 @@ async def test_agent_events_wake_the_loop_before_the_next_poll() -> None:
     await asyncio.wait_for(task, 10)
     polls = h.rec.metrics.registry.get_sample_value("warmserve_operator_polls_total")
     assert polls == 2, "one poll at start, one woken by the agent's event (poll interval 30 s)"
-    assert not h.rec._watchers, "watch streams are stopped with the loop"
+    assert not h.rec.watchers.tasks, "watch streams are stopped with the loop"
 
 
 async def test_windows_are_wall_clock_aligned_and_a_late_start_is_not_diluted() -> None:
