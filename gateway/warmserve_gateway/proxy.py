@@ -13,6 +13,10 @@
   ``eject_s`` if it refused the connection.  After the first byte reached the client nothing can
   be retried: a break mid-stream aborts the client's connection, so the client sees an error
   rather than a silently truncated answer.
+* **A refused connection is not that retry**: the engine never saw the request, so it goes to
+  another instance, or, when every instance refused (the operator ended them between two of this
+  replica's discovery updates: a model scaled to zero), it is held like any request at a model
+  without an instance — its held demand starts one — until the hold deadline.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ def new_session(connect_timeout_s: float, read_timeout_s: float) -> aiohttp.Clie
 
 
 _RETRY = object()
+_REFUSED = object()  # the connection was refused: nothing reached the engine
 
 
 class Proxy:
@@ -109,23 +114,30 @@ class Proxy:
         """Hold until an instance has room, forward, relay; one retry before the first byte."""
         avoid: frozenset[str] = frozenset()
         mm = self.metrics.model(st.model)
-        for attempt in (0, 1):
+        retried = first = False
+        while True:
             ep = await self.dispatcher.acquire(st, deadline, avoid)
-            if attempt == 0:
+            if not first:
+                first = True
                 mm.queue_wait.observe(self.clock() - t0)
             mm.inflight.inc()
             try:
-                result = await self._attempt(request, st, ep, out, t0, last=attempt == 1)
+                result = await self._attempt(
+                    request, st, ep, out, t0, last=retried, refusable=self.clock() < deadline
+                )
             finally:
                 mm.inflight.dec()
                 self.dispatcher.release(st, ep)
+            if result is _REFUSED:  # ejected: acquire picks another instance or holds
+                avoid = avoid | {ep.instance_id}
+                continue
             if result is _RETRY:
-                avoid = frozenset({ep.instance_id})
+                retried = True
+                avoid = avoid | {ep.instance_id}
                 self.metrics.retries.labels(st.model).inc()
                 continue
             assert isinstance(result, web.StreamResponse)
             return result
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def _ttft(self, model: str, stream: bool, t0: float) -> None:
         mm = self.metrics.model(model)
@@ -146,6 +158,7 @@ class Proxy:
         out: Outgoing,
         t0: float,
         last: bool,
+        refusable: bool = False,
     ) -> Any:
         try:
             up = await self.session.request(
@@ -155,6 +168,8 @@ class Proxy:
             self._failed(st, ep, "connect", exc)
             if isinstance(exc, aiohttp.ClientConnectorError):
                 self.dispatcher.eject(st, ep, self.eject_s)
+                if refusable:  # before the hold deadline: try elsewhere or hold
+                    return _REFUSED
             if not last:
                 return _RETRY
             raise UpstreamError(f"engine of {st.model!r} failed: {exc}") from exc

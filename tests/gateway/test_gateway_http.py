@@ -308,17 +308,48 @@ async def test_a_dead_engine_is_retried_once_on_another_instance(
             )
             assert st == 200, doc
         text = await (await s.get(f"{gw.urls['admin']}/metrics")).text()
-    # The dead one failed once, was retried elsewhere, then ejected (no further attempts).
-    assert 'warmserve_gateway_retries_total{model="tiny"} 1.0' in text
+    # The dead one refused once, the request went elsewhere, then it was ejected (no further
+    # attempts).  A refusal is not the one retry: the engine never saw the request.
     assert 'warmserve_gateway_upstream_errors_total{kind="connect",model="tiny"} 1.0' in text
-    # Only dead instances: the retry fails too and the client gets a 502 in OpenAI's shape.
-    gw2, _ = await make_gateway([md("gone", "tiny", [(dead_id, dead_url)])])
+    assert 'warmserve_gateway_retries_total{model="tiny"} 1.0' not in text
+
+
+async def test_every_instance_refusing_holds_the_request_until_one_serves(
+    make_gateway: Any, tiny: Any, engines: Engines
+) -> None:
+    """The operator ended a model's last instances between two discovery updates (scale to
+    zero; seen in `warmserve up`: both ended 0.26 s after their drain, a request sent 0.2 s
+    later got 502).  Refused connections are held like requests at a model without an
+    instance, and served once an instance appears; only at the hold deadline does the client
+    get an error, and then the hold timeout's 503 with Retry-After."""
+    dead = []
+    for _ in range(2):  # two ended instances (GPU 3 reused): the old single retry hit the 2nd
+        dead_id, dead_url = await asyncio.to_thread(engines.start, "tiny", 3)
+        await asyncio.to_thread(engines.end, dead_id)
+        dead.append((dead_id, dead_url))
+    live_id, live_url = tiny[0]
+    obj = md("gone", "tiny", dead, max_hold_s=20)
+    gw, src = await make_gateway([obj])
     async with aiohttp.ClientSession() as s:
-        st, _, doc = await post(
-            s, f"{gw2.urls['api']}/v1/chat/completions", {"model": "gone", **CHAT}
+        task = asyncio.create_task(
+            post(s, f"{gw.urls['api']}/v1/chat/completions", {"model": "gone", **CHAT})
         )
-    assert st == 502
-    assert_openai_error(doc, "upstream_error")
+        await asyncio.sleep(0.5)
+        assert not task.done()
+        st = gw.dispatcher.state("tiny")
+        assert st is not None and st.held == 1, "held: its demand starts an instance"
+        src.modified(md("gone", "tiny", [(live_id, live_url)], max_hold_s=20))
+        code, _, doc = await asyncio.wait_for(task, 10)
+    assert code == 200, doc
+    # Nothing appears before the hold deadline: 503 + Retry-After, as for any held request.
+    gw2, _ = await make_gateway([md("gone2", "tiny", dead, max_hold_s=1)])
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(
+            f"{gw2.urls['api']}/v1/chat/completions", json={"model": "gone2", **CHAT}
+        )
+        doc = await r.json()
+    assert r.status == 503 and "Retry-After" in r.headers, doc
+    assert_openai_error(doc, "hold_timeout")
 
 
 async def test_deleted_deployment_fails_its_held_requests(make_gateway: Any) -> None:
