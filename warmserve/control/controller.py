@@ -131,6 +131,7 @@ class _ModelState:
     last_window: tuple[float, float, float] | None = None  # (start, avg, peak)
     memory: ScaleMemory | None = None
     closed: list[int] = field(default_factory=list)  # windows closed since take_closed()
+    boundary: float | None = None  # end of the tracker's current window (None: recompute)
 
     @property
     def spec(self) -> ModelSpec:
@@ -237,7 +238,13 @@ class Controller:
         if st is None:
             return
         w = self.cfg.window_s
-        boundary = (math.floor(st.tracker.window_start / w + 1e-9) + 1) * w
+        boundary = st.boundary
+        if boundary is None:  # the end of the tracker's window (kept: asked per request)
+            boundary = (math.floor(st.tracker.window_start / w + 1e-9) + 1) * w
+        if boundary <= t:
+            st.boundary = None
+        else:
+            st.boundary = boundary
         while boundary <= t:
             closed = st.tracker.close(boundary)
             index = math.floor(closed.start_s / w + 1e-9)

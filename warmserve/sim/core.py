@@ -123,6 +123,7 @@ class Simulation:
         self.hooks = hooks or (Controlled() if system.mode == "autoscale" else SystemHooks())
         self.models = models
         self.by_name = {m.spec.name: m for m in models}
+        self.names = [m.spec.name for m in models]
         self.specs = {m.spec.name: m.spec for m in models}
         self.timers = [m.step_timer() for m in models]
         self.cl = cluster
@@ -410,7 +411,7 @@ class Simulation:
     def _set_inflight(self, midx: int, t: float, delta: int) -> None:
         self.inflight[midx] += delta
         if self.controller is not None:  # demand (warmserve.control.demand), measured exactly
-            self.controller.measure(self.models[midx].spec.name, t, self.inflight[midx])
+            self.controller.measure(self.names[midx], t, self.inflight[midx])
 
     def _drop(self, r: Req, reason: str, issued: bool = False) -> None:
         """``r`` leaves unserved (counted once; ``issued``: it never entered the loop)."""
@@ -462,6 +463,8 @@ class Simulation:
                     and (best is None or inst.n_assigned < best.n_assigned)
                 ):
                     best = inst
+                    if not inst.n_assigned:
+                        break  # an idle instance: none later can be less loaded
             if best is None:
                 return
             q.popleft()
