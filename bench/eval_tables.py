@@ -166,12 +166,21 @@ def goal_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _goals_section(points: list[dict[str, Any]]) -> list[str]:
+def reference_p99(refs: list[dict[str, Any]]) -> dict[tuple[float, float], float | None]:
+    """(alpha, RPS) -> P99 of the free-starts reference run (``paper_eval.REFERENCE``)."""
+    return {_ov(p): next((r.get("ttft_p99_s") for r in p["rows"]), None) for p in refs}
+
+
+def _goals_section(points: list[dict[str, Any]],
+                   refs: dict[tuple[float, float], float | None] | None = None) -> list[str]:
     g = goal_rows(points)
+    refs = refs or {}
+    ref_col = bool(refs)
     lines = [
         "| alpha | RPS | WarmServe P99 | SLLM-GPU P99 | P99 gain | hit ratio | dedicated P99 | "
-        "WarmServe / dedicated P99 | GPU-h WarmServe / dedicated | no-proactive / WarmServe P99 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "WarmServe / dedicated P99 | GPU-h WarmServe / dedicated | no-proactive / WarmServe P99 |"
+        + (" reactive P99, every start free |" if ref_col else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if ref_col else ""),
     ]
     for x in g:
         lines.append(
@@ -180,6 +189,7 @@ def _goals_section(points: list[dict[str, Any]]) -> list[str]:
             f"{fmt_seconds(x['d_p99'])} | {_x(x['vs_ded'])} | "
             f"{_pct(x['gpuh'])} ({x['w_gpuh'] or 0:.1f} / {x['d_gpuh'] or 0:.1f}) | "
             f"{_x(x['noproactive'])} |"
+            + (f" {fmt_seconds(refs.get((x['alpha'], x['rps'])))} |" if ref_col else "")
         )
     top = max((x["rps"] for x in g), default=0)
     heavy = [x for x in g if x["rps"] == top]
@@ -219,8 +229,13 @@ def _goals_section(points: list[dict[str, Any]]) -> list[str]:
         d = r.get("dedicated", {}).get("ttft_p99_s")
         if d is not None and d > CAPACITY_BOUND_S:
             big = r.get("prism-256", {}).get("ttft_p99_s")
+            free = refs.get(_ov(p))
             bound.append(f"alpha {_ov(p)[0]:g} RPS {_ov(p)[1]:g} (`dedicated` "
-                         f"{fmt_seconds(d)}, `prism-256` {fmt_seconds(big)})")
+                         f"{fmt_seconds(d)}, `prism-256` {fmt_seconds(big)}"
+                         + (f", `reactive` with every start free {fmt_seconds(free)}, "
+                            "SLLM-GPU / that "
+                            f"{_x(_ratio(r.get('sllm-gpu', {}).get('ttft_p99_s'), free))}"
+                            if free else "") + ")")
     if bound:
         lines += [
             f"* capacity-bound points at this batch (the best static allocation, which never "
@@ -469,9 +484,12 @@ def render(saved: dict[str, Any]) -> str:
             "",
             "P99 gain = SLLM-GPU P99 / WarmServe P99 (the paper's \"x reduction\").  GPU-h: GPUs "
             "held by instances (starting, serving, grace) over the 2 h; `dedicated` holds its "
-            "static allocation all the time.",
+            "static allocation all the time."
+            + ("  Last column: a reference, not a system: `reactive` under the `free-starts` "
+               "profile (no start costs anything), so what is left of its tail is queueing for "
+               "batch slots and GPUs." if saved.get("references") else ""),
             "",
-            *_goals_section(pts),
+            *_goals_section(pts, reference_p99(saved.get("references") or [])),
             "",
         ]
     for prof in profiles:
