@@ -12,7 +12,8 @@ starts) run once per point and are shown under every profile.  Results also go t
 ``bench/results/paper_eval.json``.  Nothing here is tuned to the paper: the physics constants
 come from the cited GPU and start-up profiles (``warmserve/sim/profiles``,
 ``warmserve/sim/startup_profiles``) and the policies are the project's policy modules; the
-paper's numbers are printed beside ours for comparison only.  Tables: ``eval_tables.py``.
+paper's numbers are printed beside ours for comparison only.  Tables: ``eval_tables.py``
+(goals and ablations: ``eval_goals.py``).
 """
 
 from __future__ import annotations

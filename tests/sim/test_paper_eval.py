@@ -61,7 +61,7 @@ def test_paper_eval_writes_markdown_and_json_and_rerenders(tmp_path):
 
     # each ablation differs from WarmServe wherever its mechanism acted; the ones that never
     # acted are reported as such on the page (not hidden)
-    from eval_tables import ablation_effects
+    from eval_goals import ablation_effects
 
     effects = [e for p in saved["points"] for e in ablation_effects(p)]
     assert {e["ablation"] for e in effects} == set(ABLATIONS.split(","))
