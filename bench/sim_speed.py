@@ -68,7 +68,7 @@ def run_part(name: str, scenario: Path, overrides: dict[str, Any], systems: list
           f"{sc.duration_s / 3600:g} h, {n:,} requests; prepare {prep_cpu:.1f} s CPU "
           f"({prep_wall:.1f} s wall); load average {load0}", flush=True)
     print(f"{'system':<28}{'CPU s':>8}{'wall s':>8}{'req/CPU s':>11}{'req/wall s':>11}"
-          f"{'failed starts':>15}{'events':>11}{'set-up CPU s':>14}", flush=True)
+          f"{'failed starts':>15}{'events':>13}{'set-up CPU s':>14}", flush=True)
     rows = []
     for s in systems:
         out, wall = run_system(prep, s)
@@ -84,7 +84,7 @@ def run_part(name: str, scenario: Path, overrides: dict[str, Any], systems: list
                "starts": len(out.starts), "sizing_cpu_s": sizing, "setup_cpu_s": setup}
         rows.append(row)
         print(f"{s:<28}{cpu:>8.1f}{wall:>8.1f}{row['requests_per_cpu_s']:>11,.0f}"
-              f"{row['requests_per_wall_s']:>11,.0f}{out.start_failures:>15,}{out.events:>11,}"
+              f"{row['requests_per_wall_s']:>11,.0f}{out.start_failures:>15,}{out.events:>13,}"
               f"{setup:>14.2f}"
               + (f"  (+{sizing:.1f} s CPU sizing the layout)" if sizing else ""),
               flush=True)
