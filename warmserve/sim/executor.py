@@ -134,7 +134,7 @@ class ControlExecutor:
         state = self.ctl.last_plan_state
         if not self.ctl.cfg.evict_aware or state is None:
             return
-        ff = plan_prewarm(state, evict_aware=False)
+        ff = plan_prewarm(state, evict_aware=False, spare_replicas=self.ctl.cfg.spare_replicas)
         ours = {(r.model, r.node, r.gpus) for r in plan.place}  # type: ignore[attr-defined]
         if ours != {(r.model, r.node, r.gpus) for r in ff.place}:
             self.counts["evict_aware_choices"] += 1
