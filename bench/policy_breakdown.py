@@ -50,6 +50,7 @@ class Probe:
         self.inflight_t: dict[int, tuple[float, int]] = {}
         self.spans: dict[int, list[float]] = {}
         self.detail: list[tuple] = []
+        self.latency: dict[str, list[float]] = {"hit": [], "miss": []}
 
     # -------------------------------------------------------------- misses
     def classify(self, ex: executor.ControlExecutor, d) -> str:  # type: ignore[no-untyped-def]
@@ -97,7 +98,11 @@ def install(probe: Probe) -> None:
                 probe.hits += 1
             else:
                 probe.misses[probe.classify(self, d)] += 1
-        return orig_start(self, d, t, prewarmed)
+        n = len(self.sim.starts)
+        orig_start(self, d, t, prewarmed)
+        if len(self.sim.starts) > n:
+            rec = self.sim.starts[-1]
+            probe.latency["hit" if rec.hit else "miss"].append(rec.latency_s)
 
     def new_instance(self, m, node, gpus, t, ready, full, hit):  # type: ignore[no-untyped-def]
         inst = orig_new(self, m, node, gpus, t, ready, full, hit)
@@ -196,6 +201,18 @@ def main() -> int:
                     **{f"{k}_h": v / 3600.0 for k, v in probe.phase_s.items()},
                     "needed_h": probe.need_s / 3600.0, "hits": probe.hits,
                     "miss_causes": dict(probe.misses), "no_replica_misses": probe.detail,
+                    "start_latency_mean_s": {
+                        k: (sum(v) / len(v) if v else None) for k, v in probe.latency.items()
+                    },
+                    "start_latency_max_s": {
+                        k: max(v, default=None) for k, v in probe.latency.items()
+                    },
+                    "per_model_p99": {
+                        k: v["ttft_p99_s"] for k, v in s["per_model"].items()
+                    },
+                    "per_model_starts": {
+                        k: (v["warm_starts"], v["cold_starts"]) for k, v in s["per_model"].items()
+                    },
                 }
                 rows.append(row)
                 causes = ", ".join(f"{k} {v}" for k, v in sorted(probe.misses.items()))

@@ -47,7 +47,9 @@ def test_no_spare_for_a_model_with_nothing_predicted_and_no_instance() -> None:
     active=st.integers(0, 20),
     spare=st.integers(0, 3),
 )
-def test_spares_add_exactly_and_score_last(avg: float, peak: float, active: int, spare: int) -> None:
+def test_spares_add_exactly_and_score_last(
+    avg: float, peak: float, active: int, spare: int
+) -> None:
     fc = LoadForecast(avg, peak)
     base = model_replicas(SPEC, fc, active)
     more = model_replicas(SPEC, fc, active, spare)
@@ -56,13 +58,27 @@ def test_spares_add_exactly_and_score_last(avg: float, peak: float, active: int,
     assert [r.kind for r in more[: len(base)]] == [r.kind for r in base]
     spares = more[len(base):]
     assert all(r.kind == ReplicaKind.BURST for r in spares)
-    # a spare never outranks a replica Eq. 5-6 asked for: basic ones by kind, burst ones by
-    # Eq. 8's decay over ranks
-    for s in spares:
-        assert all(
-            priority_key(r) < priority_key(s) and (r.kind == ReplicaKind.BASIC or s.score <= r.score)
-            for r in more[: len(base)]
-        )
+    # the replicas Eq. 5-6 ask for keep their Eq. 7-8 scores; spares score 0 and come last
+    assert more[: len(base)] == base
+    assert all(s.score == 0.0 for s in spares)
+    assert all(priority_key(r) < priority_key(s) for r in base for s in spares)
+
+
+@given(
+    fcs=st.lists(st.tuples(st.floats(0, 300), st.floats(0, 300), st.integers(0, 5)),
+                 min_size=1, max_size=4),
+)
+def test_no_spare_outranks_any_models_asked_for_replica(
+    fcs: list[tuple[float, float, int]],
+) -> None:
+    """Across models: a spare never takes memory a replica Eq. 5-6 asks for could get."""
+    asked, spares = [], []
+    for k, (avg, peak, active) in enumerate(fcs):
+        spec = ModelSpec(f"m{k}", 10 * GiB, 1, 32, 5.0 + k)
+        base = model_replicas(spec, LoadForecast(avg, peak), active)
+        asked += [r for r in base if r.score > 0]
+        spares += model_replicas(spec, LoadForecast(avg, peak), active, 1)[len(base):]
+    assert all(priority_key(r) < priority_key(s) for r in asked for s in spares)
 
 
 def _setup(spare: int) -> tuple[Controller, tuple[GpuObs, ...]]:

@@ -99,8 +99,10 @@ class ControlConfig:
     evict_aware: bool = True
     reclaim: bool = True
     # Extra burst replicas per model beyond Eq. 6, re-placed after each start that uses a
-    # replica (warmserve.policy.scoring, docs/policy.md "Spare replicas"); 0: the paper's Eq. 6.
-    spare_replicas: int = 1
+    # replica (warmserve.policy.scoring, docs/policy.md "Spare replicas").  0 (the default): the
+    # paper's Eq. 6; the operator (--spare-replicas) and the simulator (policy.spare_replicas)
+    # pass the same value through.
+    spare_replicas: int = 0
 
     def __post_init__(self) -> None:
         if self.spare_replicas < 0:

@@ -31,10 +31,14 @@ Deviations, and why:
   11 misses, all with the model's demand above its forecast peak — 193 in flight against a
   forecast of 118 — or ``L_P`` at 25-31 for ``B`` = 32).  A spare keeps one start beyond the
   current instances warm however far the load climbs (the control loop re-plans when a start
-  uses a replica, so the next one is prewarmed behind it).  It takes Eq. 8's next rank, so it
-  scores below every burst replica of its model and is the first to go when memory is short;
-  with the budget depth every model's replica fits beside the others on one GPU (§4's
-  one-for-many prewarming), so spares cost idle memory, not GPUs.
+  uses a replica, so the next one is prewarmed behind it).  A spare scores 0 (the score of a
+  replica nobody asked for: it covers a start the forecast says will not come), so it ranks
+  below every replica Eq. 5-6 ask for, of any model, and is the first to go when memory is
+  short or a start wants its GPUs: with Eq. 8's next rank instead, a 7B spare outranked the
+  70B's burst replicas and took the memory they needed (measured at alpha 0.5, RPS 20: 70B
+  misses 4 -> 6, its P99 31 s -> 42 s).  With the budget depth every model's replica fits
+  beside the others on one GPU (§4's one-for-many prewarming), so spares cost idle memory,
+  not GPUs.
 """
 
 from __future__ import annotations
@@ -116,8 +120,12 @@ def burst_score(
 def model_replicas(
     spec: ModelSpec, forecast: LoadForecast, active: int, spare: int = 0
 ) -> list[ReplicaRequest]:
-    """All replicas one model asks for this window, basic first, each rank with its score."""
-    n_basic, n_burst = replica_counts(forecast, spec.max_batch, active, spare)
+    """All replicas one model asks for this window, basic first, each rank with its score.
+
+    The ``spare`` replicas come last, with score 0 (module docstring); the others' scores are
+    Eq. 7-8's for the Eq. 5-6 counts, whatever ``spare`` is."""
+    n_basic, n_burst = replica_counts(forecast, spec.max_batch, active)
+    _, with_spares = replica_counts(forecast, spec.max_batch, active, spare)
     out = [
         ReplicaRequest(
             spec.name, ReplicaKind.BASIC, i, basic_score(i, n_basic, n_burst, spec.cold_start_s)
@@ -132,6 +140,10 @@ def model_replicas(
             burst_score(i, n_basic, n_burst, spec.cold_start_s, forecast),
         )
         for i in range(n_burst)
+    ]
+    out += [
+        ReplicaRequest(spec.name, ReplicaKind.BURST, i, 0.0)
+        for i in range(n_burst, with_spares)
     ]
     return out
 
