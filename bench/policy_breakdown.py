@@ -24,7 +24,6 @@ unprobed run.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import sys
@@ -163,16 +162,7 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="scenario field overrides (numbers), e.g. scale_down_utilization=0.7")
-    ap.add_argument("--control", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="ControlConfig overrides for the run (ints), e.g. spare_replicas=0: "
-                         "compare a policy knob against its default")
     args = ap.parse_args()
-    if args.control:
-        over = {k: int(v) for k, v in (x.split("=", 1) for x in args.control)}
-        core.ControlConfig = functools.partial(core.ControlConfig, **over)  # type: ignore[misc]
-
-    holder = Probe()  # the wrappers close over it; reset before each run
-    install(holder)
     base = load_scenario(args.scenario)
     if args.set:
         base = base.with_overrides(
