@@ -32,10 +32,12 @@ from warmserve.units import SizeError, parse_size
 from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
 from warmserve_agent.memory import MemoryManager
 from warmserve_agent.node import NodeCore
-from warmserve_agent.service import AgentService, ServiceInfo
+from warmserve_agent.service import AgentService
+from warmserve_agent.service_describe import ServiceInfo
 from warmserve_agent.shm import PREFIX, MemoryDir, MemoryDirBusy, remove_stale
 from warmserve_agent.sources import SourceSettings
-from warmserve_agent.sources.fetcher import FetchStatus, ModelFetcher
+from warmserve_agent.sources.fetch_records import FetchStatus
+from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.store import WeightStore
 
 log = logging.getLogger("warmserve.agent")
