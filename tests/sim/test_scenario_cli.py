@@ -121,3 +121,30 @@ def test_paper_testbed_scenario_is_valid():
     assert [m.tp for m in sc.models] == [1, 1, 2, 4]
     assert sc.grid["total_rps"] == (10, 15, 20, 25)
     assert sc.window_s == 300 and sc.duration_s == 7200
+
+
+def test_startup_override_by_name_or_path_and_unknown_profile(tmp_path, capsys):
+    path = _write(tmp_path, make_doc(**{"workload.total_rps": 12}))  # reactive starts instances
+    instant = tmp_path / "instant.yaml"
+    stages = {k: 0.0 for k in ("process_start_s", "import_s", "device_init_s", "engine_init_s",
+                                "comm_group_s", "activation_s")}
+    load = {"bw": 1.0e15, "setup_s": 0.0, "stock_slowdown": 1.0}
+    sources = {f"{part}.{k}": "a bound, not a system" for part, d in
+               (("stages", stages), ("load", load)) for k in d}
+    instant.write_text(yaml.safe_dump({"name": "instant", "description": "every start free",
+                                       "stages": stages, "load": load, "sources": sources}))
+    results = {}
+    for profile in ("fast-path", str(instant)):
+        out_json = tmp_path / f"{len(results)}.json"
+        rc = main(["simulate", path, "--systems", "reactive", "--startup", profile,
+                   "--json", str(out_json)])
+        assert rc == 0
+        capsys.readouterr()
+        data = json.loads(out_json.read_text())
+        results[data["facts"]["startup"]] = data["rows"][0]
+    assert set(results) == {"fast-path", "instant"}
+    # free starts: a request behind one of reactive's cold starts no longer waits seconds
+    assert results["fast-path"]["cold_starts"] > 0
+    assert results["instant"]["ttft_p99_s"] < results["fast-path"]["ttft_p99_s"] / 5
+    rc, err = _err(capsys, ["simulate", path, "--startup", "nope"])
+    assert rc == 2 and "unknown start-up profile 'nope'" in err

@@ -35,12 +35,19 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("scenario", metavar="SCENARIO.yaml", help="scenario file (docs/simulator.md)")
+    from warmserve.sim.systems import SYSTEMS
+
     p.add_argument(
         "--systems",
         metavar="A,B,...",
-        help="systems to run (default: the scenario's `systems`, else all). Known: warmserve, "
-        "warmserve-no-proactive, warmserve-no-evict-aware, reactive, sllm-gpu, sllm-gpu-pooled, "
-        "muxserve, prism, dedicated",
+        help="systems to run (default: the scenario's `systems`, else all). Known: "
+        + ", ".join(SYSTEMS),
+    )
+    p.add_argument(
+        "--startup",
+        metavar="PROFILE",
+        help="override cluster.startup: a start-up profile name (paper, fast-path, "
+        "measured-<gpu>) or a profile YAML path (docs/simulator.md)",
     )
     p.add_argument("--json", metavar="OUT.json", help="write rows, per-model breakdown and facts")
     p.add_argument("--plot", metavar="OUT.png", help="TTFT CDFs and GPU-state timelines")
@@ -89,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["alpha"] = args.alpha
     if args.duration is not None:
         overrides["duration_s"] = args.duration
+    if args.startup is not None:
+        overrides["startup"] = args.startup
     if overrides:
         sc = sc.with_overrides(**overrides)
     systems = parse_systems(args.systems, sc.systems or DEFAULT_SYSTEMS)
