@@ -10,226 +10,20 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from eval_goals import (
+    ablation_section,
+    by_profile,
+    fmt_pct,
+    fmt_x,
+    goals_section,
+    grid_key,
+    ratio,
+    reference_p99,
+    row_head,
+    rows_by,
+)
 
 from warmserve.sim.report import fmt_seconds, table
-
-PAPER = {
-    "p95_vs_sllm": (1.07, 10.06),
-    "p99_vs_sllm": (1.53, 50.79),
-    "proactive_tail": (1.03, 32.87),
-    "hit_rps25_avg": 0.82,
-}
-# issue 12's goals for the `paper` profile on the paper grid
-GOAL_GAIN, GOAL_HIT, GOAL_VS_DED, GOAL_GPUH = 10.0, 0.90, 2.0, 0.60
-CAPACITY_BOUND_S = 5.0  # `dedicated` P99 above this: the point is capacity-bound at its batch
-
-# ablation -> (what it removes, the warmserve counter that says the mechanism acted)
-ABLATIONS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "warmserve-no-lending": ("grace-period lending (Eq. 1, §4.1)", ("lent_placements",)),
-    "warmserve-no-keep-weights": ("keeping a stopped instance's weights (§4.1)",
-                                  ("kept_replica_hits",)),
-    "warmserve-no-evict-aware": ("evict-aware placement (Alg. 1, §5.2)",
-                                 ("evict_aware_choices",)),
-    "warmserve-no-prediction": ("prediction-driven prewarm replicas (§5)", ("prewarms",)),
-    "warmserve-no-reclaim": ("reclaim for a starving model (issue 12)", ("reclaim_drains",)),
-    "warmserve-no-proactive": ("both halves of §4.1 (the paper's §7.5 ablation)",
-                               ("lent_placements", "kept_replica_hits")),
-}
-# what "the results differ" means: latency, starts, GPU time, and the weight loads made
-# (host->GPU traffic: a mechanism that saves loads without moving latency still acted)
-COMPARED = ("warm_starts", "cold_starts", "ttft_p99_s", "ttft_p999_s", "ttft_p50_s",
-            "ttft_mean_s", "start_delayed_share", "gpu_hours", "prewarm_gpu_hours", "prewarms")
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
-def _pct(v: float | None, digits: int = 0) -> str:
-    return "-" if v is None else f"{v * 100:.{digits}f}%"
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b <= 0:
-        return None
-    return a / b
-
-
-def rows_by(point: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {r["system"]: r for r in point["rows"]}
-
-
-def _ov(p: dict[str, Any]) -> tuple[float, float]:
-    return p["overrides"]["alpha"], p["overrides"]["total_rps"]
-
-
-def _ab(p: dict[str, Any]) -> str:
-    a, r = _ov(p)
-    return f"| {a:g} | {r:g} "
-
-
-def by_profile(points: list[dict[str, Any]], profile: str) -> list[dict[str, Any]]:
-    return [p for p in points if p["overrides"].get("startup") == profile]
-
-
-# ------------------------------------------------------------------------------------ ablations
-
-
-def ablation_effects(point: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per ablation in the point: whether WarmServe's mechanism acted (its counter > 0),
-    whether the ablation's results differ from WarmServe's, and the tail ratios."""
-    r = rows_by(point)
-    w = r.get("warmserve")
-    out = []
-    if w is None:
-        return out
-    for name, (what, counters) in ABLATIONS.items():
-        a = r.get(name)
-        if a is None:
-            continue
-        acted = sum(int(w.get(c) or 0) for c in counters)
-        differs = any(
-            (w.get(k) is None) != (a.get(k) is None)
-            or (w.get(k) is not None and abs(float(w[k]) - float(a[k])) > 1e-9)
-            for k in COMPARED
-        )
-        out.append({
-            "ablation": name, "mechanism": what, "acted": acted, "exercised": acted > 0,
-            "differs": differs,
-            "p99_ratio": _ratio(a.get("ttft_p99_s"), w.get("ttft_p99_s")),
-            "p999_ratio": _ratio(a.get("ttft_p999_s"), w.get("ttft_p999_s")),
-            "delayed": (w.get("start_delayed_share"), a.get("start_delayed_share")),
-            "hits": (w.get("hit_ratio"), a.get("hit_ratio")),
-            "loads": (w.get("prewarms"), a.get("prewarms")),
-            "latency_differs": any(
-                abs(float(w.get(k) or 0) - float(a.get(k) or 0)) > 1e-9
-                for k in ("ttft_p99_s", "ttft_p999_s", "ttft_mean_s", "start_delayed_share")
-            ),
-        })
-    return out
-
-
-def _ablation_section(points: list[dict[str, Any]]) -> list[str]:
-    names = [n for n in ABLATIONS if any(n in rows_by(p) for p in points)]
-    head = "| alpha | RPS | " + " | ".join(f"`{n.removeprefix('warmserve-')}`" for n in names)
-    lines = [head + " |", "|" + "---|" * (len(names) + 2)]
-    # exercised, results differ, points, latency differs
-    verdict: dict[str, list[int]] = {n: [0, 0, 0, 0] for n in names}
-    for p in points:
-        eff = {e["ablation"]: e for e in ablation_effects(p)}
-        cells = []
-        for n in names:
-            e = eff.get(n)
-            if e is None:
-                cells.append("-")
-                continue
-            verdict[n][2] += 1
-            verdict[n][0] += e["exercised"]
-            verdict[n][1] += e["exercised"] and e["differs"]
-            verdict[n][3] += e["exercised"] and e["latency_differs"]
-            mark = "" if e["exercised"] else " (not exercised)"
-            cells.append(f"P99 {_x(e['p99_ratio'])}, P99.9 {_x(e['p999_ratio'])}, delayed "
-                         f"{_pct(e['delayed'][1], 2)} vs {_pct(e['delayed'][0], 2)}, loads "
-                         f"{e['loads'][1]} vs {e['loads'][0]}{mark}")
-        lines.append(_ab(p) + "| " + " | ".join(cells) + " |")
-    lines += ["", "| ablation | removes | grid points where WarmServe's mechanism acted | "
-              "... and the ablation's results differ | ... and its latencies differ |",
-              "|---|---|---|---|---|"]
-    for n in names:
-        ex, df, tot, lat = verdict[n]
-        note = " **never exercised on this grid**" if ex == 0 else ""
-        lines.append(f"| `{n}` | {ABLATIONS[n][0]} | {ex} of {tot}{note} | {df} of {ex} | "
-                     f"{lat} of {ex} |")
-    return lines
-
-
-# ------------------------------------------------------------------------------------ goals
-
-
-def goal_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for p in points:
-        r = rows_by(p)
-        w, s, d = r.get("warmserve", {}), r.get("sllm-gpu", {}), r.get("dedicated", {})
-        out.append({
-            "alpha": _ov(p)[0], "rps": _ov(p)[1],
-            "w_p99": w.get("ttft_p99_s"), "s_p99": s.get("ttft_p99_s"),
-            "gain": _ratio(s.get("ttft_p99_s"), w.get("ttft_p99_s")),
-            "hit": w.get("hit_ratio"),
-            "d_p99": d.get("ttft_p99_s"),
-            "vs_ded": _ratio(w.get("ttft_p99_s"), d.get("ttft_p99_s")),
-            "gpuh": _ratio(w.get("gpu_hours"), d.get("gpu_hours")),
-            "w_gpuh": w.get("gpu_hours"), "d_gpuh": d.get("gpu_hours"),
-            "noproactive": _ratio(r.get("warmserve-no-proactive", {}).get("ttft_p99_s"),
-                                  w.get("ttft_p99_s")),
-        })
-    return out
-
-
-def _goals_section(points: list[dict[str, Any]]) -> list[str]:
-    g = goal_rows(points)
-    lines = [
-        "| alpha | RPS | WarmServe P99 | SLLM-GPU P99 | P99 gain | hit ratio | dedicated P99 | "
-        "WarmServe / dedicated P99 | GPU-h WarmServe / dedicated | no-proactive / WarmServe P99 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for x in g:
-        lines.append(
-            f"| {x['alpha']:g} | {x['rps']:g} | {fmt_seconds(x['w_p99'])} | "
-            f"{fmt_seconds(x['s_p99'])} | {_x(x['gain'])} | {_pct(x['hit'])} | "
-            f"{fmt_seconds(x['d_p99'])} | {_x(x['vs_ded'])} | "
-            f"{_pct(x['gpuh'])} ({x['w_gpuh'] or 0:.1f} / {x['d_gpuh'] or 0:.1f}) | "
-            f"{_x(x['noproactive'])} |"
-        )
-    top = max((x["rps"] for x in g), default=0)
-    heavy = [x for x in g if x["rps"] == top]
-
-    def ok(cond: bool) -> str:
-        return "**met**" if cond else "**not met**"
-
-    gains = [x["gain"] for x in heavy]
-    hits = [x["hit"] for x in heavy]
-    vs = [x["vs_ded"] for x in g]
-    gh = [x["gpuh"] for x in g]
-    npro = [x["noproactive"] for x in g if x["noproactive"] is not None]
-    lines += [
-        "",
-        f"* P99 >= {GOAL_GAIN:g}x better than SLLM-GPU at RPS {top:g}, both alpha: "
-        + ", ".join(f"{_x(v)} (alpha {x['alpha']:g})" for v, x in zip(gains, heavy, strict=True))
-        + f" -> {ok(all(v is not None and v >= GOAL_GAIN for v in gains))}",
-        f"* prewarm hit ratio >= {GOAL_HIT:.0%} at RPS {top:g}: "
-        + ", ".join(f"{_pct(v)} (alpha {x['alpha']:g})" for v, x in zip(hits, heavy, strict=True))
-        + f" -> {ok(all(v is not None and v >= GOAL_HIT for v in hits))}",
-        f"* P99 within {GOAL_VS_DED:g}x of `dedicated` at every point: "
-        f"{sum(1 for v in vs if v is not None and v <= GOAL_VS_DED)} of {len(vs)} points -> "
-        f"{ok(all(v is not None and v <= GOAL_VS_DED for v in vs))}",
-        f"* ... while using <= {GOAL_GPUH:.0%} of its GPU-hours: "
-        f"{sum(1 for v in gh if v is not None and v <= GOAL_GPUH)} of {len(gh)} points "
-        f"(range {_pct(min(gh, default=None))}-{_pct(max(gh, default=None))}) -> "
-        f"{ok(all(v is not None and v <= GOAL_GPUH for v in gh))}",
-        f"* proactive ablation measurably worse somewhere (P99 ratio > 1.05): "
-        f"{sum(1 for v in npro if v > 1.05)} of {len(npro)} points, largest "
-        f"{_x(max(npro, default=None))} -> {ok(any(v > 1.05 for v in npro))}",
-    ]
-    # where even the best static allocation queues, capacity at the batch, not start-up, sets
-    # the tail: say so, with what a larger batch (Prism's own 256) does at the same points
-    bound = []
-    for p in points:
-        r = rows_by(p)
-        d = r.get("dedicated", {}).get("ttft_p99_s")
-        if d is not None and d > CAPACITY_BOUND_S:
-            big = r.get("prism-256", {}).get("ttft_p99_s")
-            bound.append(f"alpha {_ov(p)[0]:g} RPS {_ov(p)[1]:g} (`dedicated` "
-                         f"{fmt_seconds(d)}, `prism-256` {fmt_seconds(big)})")
-    if bound:
-        lines += [
-            f"* capacity-bound points at this batch (the best static allocation, which never "
-            f"starts anything, has a P99 > {CAPACITY_BOUND_S:g} s: the tail is queueing for "
-            f"batch slots, not start-up cost; Prism at batch 256 beside it): "
-            + "; ".join(bound) + "."
-        ]
-    return lines
-
 
 # ------------------------------------------------------------------------------------ tables
 
@@ -249,10 +43,11 @@ def _main_table(points: list[dict[str, Any]]) -> list[str]:
             if x is None:
                 continue
             lines.append(
-                _ab(p) + f"| {s} | {fmt_seconds(x['ttft_p95_s'])} | "
+                row_head(p) + f"| {s} | {fmt_seconds(x['ttft_p95_s'])} | "
                 f"{fmt_seconds(x['ttft_p99_s'])} | {fmt_seconds(x['ttft_p999_s'])} | "
-                f"{_pct(x['start_delayed_share'], 2)} ({fmt_seconds(x['start_delay_mean_s'])}) | "
-                f"{_pct(x['queued_share'], 1)} | {_pct(x['hit_ratio'])} | "
+                f"{fmt_pct(x['start_delayed_share'], 2)} "
+                f"({fmt_seconds(x['start_delay_mean_s'])}) | "
+                f"{fmt_pct(x['queued_share'], 1)} | {fmt_pct(x['hit_ratio'])} | "
                 f"{x['warm_starts']}/{x['cold_starts']} | {x['gpu_hours']:.1f} |"
             )
     return lines
@@ -287,7 +82,7 @@ def _baseline_batch(points: list[dict[str, Any]]) -> list[str]:
             return r.get(s, {}).get(k)
 
         lines.append(
-            _ab(p) + f"| {fmt_seconds(g('prism', 'ttft_p99_s'))} | "
+            row_head(p) + f"| {fmt_seconds(g('prism', 'ttft_p99_s'))} | "
             f"{fmt_seconds(g('prism-256', 'ttft_p99_s'))} | "
             f"{fmt_seconds(g('muxserve', 'ttft_p99_s'))} | "
             f"{fmt_seconds(g('muxserve-adbs', 'ttft_p99_s'))} | "
@@ -306,7 +101,7 @@ def _dedicated(points: list[dict[str, Any]]) -> list[str]:
         if not x:
             continue
         lines.append(
-            _ab(p) + f"| {', '.join(f'{k} {v}' for k, v in x['counts'].items())} | "
+            row_head(p) + f"| {', '.join(f'{k} {v}' for k, v in x['counts'].items())} | "
             f"{x['gpus_used']} of {x['gpus']} | "
             f"{', '.join(f'{k} {v}' for k, v in x['peak_rule_counts'].items())} | "
             f"{x['search']} ({x['combinations']} combinations) | {x['single_model_runs']} |"
@@ -322,9 +117,9 @@ def _tpot(points: list[dict[str, Any]]) -> list[str]:
             x = rows_by(p).get(name)
             if x is None:
                 continue
-            lines.append(_ab(p) + f"| {name} | {fmt_seconds(x['tpot_p50_s'])} | "
-                         f"{fmt_seconds(x['tpot_p99_s'])} | {_pct(x['tpot_under_50ms'])} | "
-                         f"{_pct(x['tpot_over_100ms'])} |")
+            lines.append(row_head(p) + f"| {name} | {fmt_seconds(x['tpot_p50_s'])} | "
+                         f"{fmt_seconds(x['tpot_p99_s'])} | {fmt_pct(x['tpot_under_50ms'])} | "
+                         f"{fmt_pct(x['tpot_over_100ms'])} |")
     return lines
 
 
@@ -336,11 +131,11 @@ def _code(code: list[dict[str, Any]]) -> list[str]:
         w, s = r.get("warmserve", {}), r.get("sllm-gpu", {})
         n, mx = r.get("warmserve-no-proactive", {}), r.get("muxserve", {})
         lines.append(
-            f"| {_ov(p)[1]:g} | {fmt_seconds(w.get('ttft_p99_s'))} | "
+            f"| {grid_key(p)[1]:g} | {fmt_seconds(w.get('ttft_p99_s'))} | "
             f"{fmt_seconds(w.get('ttft_p999_s'))} | {fmt_seconds(s.get('ttft_p99_s'))} | "
-            f"{_x(_ratio(s.get('ttft_p99_s'), w.get('ttft_p99_s')))} | "
+            f"{fmt_x(ratio(s.get('ttft_p99_s'), w.get('ttft_p99_s')))} | "
             f"{fmt_seconds(n.get('ttft_p99_s'))} | {fmt_seconds(mx.get('ttft_p99_s'))} | "
-            f"{_x(_ratio(mx.get('tpot_mean_s'), w.get('tpot_mean_s')))} |"
+            f"{fmt_x(ratio(mx.get('tpot_mean_s'), w.get('tpot_mean_s')))} |"
         )
     return lines
 
@@ -353,10 +148,10 @@ def _windows(windows: list[dict[str, Any]]) -> list[str]:
     for w in windows:
         r = rows_by(w)["warmserve"]
         lines.append(
-            f"| {w['overrides']['window_s'] / 60:g} min | {_pct(r['ttft_under_100ms'])} | "
-            f"{_x(_ratio(r['ttft_under_100ms'], ref))} | {fmt_seconds(r['ttft_p99_s'])} | "
-            f"{fmt_seconds(r['ttft_p999_s'])} | {_pct(r['start_delayed_share'], 2)} | "
-            f"{_pct(r['hit_ratio'])} | {r['warm_starts'] + r['cold_starts']} |"
+            f"| {w['overrides']['window_s'] / 60:g} min | {fmt_pct(r['ttft_under_100ms'])} | "
+            f"{fmt_x(ratio(r['ttft_under_100ms'], ref))} | {fmt_seconds(r['ttft_p99_s'])} | "
+            f"{fmt_seconds(r['ttft_p999_s'])} | {fmt_pct(r['start_delayed_share'], 2)} | "
+            f"{fmt_pct(r['hit_ratio'])} | {r['warm_starts'] + r['cold_starts']} |"
         )
     return lines
 
@@ -388,8 +183,8 @@ def _startup_costs(profiles: list[str], gpu_name: str) -> list[str]:
 
 
 def _speed(points: list[dict[str, Any]]) -> list[str]:
-    heavy = max(points, key=lambda p: (_ov(p)[1], -_ov(p)[0]))
-    lines = [f"alpha {_ov(heavy)[0]:g}, RPS {_ov(heavy)[1]:g}, profile "
+    heavy = max(points, key=lambda p: (grid_key(p)[1], -grid_key(p)[0]))
+    lines = [f"alpha {grid_key(heavy)[0]:g}, RPS {grid_key(heavy)[1]:g}, profile "
              f"`{heavy['overrides'].get('startup')}` (CPU seconds of the process that simulated "
              "it: one core; `bench/sim_speed.py` is the speed benchmark):", "",
              "| system | CPU s | requests / CPU s | events |", "|---|---|---|---|"]
@@ -469,9 +264,12 @@ def render(saved: dict[str, Any]) -> str:
             "",
             "P99 gain = SLLM-GPU P99 / WarmServe P99 (the paper's \"x reduction\").  GPU-h: GPUs "
             "held by instances (starting, serving, grace) over the 2 h; `dedicated` holds its "
-            "static allocation all the time.",
+            "static allocation all the time."
+            + ("  Last column: a reference, not a system: `reactive` under the `free-starts` "
+               "profile (no start costs anything), so what is left of its tail is queueing for "
+               "batch slots and GPUs." if saved.get("references") else ""),
             "",
-            *_goals_section(pts),
+            *goals_section(pts, reference_p99(saved.get("references") or [])),
             "",
         ]
     for prof in profiles:
@@ -485,7 +283,7 @@ def render(saved: dict[str, Any]) -> str:
             "starts that hit a stopped instance's kept weights, plans where first fit would have "
             "placed replicas elsewhere, prewarm replicas at all, instances drained by reclaim).",
             "",
-            *_ablation_section(pts),
+            *ablation_section(pts),
             "",
         ]
     for prof in profiles:
@@ -493,10 +291,11 @@ def render(saved: dict[str, Any]) -> str:
         parts += [f"## Tail latency and starts, profile `{prof}`", "", *_main_table(pts), ""]
     for prof in profiles:
         for p in by_profile(points, prof):
-            if _ov(p)[1] != max(_ov(q)[1] for q in points):
+            if grid_key(p)[1] != max(grid_key(q)[1] for q in points):
                 continue
             parts += [
-                f"## TTFT per model, RPS {_ov(p)[1]:g}, alpha {_ov(p)[0]:g}, profile `{prof}`",
+                f"## TTFT per model, RPS {grid_key(p)[1]:g}, alpha {grid_key(p)[0]:g}, "
+                f"profile `{prof}`",
                 "",
                 *_per_model(p, ("warmserve", "sllm-gpu", "reactive", "muxserve", "prism",
                                 "dedicated")),
@@ -538,7 +337,7 @@ def render(saved: dict[str, Any]) -> str:
                   *_windows(saved["windows"]), ""]
     parts += ["## All systems, every grid point", ""]
     for p in points:
-        parts += [f"### alpha {_ov(p)[0]:g}, RPS {_ov(p)[1]:g}, profile "
+        parts += [f"### alpha {grid_key(p)[0]:g}, RPS {grid_key(p)[1]:g}, profile "
                   f"`{p['overrides'].get('startup')}` ({p['facts']['requests']} requests)", "",
                   table(p["rows"], markdown=True), ""]
     parts += ["## Simulator speed in this run", "", *_speed(points), ""]

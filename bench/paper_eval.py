@@ -12,7 +12,8 @@ starts) run once per point and are shown under every profile.  Results also go t
 ``bench/results/paper_eval.json``.  Nothing here is tuned to the paper: the physics constants
 come from the cited GPU and start-up profiles (``warmserve/sim/profiles``,
 ``warmserve/sim/startup_profiles``) and the policies are the project's policy modules; the
-paper's numbers are printed beside ours for comparison only.  Tables: ``eval_tables.py``.
+paper's numbers are printed beside ours for comparison only.  Tables: ``eval_tables.py``
+(goals and ablations: ``eval_goals.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ CODE_SYSTEMS = ("warmserve", "warmserve-no-proactive", "sllm-gpu", "muxserve")
 WINDOWS_S = (180, 300, 600, 2400)  # §7.5: 3, 5 (default), 10 and 40 minutes
 WINDOW_POINT = {"alpha": 0.5, "total_rps": 20.0}  # loaded, below the saturation of RPS 25
 PROFILE_FREE_MODES = ("dedicated", "muxserve")  # no start, no weight load: profile-independent
+# a reference, not a system: `reactive` with every start free, at every grid point; what is left
+# of its tail is queueing for batch slots and GPUs, which no start-up path can remove
+REFERENCE = ("reactive", "free-starts")
 
 
 def _load() -> list[float]:
@@ -76,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profiles", help="comma-separated start-up profiles (default: grid.startup)")
     ap.add_argument("--no-window-ablation", action="store_true",
                     help="skip the §7.5 window-size runs")
+    ap.add_argument("--no-reference", action="store_true",
+                    help=f"skip the `{REFERENCE[0]}` runs with every start free "
+                         f"(profile `{REFERENCE[1]}`, one per grid point)")
     ap.add_argument("--no-code", action="store_true",
                     help="skip the AzureCode runs (§7.3, alpha 0.5, every RPS of the grid)")
     ap.add_argument(
@@ -119,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     if "warmserve" in systems and not args.no_window_ablation:
         jobs += [(args.scenario, {**base, **WINDOW_POINT, "window_s": float(w),
                                   "startup": main_prof}, ["warmserve"]) for w in WINDOWS_S]
+    n_win = len(jobs) - n_grid - n_code
+    if REFERENCE[0] in systems and not args.no_reference:
+        jobs += [(args.scenario, {**g, "startup": REFERENCE[1]}, [REFERENCE[0]]) for g in grid]
     t0 = time.perf_counter()
     load0 = _load()
     if args.jobs > 1:
@@ -154,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                  "per_job": [r.get("load") for r in results]},
         "points": points,
         "code": results[n_grid:n_grid + n_code],
-        "windows": results[n_grid + n_code:],
+        "windows": results[n_grid + n_code:n_grid + n_code + n_win],
+        "references": results[n_grid + n_code + n_win:],
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(saved, indent=1, default=float) + "\n")

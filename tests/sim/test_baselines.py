@@ -23,7 +23,8 @@ from warmserve.sim.baselines import (
     power_law_rates,
     prefill_engine,
 )
-from warmserve.sim.baselines.muxserve import base_tp, mesh_groups, node_splits
+from warmserve.sim.baselines.muxserve_estimator import base_tp
+from warmserve.sim.baselines.muxserve_placement import mesh_groups, node_splits
 from warmserve.sim.hardware import load_profile
 from warmserve.sim.perf import EngineModel, ModelArch
 

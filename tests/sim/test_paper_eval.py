@@ -35,7 +35,7 @@ def test_paper_eval_writes_markdown_and_json_and_rerenders(tmp_path):
     out, res = tmp_path / "eval.md", tmp_path / "eval.json"
     mod = _load_module()
     rc = mod.main(["--scenario", str(scen), "--out", str(out), "--json", str(res),
-                   "--systems", f"warmserve,sllm-gpu,dedicated,{ABLATIONS}", "--no-code",
+                   "--systems", f"warmserve,sllm-gpu,dedicated,reactive,{ABLATIONS}", "--no-code",
                    "--no-window-ablation"])
     assert rc == 0
     text = out.read_text()
@@ -51,13 +51,17 @@ def test_paper_eval_writes_markdown_and_json_and_rerenders(tmp_path):
         assert "dedicated" in names  # shared by both profiles (it starts nothing)
         for r in p["rows"]:  # conservation, every system, every profile
             assert r["served"] + r["dropped"] == r["requests"] == p["facts"]["requests"]
+    # the free-starts reference: reactive, one run per grid point, in its own column
+    assert [r["overrides"]["startup"] for r in saved["references"]] == ["free-starts"]
+    assert [r["system"] for r in saved["references"][0]["rows"]] == ["reactive"]
+    assert "reactive P99, every start free" in text
     again = tmp_path / "again.md"
     assert mod.main(["--from-json", str(res), "--out", str(again)]) == 0
     assert again.read_text() == text
 
     # each ablation differs from WarmServe wherever its mechanism acted; the ones that never
     # acted are reported as such on the page (not hidden)
-    from eval_tables import ablation_effects
+    from eval_goals import ablation_effects
 
     effects = [e for p in saved["points"] for e in ablation_effects(p)]
     assert {e["ablation"] for e in effects} == set(ABLATIONS.split(","))

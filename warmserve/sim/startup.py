@@ -5,13 +5,15 @@ says what the serving software costs on it: the Figure 8 stages (process, import
 context, engine initialisation, NCCL group, activation) and the weight path (bytes per second
 per GPU, a fixed set-up per load from scratch, and how much slower stock vLLM's own loader is).
 The simulator's outcome hinges on these numbers, so they are data, each constant cited, and
-three kinds exist:
+these exist:
 
 * ``paper`` (``startup_profiles/paper.yaml``): calibrated to WarmServe's Figure 8 stage ratios
   and its 665 ms prewarmed 70B (how the constants were solved for: the file's header).
 * ``fast-path`` (``startup_profiles/fast-path.yaml``): the GPU profile's cited vLLM stages and
   its pinned host->GPU link rate (52 GB/s on h800) with no load set-up: the reading before
   issue 12.
+* ``free-starts`` (``startup_profiles/free-starts.yaml``): a reference, not a system: every
+  start is free, so what remains of a tail is queueing (``bench/paper_eval.py``'s reference).
 * ``measured-<gpu>``: built from ``bench/results/gpu-<gpu>.json`` when the GPU benchmark
   (``bench/gpu_bench.py``, ``hack/gpu-check.sh``) has run on real hardware and written one
   (dry runs are refused).  What it measured replaces the ``fast-path`` value, and the source
