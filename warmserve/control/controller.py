@@ -74,7 +74,14 @@ from .decisions import Decision, Decisions, Drain, EndGrace, Evict, Prewarm, Sta
 from .demand import observed_demand
 from .history import LoadHistory
 from .observation import InstanceObs, Observation
-from .snapshot import ReplicaKey, ReplicaMeta, apply_start, build_state, instance_key
+from .snapshot import (
+    ReplicaKey,
+    ReplicaMeta,
+    SnapshotMemo,
+    apply_start,
+    build_state,
+    instance_key,
+)
 
 FREE_GROWTH_BYTES = 2**20  # free memory must grow by more than this to trigger a re-plan
 SURPLUS: ReplicaMeta = (ReplicaKind.BURST, 0, 0.0)  # a replica kept though no longer wanted
@@ -131,6 +138,7 @@ class _ModelState:
     last_window: tuple[float, float, float] | None = None  # (start, avg, peak)
     memory: ScaleMemory | None = None
     closed: list[int] = field(default_factory=list)  # windows closed since take_closed()
+    boundary: float | None = None  # end of the tracker's current window (None: recompute)
 
     @property
     def spec(self) -> ModelSpec:
@@ -155,6 +163,10 @@ class Controller:
         self.last_plan: PrewarmPlan | None = None
         self.last_plan_state: ClusterState | None = None  # the snapshot it was planned on
         self.plans = 0
+        self.snapshot_memo = SnapshotMemo()  # reuse between polls (pure: same snapshot)
+        # model -> ((load, active instances, entry), (want, need)) of its last fair-share call
+        self._fair_memo: dict[str, tuple[tuple[float, int, ModelEntry],
+                                         tuple[FairDemand, FairDemand]]] = {}
 
     # ------------------------------------------------------------------ models and history
 
@@ -233,7 +245,13 @@ class Controller:
         if st is None:
             return
         w = self.cfg.window_s
-        boundary = (math.floor(st.tracker.window_start / w + 1e-9) + 1) * w
+        boundary = st.boundary
+        if boundary is None:  # the end of the tracker's window (kept: asked per request)
+            boundary = (math.floor(st.tracker.window_start / w + 1e-9) + 1) * w
+        if boundary <= t:
+            st.boundary = None
+        else:
+            st.boundary = boundary
         while boundary <= t:
             closed = st.tracker.close(boundary)
             index = math.floor(closed.start_s / w + 1e-9)
@@ -282,7 +300,10 @@ class Controller:
         self._forecasts(obs.now)
         specs = {m: st.entry.spec for m, st in self.models.items()}
         forecasts = {m: st.forecast for m, st in self.models.items() if st.forecast is not None}
-        return build_state(obs, specs, forecasts, meta=self.meta, proactive=self.cfg.proactive)
+        return build_state(
+            obs, specs, forecasts, meta=self.meta, proactive=self.cfg.proactive,
+            memo=self.snapshot_memo,
+        )
 
     def decide(self, obs: Observation, only: Iterable[str] | None = None) -> Decisions:
         """Decisions for ``obs`` (call :meth:`observe` with it first).
@@ -434,10 +455,16 @@ class Controller:
         for i in state.instances:
             if i.phase != InstancePhase.GRACE:
                 active[i.model] = active.get(i.model, 0) + 1
+        memo = self._fair_memo
         for model, st in self.models.items():
             e = st.entry
             current = active.get(model, 0)
             load = loads.get(model, 0.0)
+            key = (load, current, e)
+            hit = memo.get(model)
+            if hit is not None and hit[0] == key:  # pure in key: most models did not change
+                wants[model], needs[model] = hit[1]
+                continue
             args = (e.spec.max_batch, self.cfg.autoscaler, e.min_instances, e.max_instances)
             want = desired_instances(load, args[0], current, *args[1:])
             # weight (demand-weighted shares): the instances the load alone asks for
@@ -446,6 +473,7 @@ class Controller:
             needs[model] = FairDemand(
                 e.spec.tp, desired_instances(load, args[0], 0, *args[1:]), weight
             )
+            memo[model] = (key, (wants[model], needs[model]))
         if sum(d.want * d.tp for d in wants.values()) <= capacity:
             return {m: d.want for m, d in wants.items()}
         return fair_caps(needs, capacity)

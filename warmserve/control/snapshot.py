@@ -47,7 +47,7 @@ from warmserve.policy.cluster import (
 )
 from warmserve.policy.start_choice import StartChoice
 
-from .observation import InstanceObs, Observation
+from .observation import GpuObs, InstanceObs, Observation
 
 ReplicaKey = tuple[str, str, GpuSet]  # (model, node, gpus)
 ReplicaMeta = tuple[ReplicaKind, int, float]  # kind, rank, score
@@ -107,61 +107,154 @@ def build_state(
     *,
     meta: Mapping[ReplicaKey, ReplicaMeta] | None = None,
     proactive: bool = True,
+    memo: SnapshotMemo | None = None,
 ) -> ClusterState:
-    """The policy snapshot of ``obs`` for the managed ``models`` (module docstring)."""
+    """The policy snapshot of ``obs`` for the managed ``models`` (module docstring).
+
+    ``memo``: reuse, across calls, the parts of the snapshot whose facts did not change
+    (:class:`SnapshotMemo`; the result is the same with or without one)."""
     meta = meta or {}
-    slot_bytes: dict[tuple[str, int], int] = defaultdict(int)
-    for s in obs.slots:
-        for g in s.gpus:
-            slot_bytes[(s.node, g)] += s.bytes_per_gpu
-    holder: dict[tuple[str, int], InstanceObs] = {}
-    for inst in obs.instances:
-        for g in inst.gpus:
-            holder[(inst.node, g)] = inst
-    by_node: dict[str, list[GPU]] = defaultdict(list)
-    for g in sorted(obs.gpus, key=lambda g: (g.node, g.index)):
-        key = (g.node, g.index)
-        inst = holder.get(key)
-        if inst is not None:
-            state = (
-                WorkerState.GRACE if inst.phase == InstancePhase.GRACE else WorkerState.DEDICATED
-            )
-        else:
-            state = WorkerState.UNIVERSAL if key in slot_bytes else WorkerState.IDLE
-        lend = (
-            instance_lendable_per_gpu(inst, models.get(inst.model))
-            if proactive and inst is not None
-            else 0
-        )
-        free = gpu_free_bytes(g.memory_bytes, state, slot_bytes.get(key, 0), lend, g.reported_free)
-        by_node[g.node].append(GPU(g.index, g.memory_bytes, free, state))
-    nodes = tuple(Node(name, tuple(gpus)) for name, gpus in sorted(by_node.items()))
+    memo = memo if memo is not None else SnapshotMemo()
+    instances = []
+    known = memo.instances
+    seen: dict[InstanceObs, Instance] = {}
+    for i in obs.instances:
+        if not i.foreign and i.model in models:
+            p = known.get(i)
+            if p is None:
+                p = policy_instance(i)
+            seen[i] = p
+            instances.append(p)
+    memo.instances = seen
     return ClusterState(
-        nodes=nodes,
+        nodes=_nodes(obs, models, proactive, memo),
         models=dict(models),
-        replicas=_replicas(obs, models, meta),
-        instances=tuple(
-            policy_instance(i) for i in obs.instances if not i.foreign and i.model in models
-        ),
+        replicas=_replicas(obs, models, meta, memo),
+        instances=tuple(instances),
         forecasts={m: f for m, f in forecasts.items() if m in models},
     )
 
 
+class SnapshotMemo:
+    """What :func:`build_state` may reuse from its previous call by one executor (a
+    controller's): each node's :class:`~warmserve.policy.cluster.Node`, keyed on the facts it is
+    computed from (the node's GPUs, the slots and the instances on it — a grace instance in
+    full, with its model's spec, since Eq. 1 reads its load); each observed instance's policy
+    view; each slot's replica, keyed on its facts and its kind, rank and score.  A cluster of
+    1,024 GPUs changes a few nodes between two polls, and rebuilding every GPU was most of a
+    poll's cost (issue 12 §5).  Pure memoisation: only equal immutable inputs map to the
+    stored immutable outputs, and only last call's entries are kept."""
+
+    def __init__(self) -> None:
+        self.gpus: tuple[GpuObs, ...] | None = None
+        self.gpus_by_node: dict[str, tuple[GpuObs, ...]] = {}
+        self.nodes: dict[str, tuple[tuple[object, ...], Node]] = {}
+        self.instances: dict[InstanceObs, Instance] = {}
+        self.replicas: dict[tuple[object, ...], Replica] = {}
+
+    def group_gpus(self, gpus: tuple[GpuObs, ...]) -> dict[str, tuple[GpuObs, ...]]:
+        """``gpus`` per node, each sorted by index (regrouped only when ``gpus`` changes)."""
+        if self.gpus is not gpus and self.gpus != gpus:
+            by_node: dict[str, list[GpuObs]] = defaultdict(list)
+            for g in sorted(gpus, key=lambda g: (g.node, g.index)):
+                by_node[g.node].append(g)
+            self.gpus_by_node = {n: tuple(gs) for n, gs in sorted(by_node.items())}
+            self.nodes = {}
+        self.gpus = gpus
+        return self.gpus_by_node
+
+
+def _nodes(
+    obs: Observation, models: Mapping[str, ModelSpec], proactive: bool, memo: SnapshotMemo
+) -> tuple[Node, ...]:
+    """Each node's GPUs with their worker state and free bytes (the module docstring's rules)."""
+    slots_on: dict[str, list[tuple[GpuSet, int]]] = defaultdict(list)
+    for s in obs.slots:
+        slots_on[s.node].append((s.gpus, s.bytes_per_gpu))
+    insts_on: dict[str, list[tuple[GpuSet, InstanceObs | None, ModelSpec | None]]]
+    insts_on = defaultdict(list)
+    for inst in obs.instances:
+        if inst.phase == InstancePhase.GRACE:
+            # Eq. 1 reads a grace instance's facts and its model's spec
+            spec = models.get(inst.model) if proactive else None
+            insts_on[inst.node].append((inst.gpus, inst, spec))
+        else:
+            insts_on[inst.node].append((inst.gpus, None, None))
+    out = []
+    for name, gpus in memo.group_gpus(obs.gpus).items():
+        key = (proactive, tuple(slots_on.get(name, ())), tuple(insts_on.get(name, ())))
+        hit = memo.nodes.get(name)
+        if hit is not None and hit[0] == key:
+            out.append(hit[1])
+            continue
+        node = _node(name, gpus, key[1], key[2], proactive)
+        memo.nodes[name] = (key, node)
+        out.append(node)
+    return tuple(out)
+
+
+def _node(
+    name: str,
+    gpus: tuple[GpuObs, ...],
+    slots: tuple[tuple[GpuSet, int], ...],
+    insts: tuple[tuple[GpuSet, InstanceObs | None, ModelSpec | None], ...],
+    proactive: bool,
+) -> Node:
+    slot_bytes: dict[int, int] = defaultdict(int)
+    for sgpus, b in slots:
+        for g in sgpus:
+            slot_bytes[g] += b
+    # the last instance on a GPU holds it; (gpus, grace instance or None, its spec)
+    holder: dict[int, tuple[InstanceObs | None, ModelSpec | None]] = {}
+    for igpus, grace, spec in insts:
+        for g in igpus:
+            holder[g] = (grace, spec)
+    out = []
+    for g in gpus:
+        held = holder.get(g.index)
+        lend = 0
+        if held is not None:
+            grace, spec = held
+            state = WorkerState.GRACE if grace is not None else WorkerState.DEDICATED
+            if proactive and grace is not None:
+                lend = instance_lendable_per_gpu(grace, spec)
+        else:
+            state = WorkerState.UNIVERSAL if g.index in slot_bytes else WorkerState.IDLE
+        free = gpu_free_bytes(
+            g.memory_bytes, state, slot_bytes.get(g.index, 0), lend, g.reported_free
+        )
+        out.append(GPU(g.index, g.memory_bytes, free, state))
+    return Node(name, tuple(out))
+
+
 def _replicas(
-    obs: Observation, models: Mapping[str, ModelSpec], meta: Mapping[ReplicaKey, ReplicaMeta]
+    obs: Observation,
+    models: Mapping[str, ModelSpec],
+    meta: Mapping[ReplicaKey, ReplicaMeta],
+    memo: SnapshotMemo,
 ) -> tuple[Replica, ...]:
     known: list[tuple[ReplicaMeta, Replica]] = []
     unknown: list[Replica] = []
+    cached = memo.replicas
+    seen: dict[tuple[object, ...], Replica] = {}
     for s in sorted(obs.slots, key=lambda s: (s.model, s.node, s.gpus, s.id)):
         if s.foreign or s.model not in models:
             continue
         layers = s.layers_resident
-        r = Replica(s.model, ReplicaKind.BASIC, 0, 0.0, s.node, s.gpus, s.bytes_per_gpu, layers)
         m = meta.get((s.model, s.node, s.gpus)) or s.priority
+        key = (s.model, s.node, s.gpus, s.bytes_per_gpu, layers, m)
+        r = cached.get(key)
+        if r is None:
+            r = Replica(
+                s.model, ReplicaKind.BASIC, 0, 0.0, s.node, s.gpus, s.bytes_per_gpu, layers
+            )
+            if m is not None:
+                r = replace(r, kind=m[0], rank=m[1], score=m[2])
+        seen[key] = r
         if m is None:
             unknown.append(r)
         else:
-            known.append((m, replace(r, kind=m[0], rank=m[1], score=m[2])))
+            known.append((m, r))
     out = [r for _m, r in known]
     next_rank: dict[str, int] = defaultdict(int)
     for r in out:
@@ -170,6 +263,7 @@ def _replicas(
     for r in unknown:
         out.append(replace(r, rank=next_rank[r.model]))
         next_rank[r.model] += 1
+    memo.replicas = seen
     return tuple(out)
 
 

@@ -220,12 +220,17 @@ class ClusterState:
     replicas: tuple[Replica, ...] = ()
     instances: tuple[Instance, ...] = ()
     forecasts: Mapping[str, LoadForecast] = field(default_factory=dict)
+    # active_instances per model, counted on first use (a snapshot never changes)
+    _active: dict[str, int] | None = field(default=None, init=False, repr=False, compare=False)
+    _by_name: dict[str, Node] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = [n.name for n in self.nodes]
         _require(len(set(names)) == len(names), "duplicate node name")
         for key, spec in self.models.items():
             _require(key == spec.name, f"models key {key!r} != model name {spec.name!r}")
+        # node() by name (a scan per call cost O(nodes): 128 per replica at 1,024 GPUs)
+        object.__setattr__(self, "_by_name", {n.name: n for n in self.nodes})
         for r in (*self.replicas, *self.instances):
             _require(r.model in self.models, f"unknown model {r.model!r}")
             node = self.node(r.node)
@@ -235,16 +240,21 @@ class ClusterState:
             _require(m in self.models, f"forecast for unknown model {m!r}")
 
     def node(self, name: str) -> Node:
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        raise PolicyInputError(f"unknown node {name!r}")
+        n = self._by_name.get(name)
+        if n is None:
+            raise PolicyInputError(f"unknown node {name!r}")
+        return n
 
     def active_instances(self, model: str) -> int:
         """K of Eq. 5-6: instances of ``model`` that serve (grace instances do not count)."""
-        return sum(
-            1 for i in self.instances if i.model == model and i.phase != InstancePhase.GRACE
-        )
+        counts = self._active
+        if counts is None:
+            counts = {}
+            for i in self.instances:
+                if i.phase != InstancePhase.GRACE:
+                    counts[i.model] = counts.get(i.model, 0) + 1
+            object.__setattr__(self, "_active", counts)
+        return counts.get(model, 0)
 
     def with_replicas(self, replicas: Iterable[Replica]) -> ClusterState:
         return replace(self, replicas=tuple(replicas))

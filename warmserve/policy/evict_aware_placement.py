@@ -220,8 +220,9 @@ def _match_existing(
             by_model.get(name, []),
             key=lambda r: (KIND_RANK[r.kind], r.rank, r.node, r.gpus),
         )
-        usable = [r for r in resident if not _stale(state, r, busy)]
-        evict += [r for r in resident if _stale(state, r, busy)]
+        stale = [_stale(state, r, busy) for r in resident]
+        usable = [r for r, s in zip(resident, stale, strict=True) if not s]
+        evict += [r for r, s in zip(resident, stale, strict=True) if s]
         for req, r in zip(wanted, usable, strict=False):
             keep.append(
                 replace(

@@ -157,6 +157,8 @@ class SimInstance:
 
     @property
     def kv_usable_tokens(self) -> int:
+        if not self.lent:  # the common case, asked per dispatched request
+            return self.kv_cap_tokens
         lent_bytes = sum(r.bytes_per_gpu for r in self.lent) * len(self.gpus)
         return self.kv_cap_tokens - int(lent_bytes / self.kv_bytes_per_token)
 

@@ -5,15 +5,18 @@ simulated period.  Events live in one ``heapq`` (time, sequence number, kind, ob
 arrivals are merged in from the request stream without going through the heap.  Stale
 instance events are skipped by a version number.
 
-What is simulated here (the physics; what *decides* is elsewhere):
+What is simulated (the physics; what *decides* is elsewhere), one module per concept, mixed
+into :class:`Simulation` (which owns the state, the clock and the loop):
 
-- **Gateway**: a request goes to the least-loaded *serving* instance of its model with a free
-  batch slot and KV room; otherwise it waits in the model's FIFO queue (also while an instance
-  starts).  Waiting requests are the gateway's *held* demand.
-- **Engine**: continuous batching per instance, analytically between membership changes (see
-  :mod:`warmserve.sim.cluster`); a grace instance's lent replicas are evicted if its KV use grows
-  into them (§4.1).
+- **Gateway** (:mod:`warmserve.sim.gateway`): a request goes to the least-loaded *serving*
+  instance of its model with a free batch slot and KV room; otherwise it waits in the model's
+  FIFO queue (also while an instance starts).  Waiting requests are the gateway's *held* demand.
+- **Engine** (:mod:`warmserve.sim.batching`): continuous batching per instance, analytically
+  between membership changes (see :mod:`warmserve.sim.cluster`); a grace instance's lent
+  replicas are evicted if its KV use grows into them (§4.1).
+- **Instance lifecycle** (:mod:`warmserve.sim.lifecycle`): create, ready, cut off, stop.
 - **Start-up and loading** (§6, Fig. 8) are carried out by :mod:`warmserve.sim.executor`.
+- Here: the event loop, the control ticks and windows, GPU-hour accounting, invariants.
 
 Streaming (issue 12 §5): requests arrive chunk by chunk from a
 :class:`~warmserve.sim.workload.RequestStream` (or from arrays, for tests), live as
@@ -42,20 +45,18 @@ import numpy as np
 from warmserve.control.controller import ControlConfig, Controller, ModelEntry
 from warmserve.control.history import LoadHistory
 from warmserve.policy import autoscaler as autoscaler_mod
-from warmserve.policy.cluster import ReplicaKind
 from warmserve.policy.gpu_groups import is_laminar
+from warmserve.sim.batching import EV_INST, Batching
 from warmserve.sim.cluster import (
-    GRACE,
-    SERVING,
-    STARTING,
     STOPPED,
     Req,
     SimCluster,
     SimInstance,
-    SimReplica,
 )
 from warmserve.sim.executor import ControlExecutor
+from warmserve.sim.gateway import Gateway
 from warmserve.sim.hooks import Controlled, SystemHooks
+from warmserve.sim.lifecycle import EV_READY, Lifecycle
 from warmserve.sim.model import (
     DROP_GRACE_CUTOFF,
     DROP_NO_CAPACITY,
@@ -64,16 +65,14 @@ from warmserve.sim.model import (
     SimModel,
     SimOutput,
     StartRecord,
-    StaticInstance,
 )
-from warmserve.sim.sharing import dynamic_slowdown
 from warmserve.sim.stats import ModelStats
 from warmserve.sim.systems import SystemConfig
 from warmserve.sim.workload import Requests
 
 log = logging.getLogger("warmserve.sim")
 
-EV_INST, EV_READY, EV_TICK, EV_WINDOW = 0, 1, 2, 3
+EV_TICK, EV_WINDOW = 2, 3  # EV_INST: warmserve.sim.batching; EV_READY: .lifecycle
 
 __all__ = [
     "DROP_GRACE_CUTOFF",
@@ -86,7 +85,7 @@ __all__ = [
 ]
 
 
-class Simulation:
+class Simulation(Gateway, Batching, Lifecycle):
     """One run of one system.  Deterministic: no randomness after the workload is drawn.
 
     Requests come from ``source`` (an iterable of :class:`~warmserve.sim.workload.Requests`
@@ -124,6 +123,7 @@ class Simulation:
         self.hooks = hooks or (Controlled() if system.mode == "autoscale" else SystemHooks())
         self.models = models
         self.by_name = {m.spec.name: m for m in models}
+        self.names = [m.spec.name for m in models]
         self.specs = {m.spec.name: m.spec for m in models}
         self.timers = [m.step_timer() for m in models]
         self.cl = cluster
@@ -309,9 +309,6 @@ class Simulation:
             out.drop = [r.drop for r in rs]
         return out
 
-    def _requests_of(self, inst: SimInstance) -> list[Req]:
-        return list(inst.pending) + list(inst.prefill_batch) + [x[2] for x in inst.running]
-
     # ------------------------------------------------------------------ setup
 
     def _setup(self) -> None:
@@ -325,66 +322,6 @@ class Simulation:
             self.push(self.scale_interval, EV_TICK)
         self.push(self.window_s, EV_WINDOW)
         self._sample(0.0)
-
-    def create_static(self, s: StaticInstance) -> SimInstance:
-        m = self.by_name[s.model]
-        inst = self.new_instance(m, s.node, s.gpus, 0.0, 0.0, 0.0, hit=True)
-        inst.slowdown = s.slowdown
-        if s.kv_cap_tokens is not None:
-            inst.kv_cap_tokens = s.kv_cap_tokens
-        if s.max_batch is not None:
-            inst.max_batch = s.max_batch
-        if s.config_slowdown is not None:
-            inst.config_slowdown = s.config_slowdown
-            inst.prefill_config_slowdown = s.prefill_config_slowdown
-            for other in self.instances:
-                if (
-                    other is not inst
-                    and other.node == inst.node
-                    and set(other.gpus) & set(inst.gpus)
-                ):
-                    other.peers.append(inst)
-                    inst.peers.append(other)
-        inst.phase = SERVING
-        return inst
-
-    def new_instance(
-        self,
-        m: SimModel,
-        node: str,
-        gpus: tuple[int, ...],
-        t: float,
-        ready: float,
-        full: float,
-        hit: bool,
-    ) -> SimInstance:
-        self.iid += 1
-        inst = SimInstance(
-            iid=self.iid,
-            model=m.spec.name,
-            midx=m.idx,
-            node=node,
-            gpus=tuple(gpus),
-            engine=m.engine,
-            timer=self.timers[m.idx],
-            max_batch=m.spec.max_batch,
-            kv_cap_tokens=m.kv_cap_tokens,
-            kv_bytes_per_token=m.kv_bytes_per_token,
-            t_start=t,
-            ready_at=ready,
-            full_at=full,
-            hit=hit,
-            t_last=t,
-        )
-        self.instances.append(inst)
-        self.by_model[m.idx].append(inst)
-        self._account(t)
-        for g in inst.gpus:
-            if (node, g) not in self.cl.holder:  # colocated static instances share GPUs
-                self.held += 1
-            self.cl.holder[(node, g)] = inst
-        self.cl.generation += 1
-        return inst
 
     # ------------------------------------------------------------------ accounting
 
@@ -406,299 +343,6 @@ class Simulation:
 
     _account = account
     _sample = sample
-
-    # ------------------------------------------------------------------ requests
-
-    def _set_inflight(self, midx: int, t: float, delta: int) -> None:
-        self.inflight[midx] += delta
-        if self.controller is not None:  # demand (warmserve.control.demand), measured exactly
-            self.controller.measure(self.models[midx].spec.name, t, self.inflight[midx])
-
-    def _drop(self, r: Req, reason: str, issued: bool = False) -> None:
-        """``r`` leaves unserved (counted once; ``issued``: it never entered the loop)."""
-        if issued:
-            self.issued += 1
-            self.stats[r.m].requests += 1
-        r.drop = reason
-        self.stats[r.m].drops[reason] += 1
-        self.done += 1
-        if self.record:
-            self.recorded.append(r)
-
-    def _arrive(self, r: Req, t: float) -> None:
-        midx = r.m
-        self.stats[midx].requests += 1
-        m = self.models[midx]
-        if not m.placeable:
-            self._drop(r, DROP_NO_CAPACITY)
-            return
-        self._set_inflight(midx, t, +1)
-        q = self.queue[midx]
-        q.append(r)
-        if len(q) == 1:
-            self._dispatch(midx, t)
-        if q:
-            if self.executor is not None:
-                self.executor.wake(t, m)
-            else:
-                self.hooks.on_waiting(self, m, t)
-
-    def _dispatch(self, midx: int, t: float) -> None:
-        """Hand queued requests of a model to serving instances with a free slot, FIFO."""
-        q = self.queue[midx]
-        mine = self.by_model[midx]
-        while q:
-            r = q[0]
-            if t - r.t > self.queue_timeout:
-                q.popleft()
-                self._drop(r, DROP_QUEUE_TIMEOUT)
-                self._set_inflight(midx, t, -1)
-                continue
-            need = r.inp + r.out
-            best = None
-            for inst in mine:
-                if (
-                    inst.phase == SERVING
-                    and inst.n_assigned < inst.max_batch
-                    and inst.kv_reserved + need <= inst.kv_usable_tokens
-                    and (best is None or inst.n_assigned < best.n_assigned)
-                ):
-                    best = inst
-            if best is None:
-                return
-            q.popleft()
-            self._assign(best, r, t)
-
-    def _assign(self, inst: SimInstance, r: Req, t: float) -> None:
-        r.assigned = t
-        r.delayed = inst.ready_at > r.t
-        inst.last_request_s = t
-        inst.settle(t)
-        was_busy = inst.busy
-        inst.pending.append(r)
-        inst.n_assigned += 1
-        inst.kv_reserved += r.inp + r.out
-        if inst.prefill_end < 0:
-            self._start_prefill(inst, t)
-            self._reschedule(inst, t)
-        if inst.peers and inst.busy != was_busy:
-            self._retime_peers(inst, t)
-
-    def _slowdown_now(self, inst: SimInstance, prefill: bool = False) -> float:
-        """The instance's slowdown for work timed now (dynamic for shared GPUs)."""
-        if inst.config_slowdown is None:
-            return inst.slowdown
-        config = inst.config_slowdown
-        if prefill and inst.prefill_config_slowdown is not None:
-            config = inst.prefill_config_slowdown
-        return dynamic_slowdown(config, sum(1 for p in inst.peers if p.busy))
-
-    def _retime_peers(self, inst: SimInstance, t: float) -> None:
-        """A shared instance turned busy or idle: its neighbours' decode steps change speed
-        from now on (a prefill already running keeps the speed it was timed with)."""
-        for peer in inst.peers:
-            if peer.phase == STOPPED or peer.prefill_end >= 0 or not peer.running:
-                continue
-            peer.settle(t)
-            self._reschedule(peer, t)
-
-    def _start_prefill(self, inst: SimInstance, t: float) -> None:
-        batch = list(inst.pending)
-        inst.pending.clear()
-        tokens = squares = 0
-        for r in batch:
-            tokens += r.inp
-            squares += r.inp * r.inp
-        p = inst.timer.prefill(len(batch), tokens, squares)  # type: ignore[attr-defined]
-        if inst.slowdown != 1.0 or inst.config_slowdown is not None:
-            p *= self._slowdown_now(inst, True)
-        layers = self.models[inst.midx].spec.num_layers
-        # The last layer's compute cannot finish before that layer is resident (streaming).
-        inst.prefill_end = max(t + p, inst.full_at + p / layers)
-        inst.prefill_batch = batch
-        inst.step_s = 0.0
-
-    def _reschedule(self, inst: SimInstance, t: float) -> None:
-        inst.version += 1
-        if inst.prefill_end >= 0:
-            self.push(inst.prefill_end, EV_INST, inst, inst.version)
-            return
-        if not inst.running:
-            inst.step_s = 0.0
-            return
-        if t < inst.full_at:  # decode needs every layer resident
-            inst.step_s = 0.0
-            self.push(inst.full_at, EV_INST, inst, inst.version)
-            return
-        kv = round(inst.kv_tokens_now())
-        step = inst.timer.decode(len(inst.running), kv)  # type: ignore[attr-defined]
-        if inst.slowdown != 1.0 or inst.config_slowdown is not None:
-            step *= self._slowdown_now(inst)
-        inst.step_s = step
-        target = inst.running[0][0]
-        self.push(t + max(target - inst.v, 0.0) * step, EV_INST, inst, inst.version)
-
-    def _engine_event(self, inst: SimInstance, t: float) -> None:
-        inst.settle(t)
-        was_busy = inst.busy
-        if inst.prefill_end >= 0 and t >= inst.prefill_end - 1e-12:
-            for r in inst.prefill_batch:
-                r.first = t
-                if r.out <= 1:
-                    self._complete(inst, r, t)
-                else:
-                    heapq.heappush(inst.running, (inst.v + r.out - 1, r.rid, r))
-                    inst.sum_in_running += r.inp
-                    inst.sum_v0_running += inst.v
-            inst.prefill_batch = []
-            inst.prefill_end = -1.0
-        running = inst.running
-        while running and running[0][0] <= inst.v + 1e-6:
-            target, _, r = heapq.heappop(running)
-            inst.sum_in_running -= r.inp
-            inst.sum_v0_running -= target - (r.out - 1)
-            self._complete(inst, r, t)
-        if not running:
-            inst.sum_in_running = 0
-            inst.sum_v0_running = 0.0
-        if inst.pending and inst.prefill_end < 0:
-            self._start_prefill(inst, t)
-        if inst.phase == GRACE and inst.lent:
-            self._check_lent(inst, t)
-        self._reschedule(inst, t)
-        if inst.peers and inst.busy != was_busy:
-            self._retime_peers(inst, t)
-        if inst.phase == SERVING:
-            if self.queue[inst.midx]:
-                self._dispatch(inst.midx, t)
-        elif inst.phase == GRACE and inst.n_assigned == 0 and self.executor is not None:
-            self.executor.step(t)  # its last request finished: the grace may end
-
-    def _complete(self, inst: SimInstance, r: Req, t: float) -> None:
-        r.finish = t
-        self.done += 1
-        inst.n_assigned -= 1
-        inst.served += 1
-        inst.kv_reserved -= r.inp + r.out
-        self.stats[r.m].served_request(r.t, r.assigned, r.first, t, r.out, r.delayed)
-        if self.record:
-            self.recorded.append(r)
-        self._set_inflight(inst.midx, t, -1)
-
-    # ------------------------------------------------------------------ instances
-
-    def instances_of(self, name: str) -> list[SimInstance]:
-        return [i for i in self.by_model[self.by_name[name].idx] if i.phase != STOPPED]
-
-    def live(self) -> list[SimInstance]:
-        return [i for i in self.instances if i.phase != STOPPED]
-
-    def failure_kind(self, tp: int) -> str:
-        """Why a start found no group: the cluster is ``full`` (fewer than ``tp`` GPUs free),
-        the free GPUs are ``spread`` over nodes, or a node has ``tp`` free GPUs but no group the
-        placement may use (``fragmented``: not an aligned block)."""
-        free = [
-            sum(1 for g in range(self.cl.gpus_per_node) if (n, g) not in self.cl.holder)
-            for n in self.cl.node_names
-        ]
-        if max(free, default=0) >= tp:
-            return "fragmented"
-        return "spread" if sum(free) >= tp else "full"
-
-    def schedule_ready(self, inst: SimInstance, at: float) -> None:
-        """``inst`` serves from ``at`` (at once if ``at`` is now or past)."""
-        if at <= self.t_now:
-            self._ready(inst, self.t_now)
-        else:
-            self.push(at, EV_READY, inst)
-
-    def _ready(self, inst: SimInstance, t: float) -> None:
-        if inst.phase != STARTING:
-            return
-        inst.phase = SERVING
-        inst.t_last = t
-        self._dispatch(inst.midx, t)
-
-    def _check_lent(self, inst: SimInstance, t: float) -> None:
-        """Evict lent replicas (newest first) if the instance's KV use grows into them (§4.1)."""
-        while inst.lent and inst.kv_tokens_now() > inst.kv_usable_tokens:
-            rep = inst.lent[-1]
-            self.cl.remove_replica(rep, t)
-            self.lent_evictions += 1
-
-    def cut_off(self, inst: SimInstance, t: float) -> None:
-        """Its grace period ran out with requests still running: they are dropped."""
-        inst.settle(t)
-        rs = self._requests_of(inst)
-        inst.pending.clear()
-        inst.prefill_batch = []
-        inst.prefill_end = -1.0
-        inst.running = []
-        inst.sum_in_running = 0
-        inst.sum_v0_running = 0.0
-        for r in rs:
-            self._drop(r, DROP_GRACE_CUTOFF)
-            inst.n_assigned -= 1
-            inst.kv_reserved -= r.inp + r.out
-            self._set_inflight(inst.midx, t, -1)
-
-    def terminate(self, inst: SimInstance, t: float) -> None:
-        self._account(t)
-        inst.phase = STOPPED
-        inst.version += 1
-        for g in inst.gpus:
-            if self.cl.holder.get((inst.node, g)) is inst:
-                other = next((p for p in inst.peers if p.phase != STOPPED and g in p.gpus), None)
-                if other is not None:  # a GPU shared with a live instance stays held
-                    self.cl.holder[(inst.node, g)] = other
-                else:
-                    del self.cl.holder[(inst.node, g)]
-                    self.held -= 1
-        self.cl.generation += 1
-        for p in inst.peers:
-            if inst in p.peers:
-                p.peers.remove(inst)
-        inst.peers = []
-        for rep in list(inst.lent):
-            rep.lender = None
-        inst.lent.clear()
-        m = self.by_name[inst.model]
-        if self.sys.on_stop in ("replica", "cache") and t >= inst.full_at:
-            # WarmServe keeps the weights as a slot (§4.1; the agent does the same, and the
-            # controller scores it like any slot it did not plan); SLLM-GPU's cache keeps them
-            # with its own priority, T_c (the cost of a miss).
-            prio = (
-                (ReplicaKind.BASIC, 0, m.spec.cold_start_s) if self.sys.on_stop == "cache" else None
-            )
-            rep = SimReplica(
-                inst.model,
-                inst.node,
-                inst.gpus,
-                m.spec.bytes_per_gpu,
-                m.spec.num_layers,
-                t_begin=t,
-                per_layer_s=0.0,
-                priority=prio,
-                kept=True,
-            )
-            self._make_room(rep, t)
-            self.cl.add_replica(rep)
-        self.instances = [i for i in self.instances if i.phase != STOPPED]
-        self.by_model[inst.midx] = [i for i in self.by_model[inst.midx] if i.phase != STOPPED]
-        self._sample(t)
-
-    _terminate = terminate
-
-    def _make_room(self, new: SimReplica, t: float) -> None:
-        """Cache mode: drop the oldest other replicas on these GPUs until ``new`` fits."""
-        used = self.cl.replica_bytes()
-        for g in new.gpus:
-            while used.get((new.node, g), 0) + new.bytes_per_gpu > self.cl.hbm_bytes:
-                victims = [r for r in self.cl.replicas if r.node == new.node and g in r.gpus]
-                if not victims:
-                    break
-                self.cl.remove_replica(victims[0], t)
-                used = self.cl.replica_bytes()
 
     # ------------------------------------------------------------------ ticks & windows
 

@@ -134,6 +134,10 @@ class ControlExecutor:
         state = self.ctl.last_plan_state
         if not self.ctl.cfg.evict_aware or state is None:
             return
+        if not plan.place and not plan.unplaced:  # type: ignore[attr-defined]
+            # nothing was left to place (either way places or refuses every request the
+            # match left, and the match does not depend on the mode): first fit places none
+            return
         ff = plan_prewarm(state, evict_aware=False, spare_replicas=self.ctl.cfg.spare_replicas)
         ours = {(r.model, r.node, r.gpus) for r in plan.place}  # type: ignore[attr-defined]
         if ours != {(r.model, r.node, r.gpus) for r in ff.place}:
