@@ -41,10 +41,10 @@ from safetensors.numpy import save_file
 from warmserve_agent.backends.simulated import SimulatedBackend
 from warmserve_agent.backends.workers import WorkerMemoryBackend
 from warmserve_agent.client import SyncAgentClient
+from warmserve_agent.config import AgentConfig
 from warmserve_agent.engine_host import FreshWorkerEngine, WorkerEngine
 from warmserve_agent.memory import MemoryManager, pages_for
 from warmserve_agent.node import NodeCore
-from warmserve_agent.server import AgentConfig
 from warmserve_agent.store import WeightStore
 from warmserve_agent.testing import AgentThread
 from warmserve_agent.worker import WorkerPool

@@ -109,8 +109,8 @@ def main() -> int:
     a = ap.parse_args()
 
     from warmserve_agent.client import SyncAgentClient
+    from warmserve_agent.config import AgentConfig
     from warmserve_agent.engines.vllm.tiny import make_tiny_llama
-    from warmserve_agent.server import AgentConfig
     from warmserve_agent.testing import AgentThread
 
     page = 2 * 1024**2

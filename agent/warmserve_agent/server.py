@@ -6,21 +6,19 @@ client certificates signed by that CA (mutual TLS) — the TLS handshake itself 
 without one.  With a token file every call except the standard health service must carry
 ``authorization: Bearer <token>`` or is refused with UNAUTHENTICATED (health stays open for
 kubelet probes).
+
+Its parts: the settings (:mod:`~warmserve_agent.config`), who may call the API
+(:mod:`~warmserve_agent.auth`), which memory backend serves the page pools
+(:mod:`~warmserve_agent.memory_setup`) and the gRPC servicer (:mod:`~warmserve_agent.service`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import ipaddress
 import logging
-import re
-import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,231 +26,26 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from warmserve.units import SizeError, parse_size
 from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
+from warmserve_agent.auth import TokenInterceptor, check_exposure
+from warmserve_agent.config import AgentConfig, ConfigError
 from warmserve_agent.memory import MemoryManager
+from warmserve_agent.memory_setup import (
+    cuda_gpu_sizes,
+    make_backend,
+    memory_in_workers,
+    new_memory_dir,
+)
 from warmserve_agent.node import NodeCore
-from warmserve_agent.service import AgentService, ServiceInfo
-from warmserve_agent.shm import PREFIX, MemoryDir, MemoryDirBusy, remove_stale
+from warmserve_agent.service import AgentService
+from warmserve_agent.service_describe import ServiceInfo
+from warmserve_agent.shm import MemoryDir, MemoryDirBusy, remove_stale
 from warmserve_agent.sources import SourceSettings
-from warmserve_agent.sources.fetcher import FetchStatus, ModelFetcher
+from warmserve_agent.sources.fetch_records import FetchStatus
+from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.store import WeightStore
 
 log = logging.getLogger("warmserve.agent")
-
-_GPUS_RE = re.compile(r"^\s*(\d+)\s*x\s*(.+)$")
-
-
-class ConfigError(ValueError):
-    """A bad agent setting (the CLI prints it as one line)."""
-
-
-def parse_simulated_gpus(spec: str) -> list[int]:
-    """``"8x80GiB"`` or ``"2x80GiB,2x40GiB"`` -> per-GPU memory sizes."""
-    out: list[int] = []
-    for part in spec.split(","):
-        m = _GPUS_RE.match(part)
-        if not m:
-            raise ConfigError(f"bad --simulate-gpus {spec!r}: use COUNTxSIZE, e.g. 8x80GiB")
-        n = int(m.group(1))
-        if not 1 <= n <= 64:
-            raise ConfigError(f"bad --simulate-gpus {spec!r}: 1-64 GPUs per part")
-        try:
-            size = parse_size(m.group(2), f"--simulate-gpus {spec!r}", require_unit=True)
-        except SizeError as exc:
-            raise ConfigError(str(exc)) from None
-        out += [size] * n
-    return out
-
-
-@dataclass
-class AgentConfig:
-    model_dir: Path
-    simulate_gpus: list[int] | None = None  # None: real GPUs through the cuda backend
-    listen: str = "127.0.0.1:50051"
-    node_name: str = field(default_factory=socket.gethostname)
-    page_bytes: int = 2 * 1024**2
-    memory_dir: Path | None = None  # simulated GPU memory files (default: <memory_root>/...)
-    # Parent of per-agent memory directories; dead agents' directories there are removed at start.
-    memory_root: Path = Path("/dev/shm")
-    keep_memory: bool = False  # keep simulated memory files at exit
-    spare_workers: int = 1
-    recycle_workers: bool = False  # replace a GPU's worker process after each instance ends
-    # Whether each GPU's worker process owns its memory (None: yes for CUDA, no for simulated).
-    memory_in_workers: bool | None = None
-    use_workers: bool = True  # False: engines in the agent process (tests, debugging)
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    client_ca: Path | None = None
-    token_file: Path | None = None
-    # Accept serving the API on a non-loopback address with no authentication (logged loudly).
-    allow_insecure_listen: bool = False
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"  # 0.0.0.0 in a pod, so Prometheus can scrape it
-    engine_host: str = "127.0.0.1"  # where engines bind their OpenAI endpoints
-    advertise_host: str = ""  # host in the endpoints Activate returns (default: engine_host)
-    grace_interval_s: float = 0.25
-    # Watch streams: events buffered per client, and how long a client may take to accept one
-    # before it is dropped (it stopped reading).
-    watch_queue_max: int = 1024
-    watch_write_timeout_s: float = 30.0
-    monitor_interval_s: float = 0.5
-    host_cache_bytes: int = 8 * 1024**3
-    # Real GPUs: device memory left outside the page pool for an engine's own allocations
-    # (activations, CUDA graphs, workspaces); the pool is sized from *free* memory minus this.
-    gpu_reserve_bytes: int = 4 * 1024**3
-    # Simulated backend timing model (0: off): host-to-GPU copy bandwidth and map cost per page.
-    sim_copy_bytes_per_s: float = 0.0
-    sim_map_s_per_page: float = 0.0
-    # Filling the store from model sources (warmserve_agent.sources): budget 0 = the disk's free
-    # space only; the token and credentials come from files/environment, never from a request.
-    store_budget_bytes: int = 0
-    fetch_attempts: int = 3
-    fetch_backoff_s: float = 1.0
-    hf_endpoint: str = ""
-    hf_token_file: Path | None = None
-    s3_endpoint_url: str = ""
-    s3_region: str = ""
-    pvc_root: Path = Path("/mnt/warmserve/pvc")
-    allowed_paths: tuple[Path, ...] = ()
-    engines: tuple[str, ...] = ("simulated",)  # what workers preload and may host
-    default_engine: str = ""  # for Activate calls naming none (default: engines[0])
-
-
-class _TokenInterceptor(grpc.aio.ServerInterceptor):
-    _STREAMING = frozenset(
-        {"/warmserve.agent.v1.NodeAgent/Prewarm", "/warmserve.agent.v1.NodeAgent/Watch"}
-    )
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[Any], Awaitable[Any]],
-        details: grpc.HandlerCallDetails,
-    ) -> Any:
-        if details.method.startswith("/grpc.health.v1.Health/"):
-            return await continuation(details)
-        md = {k: v for k, v in (details.invocation_metadata or ())}
-        got = md.get("authorization", "")
-        got_b = got.encode() if isinstance(got, str) else bytes(got)
-        if hmac.compare_digest(got_b, self._expected):
-            return await continuation(details)
-        msg = (
-            "missing or wrong bearer token: send metadata 'authorization: Bearer <token>' "
-            "with the token from the agent's --token-file"
-        )
-
-        async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
-
-        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
-            yield  # pragma: no cover - makes this an async generator
-
-        if details.method in self._STREAMING:
-            return grpc.unary_stream_rpc_method_handler(deny_stream)
-        return grpc.unary_unary_rpc_method_handler(deny_unary)
-
-
-def _is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
-
-
-def check_exposure(cfg: AgentConfig) -> str | None:
-    """Refuse an unauthenticated API on a reachable address; returns a warning to log, if any.
-
-    The agent's API drives every GPU of the node (load, start and stop models), so serving it on
-    0.0.0.0 without TLS client certificates or a token lets anyone who can reach the port do so.
-    """
-    host = cfg.listen.rsplit(":", 1)[0]
-    if _is_loopback(host):
-        return None
-    mtls = cfg.tls_cert is not None and cfg.client_ca is not None
-    if mtls:
-        return None
-    if cfg.token_file is not None:
-        if cfg.tls_cert is None:
-            return (
-                f"event=plaintext_token listen={cfg.listen}: the bearer token travels "
-                "unencrypted; add --tls-cert/--tls-key"
-            )
-        return None
-    if not cfg.allow_insecure_listen:
-        raise ConfigError(
-            f"refusing to serve the agent API on {cfg.listen} without authentication: anyone "
-            "who can reach that port could load, start and stop models on this node's GPUs. "
-            "Add --tls-cert/--tls-key/--client-ca (mutual TLS) or --token-file, listen on "
-            "127.0.0.1, or pass --allow-insecure-listen to accept the risk (test clusters only)"
-        )
-    return (
-        f"event=insecure_listen listen={cfg.listen} WARNING: the agent API is served WITHOUT "
-        "authentication or encryption (--allow-insecure-listen); anyone who can reach this port "
-        "can drive this node's GPUs. Use only on a throwaway test cluster"
-    )
-
-
-def _memory_dir(cfg: AgentConfig) -> Path:
-    name = f"{PREFIX}{cfg.node_name}-{uuid.uuid4().hex[:8]}"
-    return cfg.memory_dir or cfg.memory_root / name
-
-
-def memory_in_workers(cfg: AgentConfig) -> bool:
-    """Whether the GPU worker processes own the memory (auto: yes for CUDA with workers)."""
-    if cfg.memory_in_workers is None:
-        return cfg.simulate_gpus is None and cfg.use_workers
-    return cfg.memory_in_workers
-
-
-def _sim_timing(cfg: AgentConfig) -> dict[str, Any]:
-    return {
-        "copy_bytes_per_s": cfg.sim_copy_bytes_per_s or None,
-        "map_s_per_page": cfg.sim_map_s_per_page,
-    }
-
-
-def _make_backend(cfg: AgentConfig, pool: Any = None, memdir: Path | None = None) -> Any:
-    if memory_in_workers(cfg):
-        from warmserve_agent.backends.workers import WorkerMemoryBackend
-
-        if cfg.simulate_gpus is not None:
-            return WorkerMemoryBackend(
-                pool,
-                "simulated",
-                cfg.page_bytes,
-                directory=str(memdir),
-                keep_files=cfg.keep_memory,
-                **_sim_timing(cfg),
-            )
-        return WorkerMemoryBackend(
-            pool, "cuda", cfg.page_bytes, reserve_bytes=cfg.gpu_reserve_bytes
-        )
-    if cfg.simulate_gpus is not None:
-        from warmserve_agent.backends.simulated import SimulatedBackend
-
-        return SimulatedBackend(
-            memdir,
-            page_bytes=cfg.page_bytes,
-            keep_files=cfg.keep_memory,
-            **_sim_timing(cfg),
-        )
-    from warmserve_agent.backends.cuda import CudaBackend
-
-    return CudaBackend(page_bytes=cfg.page_bytes, reserve_bytes=cfg.gpu_reserve_bytes)
-
-
-def _cuda_gpu_sizes() -> list[int]:
-    """GPU count and memory from the driver (no contexts, no allocations)."""
-    from warmserve_agent.backends import cuda
-
-    return cuda.device_sizes()
 
 
 class AgentServer:
@@ -296,7 +89,7 @@ class AgentServer:
                 "--recycle-workers cannot be combined with memory owned by the workers: "
                 "recycling a worker would drop the weights it keeps resident"
             )
-        sizes = cfg.simulate_gpus if cfg.simulate_gpus is not None else _cuda_gpu_sizes()
+        sizes = cfg.simulate_gpus if cfg.simulate_gpus is not None else cuda_gpu_sizes()
         if not sizes:
             raise ConfigError("no GPUs found; use --simulate-gpus to run without GPUs")
         memdir = None
@@ -304,7 +97,7 @@ class AgentServer:
             if cfg.memory_dir is None:  # our siblings of agents that died (kill -9, OOM kill)
                 await asyncio.to_thread(remove_stale, cfg.memory_root)
             try:
-                self._memdir = MemoryDir.claim(_memory_dir(cfg))
+                self._memdir = MemoryDir.claim(new_memory_dir(cfg))
             except MemoryDirBusy as exc:
                 raise ConfigError(str(exc)) from None
             memdir = self._memdir.path
@@ -325,7 +118,7 @@ class AgentServer:
             def factory(group: Any) -> Any:
                 return InProcessEngine(group)
 
-        backend = _make_backend(cfg, self.pool, memdir)
+        backend = make_backend(cfg, self.pool, memdir)
         store = WeightStore(cfg.model_dir, host_cache_bytes=cfg.host_cache_bytes)
         t_open = time.perf_counter()
         self.core = NodeCore(
@@ -375,7 +168,7 @@ class AgentServer:
             token = Path(cfg.token_file).read_text().strip()
             if not token:
                 raise ConfigError(f"token file {cfg.token_file} is empty")
-            interceptors.append(_TokenInterceptor(token))
+            interceptors.append(TokenInterceptor(token))
         self.server = grpc.aio.server(interceptors=interceptors)
         pb_grpc.add_NodeAgentServicer_to_server(self.service, self.server)
         self._health = health_aio.HealthServicer()

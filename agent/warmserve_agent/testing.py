@@ -7,7 +7,8 @@ import asyncio
 import threading
 from typing import Any
 
-from warmserve_agent.server import AgentConfig, AgentServer
+from warmserve_agent.config import AgentConfig
+from warmserve_agent.server import AgentServer
 
 
 class AgentThread:

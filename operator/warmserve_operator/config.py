@@ -25,6 +25,7 @@ class OperatorConfig:
     load_bandwidth: float = DEFAULT_LOAD_BANDWIDTH
     agent_lost_after: int = 3
     evict_aware: bool = True
+    spare_replicas: int = 0  # ControlConfig.spare_replicas (docs/policy.md "Spare replicas")
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
     node_status_refresh_s: float = 30.0
     # Consecutive polls this replica must hold the Lease before acting (docs/operator.md); the
@@ -43,6 +44,8 @@ class OperatorConfig:
             raise PolicyInputError("agent_lost_after must be >= 1")
         if self.load_bandwidth <= 0:
             raise PolicyInputError("load bandwidth must be > 0")
+        if self.spare_replicas < 0:
+            raise PolicyInputError(f"spare replicas must be >= 0, got {self.spare_replicas}")
 
     def control(self) -> ControlConfig:
         return ControlConfig(
@@ -51,4 +54,5 @@ class OperatorConfig:
             autoscaler=self.autoscaler,
             predictor=self.predictor,
             evict_aware=self.evict_aware,
+            spare_replicas=self.spare_replicas,
         )

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 from warmserve_agent.backends.simulated import SimulatedBackend
+from warmserve_agent.config import AgentConfig
 from warmserve_agent.engine_host import InProcessEngine
 from warmserve_agent.memory import MemoryManager
 from warmserve_agent.node import NodeCore
-from warmserve_agent.server import AgentConfig
 from warmserve_agent.store import WeightStore
 
 MiB = 1024**2

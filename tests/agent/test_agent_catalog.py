@@ -9,7 +9,8 @@ from pathlib import Path
 
 from conftest import write_model
 from warmserve_agent.node import NodeCore
-from warmserve_agent.service import AgentService, ServiceInfo
+from warmserve_agent.service import AgentService
+from warmserve_agent.service_describe import ServiceInfo
 
 
 def test_catalog_is_cached_and_follows_added_and_removed_models(

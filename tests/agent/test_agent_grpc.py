@@ -477,7 +477,7 @@ def test_prometheus_metrics_and_advertised_endpoint(tmp_path: Path, model_root: 
 
 
 def test_incompatible_settings_are_refused(tmp_path: Path, model_root: Path) -> None:
-    from warmserve_agent.server import ConfigError
+    from warmserve_agent.config import ConfigError
 
     bad = [
         (dict(memory_in_workers=True, use_workers=False), "needs worker processes"),

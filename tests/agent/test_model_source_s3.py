@@ -21,7 +21,8 @@ import pytest
 from conftest import write_model
 from warmserve_agent.sources import SourceSettings, open_source
 from warmserve_agent.sources.base import inspect
-from warmserve_agent.sources.fetcher import FetchFailed, ModelFetcher
+from warmserve_agent.sources.fetch_records import FetchFailed
+from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.store import WeightStore
 
 from tests.model_sources_support import built_server

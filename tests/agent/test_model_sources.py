@@ -15,7 +15,8 @@ import pytest
 import yaml
 from conftest import write_model
 from warmserve_agent.sources import SourceError, SourceSettings, inspect, open_source
-from warmserve_agent.sources.fetcher import MANIFEST, FetchFailed, FetchState, ModelFetcher
+from warmserve_agent.sources.fetch_records import MANIFEST, FetchFailed, FetchState
+from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.store import StoreError, WeightStore
 
 from tests.model_sources_support import HubServer, Repo, repo_from_dir

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import PAGE, MiB, write_model
 from warmserve_agent.client import AgentClient, AgentError, SyncAgentClient, pb
-from warmserve_agent.server import AgentConfig
+from warmserve_agent.config import AgentConfig
 from warmserve_agent.testing import AgentThread
 
 from tests.model_sources_support import HubServer, repo_from_dir

@@ -108,7 +108,7 @@ def test_every_caller_uses_the_one_parser() -> None:
 
 
 def test_scenario_and_agent_flags_agree() -> None:
-    from warmserve_agent.server import parse_simulated_gpus
+    from warmserve_agent.config import parse_simulated_gpus
 
     from warmserve.scenario import parse_size as scenario_size
 

@@ -15,7 +15,8 @@ import logging
 import signal
 from pathlib import Path
 
-from warmserve_agent.server import AgentConfig, AgentServer, parse_simulated_gpus
+from warmserve_agent.config import AgentConfig, parse_simulated_gpus
+from warmserve_agent.server import AgentServer
 
 
 async def main() -> None:

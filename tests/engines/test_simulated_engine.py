@@ -110,3 +110,43 @@ def test_agent_cli_refuses_unknown_engines(
     argv = ["agent", "--simulate-gpus", "1x4MiB", "--model-dir", str(model_root), *flags]
     assert main(argv) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_a_stopped_engine_refuses_loop_calls_at_once_and_leaks_no_coroutine() -> None:
+    """A prewarm streamer's layers_ready racing stop(): before, the coroutine was handed to a
+    stopped loop (the caller waited out the 10 s timeout, Python warned 'never awaited')."""
+    import gc
+    import threading
+    import warnings
+
+    from warmserve_agent.engines.simulated import SimulatedEngine
+
+    class _Runner:
+        cleaned = 0
+
+        async def cleanup(self) -> None:
+            _Runner.cleaned += 1
+
+    eng = SimulatedEngine()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    eng._loop, eng._runner, eng._thread = loop, _Runner(), thread
+
+    async def condition() -> asyncio.Condition:
+        return asyncio.Condition()
+
+    eng._st.cond = asyncio.run_coroutine_threadsafe(condition(), loop).result(5)
+    assert eng.set_kv_capacity(1 << 20) == 1 << 20  # served while running
+    eng.stop()
+    eng.stop()  # idempotent: no second cleanup on a stopped loop
+    assert _Runner.cleaned == 1 and not thread.is_alive()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="stopped"):
+            eng.set_kv_capacity(1 << 21)
+        assert time.monotonic() - t0 < 1.0
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+    loop.close()

@@ -204,7 +204,7 @@ def test_openai_api_through_a_pooled_worker(tmp_path: Path, tiny_root: Path) -> 
     worker; vLLM's own OpenAI server answers on the endpoint Activate returns."""
     import grpc
     from warmserve_agent.client import AgentError, SyncAgentClient
-    from warmserve_agent.server import AgentConfig
+    from warmserve_agent.config import AgentConfig
     from warmserve_agent.testing import AgentThread
 
     cfg = AgentConfig(

@@ -41,7 +41,7 @@ def _write_models(root: Path) -> dict[str, tuple[int, int]]:
 
 @pytest.fixture(scope="module")
 def real_agent(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from warmserve_agent.server import AgentConfig, parse_simulated_gpus
+    from warmserve_agent.config import AgentConfig, parse_simulated_gpus
     from warmserve_agent.testing import AgentThread
 
     tmp = tmp_path_factory.mktemp("contract")

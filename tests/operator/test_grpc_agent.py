@@ -28,7 +28,7 @@ def _write_model(root: Path, name: str) -> None:
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Any:
-    from warmserve_agent.server import AgentConfig, parse_simulated_gpus
+    from warmserve_agent.config import AgentConfig, parse_simulated_gpus
     from warmserve_agent.testing import AgentThread
 
     _write_model(tmp_path / "models", "m")

@@ -65,7 +65,7 @@ def _request(endpoint: str, model: str, max_tokens: int) -> None:
 
 @pytest.fixture
 def agent_address(tmp_path: Path) -> Any:
-    from warmserve_agent.server import AgentConfig, parse_simulated_gpus
+    from warmserve_agent.config import AgentConfig, parse_simulated_gpus
     from warmserve_agent.testing import AgentThread
 
     _write_models(tmp_path / "models")

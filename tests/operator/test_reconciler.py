@@ -35,7 +35,7 @@ def md_of(h: Harness, model: str):
 
 
 class Harness:
-    def __init__(self, nodes: int = 2, gpus: int = 4) -> None:
+    def __init__(self, nodes: int = 2, gpus: int = 4, spare_replicas: int = 0) -> None:
         self.clock = Clock()
         self.kube = FakeKube()
         self.agents = {
@@ -48,6 +48,7 @@ class Harness:
             window_s=W,
             leader_settle_polls=1,
             poll_s=0.5,
+            spare_replicas=spare_replicas,
             autoscaler=AutoscalerConfig(scale_down_delay_s=1.0, max_grace_s=3.0),
         )
         self.rec = self.new_reconciler()
@@ -113,6 +114,34 @@ async def test_prewarm_follows_policy_plan_and_status_reports_it() -> None:
     assert "Prewarmed" in h.kube.reasons("ModelDeployment/a")  # one Event, not one per replica
     node_st = h.kube.nodes["node-0"]["status"]
     assert node_st["gpuCount"] == 4 and node_st["conditions"][0]["status"] == "True"
+
+
+async def test_spare_replicas_reach_the_operator_plan() -> None:
+    """``--spare-replicas 1`` (docs/policy.md "Spare replicas"): the operator prewarms what the
+    policy core plans with the spare — one more burst replica per model, score 0."""
+    h = Harness(spare_replicas=1)
+    h.kube.add_md("a", "llama-a", maxBatchSize=4)
+    seed_history(h.kube, "a", "llama-a", h.clock.t, avg=6.0, peak=10.0)
+    await h.tick()
+    ctl = h.rec.controller
+    assert ctl.cfg.spare_replicas == 1
+    snaps = {n: await a.describe() for n, a in h.agents.items()}
+    owners = {d.md.model: uid for uid, d in h.rec.deployments.items()}
+    obs = observation(h.clock.t, snaps, owners, set(owners.values()))
+    replanned = plan_prewarm(ctl.snapshot(obs), spare_replicas=1)
+    assert not replanned.place and not replanned.evict, "the operator placed exactly the plan"
+    assert len(h.slots("llama-a")) == 4  # 2 basic + 1 burst (Eq. 5-6) + the spare
+    await h.tick()
+    reps = h.status("a")["prewarmedReplicas"]
+    assert [r["kind"] for r in reps] == ["basic", "basic", "burst", "burst"]
+
+
+def test_config_rejects_negative_spare_replicas() -> None:
+    from warmserve.policy.cluster import PolicyInputError
+
+    with pytest.raises(PolicyInputError, match="spare replicas"):
+        OperatorConfig(spare_replicas=-1)
+    assert OperatorConfig(spare_replicas=2).control().spare_replicas == 2
 
 
 async def test_load_rise_starts_on_prewarmed_group_and_restart_does_not_duplicate() -> None:

@@ -123,6 +123,31 @@ def test_paper_testbed_scenario_is_valid():
     assert sc.window_s == 300 and sc.duration_s == 7200
 
 
+def test_spare_replicas_reach_the_controller():
+    """``policy.spare_replicas`` is ControlConfig.spare_replicas in the simulator (the operator's
+    ``--spare-replicas``; docs/policy.md "Spare replicas"); negative is an error."""
+    from warmserve.sim.core import Simulation
+
+    doc = make_doc(**{"policy.spare_replicas": 1, "workload.duration_s": 300})
+    sc = parse(doc)
+    assert sc.spare_replicas == 1 and parse(make_doc()).spare_replicas == 0
+    seen = []
+    orig = Simulation.__init__
+
+    def spy(self, *a, **kw):
+        orig(self, *a, **kw)
+        seen.append(self.controller.cfg.spare_replicas)
+
+    Simulation.__init__ = spy
+    try:
+        runner.run_system(runner.prepare(sc), "warmserve")
+    finally:
+        Simulation.__init__ = orig
+    assert seen == [1]
+    with pytest.raises(ScenarioError, match="spare_replicas"):
+        parse(make_doc(**{"policy.spare_replicas": -1}))
+
+
 def test_startup_override_by_name_or_path_and_unknown_profile(tmp_path, capsys):
     path = _write(tmp_path, make_doc(**{"workload.total_rps": 12}))  # reactive starts instances
     instant = tmp_path / "instant.yaml"

@@ -205,7 +205,7 @@ def register(subparsers: Any) -> None:
 def _config(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
-    from warmserve_agent.server import AgentConfig, ConfigError, parse_simulated_gpus
+    from warmserve_agent.config import AgentConfig, ConfigError, parse_simulated_gpus
 
     from warmserve.units import SizeError, parse_size
 
@@ -298,7 +298,8 @@ def run_agent(args: argparse.Namespace) -> int:
     import signal
 
     from warmserve_agent.backends.cuda import CudaError
-    from warmserve_agent.server import AgentServer, ConfigError
+    from warmserve_agent.config import ConfigError
+    from warmserve_agent.server import AgentServer
 
     cfg = _config(args)
     logging.basicConfig(

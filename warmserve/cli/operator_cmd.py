@@ -87,6 +87,13 @@ def register(subparsers: Any) -> None:
         help="longest grace period (seconds) of a drained instance",
     )
     p.add_argument(
+        "--spare-replicas",
+        type=int,
+        default=0,
+        help="extra burst prewarm replicas per model beyond Eq. 6, kept warm behind each start "
+        "(docs/policy.md 'Spare replicas'; 0: the paper's Eq. 6)",
+    )
+    p.add_argument(
         "--peering",
         default=os.environ.get("WARMSERVE_PEERING", "warmserve"),
         help="kopf ClusterKopfPeering name used for leader election",
@@ -234,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
             predictor=args.predictor,
             load_bandwidth=args.load_bandwidth_gib * 1024**3,
             agent_lost_after=args.agent_lost_after,
+            spare_replicas=args.spare_replicas,
             autoscaler=AutoscalerConfig(
                 scale_down_delay_s=args.scale_down_delay, max_grace_s=args.max_grace
             ),

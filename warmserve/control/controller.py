@@ -105,8 +105,15 @@ class ControlConfig:
     proactive: bool = True
     evict_aware: bool = True
     reclaim: bool = True
+    # Extra burst replicas per model beyond Eq. 6, re-placed after each start that uses a
+    # replica (warmserve.policy.scoring, docs/policy.md "Spare replicas").  0 (the default): the
+    # paper's Eq. 6; the operator (--spare-replicas) and the simulator (policy.spare_replicas)
+    # pass the same value through.
+    spare_replicas: int = 0
 
     def __post_init__(self) -> None:
+        if self.spare_replicas < 0:
+            raise PolicyInputError(f"spare_replicas must be >= 0, got {self.spare_replicas}")
         if not (math.isfinite(self.window_s) and self.window_s > 0):
             raise PolicyInputError(f"window must be > 0 seconds, got {self.window_s}")
         season_length(self.window_s, self.day_s)  # raises unless the window divides a day
@@ -359,6 +366,9 @@ class Controller:
                     self.meta.pop((r.model, r.node, r.gpus), None)
                 if choice.replica is not None:
                     self.meta.pop((model, choice.node, choice.gpus), None)
+                    if self.cfg.spare_replicas:
+                        # the spare behind this start (docs/policy.md "Spare replicas")
+                        self.replan_reasons.add("replica used")
                 state = apply_start(state, choice, "")
             drained: set[str] = set()
             for inst in d.drain:
@@ -486,7 +496,9 @@ class Controller:
     def _plan(
         self, state: ClusterState, slot_of: Mapping[ReplicaKey, str]
     ) -> tuple[PrewarmPlan, list[Decision]]:
-        plan = plan_prewarm(state, evict_aware=self.cfg.evict_aware)
+        plan = plan_prewarm(
+            state, evict_aware=self.cfg.evict_aware, spare_replicas=self.cfg.spare_replicas
+        )
         self.plans += 1
         self.last_plan = plan
         self.last_plan_state = state

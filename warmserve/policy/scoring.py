@@ -23,6 +23,22 @@ Deviations, and why:
   64.00000000001 with B = 32 asks for 2 instances, not 3.
 - Basic replicas always rank above burst ones regardless of score (the paper's rule); callers
   use :func:`priority_key` to sort, which encodes it.
+- **Spare burst replicas** (issue 12 §6, ``spare``; the control loop's default is 1): Eq. 6 is
+  extended to ``N_burst = max(ceil(L_P / B) - N_basic - K, 0) + spare`` for every model with a
+  predicted peak or an active instance.  Eq. 6 asks for nothing beyond ``ceil(L_P / B)``
+  instances, so every start past the predicted peak was a miss, and so was a peak just above
+  a batch when ``L_P`` sat just below one (measured on the paper testbed, alpha 2, RPS 25: 7 of
+  11 misses, all with the model's demand above its forecast peak — 193 in flight against a
+  forecast of 118 — or ``L_P`` at 25-31 for ``B`` = 32).  A spare keeps one start beyond the
+  current instances warm however far the load climbs (the control loop re-plans when a start
+  uses a replica, so the next one is prewarmed behind it).  A spare scores 0 (the score of a
+  replica nobody asked for: it covers a start the forecast says will not come), so it ranks
+  below every replica Eq. 5-6 ask for, of any model, and is the first to go when memory is
+  short or a start wants its GPUs: with Eq. 8's next rank instead, a 7B spare outranked the
+  70B's burst replicas and took the memory they needed (measured at alpha 0.5, RPS 20: 70B
+  misses 4 -> 6, its P99 31 s -> 42 s).  With the budget depth every model's replica fits
+  beside the others on one GPU (§4's one-for-many prewarming), so spares cost idle memory,
+  not GPUs.
 """
 
 from __future__ import annotations
@@ -61,12 +77,19 @@ def instances_for(load: float, max_batch: int) -> int:
     return math.ceil(round(load / max_batch, 9))
 
 
-def replica_counts(forecast: LoadForecast, max_batch: int, active: int) -> tuple[int, int]:
-    """(N_basic, N_burst) of Eq. 5-6."""
+def replica_counts(
+    forecast: LoadForecast, max_batch: int, active: int, spare: int = 0
+) -> tuple[int, int]:
+    """(N_basic, N_burst) of Eq. 5-6, with ``spare`` extra burst replicas (module docstring)
+    when the model has a predicted peak or an active instance."""
     if active < 0:
         raise PolicyInputError(f"active instances must be >= 0, got {active}")
+    if spare < 0:
+        raise PolicyInputError(f"spare replicas must be >= 0, got {spare}")
     n_basic = max(instances_for(forecast.avg, max_batch) - active, 0)
     n_burst = max(instances_for(forecast.peak, max_batch) - n_basic - active, 0)
+    if forecast.peak > 0 or active > 0:
+        n_burst += spare
     return n_basic, n_burst
 
 
@@ -94,9 +117,15 @@ def burst_score(
     return math.exp(-(n_basic + rank) / total) * cold_start_s * burstiness(forecast)
 
 
-def model_replicas(spec: ModelSpec, forecast: LoadForecast, active: int) -> list[ReplicaRequest]:
-    """All replicas one model asks for this window, basic first, each rank with its score."""
+def model_replicas(
+    spec: ModelSpec, forecast: LoadForecast, active: int, spare: int = 0
+) -> list[ReplicaRequest]:
+    """All replicas one model asks for this window, basic first, each rank with its score.
+
+    The ``spare`` replicas come last, with score 0 (module docstring); the others' scores are
+    Eq. 7-8's for the Eq. 5-6 counts, whatever ``spare`` is."""
     n_basic, n_burst = replica_counts(forecast, spec.max_batch, active)
+    _, with_spares = replica_counts(forecast, spec.max_batch, active, spare)
     out = [
         ReplicaRequest(
             spec.name, ReplicaKind.BASIC, i, basic_score(i, n_basic, n_burst, spec.cold_start_s)
@@ -112,6 +141,10 @@ def model_replicas(spec: ModelSpec, forecast: LoadForecast, active: int) -> list
         )
         for i in range(n_burst)
     ]
+    out += [
+        ReplicaRequest(spec.name, ReplicaKind.BURST, i, 0.0)
+        for i in range(n_burst, with_spares)
+    ]
     return out
 
 
@@ -123,7 +156,7 @@ def priority_key(req: ReplicaRequest) -> tuple[int, float, str, int]:
     return (0 if req.kind == ReplicaKind.BASIC else 1, -req.score, req.model, req.rank)
 
 
-def replica_requests(state: ClusterState) -> list[ReplicaRequest]:
+def replica_requests(state: ClusterState, spare: int = 0) -> list[ReplicaRequest]:
     """Every model's replica requests for the snapshot's forecasts, in placement order.
 
     Models without a forecast ask for nothing.
@@ -131,7 +164,7 @@ def replica_requests(state: ClusterState) -> list[ReplicaRequest]:
     reqs: list[ReplicaRequest] = []
     for name in sorted(state.forecasts):
         active = state.active_instances(name)
-        reqs += model_replicas(state.models[name], state.forecasts[name], active)
+        reqs += model_replicas(state.models[name], state.forecasts[name], active, spare)
     return sorted(reqs, key=priority_key)
 
 

@@ -116,6 +116,7 @@ class Simulation(Gateway, Batching, Lifecycle):
         progress: Callable[[float], None] | None = None,
         check: bool = False,
         record: bool = False,
+        spare_replicas: int = 0,
     ) -> None:
         self.check = check
         self.sys = system
@@ -176,6 +177,7 @@ class Simulation(Gateway, Batching, Lifecycle):
                     proactive=system.proactive,
                     evict_aware=system.evict_aware,
                     reclaim=system.reclaim,
+                    spare_replicas=spare_replicas,
                 )
             )
             self.controller.set_models(

@@ -279,6 +279,7 @@ def run_system(
         progress=progress,
         check=check,
         record=record,
+        spare_replicas=sc.spare_replicas,
     )
     out = sim.run()
     wall = time.perf_counter() - t0

@@ -60,6 +60,7 @@ class Scenario:
     startup: str = "paper"  # start-up profile (warmserve.sim.startup)
     fine_arrivals: str | None = None  # arrival template trace, "poisson"; None: the lengths trace
     prewarm_depth: str = "budget"  # "budget" or "profiled" (models[].prewarm_layers overrides)
+    spare_replicas: int = 0  # ControlConfig.spare_replicas (docs/policy.md "Spare replicas")
     grace_s: float = 300.0
     scale_down_delay_s: float = 60.0
     scale_up_utilization: float = 1.0
@@ -127,7 +128,7 @@ def parse(doc: Any, source: str = "scenario") -> Scenario:
         {
             "window_s", "predictor", "grace_s", "scale_interval_s", "queue_timeout_s", "drain_s",
             "scale_down_delay_s", "scale_up_utilization", "scale_down_utilization",
-            "prewarm_depth",
+            "prewarm_depth", "spare_replicas",
         },
         "policy",
     )
@@ -185,6 +186,7 @@ def parse(doc: Any, source: str = "scenario") -> Scenario:
         scale_interval_s=_get(pol, "scale_interval_s", float, "policy", 1.0),
         queue_timeout_s=_get(pol, "queue_timeout_s", float, "policy", 3600.0),
         drain_s=_get(pol, "drain_s", float, "policy", 1800.0),
+        spare_replicas=_get(pol, "spare_replicas", int, "policy", 0),
         seed=_get(doc, "seed", int, source, 0),
         systems=tuple(str(s) for s in systems),
         grid=grid,
@@ -258,6 +260,8 @@ def validate(sc: Scenario) -> None:
     _positive(sc.scale_interval_s, "policy.scale_interval_s")
     _positive(sc.queue_timeout_s, "policy.queue_timeout_s")
     _positive(sc.drain_s, "policy.drain_s", allow_zero=True)
+    if sc.spare_replicas < 0:
+        raise ScenarioError(f"policy.spare_replicas must be >= 0, got {sc.spare_replicas}")
     if sc.prewarm_depth not in PREWARM_DEPTHS:
         raise ScenarioError(
             f"policy.prewarm_depth must be one of {', '.join(PREWARM_DEPTHS)}, "

@@ -92,6 +92,11 @@ class SimulatedEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: Any = None
+        # nothing is scheduled on the loop once stop() began: a coroutine handed to a stopped
+        # or closed loop never runs (its caller would wait out the timeout, and Python warns
+        # that it was never awaited)
+        self._loop_lock = threading.Lock()
+        self._stopping = False
         self._st = _State()
         self.spec: EngineSpec | None = None
         self._mem: dict[int, SlotMemory] = {}
@@ -158,19 +163,25 @@ class SimulatedEngine:
         if bad:
             st.bad.extend(bad)
             raise WeightsMismatch(f"weights differ from the store: {bad[:3]}")
-        assert self._loop is not None
-        asyncio.run_coroutine_threadsafe(self._set(layers_resident=n), self._loop).result(10)
+        self._on_loop(self._set(layers_resident=n))
 
     def set_kv_capacity(self, nbytes: int) -> int:
-        assert self._loop is not None
-
         async def apply() -> int:
             st = self._st
             st.kv_capacity = max(int(nbytes), st.kv_reserved)
             await self._notify()
             return st.kv_capacity
 
-        return asyncio.run_coroutine_threadsafe(apply(), self._loop).result(10)
+        return self._on_loop(apply())
+
+    def _on_loop(self, coro: Any, timeout: float = 10.0) -> Any:
+        """Run ``coro`` on the engine's loop and wait for it; refused once the engine stops."""
+        with self._loop_lock:
+            if self._loop is None or self._stopping or self._loop.is_closed():
+                coro.close()
+                raise RuntimeError("the simulated engine is stopped")
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return fut.result(timeout)
 
     def stats(self) -> EngineStats:
         st = self._st
@@ -191,9 +202,11 @@ class SimulatedEngine:
         )
 
     def stop(self) -> None:
-        if self._loop is not None and self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._loop is not None and self._runner is not None and not self._stopping:
+            self._on_loop(self._runner.cleanup())
+            with self._loop_lock:
+                self._stopping = True
+                self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
             self._thread.join(10)
         for m in self._mem.values():

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from warmserve_agent.sources.fetcher import FetchState, ModelFetcher
+from warmserve_agent.sources.fetch_records import FetchState
+from warmserve_agent.sources.fetcher import ModelFetcher
 
 
 class FetchCollector(Collector):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from warmserve_agent.api.v1 import agent_pb2 as pb
-from warmserve_agent.sources.fetcher import FetchState, FetchStatus, StoreUsage
+from warmserve_agent.sources.fetch_records import FetchState, FetchStatus, StoreUsage
 
 FETCH_STATE = {
     FetchState.LISTING: pb.FETCH_STATE_LISTING,

@@ -1,0 +1,111 @@
+"""Idempotent mutating calls of the agent's gRPC service, and how every refusal leaves it.
+
+Every mutating call carries a ``request_id``.  The first call with an id runs (in a thread:
+loading and engine start-up block); a replay with the same id and the same arguments waits for /
+returns the first outcome (the same answer, or the same error) without redoing the work; the same
+id with different arguments is refused with ALREADY_EXISTS.  The last ``max_request_ids`` ids are
+remembered.  This is what lets the operator retry any call after a lost answer without doubling a
+prewarm or an activation (the executor never re-decides; it repeats).
+
+A :class:`~warmserve_agent.node_records.Refusal` carries the gRPC status name and a message a
+person can act on; it becomes ``context.abort(code, message)`` through :func:`abort`, which bounds
+the message (printable, at most 1 KiB, :mod:`~warmserve_agent.safe_text`).
+
+The lowest layer of :class:`~warmserve_agent.service.AgentService` (see that module's docstring).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from warmserve_agent.node import NodeCore
+from warmserve_agent.node_records import ID_RE, Refusal
+from warmserve_agent.safe_text import bounded, shown
+from warmserve_agent.sources.fetcher import ModelFetcher
+
+log = logging.getLogger("warmserve.agent.service")  # one logger for the whole service
+
+
+@dataclass
+class IdemEntry:
+    """One remembered request id: its method, its arguments and its (future) outcome."""
+
+    method: str
+    fingerprint: tuple[Any, ...]
+    future: asyncio.Future[Any]
+    final: Any = None  # Prewarm: the last progress message sent
+
+
+async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """Every refusal leaves through here: the message bounded and printable."""
+    await context.abort(code, bounded(message))
+
+
+class IdempotentCalls:
+    """Request-id checks and run-once semantics (see module docstring); the state is set by
+    :class:`~warmserve_agent.service.AgentService`."""
+
+    core: NodeCore
+    fetcher: ModelFetcher | None
+    max_request_ids: int
+    _idem: OrderedDict[str, IdemEntry]
+
+    async def _check_request_id(self, rid: str, context: grpc.aio.ServicerContext) -> None:
+        if not rid:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "request_id is required: send a unique id per intended action and reuse it "
+                "when retrying",
+            )
+        if not ID_RE.match(rid):
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"malformed request_id {rid[:40]!r}: use 1-128 characters of [A-Za-z0-9._:-]",
+            )
+
+    async def _once(
+        self,
+        method: str,
+        rid: str,
+        fingerprint: tuple[Any, ...],
+        context: grpc.aio.ServicerContext,
+        fn: Callable[[], Any],
+    ) -> tuple[Any, IdemEntry]:
+        """Run ``fn`` in a thread once per request id; replays get the first outcome."""
+        await self._check_request_id(rid, context)
+        entry = self._idem.get(rid)
+        if entry is not None:
+            if entry.method != method or entry.fingerprint != fingerprint:
+                await abort(
+                    context,
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"request_id {rid} was already used for a different request "
+                    f"({entry.method} {shown(entry.fingerprint, 160)}); use a new id for a new "
+                    "action",
+                )
+        else:
+            # The work runs in its own task: a caller that disconnects (cancelling this RPC)
+            # does not cancel it, and replays of the id still get its outcome.
+            task: asyncio.Future[Any] = asyncio.ensure_future(asyncio.to_thread(fn))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # mark retrieved
+            entry = IdemEntry(method, fingerprint, task)
+            self._idem[rid] = entry
+            while len(self._idem) > self.max_request_ids:
+                self._idem.popitem(last=False)
+        try:
+            return await asyncio.shield(entry.future), entry
+        except Refusal as r:
+            await abort(context, grpc.StatusCode[r.code], r.message)
+        except Exception as exc:
+            log.exception("event=internal_error method=%s", method)
+            await abort(context, grpc.StatusCode.INTERNAL, f"{method} failed: {exc}")
+        raise AssertionError("unreachable")  # pragma: no cover - abort raises

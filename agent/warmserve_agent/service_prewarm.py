@@ -1,0 +1,123 @@
+"""``Prewarm`` and ``Evict``: loading a model's first layers into a prewarm slot, and freeing it.
+
+``Prewarm`` (WarmServe §4.1: universal workers hold several models' first layers in prewarm
+slots) fetches the model first when it names a ``source``, admits the slot once per request id
+(:mod:`~warmserve_agent.service_idempotency`) and streams the slot's progress until the requested
+layers are resident; a replay after the slot went away gets the last progress message sent.
+``Evict`` frees a slot's pages and answers the GPUs it touched.
+
+A layer of :class:`~warmserve_agent.service.AgentService` (see that module's docstring).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from warmserve_agent.api.v1 import agent_pb2 as pb
+from warmserve_agent.service_describe import Description
+from warmserve_agent.service_fetch import ModelFetching
+from warmserve_agent.service_idempotency import IdempotentCalls, abort
+
+
+class PrewarmRPCs(IdempotentCalls, ModelFetching, Description):
+    """``Prewarm`` and ``Evict`` (see module docstring); the state is set by
+    :class:`~warmserve_agent.service.AgentService`."""
+
+    _wakers: set[asyncio.Event]  # set by the Watch fan-out when anything changed
+
+    async def Prewarm(
+        self, request: pb.PrewarmRequest, context: Any
+    ) -> AsyncIterator[pb.PrewarmProgress]:
+        fp = (
+            request.model,
+            tuple(sorted(request.gpus)),
+            request.layers,
+            request.owner,
+            request.source,
+        )
+        changed = asyncio.Event()
+        self._wakers.add(changed)
+        pin = self._pin(request.model)
+        pin.__enter__()
+        try:
+            if request.source:
+                async for info in self._fetch(
+                    request.model, request.source, list(request.gpus), context
+                ):
+                    yield pb.PrewarmProgress(fetch=info)
+            slot, entry = await self._once(
+                "Prewarm",
+                request.request_id,
+                fp,
+                context,
+                lambda: self.core.prewarm(
+                    request.model, request.gpus, request.layers, request.owner
+                ),
+            )
+            last: tuple[Any, ...] | None = None
+            while True:
+                changed.clear()  # before reading the state: a change from here on wakes us
+                live = self.core.slots.get(slot.slot_id) is slot
+                if not live:
+                    if entry.final is not None:  # replay after the slot went away
+                        yield entry.final
+                        return
+                    await abort(
+                        context,
+                        grpc.StatusCode.ABORTED,
+                        f"slot {slot.slot_id} was evicted before {request.model} finished "
+                        "loading; prewarm again with a new request_id",
+                    )
+                if slot.state == "failed":
+                    await abort(
+                        context,
+                        grpc.StatusCode.INTERNAL,
+                        f"slot {slot.slot_id}: {slot.message}; evict it and retry",
+                    )
+                # "ready" is set by the loader after the last layer lands (and the promise is
+                # released); an active slot keeps loading while it serves.
+                done = slot.layers_resident >= slot.layers_target and slot.state != "loading"
+                key = (slot.layers_resident, slot.state, done)
+                if key != last:
+                    last = key
+                    msg = pb.PrewarmProgress(
+                        slot_id=slot.slot_id,
+                        layers_loaded=slot.layers_resident,
+                        layers_target=slot.layers_target,
+                        bytes_loaded=slot.resident_bytes,
+                        bytes_target=slot.layout.bytes_for_layers(slot.layers_target),
+                        bandwidth_bytes_per_s=slot.bandwidth,
+                        done=done,
+                        slot=self.slot_pb(slot),
+                    )
+                    if done:
+                        entry.final = msg
+                    yield msg
+                if done:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), timeout=0.5)
+        finally:
+            self._wakers.discard(changed)
+            pin.__exit__(None, None, None)
+            if self.fetcher is not None:
+                self.fetcher.touch(request.model)
+
+    async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:
+        (slot, freed), _ = await self._once(
+            "Evict",
+            request.request_id,
+            (request.slot_id,),
+            context,
+            lambda: self.core.evict(request.slot_id),
+        )
+        return pb.EvictResponse(
+            slot_id=slot.slot_id,
+            freed_bytes_per_gpu=freed * self.core.page,
+            gpus=[self.gpu_pb(g) for g in slot.gpus],
+        )

@@ -1,0 +1,164 @@
+"""One model fetch from start to finish: list, make room, download with retries, check, install.
+
+:meth:`FetchDownload._run` is the body of a fetch's thread.  It lists the source (retrying a
+transient error with exponential backoff), then either links an in-place source (``pvc://``,
+``file://``) into the store or downloads every file in parallel into a staging directory, makes
+room first under the store's budget (:mod:`~warmserve_agent.sources.store_budget`), fetches again
+the files that failed their checks (:mod:`~warmserve_agent.sources.fetch_verify`) up to
+``attempts`` times, writes the manifest and installs the model in one step
+(:mod:`~warmserve_agent.sources.store_install`).  Every failure finishes the fetch with a
+:class:`~warmserve_agent.sources.fetch_records.FetchFailed` (a gRPC status name and a message),
+or callers would wait forever.
+
+A layer of :class:`~warmserve_agent.sources.fetcher.ModelFetcher` (see that module's docstring).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from warmserve_agent.sources import SourceError, open_source
+from warmserve_agent.sources.base import Listing
+from warmserve_agent.sources.fetch_progress import FetchProgress
+from warmserve_agent.sources.fetch_records import MANIFEST, STAGING, Fetch, FetchFailed, FetchState
+from warmserve_agent.sources.fetch_verify import FileChecks
+from warmserve_agent.sources.store_budget import StoreBudget
+from warmserve_agent.store import StoreError
+
+log = logging.getLogger("warmserve.agent.fetch")  # one logger for the whole fetcher
+
+
+class FetchDownload(StoreBudget, FetchProgress, FileChecks):
+    """A fetch's thread body and its retries (see module docstring); the state is set by
+    :class:`~warmserve_agent.sources.fetcher.ModelFetcher`."""
+
+    attempts: int
+    backoff_s: float
+    parallel: int
+    _stop: threading.Event
+
+    # ---- the fetch ------------------------------------------------------------------------
+    def _run(self, fetch: Fetch) -> None:
+        model, uri = fetch.status.model, fetch.status.source
+        err: FetchFailed | None = None
+        total = 0
+        try:
+            src = open_source(uri, self.settings, self.registry)
+            listing = self._retrying(fetch, src.list_files)
+            total = listing.total_bytes
+            if src.in_place:
+                self._check_model_dir(src.location(), listing, uri)
+                self._install_link(model, src.location())
+            else:
+                self._download(fetch, src, listing)
+        except Exception as exc:  # every failure must finish the fetch, or callers wait forever
+            if isinstance(exc, FetchFailed):
+                err = exc
+            elif isinstance(exc, SourceError | StoreError | OSError):
+                code = "UNAVAILABLE" if getattr(exc, "retryable", False) else "FAILED_PRECONDITION"
+                err = FetchFailed(code, str(exc))
+            else:
+                log.exception("event=model_fetch_bug model=%s", model)
+                err = FetchFailed("INTERNAL", f"fetching {model} failed: {exc!r}")
+        finally:
+            if fetch.staging is not None:
+                shutil.rmtree(fetch.staging, ignore_errors=True)
+                fetch.staging = None
+        if err is None:
+            self.stats["ok"] += 1
+            log.info(
+                "event=model_fetched model=%s source=%s bytes=%d seconds=%.1f",
+                model,
+                uri,
+                total,
+                time.time() - fetch.status.started_unix,
+            )
+            self._finish(fetch, FetchState.DONE, "")
+        else:
+            fetch.error = err
+            self.stats["failed"] += 1
+            log.error(
+                "event=model_fetch_failed model=%s source=%s error=%r", model, uri, err.message
+            )
+            self._finish(fetch, FetchState.FAILED, err.message)
+
+    def _retrying(self, fetch: Fetch, fn: Callable[[], Listing]) -> Listing:
+        for attempt in range(1, self.attempts + 1):
+            self._update(fetch, attempt=attempt)
+            try:
+                return fn()
+            except SourceError as exc:
+                if not exc.retryable or attempt == self.attempts:
+                    raise
+                self.stats["retries:error"] += 1
+                self._sleep(attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _download(self, fetch: Fetch, src: object, listing: Listing) -> None:
+        model = fetch.status.model
+        self._update(fetch, state=FetchState.DOWNLOADING, bytes_total=listing.total_bytes)
+        self._make_room(model, listing.total_bytes)
+        staging = self.root / STAGING / uuid.uuid4().hex
+        staging.mkdir(parents=True)
+        fetch.download_started = time.time()
+        fetch.staging = staging
+        pending = list(listing.files)
+        problems: list[str] = []
+        for attempt in range(1, self.attempts + 1):
+            self._update(fetch, attempt=attempt, state=FetchState.DOWNLOADING)
+            with ThreadPoolExecutor(min(self.parallel, len(pending))) as ex:
+                results = list(ex.map(lambda f: self._get_one(src, f, staging, listing), pending))
+            problems = [p for p in results if p]
+            pending = [f for f, p in zip(pending, results, strict=True) if p]
+            if not pending:
+                break
+            log.warning(
+                "event=model_fetch_retry model=%s attempt=%d/%d problems=%r",
+                model,
+                attempt,
+                self.attempts,
+                problems[:3],
+            )
+            if attempt < self.attempts:
+                self._sleep(attempt)
+        else:
+            raise FetchFailed(
+                "UNAVAILABLE",
+                f"fetching {model} from {fetch.status.source} failed after {self.attempts} "
+                f"attempts: {'; '.join(problems[:3])}",
+            )
+        self._update(fetch, state=FetchState.VERIFYING)
+        self._check_model_dir(staging, listing, fetch.status.source)
+        (staging / MANIFEST).write_text(
+            json.dumps(
+                {
+                    "source": fetch.status.source,
+                    "revision": listing.revision,
+                    "bytes": listing.total_bytes,
+                    "fetched_unix": time.time(),
+                    "files": [
+                        {
+                            "path": f.path,
+                            "size": f.size,
+                            "sha256": f.sha256,
+                            "git_sha1": f.git_sha1,
+                            "md5": f.md5,
+                        }
+                        for f in listing.files
+                    ],
+                },
+                indent=1,
+            )
+        )
+        self._install_dir(model, staging)
+        fetch.staging = None
+
+    def _sleep(self, attempt: int) -> None:
+        self._stop.wait(self.backoff_s * 2 ** (attempt - 1))

@@ -1,0 +1,90 @@
+"""The model fetcher's records: fetch states and statuses, its failure, store usage, file names.
+
+What the fetcher (:mod:`~warmserve_agent.sources.fetcher`) shares with its parts and with the
+agent's wire conversions (:mod:`~warmserve_agent.sources.wire`) and metrics; no behaviour beyond
+a directory's size on disk.  A fetched model carries :data:`MANIFEST` (its source, revision and
+file list); files land in :data:`STAGING` and replaced copies leave through :data:`TRASH`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+MANIFEST = ".warmserve-source.json"
+STAGING = ".warmserve-staging"
+TRASH = ".warmserve-trash"
+
+
+class FetchState(StrEnum):
+    LISTING = "listing"
+    DOWNLOADING = "downloading"
+    VERIFYING = "verifying"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class FetchFailed(Exception):
+    """A fetch that did not produce the model; ``code`` is a gRPC status name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class FetchStatus:
+    model: str
+    source: str
+    state: FetchState
+    bytes_done: int = 0
+    bytes_total: int = 0
+    bytes_per_s: float = 0.0
+    eta_s: float = 0.0
+    attempt: int = 0
+    message: str = ""
+    started_unix: float = 0.0
+    finished_unix: float = 0.0
+
+
+@dataclass
+class Fetch:
+    """One fetch in progress (or finished); callers ``wait`` on it."""
+
+    status: FetchStatus
+    staging: Path | None = None
+    download_started: float = 0.0
+    error: FetchFailed | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.done.wait(timeout)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreUsage:
+    used_bytes: int
+    budget_bytes: int
+    evictions: int
+
+
+def du(path: Path) -> int:
+    """Bytes of the files under ``path`` (links not followed)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+    return total
+
+
+def finished_event() -> threading.Event:
+    """The ``done`` event of a fetch that has nothing to do (the model is present)."""
+    ev = threading.Event()
+    ev.set()
+    return ev

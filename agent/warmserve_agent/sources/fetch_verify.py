@@ -1,0 +1,83 @@
+"""Checking what a fetch downloaded: every file against its listing, the model before install.
+
+Every file is checked against the listing (size, and the sha256 / git blob id / MD5 the source
+publishes, :func:`~warmserve_agent.sources.base.verify_file`); a file that fails is deleted so
+that the download loop (:mod:`~warmserve_agent.sources.fetch_download`) fetches it again.  Before
+a model is installed, its ``config.json`` must declare its layers (the unit of prewarming, §4.1)
+and every safetensors header must parse and fit its file.
+
+A layer of :class:`~warmserve_agent.sources.fetcher.ModelFetcher` (see that module's docstring).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+from warmserve_agent.sources import SourceError
+from warmserve_agent.sources.base import Listing, RemoteFile, verify_file
+from warmserve_agent.sources.fetch_records import FetchFailed
+from warmserve_agent.store import config_num_layers, read_safetensors_header
+
+log = logging.getLogger("warmserve.agent.fetch")  # one logger for the whole fetcher
+
+
+class FileChecks:
+    """Per-file and per-model checks (see module docstring); the state is set by
+    :class:`~warmserve_agent.sources.fetcher.ModelFetcher`."""
+
+    stats: Counter[str]
+
+    def _get_one(self, src: object, f: RemoteFile, staging: Path, listing: Listing) -> str:
+        """Download and check one file: "" when good, else what was wrong (file removed)."""
+        dest = staging / f.path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            src.download(f, dest, listing)  # type: ignore[attr-defined]
+        except SourceError as exc:
+            if not exc.retryable:
+                raise
+            self.stats["retries:checksum" if exc.checksum else "retries:error"] += 1
+            dest.unlink(missing_ok=True)
+            return str(exc)
+        self.stats["bytes"] += dest.stat().st_size if dest.exists() else 0
+        problem = verify_file(dest, f)
+        if problem:
+            kind = problem.removeprefix(f"{f.path}: ").split(" ", 1)[0]
+            self.stats["retries:size" if kind == "size" else "retries:checksum"] += 1
+            log.warning(
+                "event=model_file_rejected file=%s problem=%r checks=%s",
+                f.path,
+                problem,
+                f.checks(),
+            )
+            dest.unlink(missing_ok=True)
+        return problem
+
+    @staticmethod
+    def _check_model_dir(path: Path, listing: Listing, uri: str) -> None:
+        """config.json declares layers; every safetensors header parses and fits its file."""
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise FetchFailed("FAILED_PRECONDITION", f"{uri}: bad config.json: {exc}") from None
+        if config_num_layers(cfg) is None:
+            raise FetchFailed(
+                "FAILED_PRECONDITION", f"{uri}: config.json needs num_hidden_layers >= 1"
+            )
+        for f in listing.files:
+            if not f.path.endswith(".safetensors"):
+                continue
+            p = path / f.path
+            start, header = read_safetensors_header(p)
+            size = p.stat().st_size
+            for name, meta in header.items():
+                b, e = meta.get("data_offsets", (0, -1))
+                if not (0 <= b <= e and start + e <= size):
+                    raise FetchFailed(
+                        "FAILED_PRECONDITION",
+                        f"{uri}: {f.path}: tensor {name} lies outside the file (corrupt or "
+                        "truncated)",
+                    )

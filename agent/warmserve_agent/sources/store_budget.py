@@ -1,0 +1,136 @@
+"""The store's disk budget: least-recently-used eviction of fetched models, pins, usage.
+
+Before downloading, room is made under ``budget_bytes`` (the whole store: fetched and pre-filled
+models) and the disk's free space: the least recently used *fetched* models are evicted first.  A
+model with a slot or an instance, being fetched or pinned by a call in progress is never evicted;
+pre-filled models (no manifest) and linked ones are never evicted.  If that is not enough the
+fetch fails with RESOURCE_EXHAUSTED, saying what is in use.  A fetched model's last use is the
+modification time of its manifest (:meth:`StoreBudget.touch`), which survives agent restarts.
+
+A layer of :class:`~warmserve_agent.sources.fetcher.ModelFetcher` (see that module's docstring).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import threading
+from collections import Counter
+from collections.abc import Iterator
+
+from warmserve.units import format_size
+from warmserve_agent.sources.fetch_records import MANIFEST, Fetch, FetchFailed, StoreUsage, du
+from warmserve_agent.sources.store_install import StoreInstall
+from warmserve_agent.store import StoreError
+
+log = logging.getLogger("warmserve.agent.fetch")  # one logger for the whole fetcher
+
+
+class StoreBudget(StoreInstall):
+    """LRU order, pins and eviction under the budget (see module docstring); the state is set by
+    :class:`~warmserve_agent.sources.fetcher.ModelFetcher`."""
+
+    budget_bytes: int
+    generation: int
+    stats: Counter[str]
+    _lock: threading.RLock
+    _active: dict[str, Fetch]
+    _pins: Counter[str]
+
+    def touch(self, model: str) -> None:
+        """Mark ``model`` used now (LRU order of eviction)."""
+        with contextlib.suppress(OSError, StoreError):
+            os.utime(self._path(model) / MANIFEST)
+
+    @contextlib.contextmanager
+    def pinned(self, model: str) -> Iterator[None]:
+        """Never evict ``model`` inside this block (between a fetch and its prewarm)."""
+        with self._lock:
+            self._pins[model] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pins[model] -= 1
+                if self._pins[model] <= 0:
+                    del self._pins[model]
+
+    def model_info(self, model: str) -> tuple[str, int, float]:
+        """(source, bytes on disk, last use) of a store model; ("", 0, 0) when unmanaged."""
+        path = self._path(model)
+        if path.is_symlink():
+            return os.readlink(path), 0, 0.0
+        try:
+            m = path / MANIFEST
+            doc = json.loads(m.read_text())
+            return str(doc.get("source", "")), int(doc.get("bytes", 0)), m.stat().st_mtime
+        except (OSError, ValueError):
+            return "", 0, 0.0
+
+    def usage(self) -> StoreUsage:
+        return StoreUsage(self._used_bytes(), self.budget_bytes, self.stats["evictions"])
+
+    # ---- eviction -----------------------------------------------------------------------------
+    def _models_on_disk(self) -> list[tuple[str, int, float, bool]]:
+        """(name, bytes, last use, evictable) of every model in the store."""
+        out = []
+        for name in self.store.list_models():
+            path = self._path(name)
+            if path.is_symlink():
+                continue
+            source, nbytes, used = self.model_info(name)
+            if source:
+                out.append((name, nbytes, used, True))
+            else:
+                out.append((name, du(path), 0.0, False))
+        return out
+
+    def _used_bytes(self) -> int:
+        reserved = sum(f.status.bytes_total for f in self._active.values())
+        return sum(m[1] for m in self._models_on_disk()) + reserved
+
+    def _make_room(self, model: str, need: int) -> None:
+        with self._lock:
+            while True:
+                models = self._models_on_disk()
+                reserved = sum(f.status.bytes_total for m, f in self._active.items() if m != model)
+                used = sum(m[1] for m in models) + reserved
+                free = shutil.disk_usage(self.root).free - reserved
+                over_budget = self.budget_bytes and used + need > self.budget_bytes
+                if not over_budget and need <= free:
+                    return
+                busy = self.in_use() | set(self._pins) | set(self._active)
+                cold = sorted((m for m in models if m[3] and m[0] not in busy), key=lambda m: m[2])
+                if not cold:
+                    held = sorted(m[0] for m in models if m[0] in busy) or ["none"]
+                    limit = (
+                        f"the store budget {format_size(self.budget_bytes)} "
+                        f"({format_size(used)} used)"
+                        if over_budget
+                        else f"the disk's free space ({format_size(max(free, 0))})"
+                    )
+                    raise FetchFailed(
+                        "RESOURCE_EXHAUSTED",
+                        f"{model} needs {format_size(need)}, more than {limit} allows, and no "
+                        "cold model can be evicted (in use, pinned or fetching: "
+                        f"{', '.join(held)}; pre-filled models are never evicted); raise "
+                        "--store-budget or free disk",
+                    )
+                victim = cold[0]
+                with self.core_lock:
+                    if victim[0] in self.in_use():  # became busy meanwhile: look again
+                        continue
+                    self._retire(victim[0])
+                    self.store.forget(victim[0])
+                self.stats["evictions"] += 1
+                self.generation += 1
+                log.info(
+                    "event=store_evicted model=%s bytes=%d last_used=%.0f for=%s",
+                    victim[0],
+                    victim[1],
+                    victim[2],
+                    model,
+                )
