@@ -11,29 +11,23 @@ calls them and applies the timing helpers to its own event loop.  Each module's 
 what its paper specifies, what we assumed where the paper is silent, and why.
 """
 
-from warmserve.sim.baselines.muxserve import (
-    MuxMember,
-    MuxModel,
-    MuxPlacement,
-    MuxServeError,
-    MuxUnit,
-    decode_engine,
-    plan_muxserve,
-    power_law_rates,
-    prefill_engine,
-)
+from warmserve.sim.baselines.muxserve import decode_engine, power_law_rates, prefill_engine
+from warmserve.sim.baselines.muxserve_estimator import MuxMember, MuxModel, MuxServeError
+from warmserve.sim.baselines.muxserve_placement import MuxPlacement, MuxUnit, plan_muxserve
 from warmserve.sim.baselines.prism import (
+    ResidentModel,
+    activation_s,
+    idle_evictions,
+    idle_threshold_s,
+    plan_activation,
+)
+from warmserve.sim.baselines.prism_placement import (
     PrismError,
     PrismGpu,
     PrismModel,
     PrismPlacement,
-    ResidentModel,
-    activation_s,
     choose_activation_gpus,
-    idle_evictions,
-    idle_threshold_s,
     kvpr_placement,
-    plan_activation,
 )
 
 __all__ = [

@@ -67,7 +67,7 @@ from warmserve.sim.baselines.muxserve_estimator import (
     MuxModel,
     MuxServeError,
 )
-from warmserve.sim.baselines.muxserve_placement import MuxPlacement, MuxUnit, plan_muxserve
+from warmserve.sim.baselines.muxserve_placement import plan_muxserve
 from warmserve.sim.hardware import GpuProfile
 from warmserve.sim.perf import EngineModel, ModelArch, scaled_profile
 from warmserve.sim.sharing import (
@@ -80,21 +80,6 @@ from warmserve.sim.sharing import (
 if TYPE_CHECKING:
     from warmserve.sim.model import Prepared, StaticInstance
 
-__all__ = [
-    "MAX_NUM_SEQS",
-    "MuxMember",
-    "MuxModel",
-    "MuxPlacement",
-    "MuxServeError",
-    "MuxUnit",
-    "adbs_max_num_seqs",
-    "average_loads",
-    "decode_engine",
-    "plan_muxserve",
-    "power_law_rates",
-    "prefill_engine",
-    "static_instances",
-]
 
 # ----------------------------------------------------------------------------- runtime physics
 

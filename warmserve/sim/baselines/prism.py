@@ -53,7 +53,6 @@ from warmserve.sim.baselines.prism_placement import (
     PrismError,
     PrismGpu,
     PrismModel,
-    PrismPlacement,
     choose_activation_gpus,
     kvpr_placement,
 )
@@ -63,22 +62,6 @@ from warmserve.sim.sharing import busy_fraction, sharing_slowdown
 if TYPE_CHECKING:
     from warmserve.sim.model import Prepared, StaticInstance
 
-__all__ = [
-    "MAX_NUM_SEQS",
-    "PrismError",
-    "PrismGpu",
-    "PrismModel",
-    "PrismPlacement",
-    "ResidentModel",
-    "activation_s",
-    "choose_activation_gpus",
-    "idle_evictions",
-    "idle_threshold_s",
-    "kvpr_placement",
-    "plan_activation",
-    "runtime_facts",
-    "static_instances",
-]
 
 # Prism §5.2 / Figure 9 (H100, pageable host memory); see the module docstring.
 PRISM_SINGLE_GPU_LOAD_BW = 23e9
