@@ -12,8 +12,11 @@ rules and only differ in how they observe the cluster and how they act:
 * :mod:`.history` — per-window load history (the predictor's input);
 * :mod:`.decisions` — typed decisions (``Start``, ``Drain``, ``EndGrace``, ``Prewarm``,
   ``Evict``);
-* :mod:`.controller` — the :class:`~.controller.Controller`: window clock, forecasts, grace
-  clocks, re-plan triggers, and ``decide``.
+* :mod:`.config` — :class:`~.config.ControlConfig`, the loop's rules;
+* :mod:`.tracking` — what the controller remembers between calls: managed models, window
+  clock, load history, forecasts, grace clocks, lost instances;
+* :mod:`.controller` — the :class:`~.controller.Controller`: re-plan triggers and ``decide``
+  (autoscaler, fairness, reclaim, Algorithm 1), over :mod:`.tracking`.
 
 Pure like the policy core (import-linter contract): no Kubernetes, gRPC, HTTP or file I/O, no
 clock of its own (time is passed in), deterministic.  The rules chosen and why are in
