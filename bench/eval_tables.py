@@ -159,7 +159,7 @@ def _windows(windows: list[dict[str, Any]]) -> list[str]:
 def _startup_costs(profiles: list[str], gpu_name: str) -> list[str]:
     """What a start costs per profile and model (the engine model and the cited profiles)."""
     from warmserve.sim.hardware import load_profile
-    from warmserve.sim.perf import physics_table
+    from warmserve.sim.physics_table import physics_table
     from warmserve.sim.startup import load_startup
 
     gpu = load_profile(gpu_name)
@@ -250,9 +250,9 @@ def render(saved: dict[str, Any]) -> str:
         "",
         "## What a start costs under each profile",
         "",
-        "First token of a 1155-token prompt (the engine model, `python -m warmserve.sim.perf "
-        "h800 <profile>`).  Paper Figure 8: 1.6-1.7x / 2.3-4.7x / 7.0-7.8x, 29.8-54.8x in total, "
-        "~665 ms for a prewarmed 70B.",
+        "First token of a 1155-token prompt (the engine model, "
+        "`python -m warmserve.sim.physics_table h800 <profile>`).  Paper Figure 8: "
+        "1.6-1.7x / 2.3-4.7x / 7.0-7.8x, 29.8-54.8x in total, ~665 ms for a prewarmed 70B.",
         "",
         *_startup_costs(profiles, sc.profile),
         "",

@@ -42,7 +42,8 @@ from warmserve.sim.core import Simulation
 from warmserve.sim.hardware import load_profile
 from warmserve.sim.hooks import Controlled
 from warmserve.sim.model import SimModel
-from warmserve.sim.perf import EngineModel, ModelArch
+from warmserve.sim.model_arch import ModelArch
+from warmserve.sim.perf import EngineModel
 from warmserve.sim.systems import get_system
 
 W = 60.0

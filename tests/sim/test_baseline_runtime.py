@@ -15,7 +15,8 @@ from warmserve.sim.core import Simulation
 from warmserve.sim.hardware import load_profile
 from warmserve.sim.hooks import StaticLayout
 from warmserve.sim.model import SimModel, StaticInstance
-from warmserve.sim.perf import EngineModel, ModelArch
+from warmserve.sim.model_arch import ModelArch
+from warmserve.sim.perf import EngineModel
 from warmserve.sim.sharing import Load, dynamic_slowdown
 from warmserve.sim.systems import get_system
 

@@ -26,7 +26,8 @@ from warmserve.sim.baselines import (
 from warmserve.sim.baselines.muxserve_estimator import base_tp
 from warmserve.sim.baselines.muxserve_placement import mesh_groups, node_splits
 from warmserve.sim.hardware import load_profile
-from warmserve.sim.perf import EngineModel, ModelArch
+from warmserve.sim.model_arch import ModelArch
+from warmserve.sim.perf import EngineModel
 
 H800 = load_profile("h800")
 ARCHS = {"7b-0": "7b", "7b-1": "7b", "13b": "13b", "70b": "70b"}

@@ -21,7 +21,8 @@ from warmserve.sim.hardware import (
     load_profile,
     parse_profile,
 )
-from warmserve.sim.perf import EngineInputError, EngineModel, ModelArch, known_archs
+from warmserve.sim.model_arch import EngineInputError, ModelArch, known_archs
+from warmserve.sim.perf import EngineModel
 
 H800 = load_profile("h800")
 A100 = load_profile("a100-80g")
@@ -372,7 +373,7 @@ def test_engine_argument_errors():
 
 
 def test_physics_table_rows():
-    from warmserve.sim.perf import physics_table
+    from warmserve.sim.physics_table import physics_table
 
     rows = physics_table(H800)
     assert [r["model"] for r in rows] == ["llama2-7b (TP1)", "llama2-13b (TP2)", "llama2-70b (TP4)"]

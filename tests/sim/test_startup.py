@@ -8,7 +8,7 @@ import json
 import pytest
 
 from warmserve.sim.hardware import ProfileError, load_profile
-from warmserve.sim.perf import physics_table
+from warmserve.sim.physics_table import physics_table
 from warmserve.sim.startup import (
     list_startup_profiles,
     load_startup,

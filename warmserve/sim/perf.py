@@ -36,247 +36,18 @@ and LM head amortised into them), so the policy's memory view and the simulator'
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from numbers import Integral
 
-from warmserve.policy.cluster import PolicyInputError
 from warmserve.sim.hardware import GpuProfile
-
-VLLM_BLOCK_TOKENS = 16  # vLLM's default KV block size (--block-size 16)
-
-
-class EngineInputError(PolicyInputError):
-    """A model shape or engine argument the physics cannot use; the message names it."""
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise EngineInputError(message)
-
-
-def _is_int(value: object) -> bool:
-    """An integer count (Python or NumPy), not a bool."""
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelArch:
-    """Shapes of a decoder-only transformer (Llama family layout: SwiGLU MLP, RMSNorm, GQA).
-
-    ``weight_bytes`` may differ from ``params * dtype_bytes`` (e.g. the paper's Table 1 sizes or
-    a quantised checkpoint); byte-based quantities use it, FLOP-based ones use ``params``.
-    ``kv_bytes_per_token`` is for the whole model (all layers, K and V).
-    """
-
-    name: str
-    params: int
-    num_layers: int
-    hidden: int
-    num_kv_heads: int
-    head_dim: int
-    weight_bytes: int
-    kv_bytes_per_token: int
-    num_heads: int | None = None
-    vocab: int = 32000
-    dtype_bytes: int = 2
-
-    def __post_init__(self) -> None:
-        _require(bool(self.name), "a model architecture needs a name")
-        for key in ("params", "num_layers", "hidden", "num_kv_heads", "head_dim"):
-            _require(getattr(self, key) >= 1, f"arch {self.name}: {key} must be >= 1")
-        for key in ("weight_bytes", "kv_bytes_per_token", "vocab", "dtype_bytes"):
-            _require(getattr(self, key) >= 1, f"arch {self.name}: {key} must be >= 1")
-        heads = self.heads
-        _require(
-            heads % self.num_kv_heads == 0,
-            f"arch {self.name}: num_heads {heads} is not a multiple of num_kv_heads "
-            f"{self.num_kv_heads}",
-        )
-        _require(
-            self.params > 2 * self.vocab * self.hidden,
-            f"arch {self.name}: params {self.params} do not exceed the embedding + LM head "
-            f"({2 * self.vocab * self.hidden})",
-        )
-
-    # -- derived shapes -------------------------------------------------------------------
-
-    @property
-    def heads(self) -> int:
-        """Query heads (defaults to ``hidden // head_dim``, i.e. no separate attention width)."""
-        return (
-            self.num_heads if self.num_heads is not None else max(1, self.hidden // self.head_dim)
-        )
-
-    @property
-    def attn_dim(self) -> int:
-        """Width of the attention (``heads * head_dim``)."""
-        return self.heads * self.head_dim
-
-    @property
-    def layer_params(self) -> float:
-        """Parameters of one transformer block (untied embedding and LM head excluded)."""
-        return (self.params - 2 * self.vocab * self.hidden) / self.num_layers
-
-    @property
-    def head_params(self) -> int:
-        """LM-head parameters (``vocab x hidden``): one GEMM per sequence that emits a token."""
-        return self.vocab * self.hidden
-
-    @property
-    def kv_bytes_per_token_per_layer(self) -> float:
-        return self.kv_bytes_per_token / self.num_layers
-
-    # -- constructors ---------------------------------------------------------------------
-
-    @classmethod
-    def from_shapes(
-        cls,
-        name: str,
-        *,
-        num_layers: int,
-        hidden: int,
-        num_heads: int,
-        num_kv_heads: int,
-        intermediate: int,
-        vocab: int = 32000,
-        head_dim: int | None = None,
-        dtype_bytes: int = 2,
-    ) -> ModelArch:
-        """Exact parameter count of a Llama-layout model from its config.json shapes.
-
-        Per block: q and o projections ``2 * hidden * heads * hd``, k and v
-        ``2 * hidden * kv_heads * hd``, SwiGLU MLP ``3 * hidden * intermediate``, two RMSNorms;
-        plus untied embedding and LM head ``2 * vocab * hidden`` and the final norm.
-        """
-        hd = head_dim if head_dim is not None else hidden // num_heads
-        _require(hd >= 1, f"arch {name}: head_dim must be >= 1")
-        per_layer = (
-            2 * hidden * num_heads * hd
-            + 2 * hidden * num_kv_heads * hd
-            + 3 * hidden * intermediate
-            + 2 * hidden
-        )
-        params = num_layers * per_layer + 2 * vocab * hidden + hidden
-        return cls(
-            name=name,
-            params=params,
-            num_layers=num_layers,
-            hidden=hidden,
-            num_kv_heads=num_kv_heads,
-            head_dim=hd,
-            weight_bytes=params * dtype_bytes,
-            kv_bytes_per_token=2 * num_layers * num_kv_heads * hd * dtype_bytes,
-            num_heads=num_heads,
-            vocab=vocab,
-            dtype_bytes=dtype_bytes,
-        )
-
-    @classmethod
-    def llama2(cls, size: str) -> ModelArch:
-        """Llama 2 (the paper's model family, Table 1) from the published config.json shapes.
-
-        7B: 32 layers, hidden 4096, 32 heads (MHA), MLP 11008 -> 6.74e9 params.
-        13B: 40 layers, hidden 5120, 40 heads (MHA), MLP 13824 -> 13.02e9 params.
-        70B: 80 layers, hidden 8192, 64 heads with 8 KV heads (GQA), MLP 28672 -> 68.98e9.
-        All use vocab 32000 and head_dim 128 (meta-llama/Llama-2-*-hf config.json).
-        """
-        key = size.lower().removeprefix("llama2-").removeprefix("llama-2-")
-        shapes = _LLAMA2.get(key)
-        if shapes is None:
-            raise EngineInputError(f"unknown Llama 2 size {size!r}; known: {sorted(_LLAMA2)}")
-        return cls.from_shapes(f"llama2-{key}", **shapes)
-
-    @classmethod
-    def generic(
-        cls,
-        name: str,
-        params: float,
-        num_layers: int,
-        *,
-        head_dim: int = 128,
-        kv_heads: int | None = None,
-        vocab: int = 32000,
-        dtype_bytes: int = 2,
-    ) -> ModelArch:
-        """A Llama-like model known only by parameter count and depth.
-
-        Solves ``params ~= 12 * num_layers * hidden^2 + 2 * vocab * hidden`` (SwiGLU with
-        intermediate = 8/3 hidden gives 12 h^2 per block) for ``hidden``, rounded to a multiple
-        of ``head_dim``; MHA unless ``kv_heads`` is given.  The exact ``params`` are kept, so
-        FLOPs and bytes match the stated size; only the attention width/KV size are estimated.
-        """
-        _require(params > 0, f"arch {name}: params must be > 0")
-        _require(num_layers >= 1, f"arch {name}: num_layers must be >= 1")
-        a, b, c = 12.0 * num_layers, 2.0 * vocab, -float(params)
-        hidden_f = (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
-        hidden = max(head_dim, round(hidden_f / head_dim) * head_dim)
-        heads = hidden // head_dim
-        kvh = heads if kv_heads is None else kv_heads
-        _require(1 <= kvh <= heads, f"arch {name}: kv_heads must be in [1, {heads}]")
-        while heads % kvh:
-            kvh -= 1
-        vocab_eff = vocab
-        if params <= 2 * vocab * hidden:  # tiny model: shrink the vocabulary assumption
-            vocab_eff = max(1, int(params // (4 * hidden)))
-        return cls(
-            name=name,
-            params=int(params),
-            num_layers=num_layers,
-            hidden=hidden,
-            num_kv_heads=kvh,
-            head_dim=head_dim,
-            weight_bytes=int(params * dtype_bytes),
-            kv_bytes_per_token=2 * num_layers * kvh * head_dim * dtype_bytes,
-            num_heads=heads,
-            vocab=vocab_eff,
-            dtype_bytes=dtype_bytes,
-        )
-
-    @classmethod
-    def named(cls, name: str) -> ModelArch:
-        """Architecture by name: ``llama2-7b``, ``llama2-13b``, ``llama2-70b`` (see
-        :func:`known_archs`)."""
-        key = name.strip().lower()
-        if key.startswith(("llama2-", "llama-2-")):
-            return cls.llama2(key)
-        raise EngineInputError(f"unknown model architecture {name!r}; known: {known_archs()}")
-
-    def with_weight_bytes(self, weight_bytes: int) -> ModelArch:
-        """Same shapes, different checkpoint size (e.g. the paper's Table 1 figure)."""
-        _require(weight_bytes >= 1, f"arch {self.name}: weight_bytes must be >= 1")
-        return replace(self, weight_bytes=int(weight_bytes))
-
-
-_LLAMA2: dict[str, dict[str, int]] = {
-    "7b": {
-        "num_layers": 32,
-        "hidden": 4096,
-        "num_heads": 32,
-        "num_kv_heads": 32,
-        "intermediate": 11008,
-    },
-    "13b": {
-        "num_layers": 40,
-        "hidden": 5120,
-        "num_heads": 40,
-        "num_kv_heads": 40,
-        "intermediate": 13824,
-    },
-    "70b": {
-        "num_layers": 80,
-        "hidden": 8192,
-        "num_heads": 64,
-        "num_kv_heads": 8,
-        "intermediate": 28672,
-    },
-}
-
-
-def known_archs() -> list[str]:
-    """Names :meth:`ModelArch.named` accepts."""
-    return [f"llama2-{k}" for k in _LLAMA2]
+from warmserve.sim.model_arch import (
+    VLLM_BLOCK_TOKENS,
+    EngineInputError,
+    ModelArch,
+    is_int,
+    require,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,8 +63,8 @@ class EngineModel:
     tp: int = 1
 
     def __post_init__(self) -> None:
-        _require(self.tp >= 1, f"{self.arch.name}: tp must be >= 1, got {self.tp}")
-        _require(
+        require(self.tp >= 1, f"{self.arch.name}: tp must be >= 1, got {self.tp}")
+        require(
             self.tp <= self.profile.gpus_per_node,
             f"{self.arch.name}: tp {self.tp} exceeds the {self.profile.gpus_per_node} GPUs of a "
             f"{self.profile.name} node (TP stays inside a node)",
@@ -339,14 +110,14 @@ class EngineModel:
         used = (
             self.weight_bytes_per_gpu if resident_bytes_per_gpu is None else resident_bytes_per_gpu
         )
-        _require(used >= 0, f"{self.arch.name}: resident_bytes_per_gpu must be >= 0")
+        require(used >= 0, f"{self.arch.name}: resident_bytes_per_gpu must be >= 0")
         return max(0, int(self.profile.usable_bytes - used))
 
     def kv_capacity_tokens(self, free_bytes_per_gpu: float | None = None) -> int:
         """KV-cache tokens that fit in ``free_bytes_per_gpu`` (default: the vLLM budget),
         rounded down to whole vLLM blocks of 16 tokens."""
         free = self.free_kv_bytes_per_gpu() if free_bytes_per_gpu is None else free_bytes_per_gpu
-        _require(free >= 0, f"{self.arch.name}: free_bytes_per_gpu must be >= 0, got {free}")
+        require(free >= 0, f"{self.arch.name}: free_bytes_per_gpu must be >= 0, got {free}")
         blocks = int(free // (self.kv_bytes_per_token_per_gpu * VLLM_BLOCK_TOKENS))
         return blocks * VLLM_BLOCK_TOKENS
 
@@ -389,10 +160,10 @@ class EngineModel:
             lens = list(prompt_tokens)
         else:
             raise EngineInputError(f"prompt_tokens must be integers >= 1, got {prompt_tokens!r}")
-        _require(len(lens) > 0, "prompt_tokens must name at least one prompt")
+        require(len(lens) > 0, "prompt_tokens must name at least one prompt")
         for n in lens:
-            _require(
-                _is_int(n) and n >= 1,
+            require(
+                is_int(n) and n >= 1,
                 f"prompt_tokens must be integers >= 1, got {n!r}",
             )
         return [int(n) for n in lens]
@@ -412,8 +183,8 @@ class EngineModel:
 
     def prefill_batch_s(self, num_prompts: int, prompt_tokens: int) -> float:
         """:meth:`prefill_s` of ``num_prompts`` equal prompts in one pass, in O(1) (planners)."""
-        _require(num_prompts >= 1, f"num_prompts must be >= 1, got {num_prompts!r}")
-        _require(prompt_tokens >= 1, f"prompt_tokens must be >= 1, got {prompt_tokens!r}")
+        require(num_prompts >= 1, f"num_prompts must be >= 1, got {num_prompts!r}")
+        require(prompt_tokens >= 1, f"prompt_tokens must be >= 1, got {prompt_tokens!r}")
         tokens = num_prompts * prompt_tokens
         attn = num_prompts * 2.0 * prompt_tokens * prompt_tokens * self.arch.attn_dim
         kv_write = tokens * self.arch.kv_bytes_per_token_per_layer
@@ -426,11 +197,11 @@ class EngineModel:
         Each layer reads its weight shard once and every sequence's K/V
         (``kv_tokens x kv_bytes_per_token_per_layer``); attention FLOPs are ``4 x kv_tokens x d``.
         """
-        _require(
-            _is_int(batch) and batch >= 1,
+        require(
+            is_int(batch) and batch >= 1,
             f"decode batch must be an integer >= 1: {batch!r}",
         )
-        _require(kv_tokens >= 0, f"decode kv_tokens must be >= 0, got {kv_tokens!r}")
+        require(kv_tokens >= 0, f"decode kv_tokens must be >= 0, got {kv_tokens!r}")
         attn = 4.0 * kv_tokens * self.arch.attn_dim
         kv_read = kv_tokens * self.arch.kv_bytes_per_token_per_layer
         per_layer = self._layer_s(batch, attn, kv_read)
@@ -446,8 +217,8 @@ class EngineModel:
     def load_s(self, layers: int | None = None) -> float:
         """Time to copy the first ``layers`` layers (default: all weights) from host memory."""
         n = self.arch.num_layers if layers is None else layers
-        _require(
-            _is_int(n) and 0 <= n <= self.arch.num_layers,
+        require(
+            is_int(n) and 0 <= n <= self.arch.num_layers,
             f"{self.arch.name}: layers must be an integer in [0, {self.arch.num_layers}]: {n!r}",
         )
         return n * self.layer_load_s
@@ -506,11 +277,11 @@ class EngineModel:
         """
         L = self.arch.num_layers
         r = resident_layers
-        _require(
-            _is_int(r) and 0 <= r <= L,
+        require(
+            is_int(r) and 0 <= r <= L,
             f"{self.arch.name}: resident_layers must be an integer in [0, {L}], got {r!r}",
         )
-        _require(head_start_s >= 0, f"head_start_s must be >= 0, got {head_start_s!r}")
+        require(head_start_s >= 0, f"head_start_s must be >= 0, got {head_start_s!r}")
         lens = self._lengths(prompt_tokens)
         c = self.layer_compute_s(lens)
         head = self._head_s(len(lens))
@@ -534,7 +305,7 @@ class EngineModel:
         The paper's offline profiling pass (§4): the smallest ``r`` whose first-token time is
         within ``(1 + tolerance)`` of a fully resident model's for this prompt size.
         """
-        _require(tolerance >= 0, f"tolerance must be >= 0, got {tolerance!r}")
+        require(tolerance >= 0, f"tolerance must be >= 0, got {tolerance!r}")
         full = self.first_token_after_start_s(self.arch.num_layers, prompt_tokens)
         bound = full * (1.0 + tolerance) + 1e-12
         lo, hi = 0, self.arch.num_layers  # T(r) is non-increasing in r: binary search
@@ -630,86 +401,10 @@ def scaled_profile(profile: GpuProfile, compute_share: float, hbm_share: float) 
     Used for GPU sharing (the MuxServe baseline): an :class:`EngineModel` built on the scaled
     profile times a colocated job.  Shares must be in (0, 1].
     """
-    _require(0 < compute_share <= 1, f"compute_share must be in (0, 1], got {compute_share!r}")
-    _require(0 < hbm_share <= 1, f"hbm_share must be in (0, 1], got {hbm_share!r}")
+    require(0 < compute_share <= 1, f"compute_share must be in (0, 1], got {compute_share!r}")
+    require(0 < hbm_share <= 1, f"hbm_share must be in (0, 1], got {hbm_share!r}")
     return replace(
         profile,
         bf16_flops=profile.bf16_flops * compute_share,
         hbm_bw=profile.hbm_bw * hbm_share,
     )
-
-
-PAPER_TABLE1_GIB = {"7b": 12.55, "13b": 24.24, "70b": 128.49}  # WarmServe Table 1 sizes
-
-
-def physics_table(
-    profile: GpuProfile,
-    prompt_tokens: int = 1155,
-    output_tokens: int = 211,
-    load_setup_s: float = 0.0,
-) -> list[dict[str, float | str]]:
-    """Headline numbers of the paper's three models (TP 1/2/4, Table 1 sizes) on ``profile``:
-    step times, KV capacity, load and start-up times, and the §7.2 Figure 8 stage-by-stage
-    first-token times; ``load_setup_s`` is the start-up profile's fixed cost of a load from
-    scratch.  ``python -m warmserve.sim.perf [gpu profile] [start-up profile]`` prints it as the
-    table in docs/simulator.md."""
-    rows: list[dict[str, float | str]] = []
-    ctx = 32 * (prompt_tokens + output_tokens // 2)
-    for size, tp in (("7b", 1), ("13b", 2), ("70b", 4)):
-        arch = ModelArch.llama2(size).with_weight_bytes(int(PAPER_TABLE1_GIB[size] * 2**30))
-        e = EngineModel(profile, arch, tp)
-        full = e.arch.num_layers
-        f = load_setup_s
-        stages = [
-            e.ttft_s(prompt_tokens) + f,
-            e.ttft_s(prompt_tokens, pooled_process=True) + f,
-            e.ttft_s(prompt_tokens, pooled_process=True, engine_ready=True) + f,
-            e.ttft_s(prompt_tokens, resident_layers=full, pooled_process=True, engine_ready=True),
-            e.ttft_s(
-                prompt_tokens,
-                resident_layers=full,
-                pooled_process=True,
-                engine_ready=True,
-                comm_group_ready=True,
-            ),
-        ]
-        rows.append(
-            {
-                "model": f"llama2-{size} (TP{tp})",
-                "decode_b1_ms": e.decode_step_s(1, prompt_tokens) * 1e3,
-                "decode_b32_ms": e.decode_step_s(32, ctx) * 1e3,
-                "prefill_ms": e.prefill_s(prompt_tokens) * 1e3,
-                "kv_tokens": e.kv_capacity_tokens(),
-                "load_s": e.load_s() + f,
-                "cold_start_s": e.cold_start_s() + f,
-                "ttft_no_prewarm_s": stages[0],
-                "ttft_device_s": stages[1],
-                "ttft_engine_s": stages[2],
-                "ttft_weights_s": stages[3],
-                "ttft_commgroup_s": stages[4],
-                "device_x": stages[0] / stages[1],
-                "engine_x": stages[1] / stages[2],
-                "weights_comm_x": stages[2] / stages[4],
-                "total_reduction": stages[0] / stages[4],
-            }
-        )
-    return rows
-
-
-if __name__ == "__main__":  # pragma: no cover - a documentation helper
-    import sys
-
-    from warmserve.sim.hardware import load_profile
-    from warmserve.sim.startup import load_startup
-
-    gpu = load_profile(sys.argv[1] if len(sys.argv) > 1 else "h800")
-    sp = load_startup(sys.argv[2] if len(sys.argv) > 2 else "fast-path", gpu)
-    table = physics_table(sp.apply(gpu), load_setup_s=sp.load_setup_s)
-    print("| " + " | ".join(table[0]) + " |")
-    print("|" + "---|" * len(table[0]))
-    for row in table:
-        cells = [
-            f"{v:,.3f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v)
-            for v in row.values()
-        ]
-        print("| " + " | ".join(cells) + " |")

@@ -28,7 +28,8 @@ from warmserve.sim.core import Simulation
 from warmserve.sim.hardware import GpuProfile, load_profile
 from warmserve.sim.hooks import Controlled, StaticLayout, SystemHooks
 from warmserve.sim.model import PeriodFacts, Prepared, SimModel, SimOutput
-from warmserve.sim.perf import EngineModel, ModelArch
+from warmserve.sim.model_arch import ModelArch
+from warmserve.sim.perf import EngineModel
 from warmserve.sim.scenario import Scenario, ScenarioError, start_minute_of
 from warmserve.sim.startup import load_startup
 from warmserve.sim.systems import get_system

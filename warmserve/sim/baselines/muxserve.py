@@ -69,7 +69,8 @@ from warmserve.sim.baselines.muxserve_estimator import (
 )
 from warmserve.sim.baselines.muxserve_placement import plan_muxserve
 from warmserve.sim.hardware import GpuProfile
-from warmserve.sim.perf import EngineModel, ModelArch, scaled_profile
+from warmserve.sim.model_arch import ModelArch
+from warmserve.sim.perf import EngineModel, scaled_profile
 from warmserve.sim.sharing import (
     Load,
     busy_fraction,

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from warmserve.policy.cluster import PolicyInputError
 from warmserve.sim.hardware import GpuProfile
-from warmserve.sim.perf import EngineModel, ModelArch, scaled_profile
+from warmserve.sim.model_arch import ModelArch
+from warmserve.sim.perf import EngineModel, scaled_profile
 
 DECODE_SM_SHARES = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 PREFILL_SM_SHARE = 1.0
