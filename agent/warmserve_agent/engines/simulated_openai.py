@@ -1,0 +1,382 @@
+"""The simulated engine's OpenAI-compatible HTTP side (:class:`OpenAIServing`, mixed into
+:class:`~warmserve_agent.engines.simulated.SimulatedEngine`): the aiohttp server on its own
+thread's loop, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming),
+``/metrics`` (vLLM's metric names) and ``/health``; admission against the batch limit, the
+bounded queue and the KV capacity; tokens paced from the model's profile.  The engine's state
+(:class:`EngineState`) is shared with the engine side, which owns weights and the Engine
+protocol.  Behaviour and simplifications: :mod:`warmserve_agent.engines.simulated`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from warmserve_agent.engine import TtftWindow
+from warmserve_agent.engines.spec import EngineSpec
+
+log = logging.getLogger("warmserve.agent.engine")
+
+_VOCAB = (
+    "the",
+    "a",
+    "warm",
+    "serve",
+    "model",
+    "token",
+    "cache",
+    "page",
+    "slot",
+    "layer",
+    "prefill",
+    "decode",
+    "batch",
+    "grace",
+    "prewarm",
+    "universal",
+    "dedicated",
+    "idle",
+    "worker",
+    "memory",
+    "gpu",
+    "weights",
+    "kv",
+    "request",
+    "load",
+    "window",
+    "peak",
+)
+
+
+@dataclass
+class EngineState:
+    running: int = 0
+    waiting: int = 0
+    kv_used: int = 0
+    kv_reserved: int = 0
+    kv_capacity: int = 0
+    layers_resident: int = 0
+    layers_total: int = 0
+    served: int = 0
+    dropped: int = 0
+    cond: asyncio.Condition | None = None
+    seed: bytes = b""
+    bad: list[str] = field(default_factory=list)
+
+
+class OpenAIServing:
+    """HTTP serving of the simulated engine; :class:`SimulatedEngine` sets the fields."""
+
+    spec: EngineSpec | None
+    _st: EngineState
+    _loop: asyncio.AbstractEventLoop | None
+    _runner: Any
+    _metrics: Any
+    endpoint: str
+    ttft: TtftWindow
+    max_batch: int
+    max_model_len: int
+    max_waiting: int
+
+    async def _set(self, **kw: Any) -> None:
+        for k, v in kw.items():
+            setattr(self._st, k, v)
+        await self._notify()
+
+    async def _notify(self) -> None:
+        assert self._st.cond is not None
+        async with self._st.cond:
+            self._st.cond.notify_all()
+
+    def _serve(self, ready: threading.Event) -> None:
+        from aiohttp import web
+
+        assert self.spec is not None
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        self._st.cond = asyncio.Condition()
+        self._metrics = _Metrics(self.spec.model)
+        app = web.Application()
+
+        async def health(request: Any) -> Any:
+            return web.Response(text="ok")
+
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/metrics", self._metrics_handler)
+        # handler_cancellation: a client that disconnects cancels its handler, so a request
+        # abandoned while queued or decoding releases its place and KV at once (issue 16).
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, self.spec.host, self.spec.port)
+        loop.run_until_complete(site.start())
+        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        self.endpoint = self.spec.url(sock.getsockname()[1])
+        ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _models(self, request: Any) -> Any:
+        from aiohttp import web
+
+        assert self.spec is not None
+        m = self.spec.model
+        return web.json_response(
+            {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "warmserve"}]}
+        )
+
+    async def _metrics_handler(self, request: Any) -> Any:
+        from aiohttp import web
+
+        body = self._metrics.render(self._st)
+        return web.Response(body=body, content_type="text/plain", charset="utf-8")
+
+    def _error(self, status: int, message: str, kind: str = "invalid_request_error") -> Any:
+        from aiohttp import web
+
+        return web.json_response(
+            {"error": {"message": message, "type": kind, "code": status}}, status=status
+        )
+
+    async def _parse(self, request: Any) -> tuple[dict[str, Any] | None, Any]:
+        assert self.spec is not None
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None, self._error(400, "request body must be JSON")
+        if not isinstance(body, dict):
+            return None, self._error(400, "request body must be a JSON object")
+        if body.get("model") not in (None, self.spec.model):
+            return None, self._error(
+                404, f"model {body.get('model')!r} is not served here; this is {self.spec.model}"
+            )
+        mt = body.get("max_tokens", 16)
+        if not isinstance(mt, int) or not 1 <= mt <= 4096:
+            return None, self._error(400, "max_tokens must be an integer in [1, 4096]")
+        return body, None
+
+    async def _completions(self, request: Any) -> Any:
+        body, err = await self._parse(request)
+        if err is not None:
+            return err
+        assert body is not None
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list):
+            prompt = " ".join(str(p) for p in prompt)
+        if not isinstance(prompt, str):
+            return self._error(400, "prompt must be a string or a list of strings")
+        return await self._generate(request, body, prompt, chat=False)
+
+    async def _chat(self, request: Any) -> Any:
+        body, err = await self._parse(request)
+        if err is not None:
+            return err
+        assert body is not None
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            return self._error(400, "messages must be a non-empty list")
+        prompt = " ".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
+        return await self._generate(request, body, prompt, chat=True)
+
+    def _token(self, prompt: str, i: int) -> str:
+        h = hashlib.blake2b(
+            self._st.seed + prompt.encode() + i.to_bytes(4, "little"), digest_size=4
+        )
+        return _VOCAB[int.from_bytes(h.digest(), "little") % len(_VOCAB)]
+
+    async def _admit(self, need: int) -> None:
+        st = self._st
+        assert st.cond is not None
+        st.waiting += 1
+        try:
+            async with st.cond:
+                await st.cond.wait_for(
+                    lambda: (
+                        st.running < self.max_batch
+                        and st.kv_reserved + need <= st.kv_capacity
+                        and st.layers_resident >= st.layers_total
+                    )
+                )
+                st.running += 1
+                st.kv_reserved += need
+        except asyncio.CancelledError:
+            st.dropped += 1  # the client went away while queued
+            raise
+        finally:
+            st.waiting -= 1
+
+    async def _release(self, need: int, used: int) -> None:
+        st = self._st
+        st.running -= 1
+        st.kv_reserved -= need
+        st.kv_used -= used
+        st.served += 1
+        await self._notify()
+
+    async def _generate(self, request: Any, body: dict[str, Any], prompt: str, chat: bool) -> Any:
+        from aiohttp import web
+
+        assert self.spec is not None
+        prof = self.spec.profile
+        n_prompt = max(1, len(prompt.split()))
+        max_tokens = body.get("max_tokens", 16)
+        stream = bool(body.get("stream", False))
+        kvt = prof.kv_bytes_per_token
+        need = (n_prompt + max_tokens) * kvt
+        if self.max_model_len and n_prompt + max_tokens > self.max_model_len:
+            return self._error(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request asks for {n_prompt + max_tokens} ({n_prompt} in the prompt, "
+                f"{max_tokens} to generate)",
+            )
+        if need > self._st.kv_capacity:
+            return self._error(
+                400, f"prompt + max_tokens need {need} KV bytes, more than the cache"
+            )
+        if self._st.waiting >= self.max_waiting:
+            self._st.dropped += 1
+            return self._error(
+                429,
+                f"{self._st.waiting} requests are already waiting (limit {self.max_waiting}); "
+                "retry later",
+                kind="rate_limit_error",
+            )
+        t_arrive = time.perf_counter()
+        await self._admit(need)
+        used = n_prompt * kvt
+        self._st.kv_used += used
+        rid = f"cmpl-{uuid.uuid4().hex[:12]}"
+        created = int(time.time())
+        resp: web.StreamResponse | None = None
+        words: list[str] = []
+        try:
+            await asyncio.sleep(n_prompt / prof.prefill_tok_s)
+            ttft = time.perf_counter() - t_arrive
+            self._metrics.ttft.observe(ttft)
+            self.ttft.observe(ttft)
+            if stream:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+            for i in range(max_tokens):
+                if i:
+                    await asyncio.sleep(1.0 / prof.decode_tok_s)
+                w = self._token(prompt, i)
+                words.append(w)
+                self._st.kv_used += kvt
+                used += kvt
+                if resp is not None:
+                    piece = ("" if i == 0 else " ") + w
+                    chunk = self._chunk(rid, created, piece, chat, None)
+                    await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        except asyncio.CancelledError:
+            self._st.dropped += 1  # the client went away mid-generation
+            raise
+        finally:
+            await self._release(need, used)
+            self._metrics.prompt_tokens.inc(n_prompt)
+            self._metrics.gen_tokens.inc(len(words))
+            self._metrics.e2e.observe(time.perf_counter() - t_arrive)
+        usage = {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": len(words),
+            "total_tokens": n_prompt + len(words),
+        }
+        if resp is not None:
+            final = self._chunk(rid, created, "", chat, "length")
+            final["usage"] = usage
+            await resp.write(f"data: {json.dumps(final)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        text = " ".join(words)
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "length",
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
+            obj = "text_completion"
+        return web.json_response(
+            {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self.spec.model,
+                "choices": [choice],
+                "usage": usage,
+            }
+        )
+
+    def _chunk(
+        self, rid: str, created: int, piece: str, chat: bool, finish: str | None
+    ) -> dict[str, Any]:
+        assert self.spec is not None
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": piece}}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": piece, "logprobs": None}
+            obj = "text_completion"
+        choice["finish_reason"] = finish
+        return {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": self.spec.model,
+            "choices": [choice],
+        }
+
+
+class _Metrics:
+    """vLLM-named Prometheus metrics (vllm-integration note §6.1) for one engine."""
+
+    def __init__(self, model: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.reg = CollectorRegistry()
+        lab = ["model_name"]
+        self.model = model
+        self.running = Gauge(
+            "vllm:num_requests_running", "Requests running", lab, registry=self.reg
+        )
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting", lab, registry=self.reg
+        )
+        self.kv = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (0-1)", lab, registry=self.reg)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens", lab, registry=self.reg
+        ).labels(model)
+        self.gen_tokens = Counter(
+            "vllm:generation_tokens", "Generated tokens", lab, registry=self.reg
+        ).labels(model)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "TTFT", lab, registry=self.reg
+        ).labels(model)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end latency", lab, registry=self.reg
+        ).labels(model)
+
+    def render(self, st: EngineState) -> bytes:
+        from prometheus_client import generate_latest
+
+        m = self.model
+        self.running.labels(m).set(st.running)
+        self.waiting.labels(m).set(st.waiting)
+        self.kv.labels(m).set(st.kv_used / st.kv_capacity if st.kv_capacity else 0.0)
+        return generate_latest(self.reg)
