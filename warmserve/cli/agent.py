@@ -298,7 +298,7 @@ def run_agent(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from warmserve_agent.backends.cuda import CudaError
+    from warmserve_agent.backends.cuda_driver import CudaError
     from warmserve_agent.config import ConfigError
     from warmserve_agent.server import AgentServer
 
