@@ -42,7 +42,9 @@ class Gateway:
         if not m.placeable:
             self._drop(r, DROP_NO_CAPACITY)
             return
-        self._set_inflight(midx, t, +1)
+        self.inflight[midx] += 1  # _set_inflight(midx, t, +1), inline (per request)
+        if self.controller is not None:
+            self.controller.measure(self.names[midx], t, self.inflight[midx])
         q = self.queue[midx]
         q.append(r)
         if len(q) == 1:
