@@ -92,12 +92,7 @@ class Gateway:
         r.assigned = t
         r.delayed = inst.ready_at > r.t
         inst.last_request_s = t
-        # SimInstance.settle, inline (once per request)
-        last = inst.t_last
-        if t > last:
-            if inst.step_s > 0:
-                inst.v += (t - last) / inst.step_s
-            inst.t_last = t
+        inst.settle(t)
         peers = inst.peers
         was_busy = inst.busy if peers else False
         inst.pending.append(r)

@@ -104,16 +104,7 @@ class ModelStats:
     ) -> None:
         self.served += 1
         ttft = first - arrival
-        # LogHistogram.add, inline (twice per served request)
-        h = self.ttft
-        h.n += 1
-        h.total += ttft
-        if ttft < h.lo:
-            h.lo = ttft
-        if ttft > h.hi:
-            h.hi = ttft
-        i = int((math.log10(ttft) - _LOG_LO) * PER_DECADE) if ttft > LO_S else 0
-        h.counts[i if i < NBUCKETS else NBUCKETS - 1] += 1
+        self.ttft.add(ttft)
         if ttft < 0.1:
             self.ttft_under_100ms += 1
         if out_tokens > 1:
