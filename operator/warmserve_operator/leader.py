@@ -48,10 +48,10 @@ log = logging.getLogger("warmserve.operator")
 PRIORITY_ANNOTATION = "warmserve.io/priority"
 PREEMPT_ANNOTATION = "warmserve.io/preempt-by"
 # client-go's defaults are 15 s / 10 s / 2 s; the Lease stays 10 s (issue 16's handover bound)
-# with the same proportions: renew deadline 2/3 of it, a retry every 2 s.
+# with about the same proportions, which also give the defaults for another Lease duration.
 DEFAULT_LEASE_S = 10.0
-DEFAULT_RENEW_DEADLINE_S = 7.0
-DEFAULT_RETRY_S = 2.0
+RENEW_DEADLINE_SHARE = 0.7
+RETRY_SHARE = 0.2
 
 
 class ElectionConfigError(ValueError):
@@ -70,8 +70,19 @@ class ElectionTiming:
     (``--retry-period-seconds``)."""
 
     lease_s: float = DEFAULT_LEASE_S
-    renew_deadline_s: float = DEFAULT_RENEW_DEADLINE_S
-    retry_s: float = DEFAULT_RETRY_S
+    renew_deadline_s: float = DEFAULT_LEASE_S * RENEW_DEADLINE_SHARE
+    retry_s: float = DEFAULT_LEASE_S * RETRY_SHARE
+
+    @classmethod
+    def for_lease(
+        cls, lease_s: float, renew_deadline_s: float | None = None, retry_s: float | None = None
+    ) -> ElectionTiming:
+        """Unset timings follow the Lease: 0.7x and 0.2x of it (7 s and 2 s for 10 s)."""
+        return cls(
+            lease_s,
+            lease_s * RENEW_DEADLINE_SHARE if renew_deadline_s is None else renew_deadline_s,
+            lease_s * RETRY_SHARE if retry_s is None else retry_s,
+        )
 
     def __post_init__(self) -> None:
         for name, v in (

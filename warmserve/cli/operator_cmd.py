@@ -134,17 +134,19 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--renew-deadline-seconds",
         type=float,
-        default=7.0,
+        default=None,
         help="the leader stops acting (fences itself) when it has not renewed its Lease for "
-        "this long; must be shorter than --lease-seconds (client-go's renewDeadline)",
+        "this long; must be shorter than --lease-seconds (client-go's renewDeadline; default: "
+        "0.7 x --lease-seconds, 7 s)",
     )
     p.add_argument(
         "--retry-period-seconds",
         type=float,
-        default=2.0,
+        default=None,
         help="time between Lease renewals by the leader and acquisition attempts by the other "
         "replicas, on their own schedule whatever a poll takes; must be shorter than "
-        "--renew-deadline-seconds (client-go's retryPeriod)",
+        "--renew-deadline-seconds (client-go's retryPeriod; default: 0.2 x --lease-seconds, "
+        "2 s)",
     )
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port (0: off)")
     p.add_argument(
@@ -328,15 +330,11 @@ def _election(args: argparse.Namespace) -> Any:
     from warmserve.cli import CliError
 
     try:
-        return ElectionTiming(
+        return ElectionTiming.for_lease(
             args.lease_seconds, args.renew_deadline_seconds, args.retry_period_seconds
         )
     except ElectionConfigError as exc:
-        raise CliError(
-            f"{exc} (--lease-seconds {args.lease_seconds}, --renew-deadline-seconds "
-            f"{args.renew_deadline_seconds}, --retry-period-seconds "
-            f"{args.retry_period_seconds})"
-        ) from exc
+        raise CliError(f"{exc}; see --lease-seconds, --renew-deadline-seconds") from exc
 
 
 def _gateway_service(value: str | None) -> tuple[str, str] | None:
