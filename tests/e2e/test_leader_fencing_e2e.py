@@ -26,11 +26,18 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from e2e_support import REPO, Procs, describe_agents, write_models
-from k8s_support import ControlPlane, apply_chart_operator_rbac
+from e2e_support import (
+    Procs,
+    describe_agents,
+    install_for_operator,
+    register_gpu_node,
+    start_sim_agent,
+    wait_for,
+    write_models,
+)
+from k8s_support import ControlPlane
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
@@ -128,37 +135,11 @@ class Env:
         self.slow = tmp / "slow-describe"
 
     def start_agent(self, node: str) -> None:
-        addr = self.tmp / f"{node}.addr"
-        argv = [
-            sys.executable,
-            str(REPO / "tests/e2e/agent_proc.py"),
-            "--models",
-            str(self.tmp / "models"),
-            "--gpus",
-            "4x64MiB",
-            "--node",
-            node,
-            "--address-file",
-            str(addr),
-            "--memory-dir",
-            str(self.tmp / f"mem-{node}"),
-            "--slow-describe-file",
-            str(self.slow),
-        ]
-        self.procs.start(node, argv, self.env)
-        deadline = time.monotonic() + 60
-        while not (addr.exists() and addr.read_text()):
-            assert time.monotonic() < deadline, self.procs.log(node)
-            time.sleep(0.1)
+        slow = ("--slow-describe-file", str(self.slow))
+        address = start_sim_agent(self.procs, self.tmp, node, self.env, *slow)
         name = f"{self.ns}-{node}"
-        self.addresses[name] = addr.read_text()
-        body = {
-            "apiVersion": "warmserve.io/v1alpha1",
-            "kind": "GPUNode",
-            "metadata": {"name": name},
-            "spec": {"agentAddress": self.addresses[name]},
-        }
-        self.plane.kubectl("apply", "-f", "-", input=json.dumps(body))
+        self.addresses[name] = address
+        register_gpu_node(self.plane.kubectl, name, address)
 
     def start_operator(self, name: str, priority: int) -> str:
         """Start an operator; returns its identity (the Lease's holder when it leads)."""
@@ -202,16 +183,9 @@ def env(k8s_bin_dir: Path, tmp_path: Path) -> Iterator[Env]:
     plane = ControlPlane.start(tmp_path / "plane", bin_dir=k8s_bin_dir)
     e = Env(plane, tmp_path)
     try:
-        plane.kubectl("apply", "-f", str(REPO / "crds"))
-        plane.kubectl(
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/modeldeployments.warmserve.io",
-            "crd/gpunodes.warmserve.io",
+        e.kubeconfig, e.env = install_for_operator(
+            plane.kubectl, plane.helm, plane.sa_kubeconfig, e.ns, f"fe{e.ns[-8:]}"
         )
-        sa = apply_chart_operator_rbac(plane.helm, plane.kubectl, e.ns, f"fe{e.ns[-8:]}")
-        e.kubeconfig = plane.sa_kubeconfig(e.ns, sa)
         write_models(tmp_path / "models")
         e.start_agent("node-a")
         e.start_agent("node-b")
@@ -228,18 +202,11 @@ def env(k8s_bin_dir: Path, tmp_path: Path) -> Iterator[Env]:
         plane.stop()
 
 
-def wait_for(pred: Any, what: str, within: float, env: Env) -> None:
-    deadline = time.monotonic() + within
-    while not pred():
-        assert time.monotonic() < deadline, f"not within {within}s: {what}\n{env.logs()}"
-        time.sleep(0.25)
-
-
 def test_a_slow_poll_never_makes_two_actors(env: Env) -> None:
     assert env.plane.kubeconfig is not None
     lease = LeaseLog(env.plane.kubeconfig, env.ns, f"{PEERING}-loop")
     leader = env.start_operator("operator-leader", 100)
-    wait_for(lambda: env.serving() == 1, "the leader starts minInstances", 90, env)
+    wait_for(lambda: env.serving() == 1, "the leader starts minInstances", 90, env.logs)
     standby = env.start_operator("operator-standby", 50)
     time.sleep(2 * POLL_S)  # the standby polls beside the live leader
     env.slow.write_text(str(SLOW_S))
