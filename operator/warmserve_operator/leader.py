@@ -10,7 +10,7 @@ The rule (:func:`next_lease`, pure, unit-tested):
 * no Lease, an empty holder or an expired one (``renewTime + leaseDurationSeconds`` in the
   past): take it;
 * held by us: renew it — unless a live replica with a higher priority asked for it
-  (``warmserve.io/preempt-by``), then release it (the asker takes it on its next poll);
+  (``warmserve.io/preempt-by``), then release it (the asker takes it on its next round);
 * held by a live replica with a lower priority: ask it to hand over (``preempt-by``);
 * otherwise: wait.
 
