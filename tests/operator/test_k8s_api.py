@@ -309,3 +309,56 @@ def test_history_lives_in_the_operators_namespace_and_writes_elsewhere_are_refus
         asyncio.run(round_trip())
     finally:
         kubectl("delete", "-f", "-", input=victim, check=False)
+
+
+def test_the_lease_is_renewed_on_its_own_and_a_stalled_leader_fences(k8s_namespace: str) -> None:
+    """Two replicas on the real API server: the leader keeps the Lease through a long stretch
+    without polls (renewal is its own task); when its renewals stall it stops acting (leader-only
+    writes refused) within the renew deadline, and only after that does the other take over."""
+    from warmserve_operator.kube import KubeApi
+    from warmserve_operator.leader import ElectionTiming, NotLeader
+
+    timing = ElectionTiming(4, 3, 0.5)
+    ns = k8s_namespace
+
+    def replica(name: str) -> KubeApi:
+        return KubeApi(
+            peering="fence", identity=name, priority=1, history_namespace=ns, election=timing
+        )
+
+    async def until(pred: Any, within: float) -> float:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while not pred():
+            assert loop.time() - t0 < within
+            await asyncio.sleep(0.02)
+        return loop.time() - t0
+
+    async def scenario() -> None:
+        a, b = replica("a"), replica("b")
+        assert a.elector is not None and b.elector is not None
+        stop = asyncio.Event()
+        ta = asyncio.create_task(a.run_election(stop))
+        await until(a.leading, 10)
+        tb = asyncio.create_task(b.run_election(stop))
+        await asyncio.sleep(timing.lease_s + 1)  # longer than the Lease, no poll at all
+        assert a.leading() and not b.leading()
+        await a.write_history("uid-f", {"format": "x"}, "demo/m")
+
+        async def stalled() -> bool:
+            await asyncio.sleep(3600)
+            return True
+
+        a.elector.round = stalled  # its API calls hang from now on
+        fenced = await until(lambda: not a.leading(), timing.renew_deadline_s + 1)
+        with pytest.raises(NotLeader):
+            await a.write_history("uid-f", {"format": "y"}, "demo/m")
+        assert not b.leading(), "the other waits for the Lease to expire"
+        took = await until(b.leading, timing.lease_s + 2 * timing.retry_s + 2)
+        assert not a.leading()
+        print(f"leader fenced after {fenced:.2f} s; the other took over {took:.2f} s later")
+        stop.set()
+        await asyncio.gather(ta, tb)
+        assert not a.leading() and not b.leading()
+
+    asyncio.run(scenario())
