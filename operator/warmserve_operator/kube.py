@@ -160,7 +160,11 @@ class KubeApi:
         self.history_namespace = history_namespace or own_namespace()
         self.timing = election or ElectionTiming()
         # --standalone (no peering): no election, always leading.
-        self.elector = Elector(self._lease_round, self.timing) if peering else None
+        self.elector = (
+            Elector(self._lease_round, self.timing, release_=self._lease_release)
+            if peering
+            else None
+        )
 
     async def _t(self, fn: Any, *args: Any, **kw: Any) -> Any:
         # Bounded: with etcd unavailable a call fails after this, and the next poll retries.
@@ -366,6 +370,20 @@ class KubeApi:
             self.timing.lease_s,
             COMPONENT,
             self.elector.release if self.elector is not None else lambda: None,
+        )
+
+    async def _lease_release(self) -> bool:
+        from .leader import release_lease
+
+        return await release_lease(
+            self._coord,
+            self._exc,
+            self._t,
+            self.history_namespace,
+            f"{self.peering}-loop",
+            self.identity[:128],
+            self.timing.lease_s,
+            COMPONENT,
         )
 
     async def sync_agent_nodes(self) -> None:

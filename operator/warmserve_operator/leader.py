@@ -167,6 +167,15 @@ def next_lease(
     return False, None
 
 
+def released(rec: LeaseRecord | None, me: str) -> LeaseRecord | None:
+    """The record a replica that stops writes (client-go's ``ReleaseOnCancel``): the Lease
+    emptied if it is still ours, so a standby takes it on its next round instead of waiting for
+    it to expire; ``None`` (no write) if another replica holds it or there is none."""
+    if rec is None or rec.holder != me:
+        return None
+    return replace(rec, holder="", preempt_by="")
+
+
 def _micro(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -194,31 +203,77 @@ async def hold_lease(
     """One round of :func:`next_lease` against the Lease ``namespace/name`` (``coord``: a
     ``CoordinationV1Api``; ``run``: runs a blocking client call off the event loop).  None: our
     write lost a conflict, so who holds it is unknown until the next round."""
-    from kubernetes import client
-
-    try:
-        obj = await run(coord.read_namespaced_lease, name, namespace)
-    except api_exception as exc:
-        if getattr(exc, "status", None) != 404:
-            raise
-        obj = None
-    rec = None
-    if obj is not None:
-        ann = obj.metadata.annotations or {}
-        rec = LeaseRecord(
-            obj.spec.holder_identity or "",
-            _unix(obj.spec.renew_time),
-            float(obj.spec.lease_duration_seconds or duration_s),
-            int(ann.get(PRIORITY_ANNOTATION, "0") or 0),
-            ann.get(PREEMPT_ANNOTATION, ""),
-            obj.metadata.resource_version or "",
-        )
+    obj, rec = await _read_lease(coord, api_exception, run, namespace, name, duration_s)
     now = dt.datetime.now(dt.UTC).timestamp()
     leader, write = next_lease(rec, me, priority, now, duration_s)
     if write is None:
         return leader
     if rec is not None and rec.holder == me and not write.holder:
         before_release()  # stop acting before the asker can take it
+    if not await _write_lease(coord, api_exception, run, namespace, name, obj, write, manager):
+        # Another replica wrote first: a higher priority asking us to hand over (we still hold
+        # it) or a taker of an expired Lease (our deadline passed before that).
+        return None
+    return leader
+
+
+async def release_lease(
+    coord: Any,
+    api_exception: type[Exception],
+    run: Callable[..., Any],
+    namespace: str,
+    name: str,
+    me: str,
+    duration_s: float,
+    manager: str,
+) -> bool:
+    """Empty the Lease if it is still ours (:func:`released`); True if it was written."""
+    obj, rec = await _read_lease(coord, api_exception, run, namespace, name, duration_s)
+    write = released(rec, me)
+    if write is None:
+        return False
+    return await _write_lease(coord, api_exception, run, namespace, name, obj, write, manager)
+
+
+async def _read_lease(
+    coord: Any,
+    api_exception: type[Exception],
+    run: Callable[..., Any],
+    namespace: str,
+    name: str,
+    duration_s: float,
+) -> tuple[Any, LeaseRecord | None]:
+    try:
+        obj = await run(coord.read_namespaced_lease, name, namespace)
+    except api_exception as exc:
+        if getattr(exc, "status", None) != 404:
+            raise
+        return None, None
+    ann = obj.metadata.annotations or {}
+    return obj, LeaseRecord(
+        obj.spec.holder_identity or "",
+        _unix(obj.spec.renew_time),
+        float(obj.spec.lease_duration_seconds or duration_s),
+        int(ann.get(PRIORITY_ANNOTATION, "0") or 0),
+        ann.get(PREEMPT_ANNOTATION, ""),
+        obj.metadata.resource_version or "",
+    )
+
+
+async def _write_lease(
+    coord: Any,
+    api_exception: type[Exception],
+    run: Callable[..., Any],
+    namespace: str,
+    name: str,
+    obj: Any,
+    write: LeaseRecord,
+    manager: str,
+) -> bool:
+    """Create or replace (with the read ``resourceVersion``); False: another replica wrote
+    first (404/409)."""
+    from kubernetes import client
+
     body = client.V1Lease(
         metadata=client.V1ObjectMeta(
             name=name,
@@ -243,11 +298,9 @@ async def hold_lease(
             await run(coord.replace_namespaced_lease, name, namespace, body)
     except api_exception as exc:
         if getattr(exc, "status", None) in (404, 409):
-            # Another replica wrote first: a higher priority asking us to hand over (we still
-            # hold it) or a taker of an expired Lease (our deadline passed before that).
-            return None
+            return False
         raise
-    return leader
+    return True
 
 
 class Elector:
@@ -262,8 +315,10 @@ class Elector:
         round_: Callable[[], Awaitable[bool | None]],
         timing: ElectionTiming,
         clock: Callable[[], float] = time.monotonic,
+        release_: Callable[[], Awaitable[Any]] | None = None,
     ) -> None:
         self.round = round_
+        self.release_round = release_  # on stop: empty the Lease if still ours
         self.timing = timing
         self.clock = clock
         self.state = Leadership()
@@ -316,13 +371,23 @@ class Elector:
         self.leading()  # log and report a transition now, not at the next poll
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Rounds every ``retry_s`` until ``stop``; then stop leading."""
+        """Rounds every ``retry_s`` until ``stop``; then stop leading and, on a clean stop,
+        release the Lease if it is still ours (``release_``; client-go's ``ReleaseOnCancel``),
+        so a standby takes over on its next round, not after the Lease expires (a rolling
+        update of the operator).  The fence drops first, as for a hand-over."""
         try:
             while not stop.is_set():
                 await self.run_round()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=self.timing.retry_s)
         finally:
+            held = self.state.holder
             self.state = Leadership()
             if self._was:
                 self._transition(False, "stopped", 0.0)
+        if held and self.release_round is not None:
+            try:
+                await asyncio.wait_for(self.release_round(), timeout=self.timing.retry_s)
+                log.info("event=lease_released")
+            except Exception as exc:  # best effort: the Lease then expires as before
+                log.warning("event=lease_release_failed error=%r", str(exc) or type(exc).__name__)

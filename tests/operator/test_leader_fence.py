@@ -318,3 +318,59 @@ def test_a_released_lease_fences_before_the_write() -> None:
         )
     )
     assert got is False and order == ["fenced", "write"]
+
+
+# ---------------------------------------------------------------------------- release on stop
+
+
+def test_only_the_holder_releases() -> None:
+    from warmserve_operator.leader import released
+
+    mine = LeaseRecord("me", 5.0, 10.0, 3, "other", "7")
+    assert released(mine, "me") == LeaseRecord("", 5.0, 10.0, 3, "", "7")
+    assert released(replace(mine, holder="other"), "me") is None
+    assert released(replace(mine, holder=""), "me") is None
+    assert released(None, "me") is None
+
+
+@pytest.mark.parametrize("outcome", ["ok", "fails", "hangs"])
+def test_a_clean_stop_fences_then_releases_a_held_lease(
+    outcome: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """client-go's ReleaseOnCancel: on stop the leader stops acting first, then empties the
+    Lease (best effort, bounded by one retry period); a replica that does not hold it writes
+    nothing."""
+    calls: list[bool] = []
+
+    async def go(holds: bool) -> None:
+        e: Elector
+
+        async def round_() -> bool:
+            return holds
+
+        async def release() -> None:
+            calls.append(e.leading())  # the fence is already down when the write goes out
+            if outcome == "fails":
+                raise RuntimeError("etcd down")
+            if outcome == "hangs":
+                await asyncio.sleep(3600)
+
+        e = Elector(round_, ElectionTiming(1, 0.5, 0.05), release_=release)
+        stop = asyncio.Event()
+        task = asyncio.create_task(e.run(stop))
+        await asyncio.sleep(0.12)
+        assert e.leading() is holds
+        stop.set()
+        await asyncio.wait_for(task, 1.0)  # a hanging release is cut at one retry period
+        assert not e.leading()
+
+    with caplog.at_level("INFO", logger="warmserve.operator"):
+        asyncio.run(go(holds=True))
+        asyncio.run(go(holds=False))
+    assert calls == [False]
+    logged = [r.getMessage() for r in caplog.records if "lease_release" in r.getMessage()]
+    assert logged == (
+        ["event=lease_released"]
+        if outcome == "ok"
+        else [m for m in logged if m.startswith("event=lease_release_failed")]
+    ) and len(logged) == 1
