@@ -138,8 +138,11 @@ class ModelTracking:
         st = self.models.get(model)
         if st is None:
             return
-        w = self.cfg.window_s
         boundary = st.boundary
+        if boundary is not None and boundary > t:  # the common case: same window (per request)
+            st.tracker.update(t, value)
+            return
+        w = self.cfg.window_s
         if boundary is None:  # the end of the tracker's window (kept: asked per request)
             boundary = (math.floor(st.tracker.window_start / w + 1e-9) + 1) * w
         if boundary <= t:

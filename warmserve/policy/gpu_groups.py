@@ -141,22 +141,42 @@ class Occupant:
     model: str = ""
 
 
+# id(node) -> (node, busy GPUs, the node's facts of NodeSlots): pure memoisation (the node is
+# kept, so its id is not reused while the entry lives); bounded.
+_NODE_FACTS: dict[int, tuple[Node, frozenset[int], tuple]] = {}
+_NODE_FACTS_MAX = 8192
+
+
 class NodeSlots:
     """Working state of one node during planning: free bytes, candidates, occupied sets."""
 
     def __init__(self, node: Node, order: int, busy: set[int]) -> None:
         self.name = node.name
         self.order = order
-        gpus = sorted(node.gpus, key=lambda g: g.index)
-        self.index = [g.index for g in gpus]
-        self.pos = {g.index: p for p, g in enumerate(gpus)}
-        self.memory = [g.memory_bytes for g in gpus]
-        self.free = [g.free_bytes for g in gpus]
-        self.candidate = [
-            g.state in (WorkerState.IDLE, WorkerState.UNIVERSAL, WorkerState.GRACE)
-            and g.index not in busy
-            for g in gpus
-        ]
+        # What depends only on the (immutable) node and its busy GPUs is computed once per
+        # node and shared read-only (a plan builds every node's slots; most nodes are the same
+        # objects from one snapshot to the next); ``free`` is this plan's own copy.
+        key = frozenset(busy)
+        hit = _NODE_FACTS.get(id(node))
+        if hit is None or hit[0] is not node or hit[1] != key:
+            if len(_NODE_FACTS) >= _NODE_FACTS_MAX:
+                _NODE_FACTS.clear()
+            gpus = sorted(node.gpus, key=lambda g: g.index)
+            facts = (
+                tuple(g.index for g in gpus),
+                {g.index: p for p, g in enumerate(gpus)},
+                tuple(g.memory_bytes for g in gpus),
+                tuple(g.free_bytes for g in gpus),
+                tuple(
+                    g.state in (WorkerState.IDLE, WorkerState.UNIVERSAL, WorkerState.GRACE)
+                    and g.index not in busy
+                    for g in gpus
+                ),
+            )
+            hit = (node, key, facts)
+            _NODE_FACTS[id(node)] = hit
+        self.index, self.pos, self.memory, free, self.candidate = hit[2]
+        self.free = list(free)
         self.occupants: list[Occupant] = []
         self.extra_masks: set[int] = set()
 

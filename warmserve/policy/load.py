@@ -120,14 +120,24 @@ def inflight_load(
     delta = np.concatenate([np.ones(arr.size), -np.ones(arr.size)])
     order = np.argsort(times, kind="stable")
     times, delta = times[order], delta[order]
-    uniq, first = np.unique(times, return_index=True)
+    # np.unique(times, return_index=True) of the sorted times, without sorting them again
+    is_first = np.empty(times.size, dtype=bool)
+    is_first[0] = True
+    np.not_equal(times[1:], times[:-1], out=is_first[1:])
+    first = np.flatnonzero(is_first)
+    uniq = times[first]
     cum = np.cumsum(delta)
     last = np.append(first[1:], times.size) - 1
     level_at_uniq = cum[last] if times.size else np.zeros(0)
 
     # Breakpoints: event times inside the span plus every window edge.
     inside = uniq[(uniq > edges[0]) & (uniq < edges[-1])]
-    points = np.union1d(inside, edges)
+    # np.union1d(inside, edges), both sorted: merge the few edges in instead of sorting again
+    merged = np.insert(inside, np.searchsorted(inside, edges), edges)
+    keep = np.empty(merged.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(merged[1:], merged[:-1], out=keep[1:])
+    points = merged[keep]
     pos = np.searchsorted(uniq, points, side="right") - 1
     levels = np.where(pos >= 0, level_at_uniq[np.clip(pos, 0, None)], 0.0)
     seg_len = np.diff(points)
@@ -233,8 +243,17 @@ class WindowLoadTracker:
 
     def update(self, t: float, inflight: float) -> None:
         """The in-flight count became ``inflight`` at time ``t`` (seconds, non-decreasing)."""
-        self._check_level(inflight)
-        self._hold_until(t)
+        if not (inflight >= 0 and inflight != math.inf):  # _check_level, inline (per request)
+            self._check_level(inflight)
+        last = self._last_t
+        if t > last and t != math.inf:  # _hold_until's common case, inline
+            level = self._level
+            self._area += level * (t - last)
+            if level > self._peak:
+                self._peak = level
+            self._last_t = t
+        else:
+            self._hold_until(t)
         self._level = float(inflight)
 
     def close(self, t: float) -> WindowLoad:

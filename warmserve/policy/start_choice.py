@@ -146,15 +146,29 @@ def choose_start(state: ClusterState, model: str) -> StartChoice | NoCapacity:
     for r in state.replicas:
         by_node[r.node].append(r)
 
+    # per node, its startable GPUs: idle or universal, held by no instance (once per call:
+    # asked per GPU of every candidate group)
+    ok: dict[str, set[int]] = {
+        n.name: {
+            g.index
+            for g in n.gpus
+            if g.index not in busy.get(n.name, ())
+            and g.state in (WorkerState.IDLE, WorkerState.UNIVERSAL)
+        }
+        for n in state.nodes
+    }
+
     def startable(node: Node, gpus: Iterable[int]) -> bool:
-        held = busy.get(node.name, set())
+        good = ok[node.name]
         for g in gpus:
-            if g in held or node.gpu(g).state not in (WorkerState.IDLE, WorkerState.UNIVERSAL):
+            if g not in good:
+                if g not in busy.get(node.name, ()):
+                    node.gpu(g)  # raises for a GPU the node does not have
                 return False
         return True
 
     nodes = sorted(state.nodes, key=lambda n: n.name)
-    spare = {n.name: sum(1 for g in n.gpus if startable(n, (g.index,))) for n in nodes}
+    spare = {n.name: len(ok[n.name]) for n in nodes}
     hits: list[tuple[float, int, str, GpuSet, StartChoice]] = []
     for node in nodes:
         for r in by_node.get(node.name, []):
@@ -174,6 +188,8 @@ def choose_start(state: ClusterState, model: str) -> StartChoice | NoCapacity:
         )
     best: tuple[float, int, tuple[int, ...], int, int, StartChoice] | None = None
     for order, node in enumerate(nodes):
+        if spare[node.name] < spec.tp:
+            continue  # fewer startable GPUs than one group needs: no group of it is startable
         ns = NodeSlots(node, order, set())
         for r in by_node.get(node.name, []):
             ns.extra_masks.add(ns.mask_of(r.gpus))

@@ -63,57 +63,78 @@ class Batching:
     def _reschedule(self, inst: SimInstance, t: float) -> None:
         inst.version += 1
         if inst.prefill_end >= 0:
-            self.push(inst.prefill_end, EV_INST, inst, inst.version)
+            self.seq += 1
+            heapq.heappush(self.heap, (inst.prefill_end, self.seq, EV_INST, inst, inst.version))
             return
-        if not inst.running:
+        running = inst.running
+        if not running:
             inst.step_s = 0.0
             return
         if t < inst.full_at:  # decode needs every layer resident
             inst.step_s = 0.0
             self.push(inst.full_at, EV_INST, inst, inst.version)
             return
-        kv = round(inst.kv_tokens_now())
-        step = inst.timer.decode(len(inst.running), kv)  # type: ignore[attr-defined]
+        v = inst.v
+        n = len(running)
+        kv = inst.sum_in_running + n * v - inst.sum_v0_running  # SimInstance.kv_tokens_now
+        step = inst.timer.decode(n, round(kv if kv > 0.0 else 0.0))  # type: ignore[attr-defined]
         if inst.slowdown != 1.0 or inst.config_slowdown is not None:
             step *= self._slowdown_now(inst)
         inst.step_s = step
-        target = inst.running[0][0]
-        self.push(t + max(target - inst.v, 0.0) * step, EV_INST, inst, inst.version)
+        ahead = running[0][0] - v
+        self.seq += 1
+        heapq.heappush(
+            self.heap,
+            (t + (ahead if ahead > 0.0 else 0.0) * step, self.seq, EV_INST, inst, inst.version),
+        )
 
     def _engine_event(self, inst: SimInstance, t: float) -> None:
-        inst.settle(t)
-        was_busy = inst.busy
+        # SimInstance.settle, inline (once per event)
+        last = inst.t_last
+        if t > last:
+            if inst.step_s > 0:
+                inst.v += (t - last) / inst.step_s
+            inst.t_last = t
+        peers = inst.peers
+        was_busy = inst.busy if peers else False
+        running = inst.running
         if inst.prefill_end >= 0 and t >= inst.prefill_end - 1e-12:
+            v = inst.v
             for r in inst.prefill_batch:
                 r.first = t
                 if r.out <= 1:
                     self._complete(inst, r, t)
                 else:
-                    heapq.heappush(inst.running, (inst.v + r.out - 1, r.rid, r))
+                    heapq.heappush(running, (v + r.out - 1, r.rid, r))
                     inst.sum_in_running += r.inp
-                    inst.sum_v0_running += inst.v
+                    inst.sum_v0_running += v
             inst.prefill_batch = []
             inst.prefill_end = -1.0
-        running = inst.running
-        while running and running[0][0] <= inst.v + 1e-6:
-            target, _, r = heapq.heappop(running)
-            inst.sum_in_running -= r.inp
-            inst.sum_v0_running -= target - (r.out - 1)
-            self._complete(inst, r, t)
-        if not running:
+        if running:
+            limit = inst.v + 1e-6
+            while running and running[0][0] <= limit:
+                target, _, r = heapq.heappop(running)
+                inst.sum_in_running -= r.inp
+                inst.sum_v0_running -= target - (r.out - 1)
+                self._complete(inst, r, t)
+            if not running:
+                inst.sum_in_running = 0
+                inst.sum_v0_running = 0.0
+        else:
             inst.sum_in_running = 0
             inst.sum_v0_running = 0.0
         if inst.pending and inst.prefill_end < 0:
             self._start_prefill(inst, t)
-        if inst.phase == GRACE and inst.lent:
+        phase = inst.phase
+        if phase == GRACE and inst.lent:
             self._check_lent(inst, t)
         self._reschedule(inst, t)
-        if inst.peers and inst.busy != was_busy:
+        if peers and inst.busy != was_busy:
             self._retime_peers(inst, t)
-        if inst.phase == SERVING:
+        if phase == SERVING:
             if self.queue[inst.midx]:
                 self._dispatch(inst.midx, t)
-        elif inst.phase == GRACE and inst.n_assigned == 0 and self.executor is not None:
+        elif phase == GRACE and inst.n_assigned == 0 and self.executor is not None:
             self.executor.step(t)  # its last request finished: the grace may end
 
     def _complete(self, inst: SimInstance, r: Req, t: float) -> None:
@@ -125,4 +146,7 @@ class Batching:
         self.stats[r.m].served_request(r.t, r.assigned, r.first, t, r.out, r.delayed)
         if self.record:
             self.recorded.append(r)
-        self._set_inflight(inst.midx, t, -1)
+        midx = inst.midx  # Gateway._set_inflight(midx, t, -1), inline (per request)
+        self.inflight[midx] -= 1
+        if self.controller is not None:
+            self.controller.measure(self.names[midx], t, self.inflight[midx])

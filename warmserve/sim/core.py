@@ -216,9 +216,14 @@ class Simulation(Gateway, Batching, Lifecycle):
         inp: list[int] = []
         outs: list[int] = []
         k = 0
+        n_arr = 0
         exhausted = False
+        inf = math.inf
+        pop = heapq.heappop
+        arrive, engine_event, ready = self._arrive, self._engine_event, self._ready
+        progress = self.progress
         while True:
-            if k >= len(arr) and not exhausted:
+            if k >= n_arr and not exhausted:
                 chunk = next(self.source, None)
                 if chunk is None:
                     exhausted = True
@@ -227,38 +232,41 @@ class Simulation(Gateway, Batching, Lifecycle):
                     mod = chunk.model.tolist()
                     inp = chunk.input_tokens.tolist()
                     outs = chunk.output_tokens.tolist()
+                    n_arr = len(arr)
                     k = 0
                     continue
-            t_arr = arr[k] if k < len(arr) else math.inf
-            t_ev = heap[0][0] if heap else math.inf
-            if t_arr == math.inf and exhausted and self.done >= self.issued:
-                break
-            t = t_arr if t_arr <= t_ev else t_ev
-            if t > t_end or t == math.inf:
-                break
-            self.t_now = t
-            self.events += 1
-            if t_arr <= t_ev:
-                r = Req(self.issued, t_arr, mod[k], inp[k], outs[k])
+            t_ev = heap[0][0] if heap else inf
+            if k < n_arr and arr[k] <= t_ev:  # an arrival (first at equal times)
+                t = arr[k]
+                if t > t_end:
+                    break
+                self.t_now = t
+                self.events += 1
+                r = Req(self.issued, t, mod[k], inp[k], outs[k])
                 self.issued += 1
                 k += 1
-                self._arrive(r, t_arr)
+                arrive(r, t)
             else:
-                _, _, kind, obj, ver = heapq.heappop(heap)
+                if k >= n_arr and self.done >= self.issued:  # exhausted: nothing left to do
+                    break
+                t = t_ev
+                if t > t_end or t == inf:
+                    break
+                self.t_now = t
+                self.events += 1
+                _, _, kind, obj, ver = pop(heap)
                 if kind == EV_INST:
-                    assert isinstance(obj, SimInstance)
-                    if ver == obj.version and obj.phase != STOPPED:
-                        self._engine_event(obj, t)
+                    if ver == obj.version and obj.phase != STOPPED:  # type: ignore[union-attr]
+                        engine_event(obj, t)
                 elif kind == EV_READY:
-                    assert isinstance(obj, SimInstance)
-                    self._ready(obj, t)
+                    ready(obj, t)
                 elif kind == EV_TICK:
                     self._tick(t)
                 elif kind == EV_WINDOW:
                     self._window(t)
-            if self.progress is not None and t - last_progress >= 60.0:
+            if progress is not None and t - last_progress >= 60.0:
                 last_progress = t
-                self.progress(min(t, self.duration))
+                progress(min(t, self.duration))
         end = min(max(t, self.duration), t_end) if math.isfinite(t) else self.duration
         # Requests left: still queued or running when the drain ended, or never pulled from
         # the source because the loop stopped first.

@@ -77,6 +77,7 @@ class ControlExecutor:
         self.ctl = controller
         self.unplaced = 0
         self._gpus: tuple[GpuObs, ...] | None = None
+        self._slot_obs: dict[str, tuple[SimReplica, int, SlotObs]] = {}  # sid -> last SlotObs
         # how often each WarmServe mechanism acted (docs/evaluation.md: "exercised")
         self.counts = {"prewarms": 0, "evict_aware_choices": 0, "reclaim_drains": 0,
                        "kept_replica_hits": 0}
@@ -94,18 +95,23 @@ class ControlExecutor:
                 GpuObs(n, g, cl.hbm_bytes) for n in cl.node_names for g in range(cl.gpus_per_node)
             )
         gpus = self._gpus
-        slots = tuple(
-            SlotObs(
-                r.sid,
-                r.model,
-                r.node,
-                r.gpus,
-                r.bytes_per_gpu,
-                r.layers_at(t),
-                priority=r.priority,
-            )
-            for r in cl.replicas
-        )
+        # a replica's facts never change but for its layers while it loads: its SlotObs is
+        # reused while they stay the same (the snapshot memo then hits on it as well)
+        known = self._slot_obs
+        fresh: dict[str, tuple[SimReplica, int, SlotObs]] = {}
+        slots_list = []
+        for r in cl.replicas:
+            layers = r.layers_at(t)
+            hit = known.get(r.sid)
+            if hit is None or hit[0] is not r or hit[1] != layers:
+                so = SlotObs(
+                    r.sid, r.model, r.node, r.gpus, r.bytes_per_gpu, layers, priority=r.priority
+                )
+                hit = (r, layers, so)
+            fresh[r.sid] = hit
+            slots_list.append(hit[2])
+        self._slot_obs = fresh
+        slots = tuple(slots_list)
         insts = tuple(instance_obs(i) for i in sim.instances if i.phase != STOPPED)
         held = {m.spec.name: len(sim.queue[m.idx]) for m in sim.models if sim.queue[m.idx]}
         return Observation(t, gpus, slots, insts, held)

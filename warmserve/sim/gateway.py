@@ -42,7 +42,9 @@ class Gateway:
         if not m.placeable:
             self._drop(r, DROP_NO_CAPACITY)
             return
-        self._set_inflight(midx, t, +1)
+        self.inflight[midx] += 1  # _set_inflight(midx, t, +1), inline (per request)
+        if self.controller is not None:
+            self.controller.measure(self.names[midx], t, self.inflight[midx])
         q = self.queue[midx]
         q.append(r)
         if len(q) == 1:
@@ -57,24 +59,29 @@ class Gateway:
         """Hand queued requests of a model to serving instances with a free slot, FIFO."""
         q = self.queue[midx]
         mine = self.by_model[midx]
+        timeout = self.queue_timeout
         while q:
             r = q[0]
-            if t - r.t > self.queue_timeout:
+            if t - r.t > timeout:
                 q.popleft()
                 self._drop(r, DROP_QUEUE_TIMEOUT)
                 self._set_inflight(midx, t, -1)
                 continue
             need = r.inp + r.out
             best = None
+            least = 0
             for inst in mine:
+                n = inst.n_assigned
                 if (
                     inst.phase == SERVING
-                    and inst.n_assigned < inst.max_batch
-                    and inst.kv_reserved + need <= inst.kv_usable_tokens
-                    and (best is None or inst.n_assigned < best.n_assigned)
+                    and n < inst.max_batch
+                    and (best is None or n < least)
+                    and inst.kv_reserved + need
+                    <= (inst.kv_usable_tokens if inst.lent else inst.kv_cap_tokens)
                 ):
                     best = inst
-                    if not inst.n_assigned:
+                    least = n
+                    if not n:
                         break  # an idle instance: none later can be less loaded
             if best is None:
                 return
@@ -86,12 +93,13 @@ class Gateway:
         r.delayed = inst.ready_at > r.t
         inst.last_request_s = t
         inst.settle(t)
-        was_busy = inst.busy
+        peers = inst.peers
+        was_busy = inst.busy if peers else False
         inst.pending.append(r)
         inst.n_assigned += 1
         inst.kv_reserved += r.inp + r.out
         if inst.prefill_end < 0:
             self._start_prefill(inst, t)
             self._reschedule(inst, t)
-        if inst.peers and inst.busy != was_busy:
+        if peers and inst.busy != was_busy:
             self._retime_peers(inst, t)

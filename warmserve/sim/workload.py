@@ -178,16 +178,22 @@ class ArrivalTemplate:
         stretched onto the minute (random phase at the start, gaps in their real proportions)."""
         pts, per, size = self.points, self.period, self.points.size
         starts = rng.random(minutes.size) * per
-        out = []
-        for j in np.flatnonzero(counts):
-            k = int(counts[j])
-            u0 = starts[j]
-            a = int(np.searchsorted(pts, u0, "right"))
-            idx = a + np.arange(k + 1)
-            u = pts[idx % size] + (idx // size) * per
-            frac = np.minimum((u[:k] - u0) / (u[k] - u0), 1.0 - 1e-9)  # stays in the minute
-            out.append(minutes[j] + frac)
-        return np.concatenate(out) if out else np.zeros(0)
+        nz = np.flatnonzero(counts)
+        if not nz.size:
+            return np.zeros(0)
+        # every minute's block at once (the same elementwise arithmetic as one block at a time)
+        k = counts[nz].astype(np.int64)
+        u0 = starts[nz]
+        a = np.searchsorted(pts, u0, "right")
+        owner = np.repeat(np.arange(nz.size), k + 1)  # block of each index, k + 1 per block
+        begin = np.cumsum(k + 1) - (k + 1)
+        idx = a[owner] + (np.arange(owner.size) - begin[owner])
+        u = pts[idx % size] + (idx // size) * per
+        last = begin + k  # the arrival after each block's k
+        frac = np.minimum((u - u0[owner]) / (u[last] - u0)[owner], 1.0 - 1e-9)
+        inner = np.ones(owner.size, dtype=bool)
+        inner[last] = False
+        return (minutes[nz][owner] + frac)[inner]
 
 
 @dataclass(frozen=True)
