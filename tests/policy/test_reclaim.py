@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from warmserve.policy.autoscaler import AutoscalerConfig
@@ -171,6 +171,19 @@ def test_reclaim_invariants(snap, model) -> None:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(snap=snapshots(), model=st.sampled_from([m.name for m in MODELS]))
+# Found by hypothesis: a TP-4 grace instance (3 running) over two TP-2 groups waits less than
+# draining a TP-1 instance (4 running); the brute force counted the wide instance once per GPU.
+@example(
+    snap=(
+        cluster(
+            [inst("a", "n0", (0,), 4), inst("d", "n0", (4, 5, 6, 7), 3, GRACE),
+             inst("c", "n0", (2, 3), 0)],
+            MODELS,
+        ),
+        {"a": 0.0, "b": 0.0, "c": 0.0, "d": 0.0},
+    ),
+    model="c",
+)
 def test_reclaim_waits_least(snap, model) -> None:
     """Brute force: no other aligned group could be freed with fewer requests to wait for."""
     s, loads = snap
@@ -208,9 +221,11 @@ def _grace_only_group_waits_least(s: ClusterState, model: str, best: float) -> b
     held = {(i.node, g): i for i in s.instances for g in i.gpus}
     for n in s.nodes:
         for grp in aligned_groups(len(n.gpus), tp):
-            occ = [held[(n.name, g)] for g in grp if (n.name, g) in held]
-            freeing = all(i.phase == GRACE and i.model != model for i in occ)  # or free
-            if freeing and sum(i.running for i in occ) <= best:
+            # by name: an instance wider than the group holds several of its GPUs, but its
+            # running requests are waited for once (as plan_reclaim counts them)
+            occ = {held[(n.name, g)].name: held[(n.name, g)] for g in grp if (n.name, g) in held}
+            freeing = all(i.phase == GRACE and i.model != model for i in occ.values())  # or free
+            if freeing and sum(i.running for i in occ.values()) <= best:
                 return True
     return False
 
