@@ -125,6 +125,8 @@ def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> 
     def mem(op: str, args: tuple[Any, ...]) -> Any:
         backend = state.get("mem")
         if backend is None:
+            if op == "close":  # nothing opened: a replacement the agent stopped before mem_init
+                return None
             raise WorkerError("memory backend not initialised (mem_init)")
         if op not in _MEM_OPS:
             raise WorkerError(f"unknown memory operation {op!r}")

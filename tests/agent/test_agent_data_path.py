@@ -177,3 +177,20 @@ def test_ring_reports_unreadable_and_truncated_files(tmp_path: Path) -> None:
 def test_timeouts_grow_with_the_bytes() -> None:
     assert timeout_for_bytes(0) == 60
     assert timeout_for_bytes(70 * 10**9) == pytest.approx(760)  # 70 GB: not cut at 30 s
+
+
+def test_closing_memory_a_worker_never_opened_is_a_no_op() -> None:
+    """The agent may stop between a worker's replacement and its ``mem_init`` (the monitor's
+    ``gpu_restored`` is cancelled): closing that GPU's memory must not fail the shutdown (it
+    raised "memory backend not initialised" in CI); any other operation still refuses."""
+    from warmserve_agent.worker import WorkerError
+
+    pool = WorkerPool([0], spares=0)
+    pool.start()
+    try:
+        backend = WorkerMemoryBackend(pool, "simulated", PAGE, directory="/nonexistent")
+        backend.close()
+        with pytest.raises(WorkerError, match=r"not initialised \(mem_init\)"):
+            backend.reserve(0, PAGE)
+    finally:
+        pool.close()

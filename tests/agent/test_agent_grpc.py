@@ -406,6 +406,8 @@ def test_worker_owned_memory_dies_with_the_worker(tmp_path: Path, model_root: Pa
                 (x := c.describe()).gpus[0].worker_restarts == 1
                 and x.gpus[0].worker_pid
                 and not x.instances
+                # the new worker has its fresh page pool (gpu_restored comes after the replace)
+                and x.gpus[0].pages_total > 0
                 and x
             ),
             what="worker replacement",
