@@ -626,7 +626,7 @@ def main() -> int:
         driver_spec = "tests.fake_cuda:DRIVER"
         reserve, switch, load_bytes = 64 * MiB, 256 * MiB, 64 * MiB
     else:
-        from warmserve_agent.backends.cuda import import_driver
+        from warmserve_agent.backends.cuda_driver import import_driver
 
         drv = import_driver()
         switch, load_bytes = int(args.switch_gb * 1e9), int(args.load_gib * GiB)

@@ -71,6 +71,6 @@ def make_backend(cfg: AgentConfig, pool: Any = None, memdir: Path | None = None)
 
 def cuda_gpu_sizes() -> list[int]:
     """GPU count and memory from the driver (no contexts, no allocations)."""
-    from warmserve_agent.backends import cuda
+    from warmserve_agent.backends.cuda_driver import device_sizes
 
-    return cuda.device_sizes()
+    return device_sizes()

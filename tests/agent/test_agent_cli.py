@@ -96,12 +96,14 @@ def test_agent_cli_errors(argv: list[str], needle: str, capsys) -> None:
 
 
 def test_agent_cli_without_cuda_python(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    from warmserve_agent.backends import cuda
+    from warmserve_agent.backends import cuda_driver
 
     def missing() -> None:
-        raise cuda.CudaError("the cuda backend needs cuda-python: pip install 'warmserve[cuda]'")
+        raise cuda_driver.CudaError(
+            "the cuda backend needs cuda-python: pip install 'warmserve[cuda]'"
+        )
 
-    monkeypatch.setattr(cuda, "import_driver", missing)
+    monkeypatch.setattr(cuda_driver, "import_driver", missing)
     assert main(["agent", "--gpus", "auto", "--model-dir", "."]) == 2
     err = capsys.readouterr().err
     assert "pip install 'warmserve[cuda]'" in err and "Traceback" not in err

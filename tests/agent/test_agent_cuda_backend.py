@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from warmserve_agent.backends import cuda as cuda_mod
+from warmserve_agent.backends import cuda_driver as cuda_mod
 from warmserve_agent.backends.cuda import CudaBackend, CudaError
 from warmserve_agent.memory import MemoryManager
 

@@ -10,6 +10,8 @@ import argparse
 import json
 from typing import Any
 
+from warmserve.textfmt import columns
+
 DESCRIPTION = """\
 Read a cluster scenario (JSON) and print the prewarm plan: which resident replicas to keep,
 which new replicas to load where (evict-aware placement, WarmServe Algorithm 1), which to evict,
@@ -128,12 +130,6 @@ def plan_document(state: Any, plan: Any, *, evict_aware: bool, starts: list[Any]
     return doc
 
 
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    )
-
 
 def render_text(doc: dict[str, Any], source: str) -> str:
     """The readable table ``warmserve plan`` prints without ``--json``."""
@@ -157,7 +153,7 @@ def render_text(doc: dict[str, Any], source: str) -> str:
             ["unplaced", u["model"], u["kind"], str(u["rank"]), f"{u['score']:.3f}", "-", "-",
              u["reason"]]
         )
-    lines.append(_table(rows) if len(rows) > 1 else "(no replicas requested)")
+    lines.append(columns(rows) if len(rows) > 1 else "(no replicas requested)")
     if "starts" in doc:
         lines += ["", "instance start choice:"]
         for st in doc["starts"]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from warmserve_operator.spec import GROUP, VERSION  # the CRDs' one home
 
+from warmserve.textfmt import columns
 from warmserve.units import format_size
 
 
@@ -215,14 +216,6 @@ def summarize(data: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any]
     return {"nodes": nodes, "models": models}
 
 
-def _table(rows: list[list[str]]) -> str:
-    if not rows:
-        return ""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    )
-
 
 def render(view: Mapping[str, Any]) -> str:
     out = []
@@ -247,7 +240,7 @@ def render(view: Mapping[str, Any]) -> str:
                 ]
             )
             first = False
-    out.append(_table(rows))
+    out.append(columns(rows))
     fetches = [(n["name"], f) for n in view["nodes"] for f in n.get("fetches") or []]
     if fetches:
         rows = [["NODE", "FETCHING", "FROM", "STATE", "PROGRESS", "RATE", "ETA", "TRY"]]
@@ -267,7 +260,7 @@ def render(view: Mapping[str, Any]) -> str:
                     str(f.get("attempt") or "-"),
                 ]
             )
-        out += ["", _table(rows)]
+        out += ["", columns(rows)]
     rows = [
         [
             "MODELDEPLOYMENT",
@@ -305,7 +298,7 @@ def render(view: Mapping[str, Any]) -> str:
             ]
         )
     out.append("")
-    out.append(_table(rows))
+    out.append(columns(rows))
     problems = [(m["name"], p) for m in view["models"] for p in m["problems"]]
     if problems:
         out.append("")

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from warmserve.textfmt import columns
+
 from . import procs
 from .controlplane import REPO, check_checkout, ensure_binaries
 from .report import RunData, headline, table, write
@@ -36,10 +38,6 @@ class UpOptions:
     rps: float | None = None
     tty: bool | None = None
 
-
-def _table_text(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
 
 def up(opts: UpOptions, say: Callable[[str], None] = print) -> dict[str, object]:
@@ -118,7 +116,7 @@ def up(opts: UpOptions, say: Callable[[str], None] = print) -> dict[str, object]
     }
     summary = write(runs, out, info)
     say("")
-    say(_table_text(table(runs)))
+    say(columns(table(runs)))
     say("")
     say(headline(runs))
     say(f"report: {out / 'report.md'}")

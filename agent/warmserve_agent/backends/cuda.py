@@ -43,16 +43,20 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
 import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 from warmserve.policy.cluster import PAGE_BYTES
+from warmserve_agent.backends.cuda_driver import (
+    CudaError,
+    checked,
+    import_driver,
+    init_driver,
+)
 from warmserve_agent.backends.staging import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_DEPTH,
@@ -65,74 +69,6 @@ from warmserve_agent.backends.staging import (
 log = logging.getLogger("warmserve.agent.cuda")
 
 DEFAULT_RESERVE_BYTES = 4 * 1024**3
-
-
-class CudaError(RuntimeError):
-    """A CUDA driver call failed; the message names the call and the CUresult."""
-
-    def __init__(self, message: str, result: Any = None) -> None:
-        super().__init__(message)
-        self.result = result
-
-
-def import_driver(spec: str | None = None) -> ModuleType:
-    """The driver module: ``cuda.bindings.driver`` (cuda-python 12.6+/13.x) or, given
-    ``"module:attribute"``, that object (tests pass a fake driver this way to worker
-    processes)."""
-    if spec:
-        mod_name, _, attr = spec.partition(":")
-        mod = importlib.import_module(mod_name)
-        return getattr(mod, attr) if attr else mod
-    try:
-        from cuda.bindings import driver  # type: ignore[import-not-found]
-    except ImportError:
-        try:
-            from cuda import cuda as driver  # type: ignore[import-not-found,no-redef]
-        except ImportError as exc:
-            raise CudaError(
-                "the cuda backend needs cuda-python: pip install 'warmserve[cuda]' "
-                "(or run with --simulate-gpus)"
-            ) from exc
-    return driver
-
-
-def _checked(drv: Any, name: str, *args: Any) -> tuple[Any, ...]:
-    """Call a driver function; raise CudaError naming it unless it returned CUDA_SUCCESS."""
-    ret = getattr(drv, name)(*args)
-    err, rest = ret[0], tuple(ret[1:])
-    if err != drv.CUresult.CUDA_SUCCESS:
-        try:
-            _, s = drv.cuGetErrorName(err)
-            why = s.decode() if isinstance(s, bytes) else str(s)
-        except Exception:  # pragma: no cover - best effort for the message only
-            why = str(err)
-        raise CudaError(f"{name} failed: {why}", err)
-    return rest
-
-
-def init_driver(drv: Any) -> None:
-    """``cuInit``, with a clear error where the NVIDIA driver itself is missing."""
-    try:
-        _checked(drv, "cuInit", 0)
-    except CudaError:
-        raise
-    except Exception as exc:  # cuda-bindings raises when libcuda itself is missing
-        raise CudaError(
-            f"no usable NVIDIA driver ({type(exc).__name__}: {exc}); "
-            "on machines without GPUs use --simulate-gpus"
-        ) from None
-
-
-def device_sizes(driver: Any = None) -> list[int]:
-    """Memory of every visible GPU, from the driver (no contexts, no allocations)."""
-    drv = driver if driver is not None else import_driver()
-    init_driver(drv)
-    (count,) = _checked(drv, "cuDeviceGetCount")
-    out = []
-    for i in range(int(count)):
-        (dev,) = _checked(drv, "cuDeviceGet", i)
-        out.append(int(_checked(drv, "cuDeviceTotalMem", dev)[0]))
-    return out
 
 
 @dataclass
@@ -228,7 +164,7 @@ class CudaBackend:
 
     # ---- driver plumbing -----------------------------------------------------------------
     def _call(self, name: str, *args: Any) -> tuple[Any, ...]:
-        return _checked(self._drv, name, *args)
+        return checked(self._drv, name, *args)
 
     def _gpu(self, gpu: int) -> _Gpu:
         try:

@@ -45,6 +45,13 @@ from warmserve.engine_args import parse_engine_args
 from warmserve_agent.engine import EngineError, TtftWindow
 from warmserve_agent.engines.slotmem import SlotMemory
 from warmserve_agent.engines.spec import EngineSpec, EngineStats
+from warmserve_agent.engines.vllm.hooks import (
+    HoldUntilResident,
+    cleanup_vllm_process_state,
+    extent,
+    slot_dtype,
+    ttft_logger_factory,
+)
 
 log = logging.getLogger("warmserve.agent.engine.vllm")
 
@@ -153,7 +160,7 @@ class VllmEngine:
         if self._mem is not None:
             self._mem.close()
             self._mem = None
-        _cleanup_vllm_process_state()
+        cleanup_vllm_process_state()
         self._loop = self._thread = None
 
     # ---- introspection (tests, benchmarks) ------------------------------------------------------
@@ -323,7 +330,7 @@ class VllmEngine:
             "--model",
             spec.model_dir,
             # parameters are views of the slot: compute in the checkpoint's dtype unless told
-            *([] if "dtype" in user else ["--dtype", _slot_dtype(spec)]),
+            *([] if "dtype" in user else ["--dtype", slot_dtype(spec)]),
             *spec.engine_args,
             "--served-model-name",
             spec.model,
@@ -355,7 +362,7 @@ class VllmEngine:
             self._llm = AsyncLLM.from_vllm_config(
                 vllm_config,
                 usage_context=UsageContext.OPENAI_API_SERVER,
-                stat_loggers=[_ttft_logger_factory(window)],
+                stat_loggers=[ttft_logger_factory(window)],
                 enable_log_requests=False,
                 disable_log_stats=False,
             )
@@ -370,7 +377,7 @@ class VllmEngine:
         sock.bind((spec.host, spec.port))
         sock.listen(128)
         config = uvicorn.Config(
-            _HoldUntilResident(app, self), log_level="warning", access_log=False, lifespan="on"
+            HoldUntilResident(app, self), log_level="warning", access_log=False, lifespan="on"
         )
         self._server = uvicorn.Server(config)
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
@@ -396,79 +403,3 @@ class VllmEngine:
                 await asyncio.wait_for(self._serve_task, 30)
         if self._llm is not None:
             self._llm.shutdown()
-
-
-class _HoldUntilResident:
-    """ASGI middleware: generation requests wait until every layer is resident."""
-
-    def __init__(self, app: Any, engine: VllmEngine) -> None:
-        self.app = app
-        self.engine = engine
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        ready = self.engine._ready
-        if (
-            scope.get("type") == "http"
-            and ready is not None
-            and not ready.is_set()
-            and scope.get("path", "").startswith("/v1/")
-            and scope.get("method") == "POST"
-        ):
-            await ready.wait()
-        await self.app(scope, receive, send)
-
-
-def _ttft_logger_factory(window: TtftWindow) -> Any:
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class TtftLogger(StatLoggerBase):
-        """Feeds vLLM's own per-request first-token latencies into the engine's window."""
-
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self.window = window
-
-        def record(
-            self,
-            scheduler_stats: Any,
-            iteration_stats: Any,
-            mm_cache_stats: Any = None,
-            engine_idx: int = 0,
-        ) -> None:
-            if iteration_stats is not None:
-                for t in iteration_stats.time_to_first_tokens_iter:
-                    self.window.observe(t)
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return TtftLogger
-
-
-def extent(t: Any) -> int:
-    """Bytes from ``t.data_ptr()`` to the end of the last element ``t`` addresses."""
-    if t.numel() == 0:
-        return 0
-    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
-    return (last + 1) * t.element_size()
-
-
-_TORCH_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
-
-
-def _slot_dtype(spec: EngineSpec) -> str:
-    """The checkpoint's floating dtype (of its largest tensor)."""
-    floats = [t for t in spec.tensors if t.dtype in _TORCH_DTYPES]
-    if not floats:
-        return "auto"
-    return _TORCH_DTYPES[max(floats, key=lambda t: t.nbytes).dtype]
-
-
-def _cleanup_vllm_process_state() -> None:
-    """Let the next engine in this pooled process start clean (vLLM's own test teardown)."""
-    import gc
-
-    with contextlib.suppress(Exception):
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        cleanup_dist_env_and_memory()
-    gc.collect()
