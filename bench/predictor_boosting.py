@@ -5,13 +5,13 @@ the load, with the features a linear model on lags would miss: ``warm``'s six me
 the average and the peak, the same time 1, 2 and 7 days back, time of day, and for a ServeGen
 model the other models' series and their sum (cross-series).  Two protocols:
 
-- :func:`walk_forward`: refitted once a day on every window before that day, predicting the
-  day's windows one step ahead from the windows before each: the protocol of ``warmserve
-  predict --compare`` (no look-ahead), a candidate for the default;
-- :func:`blocked_cv`: each day predicted by a model fitted on *every other* day, later days
-  included: more training data than any forecaster has (optimistic), but never scored on a
-  window it was fitted on (so it cannot overfit its way below the bound: reviewers' objection
-  to in-sample flexible models).
+- walk-forward (:func:`boosted`): refitted once a day on every window before that day,
+  predicting the day's windows one step ahead from the windows before each: the protocol of
+  ``warmserve predict --compare`` (no look-ahead), a candidate for the default;
+- day-blocked cross-validation (``blocked=True``): each day predicted by a model fitted on
+  *every other* day, later days included: more training data than any forecaster has
+  (optimistic), but never scored on a window it was fitted on (so it cannot overfit its way
+  below the bound, as an in-sample flexible model could).
 
 Windows without a history for a feature carry NaN (the trees route missing values).
 """
@@ -104,15 +104,21 @@ def _fit_predict(
     return model.predict(x[test][:, usable])
 
 
-def _boost(
+def boosted(
     target: np.ndarray,
     other: np.ndarray,
     windows_per_day: int,
     fallback: np.ndarray,
-    cross: Sequence[np.ndarray],
-    quantile: float | None,
-    blocked: bool,
+    cross: Sequence[np.ndarray] = (),
+    quantile: float | None = None,
+    blocked: bool = False,
 ) -> np.ndarray:
+    """One-step forecasts of ``target`` by trees refitted once a day (``fallback`` where fewer
+    than ``MIN_TRAIN`` windows can train them).  ``quantile=None``: the median (absolute loss).
+
+    ``blocked=False``: walk-forward, each day's trees fitted on the days before it (no
+    look-ahead); ``blocked=True``: day-blocked cross-validation, fitted on every *other* day.
+    """
     x, lt = features(target, other, windows_per_day, cross)
     last = _lag(lt, 1)
     y = lt - last
@@ -132,28 +138,3 @@ def _boost(
         pred = np.exp(last[test] + _fit_predict(x, y, train, test, quantile))
         out[test] = np.where(np.isfinite(pred), pred, out[test])
     return out
-
-
-def walk_forward(
-    target: np.ndarray,
-    other: np.ndarray,
-    windows_per_day: int,
-    fallback: np.ndarray,
-    cross: Sequence[np.ndarray] = (),
-    quantile: float | None = None,
-) -> np.ndarray:
-    """One-step forecasts of ``target``, refitted daily on the past only (``fallback`` until
-    ``MIN_TRAIN`` windows exist).  ``quantile=None``: the median (absolute loss)."""
-    return _boost(target, other, windows_per_day, fallback, cross, quantile, blocked=False)
-
-
-def blocked_cv(
-    target: np.ndarray,
-    other: np.ndarray,
-    windows_per_day: int,
-    fallback: np.ndarray,
-    cross: Sequence[np.ndarray] = (),
-    quantile: float | None = None,
-) -> np.ndarray:
-    """Forecasts of each day's windows by a model fitted on every *other* day (optimistic)."""
-    return _boost(target, other, windows_per_day, fallback, cross, quantile, blocked=True)

@@ -199,14 +199,16 @@ def boosting_row(
     if avg.size < boosting.MIN_TRAIN:
         return {}
     s = slice(start, None)
-    wf = boosting.walk_forward(avg, peak, per_day, warm_avg, cross)
-    cv = boosting.blocked_cv(avg, peak, per_day, warm_avg, cross)
+    wf = boosting.boosted(avg, peak, per_day, warm_avg, cross)
+    cv = boosting.boosted(avg, peak, per_day, warm_avg, cross, blocked=True)
     row: dict[str, Any] = {
         "wf_vwe_ratio": vwe(wf[s], avg[s]) / reference_vwe,
         "wf_warm_vwe_ratio": vwe(np.sqrt(wf * warm_avg)[s], avg[s]) / reference_vwe,
         "cv_vwe_ratio": vwe(cv[s], avg[s]) / reference_vwe,
     }
-    q90 = boosting.blocked_cv(peak, avg, per_day, warm_point_peak, cross, quantile=0.9)
+    q90 = boosting.boosted(
+        peak, avg, per_day, warm_point_peak, cross, quantile=0.9, blocked=True
+    )
     shifted = shift_to_coverage(q90[s], peak[s], TARGET_COVERAGE)
     row["cv_q90_coverage"], row["cv_q90_over"] = coverage_over(shifted, peak[s])
 
@@ -220,7 +222,7 @@ def boosting_row(
         def observe(self, h: np.ndarray) -> None:
             pass
 
-    base = boosting.walk_forward(peak, avg, per_day, warm_point_peak, cross)
+    base = boosting.boosted(peak, avg, per_day, warm_point_peak, cross)
     upper = fold(UpperForecaster(Precomputed(base), per_day if per_day > 1 else 7), peak)
     row["wf_peak_coverage"], row["wf_peak_over"] = coverage_over(
         np.maximum(upper, warm_avg)[s], peak[s]

@@ -107,14 +107,18 @@ def test_walk_forward_trees_never_look_ahead():
     avg = np.exp(np.sin(np.arange(n) * 2 * np.pi / per_day) + 0.2 * rng.standard_normal(n)) + 1
     peak = avg * 1.3
     fallback = np.full(n, avg.mean())
-    out = boosting.walk_forward(avg, peak, per_day, fallback)
+    out = boosting.boosted(avg, peak, per_day, fallback)
     assert np.all(np.isfinite(out)) and np.all(out > 0)
     assert not np.allclose(out[150:], fallback[150:])  # fitted once 100 windows exist
     cut = 200
     changed = avg.copy()
     changed[cut:] *= 5
-    out2 = boosting.walk_forward(changed, peak, per_day, fallback)
+    out2 = boosting.boosted(changed, peak, per_day, fallback)
     assert np.array_equal(out[: cut + 1], out2[: cut + 1])
+    # day-blocked cross-validation does train on later days (that is its point)
+    blocked = boosting.boosted(avg, peak, per_day, fallback, blocked=True)
+    blocked2 = boosting.boosted(changed, peak, per_day, fallback, blocked=True)
+    assert not np.array_equal(blocked[:cut], blocked2[:cut])
 
 
 def test_shift_to_coverage():
