@@ -64,6 +64,40 @@ def test_coverage_bound_is_below_every_quantile_rule(rows, target):
         assert oracles.coverage_bound(samples, 0.95).over_forecast >= b.over_forecast - 1e-9
 
 
+def _brute_force(samples: np.ndarray, target: float) -> float:
+    """Least expected over-forecast at expected coverage >= target over every deterministic
+    choice of a candidate (0 or a sample value) per window, mixed in pairs (randomised)."""
+    import itertools
+
+    cands = [np.concatenate([[0.0], row]) for row in samples]
+    points = []
+    for choice in itertools.product(*cands):
+        p = np.asarray(choice)[:, None]
+        points.append(
+            (np.mean(samples <= p, axis=1).mean(), np.maximum(p - samples, 0).mean(axis=1).sum())
+        )
+    best = min((o for c, o in points if c >= target - 1e-12), default=np.inf)
+    for (c1, o1), (c2, o2) in itertools.combinations(points, 2):
+        if (c1 - target) * (c2 - target) < 0:
+            w = (target - c1) / (c2 - c1)
+            best = min(best, o1 + w * (o2 - o1))
+    return best / samples.mean(axis=1).sum()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 9), min_size=3, max_size=3), min_size=1, max_size=3),
+    st.sampled_from([0.3, 0.5, 0.7, 0.9]),
+)
+def test_coverage_bound_is_the_exact_optimum(rows, target):
+    samples = np.asarray(rows, dtype=float)
+    if samples.sum() == 0:
+        return
+    assert oracles.coverage_bound(samples, target).over_forecast == pytest.approx(
+        _brute_force(samples, target), abs=1e-9
+    )
+
+
 def test_coverage_bound_rejects_bad_input():
     with pytest.raises(ValueError, match="target"):
         oracles.coverage_bound(np.ones((2, 3)), 1.0)
