@@ -25,8 +25,8 @@ on every multi-day bundled trace.  Three tables, one row per trace of the goals 
    coverage, for the peak's over-forecast.  The walk-forward peak (the trees' median of the
    peak as the base of ``warm``'s calibrated upper forecast) is in the JSON.
 
-Run: ``python bench/predictor_bounds.py [--rows LABEL,...] [--json OUT.json]`` (about 5 minutes
-on one core; ``--skip-boosting`` about 1).  Deterministic.  Needs scikit-learn (the ``dev``
+Run: ``python bench/predictor_bounds.py [--rows LABEL,...] [--json OUT.json]`` (about 3 minutes
+on one core; ``--skip-boosting`` under 1).  Deterministic.  Needs scikit-learn (the ``dev``
 extra) for table 3.
 """
 
