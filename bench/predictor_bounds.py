@@ -14,7 +14,9 @@ on every multi-day bundled trace.  Three tables, one row per trace of the goals 
    (a centred moving average over 11, 31 and 61 steps, past and future) and draws each window's
    deviations from it as whole blocks from the windows at the nearest level; the least VWE of
    the average for the 31-step oracle (each window's median) against the 0.85x target; the
-   deviations' autocorrelation at lags 1-5 steps (the oracle assumes they are unpredictable).
+   deviations' autocorrelation at lags 1-5 steps (the oracle assumes they are unpredictable), and
+   the middle bandwidth's bound again for an oracle that also knows the step just before the
+   window.
 3. **Nonlinear models** (``predictor_boosting``: gradient-boosted trees with ``warm``'s members,
    lags, 1/2/7-day seasonal lags, time of day, and for ServeGen models the other models' series
    and the sum): walk-forward (refitted daily on the past, the protocol of ``warmserve predict
@@ -183,6 +185,13 @@ def oracle_row(
         row[f"rate{bw}_vwe_floor"] = oracles.median_error_floor(avgs[start:])
         row[f"rate{bw}_vwe_floor_ratio"] = row[f"rate{bw}_vwe_floor"] / reference_vwe
         row[f"rate{bw}_acf"] = oracles.deviation_autocorrelation(steps, bw).tolist()
+    mid = bandwidths[1]
+    peaks, _, _ = oracles.smooth_rate_samples(
+        steps[: n * per_window], per_window, mid, given_previous=True
+    )
+    row[f"rate{mid}_given_previous_over"] = oracles.coverage_bound(
+        peaks[start:], TARGET_COVERAGE
+    ).over_forecast
     return row
 
 
@@ -285,7 +294,8 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
               f"{_pct(r['qr_over_forecast']):>10s}")
     print("\n2. oracles: least over-forecast at 90 % coverage; least VWE of the average")
     print(f"{'trace':22s} {'bw (steps)':>10s} {'knows avg':>9s} {'rate bw1':>8s} "
-          f"{'rate bw2':>8s} {'rate bw3':>8s} {'bw2 real cov':>12s} {'VWE floor bw2':>13s} "
+          f"{'rate bw2':>8s} {'rate bw3':>8s} {'bw2+prev':>8s} {'bw2 real cov':>12s} "
+          f"{'VWE floor bw2':>13s} "
           f"{'/ref':>6s} {'|acf| max':>9s}")
     for r in rows:
         b = r["bandwidths"]
@@ -293,6 +303,7 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
         print(f"{r['trace']:22s} {'/'.join(map(str, b)):>10s} "
               f"{_pct(r.get('known_avg_over')):>9s} "
               + " ".join(f"{_pct(r[f'rate{w}_over']):>8s}" for w in b)
+              + f" {_pct(r[f'rate{mid}_given_previous_over']):>8s}"
               + f" {_pct(r[f'rate{mid}_realised'][0]):>12s}"
               + f" {_pct(r[f'rate{mid}_vwe_floor']):>13s} "
               f"{_ratio(r[f'rate{mid}_vwe_floor_ratio']):>6s} "

@@ -158,7 +158,11 @@ def smooth_rate(values: np.ndarray, bandwidth: int) -> np.ndarray:
 
 
 def smooth_rate_samples(
-    values: np.ndarray, steps_per_window: int, bandwidth: int, k: int = 200
+    values: np.ndarray,
+    steps_per_window: int,
+    bandwidth: int,
+    k: int = 200,
+    given_previous: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(peak samples, average samples, rate) per window for an oracle that knows the smooth rate.
 
@@ -169,7 +173,10 @@ def smooth_rate_samples(
     ``v - r`` of window ``j``, for each of the ``k`` windows whose mean rate is nearest window
     ``t``'s (itself excluded): blocks keep the deviations' correlation inside a window, so the
     only assumption is that a window's deviations from the smooth rate are not predictable from
-    the windows before it (:func:`deviation_autocorrelation` checks it).
+    the windows before it (:func:`deviation_autocorrelation` checks it).  ``given_previous``
+    weakens that assumption: the oracle also knows the deviation of the step just before the
+    window, and draws from the ``k`` of the ``2k`` nearest-level windows whose own previous step
+    deviated most alike (closing the lag-1 autocorrelation a forecaster could use).
     """
     values = np.asarray(values, dtype=float)
     m = steps_per_window
@@ -178,7 +185,14 @@ def smooth_rate_samples(
     rate = smooth_rate(values, bandwidth).reshape(n, m)
     dev = values.reshape(n, m) - rate
     level = rate.mean(axis=1)
-    rows = nearest_rows(level, level, min(k, n - 1), exclude_self=True)
+    if given_previous:
+        k = min(k, (n - 1) // 2)
+        rows = nearest_rows(level, level, 2 * k, exclude_self=True)
+        prev = np.concatenate([[0.0], dev[:-1, -1]])
+        near = np.argsort(np.abs(prev[rows] - prev[:, None]), axis=1, kind="stable")[:, :k]
+        rows = np.take_along_axis(rows, near, axis=1)
+    else:
+        rows = nearest_rows(level, level, min(k, n - 1), exclude_self=True)
     sim = np.maximum(rate[:, None, :] + dev[rows], 0.0)  # (window, draw, step)
     return sim.max(axis=2), sim.mean(axis=2), level
 

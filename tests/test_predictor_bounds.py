@@ -127,6 +127,21 @@ def test_smooth_rate_oracle_of_a_constant_series_is_exact():
     assert peaks.shape == (12, 5) and np.allclose(peaks, 7.0) and np.allclose(avgs, 7.0)
     assert oracles.coverage_bound(peaks, 0.9).over_forecast == pytest.approx(0.0)
     assert np.allclose(level, 7.0)
+    peaks, _, _ = oracles.smooth_rate_samples(values, 5, 11, k=5, given_previous=True)
+    assert peaks.shape == (12, 5) and np.allclose(peaks, 7.0)
+
+
+def test_smooth_rate_oracle_given_the_previous_step_draws_alike_blocks():
+    # windows alternate A, B, A, ...: the step before a window tells which one comes (14 before
+    # a B, 6 before an A), so the oracle that knows it draws the right block and needs little
+    # over-forecast; the one that does not mixes the two
+    a, b = [10.0, 10.0, 10.0, 10.0, 14.0], [11.0, 11.0, 11.0, 11.0, 6.0]
+    values = np.array([(b if i % 2 else a) for i in range(60)]).ravel()
+    # a bandwidth over the whole series: one rate, so every window is at the same level
+    plain, _, _ = oracles.smooth_rate_samples(values, 5, 601, k=10)
+    given, _, _ = oracles.smooth_rate_samples(values, 5, 601, k=10, given_previous=True)
+    cost = [oracles.coverage_bound(x[2:-2], 0.9).over_forecast for x in (plain, given)]
+    assert cost[1] < 0.01 < cost[0]
 
 
 def test_smooth_rate_is_centred():
