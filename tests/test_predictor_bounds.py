@@ -39,15 +39,19 @@ def test_coverage_bound_shares_coverage_unevenly():
     assert b.over_forecast == pytest.approx(2.8 / (5.0 + 4.5))
 
 
+def sample_rows(high: int, draws: int, windows: int) -> st.SearchStrategy[np.ndarray]:
+    """(windows, draws) arrays of integer values in 0..high, not all 0."""
+    row = st.lists(st.integers(0, high), min_size=draws, max_size=draws)
+    return (
+        st.lists(row, min_size=1, max_size=windows)
+        .map(lambda rows: np.asarray(rows, dtype=float))
+        .filter(lambda a: a.sum() > 0)
+    )
+
+
 @settings(max_examples=60, deadline=None)
-@given(
-    st.lists(st.lists(st.integers(0, 50), min_size=8, max_size=8), min_size=1, max_size=6),
-    st.sampled_from([0.5, 0.75, 0.9, 0.95]),
-)
-def test_coverage_bound_is_below_every_quantile_rule(rows, target):
-    samples = np.asarray(rows, dtype=float)
-    if samples.sum() == 0:
-        return
+@given(sample_rows(50, 8, 6), st.sampled_from([0.5, 0.75, 0.9, 0.95]))
+def test_coverage_bound_is_below_every_quantile_rule(samples, target):
     b = oracles.coverage_bound(samples, target)
     assert b.over_forecast >= -1e-12
     volume = samples.mean(axis=1).sum()
@@ -85,14 +89,8 @@ def _brute_force(samples: np.ndarray, target: float) -> float:
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    st.lists(st.lists(st.integers(0, 9), min_size=3, max_size=3), min_size=1, max_size=3),
-    st.sampled_from([0.3, 0.5, 0.7, 0.9]),
-)
-def test_coverage_bound_is_the_exact_optimum(rows, target):
-    samples = np.asarray(rows, dtype=float)
-    if samples.sum() == 0:
-        return
+@given(sample_rows(9, 3, 3), st.sampled_from([0.3, 0.5, 0.7, 0.9]))
+def test_coverage_bound_is_the_exact_optimum(samples, target):
     assert oracles.coverage_bound(samples, target).over_forecast == pytest.approx(
         _brute_force(samples, target), abs=1e-9
     )
