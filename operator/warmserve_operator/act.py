@@ -112,6 +112,7 @@ class Actor:
         metrics: Metrics,
         on_start: Callable[[str, ActivateResult], None] = lambda m, r: None,
         md_of: Callable[[str], ModelDeploymentSpec | None] = lambda uid: None,
+        may_act: Callable[[], bool] = lambda: True,
     ) -> None:
         self.client_of = client_of
         self.snap_of = snap_of
@@ -120,6 +121,7 @@ class Actor:
         self.metrics = metrics
         self.on_start = on_start
         self.md_of = md_of
+        self.may_act = may_act  # the leader fence (.leader), checked right before each call
         self.pending_prewarms: dict[tuple[str, str, tuple[int, ...]], PendingPrewarm] = {}
         self.pending_starts: dict[tuple[str, tuple[int, ...]], PendingStart] = {}
         self.ended: set[str] = set()  # instance ids this operator ended
@@ -165,9 +167,13 @@ class Actor:
     async def execute(self, d: Decision, owner: str) -> None:
         """One decision, now: the call, its metrics, Event and log line."""
         client = self.client_of(d.node)
+        verb = VERB[type(d)]
         if client is None:
             return
-        verb = VERB[type(d)]
+        if not self.may_act():  # leadership lost since the poll decided this
+            log.info("event=action_fenced verb=%s node=%s model=%s", verb, d.node, d.model)
+            self._forget(d)
+            return
         request = rid(d, self.snap_of(d.node))
         log.info(
             "event=action verb=%s node=%s model=%s request_id=%s detail=%r",
@@ -223,10 +229,14 @@ class Actor:
             log.warning("event=action_error verb=%s node=%s error=%r", verb, d.node, str(exc))
         finally:
             await self.refresh(d.node, client)
-            if isinstance(d, Prewarm):
-                self.pending_prewarms.pop((d.node, d.model, d.gpus), None)
-            elif isinstance(d, Start):
-                self.pending_starts.pop((d.node, d.gpus), None)
+            self._forget(d)
+
+    def _forget(self, d: Decision) -> None:
+        """The call is over (or never made): no longer pending."""
+        if isinstance(d, Prewarm):
+            self.pending_prewarms.pop((d.node, d.model, d.gpus), None)
+        elif isinstance(d, Start):
+            self.pending_starts.pop((d.node, d.gpus), None)
 
     def _fetch_reporter(self, owner: str, node: str) -> Callable[[Any], None]:
         """Events for a fetch seen on one Prewarm stream: when it starts and when it ends."""

@@ -202,7 +202,7 @@ async def startup(
         namespaces=tuple(memo.get("namespaces") or ()),
         history_namespace=memo.get("history_namespace"),
         view=view,
-        lease_s=float(memo.get("lease_seconds", 10.0)),
+        election=memo.get("election"),
     )
     await kube.ensure_peering()
     view.expect(
@@ -220,6 +220,9 @@ async def startup(
     memo["reconciler"] = reconciler
     memo["stop"] = stop
     memo["loop_task"] = asyncio.get_running_loop().create_task(reconciler.run(stop))
+    if kube.elector is not None:  # the Lease on its own schedule, whatever a poll takes
+        kube.elector.on_change = reconciler.leadership_changed
+        memo["election_task"] = asyncio.get_running_loop().create_task(kube.run_election(stop))
     log.info(
         "event=operator_started window_s=%s poll_s=%s peering=%s priority=%s identity=%s",
         config.window_s,
@@ -241,6 +244,12 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
             await asyncio.wait_for(task, timeout=10)
         except (TimeoutError, asyncio.CancelledError):
             task.cancel()
+    election = memo.get("election_task")
+    if election is not None:
+        try:
+            await asyncio.wait_for(election, timeout=5)
+        except (TimeoutError, asyncio.CancelledError):
+            election.cancel()
     reconciler = memo.get("reconciler")
     if reconciler is not None:
         await reconciler.agents.close()

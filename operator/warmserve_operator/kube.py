@@ -9,7 +9,9 @@ official ``kubernetes`` client (synchronous, so every call runs in a worker thre
 Leadership: kopf's peering pauses a replica's handlers while a live peer with a higher priority
 exists (and pauses all replicas with equal priorities).  The window loop is not a kopf handler,
 so it holds its own ``coordination.k8s.io`` Lease (:mod:`.leader`), never reading kopf's
-internal peering status.
+internal peering status.  The Lease is renewed by its own task (:meth:`KubeApi.run_election`);
+every leader-only write here checks the fence first (:meth:`KubeApi.leading`) and raises
+:class:`.leader.NotLeader` once this replica may no longer act.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .leader import DEFAULT_LEASE_S
+from .leader import ElectionTiming, Elector, NotLeader
 from .spec import API_VERSION, GROUP, MD_KIND, MD_PLURAL, NODE_KIND, NODE_PLURAL, VERSION
 
 log = logging.getLogger("warmserve.operator.kube")
@@ -80,6 +82,7 @@ class KubePort(Protocol):
     async def list_history_uids(self) -> list[str]: ...
     async def emit_event(self, ref: ObjRef, type_: str, reason: str, message: str) -> None: ...
     async def is_leader(self) -> bool: ...
+    def leading(self) -> bool: ...
     async def sync_agent_nodes(self) -> None: ...
 
 
@@ -128,7 +131,7 @@ class KubeApi:
         namespaces: tuple[str, ...] = (),
         history_namespace: str | None = None,
         view: ClusterView | None = None,
-        lease_s: float = DEFAULT_LEASE_S,
+        election: ElectionTiming | None = None,
     ) -> None:
         from kubernetes import client, config
 
@@ -147,7 +150,6 @@ class KubeApi:
         # and Events to go out together (the default executor has cores + 4 threads).
         self._pool = ThreadPoolExecutor(max_workers=API_THREADS, thread_name_prefix="kube")
         self.view = view
-        self.lease_s = lease_s
         self.peering = peering
         self.identity = identity
         self.priority = priority
@@ -156,6 +158,13 @@ class KubeApi:
         self.namespaces = namespaces  # empty: every namespace
         # Load histories live in the operator's own namespace (see .history).
         self.history_namespace = history_namespace or own_namespace()
+        self.timing = election or ElectionTiming()
+        # --standalone (no peering): no election, always leading.
+        self.elector = (
+            Elector(self._lease_round, self.timing, release_=self._lease_release)
+            if peering
+            else None
+        )
 
     async def _t(self, fn: Any, *args: Any, **kw: Any) -> Any:
         # Bounded: with etcd unavailable a call fails after this, and the next poll retries.
@@ -163,9 +172,14 @@ class KubeApi:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kw))
 
+    def _fence(self) -> None:
+        if not self.leading():
+            raise NotLeader("this replica no longer holds the loop's Lease")
+
     async def _write(self, fn: Any, *args: Any, **kw: Any) -> None:
-        """A write whose answer the operator does not read: the response body (the whole
-        object) is neither decoded nor turned into client models; errors still raise."""
+        """A leader-only write whose answer the operator does not read: the response body (the
+        whole object) is neither decoded nor turned into client models; errors still raise."""
+        self._fence()
 
         def call() -> None:
             resp = fn(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S, **kw)
@@ -275,6 +289,7 @@ class KubeApi:
     async def delete_history(self, uid: str) -> None:
         from .history import configmap_name
 
+        self._fence()
         try:
             await self._t(
                 self._core.delete_namespaced_config_map,
@@ -298,6 +313,9 @@ class KubeApi:
     async def emit_event(self, ref: ObjRef, type_: str, reason: str, message: str) -> None:
         from kubernetes import client
 
+        if not self.leading():  # best effort, like a failed post
+            log.debug("event=event_fenced reason=%s", reason)
+            return
         now = dt.datetime.now(dt.UTC)
         ns = ref.namespace or self.event_namespace
         body = client.CoreV1Event(
@@ -326,9 +344,19 @@ class KubeApi:
             log.warning("event=post_event_failed reason=%s status=%s", reason, exc.status)
 
     async def is_leader(self) -> bool:
-        """Hold the loop's Lease (:mod:`.leader`); ``--standalone``: always."""
-        if not self.peering:
-            return True
+        """Whether this replica leads now (no API call: :meth:`run_election` holds the Lease)."""
+        return self.leading()
+
+    def leading(self) -> bool:
+        """The fence (:func:`.leader.leading`); ``--standalone``: always."""
+        return self.elector is None or self.elector.leading()
+
+    async def run_election(self, stop: asyncio.Event) -> None:
+        """Hold the loop's Lease until ``stop`` (:class:`.leader.Elector`)."""
+        if self.elector is not None:
+            await self.elector.run(stop)
+
+    async def _lease_round(self) -> bool | None:
         from .leader import hold_lease
 
         return await hold_lease(
@@ -339,7 +367,22 @@ class KubeApi:
             f"{self.peering}-loop",
             self.identity[:128],
             self.priority,
-            self.lease_s,
+            self.timing.lease_s,
+            COMPONENT,
+            self.elector.release if self.elector is not None else lambda: None,
+        )
+
+    async def _lease_release(self) -> bool:
+        from .leader import release_lease
+
+        return await release_lease(
+            self._coord,
+            self._exc,
+            self._t,
+            self.history_namespace,
+            f"{self.peering}-loop",
+            self.identity[:128],
+            self.timing.lease_s,
             COMPONENT,
         )
 
@@ -348,6 +391,7 @@ class KubeApi:
         d = self.discovery
         if d is None:
             return
+        self._fence()
         pods = await self._t(self._core.list_namespaced_pod, d.namespace, label_selector=d.selector)
         for pod in pods.items:
             node, ip = pod.spec.node_name, pod.status.pod_ip

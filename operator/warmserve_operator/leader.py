@@ -10,26 +10,130 @@ The rule (:func:`next_lease`, pure, unit-tested):
 * no Lease, an empty holder or an expired one (``renewTime + leaseDurationSeconds`` in the
   past): take it;
 * held by us: renew it — unless a live replica with a higher priority asked for it
-  (``warmserve.io/preempt-by``), then release it (the asker takes it on its next poll);
+  (``warmserve.io/preempt-by``), then release it (the asker takes it on its next round);
 * held by a live replica with a lower priority: ask it to hand over (``preempt-by``);
 * otherwise: wait.
 
 So a replacement with a lower priority than a dead leader waits at most one lease duration
-(default 10 s; with the default 5 s poll a handover completes within 15 s), not kopf's peering
-lifetime (issue 16 measured 52.9 s); and two replicas never both hold it: every write carries
-the read ``resourceVersion``, so a conflicting write loses.
+plus one retry period (defaults 10 s + 2 s), not kopf's peering lifetime (issue 16 measured
+52.9 s); and two replicas never both hold it: every write carries the read
+``resourceVersion``, so a conflicting write loses.
+
+Holding the Lease is not enough to act safely: a leader whose poll outlasted the Lease acted
+after a standby had taken it (two actors; ``tests/e2e/test_leader_fencing_e2e.py``).  So, as
+client-go's ``leaderelection`` does, the Lease is renewed by its own task (:class:`Elector`,
+every ``retry_s``, whatever the loop is doing) and the leader *fences* itself: it acts only while
+its last successful renewal *started* less than ``renew_deadline_s`` ago on the monotonic clock
+(:func:`leading`).  That renewal wrote a ``renewTime`` no earlier than its start, and another
+replica takes the Lease only once ``renewTime + lease_s`` has passed; ``renew_deadline_s <
+lease_s`` leaves the margin (clock skew between nodes, the last log line) in between, so the
+old leader stops before anyone else may start.  What a call already sent does is not undone:
+the agent finishes it, and the new leader sees it in its first ``Describe``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as dt
-from collections.abc import Callable
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+log = logging.getLogger("warmserve.operator")
+
 PRIORITY_ANNOTATION = "warmserve.io/priority"
 PREEMPT_ANNOTATION = "warmserve.io/preempt-by"
+# client-go's defaults are 15 s / 10 s / 2 s; the Lease stays 10 s (issue 16's handover bound)
+# with about the same proportions, which also give the defaults for another Lease duration.
 DEFAULT_LEASE_S = 10.0
+RENEW_DEADLINE_SHARE = 0.7
+RETRY_SHARE = 0.2
+
+
+class ElectionConfigError(ValueError):
+    """Leader-election timings that cannot keep two replicas from acting at once."""
+
+
+class NotLeader(Exception):
+    """Raised by a leader-only write once this replica stopped leading (fenced)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ElectionTiming:
+    """``lease_s``: how long a Lease lasts after its renewal (``--lease-seconds``);
+    ``renew_deadline_s``: how long the leader keeps acting without a successful renewal
+    (``--renew-deadline-seconds``); ``retry_s``: time between renewal / acquisition rounds
+    (``--retry-period-seconds``)."""
+
+    lease_s: float = DEFAULT_LEASE_S
+    renew_deadline_s: float = DEFAULT_LEASE_S * RENEW_DEADLINE_SHARE
+    retry_s: float = DEFAULT_LEASE_S * RETRY_SHARE
+
+    @classmethod
+    def for_lease(
+        cls, lease_s: float, renew_deadline_s: float | None = None, retry_s: float | None = None
+    ) -> ElectionTiming:
+        """Unset timings follow the Lease: 0.7x and 0.2x of it (7 s and 2 s for 10 s)."""
+        return cls(
+            lease_s,
+            lease_s * RENEW_DEADLINE_SHARE if renew_deadline_s is None else renew_deadline_s,
+            lease_s * RETRY_SHARE if retry_s is None else retry_s,
+        )
+
+    def __post_init__(self) -> None:
+        for name, v in (
+            ("lease duration", self.lease_s),
+            ("renew deadline", self.renew_deadline_s),
+            ("retry period", self.retry_s),
+        ):
+            if not (math.isfinite(v) and v > 0):
+                raise ElectionConfigError(f"{name} must be > 0 seconds, got {v}")
+        if self.lease_s != int(self.lease_s):
+            raise ElectionConfigError(
+                f"lease duration must be a whole number of seconds (the Lease stores "
+                f"leaseDurationSeconds as an integer), got {self.lease_s}"
+            )
+        if not self.renew_deadline_s < self.lease_s:
+            raise ElectionConfigError(
+                f"renew deadline ({self.renew_deadline_s} s) must be shorter than the lease "
+                f"duration ({self.lease_s} s): a leader that cannot renew must stop acting "
+                "before another replica may take the Lease"
+            )
+        if not self.retry_s < self.renew_deadline_s:
+            raise ElectionConfigError(
+                f"retry period ({self.retry_s} s) must be shorter than the renew deadline "
+                f"({self.renew_deadline_s} s): a leader must get more than one try to renew"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Leadership:
+    """What a replica knows of its own leadership, on the monotonic clock: whether its last
+    round held the Lease and when the last round that wrote it as ours *started*."""
+
+    holder: bool = False
+    renewed_at: float = -math.inf
+
+
+def after_round(state: Leadership, started: float, held: bool | None) -> Leadership:
+    """The state after a round that started at ``started``: ``held`` True: it wrote the Lease
+    as ours; False: another replica holds it, or we released it; None: the round failed (an API
+    error or a timeout): nothing is known, so the last renewal still counts (until the
+    deadline, like client-go's renew loop)."""
+    if held is None:
+        return state
+    if held:
+        return Leadership(True, max(started, state.renewed_at))
+    return Leadership(False, state.renewed_at)
+
+
+def leading(state: Leadership, timing: ElectionTiming, now: float) -> bool:
+    """The fence: act only while the last successful renewal started < renew deadline ago."""
+    return state.holder and now - state.renewed_at < timing.renew_deadline_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +167,15 @@ def next_lease(
     return False, None
 
 
+def released(rec: LeaseRecord | None, me: str) -> LeaseRecord | None:
+    """The record a replica that stops writes (client-go's ``ReleaseOnCancel``): the Lease
+    emptied if it is still ours, so a standby takes it on its next round instead of waiting for
+    it to expire; ``None`` (no write) if another replica holds it or there is none."""
+    if rec is None or rec.holder != me:
+        return None
+    return replace(rec, holder="", preempt_by="")
+
+
 def _micro(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -85,32 +198,82 @@ async def hold_lease(
     priority: int,
     duration_s: float,
     manager: str,
-) -> bool:
+    before_release: Callable[[], None] = lambda: None,
+) -> bool | None:
     """One round of :func:`next_lease` against the Lease ``namespace/name`` (``coord``: a
-    ``CoordinationV1Api``; ``run``: runs a blocking client call off the event loop)."""
-    from kubernetes import client
+    ``CoordinationV1Api``; ``run``: runs a blocking client call off the event loop).  None: our
+    write lost a conflict, so who holds it is unknown until the next round."""
+    obj, rec = await _read_lease(coord, api_exception, run, namespace, name, duration_s)
+    now = dt.datetime.now(dt.UTC).timestamp()
+    leader, write = next_lease(rec, me, priority, now, duration_s)
+    if write is None:
+        return leader
+    if rec is not None and rec.holder == me and not write.holder:
+        before_release()  # stop acting before the asker can take it
+    if not await _write_lease(coord, api_exception, run, namespace, name, obj, write, manager):
+        # Another replica wrote first: a higher priority asking us to hand over (we still hold
+        # it) or a taker of an expired Lease (our deadline passed before that).
+        return None
+    return leader
 
+
+async def release_lease(
+    coord: Any,
+    api_exception: type[Exception],
+    run: Callable[..., Any],
+    namespace: str,
+    name: str,
+    me: str,
+    duration_s: float,
+    manager: str,
+) -> bool:
+    """Empty the Lease if it is still ours (:func:`released`); True if it was written."""
+    obj, rec = await _read_lease(coord, api_exception, run, namespace, name, duration_s)
+    write = released(rec, me)
+    if write is None:
+        return False
+    return await _write_lease(coord, api_exception, run, namespace, name, obj, write, manager)
+
+
+async def _read_lease(
+    coord: Any,
+    api_exception: type[Exception],
+    run: Callable[..., Any],
+    namespace: str,
+    name: str,
+    duration_s: float,
+) -> tuple[Any, LeaseRecord | None]:
     try:
         obj = await run(coord.read_namespaced_lease, name, namespace)
     except api_exception as exc:
         if getattr(exc, "status", None) != 404:
             raise
-        obj = None
-    rec = None
-    if obj is not None:
-        ann = obj.metadata.annotations or {}
-        rec = LeaseRecord(
-            obj.spec.holder_identity or "",
-            _unix(obj.spec.renew_time),
-            float(obj.spec.lease_duration_seconds or duration_s),
-            int(ann.get(PRIORITY_ANNOTATION, "0") or 0),
-            ann.get(PREEMPT_ANNOTATION, ""),
-            obj.metadata.resource_version or "",
-        )
-    now = dt.datetime.now(dt.UTC).timestamp()
-    leader, write = next_lease(rec, me, priority, now, duration_s)
-    if write is None:
-        return leader
+        return None, None
+    ann = obj.metadata.annotations or {}
+    return obj, LeaseRecord(
+        obj.spec.holder_identity or "",
+        _unix(obj.spec.renew_time),
+        float(obj.spec.lease_duration_seconds or duration_s),
+        int(ann.get(PRIORITY_ANNOTATION, "0") or 0),
+        ann.get(PREEMPT_ANNOTATION, ""),
+        obj.metadata.resource_version or "",
+    )
+
+
+async def _write_lease(
+    coord: Any,
+    api_exception: type[Exception],
+    run: Callable[..., Any],
+    namespace: str,
+    name: str,
+    obj: Any,
+    write: LeaseRecord,
+    manager: str,
+) -> bool:
+    """Create or replace (with the read ``resourceVersion``); False: another replica wrote
+    first (404/409)."""
+    from kubernetes import client
+
     body = client.V1Lease(
         metadata=client.V1ObjectMeta(
             name=name,
@@ -135,6 +298,96 @@ async def hold_lease(
             await run(coord.replace_namespaced_lease, name, namespace, body)
     except api_exception as exc:
         if getattr(exc, "status", None) in (404, 409):
-            return False  # another replica wrote first: it leads this round
+            return False
         raise
-    return leader
+    return True
+
+
+class Elector:
+    """Runs the Lease rounds on their own schedule (every ``timing.retry_s``, independent of how
+    long a poll takes) and answers :meth:`leading`, the fence checked before every leader-only
+    side effect.  ``round``: one :func:`hold_lease` round (True: we hold it; False: another
+    does; None: unknown, e.g. a write conflict).  ``on_change(leading, reason)`` is called on
+    every transition (metrics, waking the loop)."""
+
+    def __init__(
+        self,
+        round_: Callable[[], Awaitable[bool | None]],
+        timing: ElectionTiming,
+        clock: Callable[[], float] = time.monotonic,
+        release_: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
+        self.round = round_
+        self.release_round = release_  # on stop: empty the Lease if still ours
+        self.timing = timing
+        self.clock = clock
+        self.state = Leadership()
+        self.on_change: Callable[[bool, str], None] = lambda leading, reason: None
+        self._was = False  # what the last transition said
+
+    def release(self) -> None:
+        """About to hand the Lease over (a higher priority asked): stop acting first."""
+        self.state = Leadership(False, self.state.renewed_at)
+        if self._was:
+            self._transition(False, "released", self.clock() - self.state.renewed_at)
+
+    def leading(self) -> bool:
+        ok = leading(self.state, self.timing, self.clock())
+        if ok != self._was:
+            since = self.clock() - self.state.renewed_at
+            reason = "acquired" if ok else ("renew_deadline" if self.state.holder else "lost")
+            self._transition(ok, reason, since)
+        return ok
+
+    def _transition(self, ok: bool, reason: str, since: float) -> None:
+        self._was = ok
+        if ok:
+            log.info("event=leadership_acquired lease_s=%s", self.timing.lease_s)
+        else:
+            log.warning(
+                "event=leadership_lost reason=%s since_renewal_s=%.2f renew_deadline_s=%.2f",
+                reason,
+                since,
+                self.timing.renew_deadline_s,
+            )
+        self.on_change(ok, reason)
+
+    async def run_round(self) -> None:
+        started = self.clock()
+        # While leading, a round may take until the deadline (then it counts as failed and the
+        # fence has already dropped leadership); otherwise one renew deadline.
+        budget = self.timing.renew_deadline_s
+        left = self.state.renewed_at + budget - started
+        if self.state.holder and left > 0:
+            budget = left
+        try:
+            held = await asyncio.wait_for(self.round(), timeout=budget)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the API is down or slow: retry; the fence keeps us safe
+            held = None
+            log.warning("event=lease_round_failed error=%r", str(exc) or type(exc).__name__)
+        self.state = after_round(self.state, started, held)
+        self.leading()  # log and report a transition now, not at the next poll
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Rounds every ``retry_s`` until ``stop``; then stop leading and, on a clean stop,
+        release the Lease if it is still ours (``release_``; client-go's ``ReleaseOnCancel``),
+        so a standby takes over on its next round, not after the Lease expires (a rolling
+        update of the operator).  The fence drops first, as for a hand-over."""
+        try:
+            while not stop.is_set():
+                await self.run_round()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=self.timing.retry_s)
+        finally:
+            held = self.state.holder
+            self.state = Leadership()
+            if self._was:
+                self._transition(False, "stopped", 0.0)
+        if held and self.release_round is not None:
+            try:
+                await asyncio.wait_for(self.release_round(), timeout=self.timing.retry_s)
+                log.info("event=lease_released")
+            except Exception as exc:  # best effort: the Lease then expires as before
+                log.warning("event=lease_release_failed error=%r", str(exc) or type(exc).__name__)

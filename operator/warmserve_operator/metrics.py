@@ -22,7 +22,18 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.leader = Gauge(
-            f"{PREFIX}_leader", "1 when this replica is the active (leader) operator", registry=r
+            f"{PREFIX}_leader",
+            "1 when this replica is the active (leader) operator: it holds the loop's Lease and "
+            "renewed it within the renew deadline (0 at once when it cannot)",
+            registry=r,
+        )
+        self.leadership_lost = Counter(
+            f"{PREFIX}_leadership_lost_total",
+            "Times this replica stopped leading (reason: lost = another replica holds the Lease, "
+            "released = handed over to a higher priority, renew_deadline = not renewed in "
+            "time, stopped = shutdown)",
+            ["reason"],
+            registry=r,
         )
         self.windows = Counter(f"{PREFIX}_windows_total", "Prediction windows closed", registry=r)
         self.polls = Counter(f"{PREFIX}_polls_total", "Agent poll rounds", registry=r)

@@ -36,6 +36,7 @@ from .deployments import DeploymentBook
 from .gateway_demand import GatewayDemand, GatewayHeld
 from .identity import orphans
 from .kube import KubePort, ObjRef, md_ref
+from .leader import NotLeader
 from .metrics import Metrics, Phases
 from .observe import Observer, note_grace, observation
 from .report import Deployment, Reporter
@@ -88,6 +89,7 @@ class Reconciler:
             self.metrics,
             self._count_start,
             self._md_of,
+            self.may_act,
         )
         self.book = DeploymentBook(
             kube, self.reporter, self.controller, self.metrics, config, clock
@@ -169,6 +171,26 @@ class Reconciler:
             d.misses += 1
         self.metrics.hit_ratio.labels(d.md.model).set(d.hits / max(d.hits + d.misses, 1))
 
+    def may_act(self) -> bool:
+        """The fence before every leader-only side effect (:mod:`.leader`): this replica leads
+        and its Lease was renewed within the renew deadline, checked now, not at the poll's
+        start (a poll may outlast the Lease)."""
+        return self.leader and self.kube.leading()
+
+    def _fence(self) -> None:
+        if not self.may_act():
+            raise NotLeader("leadership lost during the poll")
+
+    def leadership_changed(self, leading: bool, reason: str) -> None:
+        """The Lease task's report of a transition: the gauge at once, and the loop wakes (to
+        start acting, or to stop its agent streams)."""
+        self.metrics.leader.set(1 if leading else 0)
+        if not leading:
+            self.metrics.leadership_lost.labels(reason).inc()
+            self.leader = False
+            self._leader_streak = 0
+        self._wake.set()
+
     def wake(self) -> None:
         """Run the next poll now (an agent event, or a gateway reporting held requests)."""
         self._wake.set()
@@ -189,6 +211,9 @@ class Reconciler:
                 self._wake.clear()
                 try:
                     await self.tick()
+                except NotLeader:  # fenced mid-poll: event=leadership_lost says why
+                    log.info("event=poll_fenced")
+                    self._sync_watchers()
                 except Exception:  # keep the loop alive; the next poll starts afresh
                     log.exception("event=tick_failed")
                 await self._sleep(stop, started)
@@ -288,6 +313,7 @@ class Reconciler:
                 self.grace_started,
                 self.cfg.autoscaler.max_grace_s,
             )
+        self._fence()  # the poll may have outlasted the Lease: act only while still leading
         busy = self.actor.launch(decisions, owner_uid, set(self.deleting))
         await self.book.persist()
         self._track_lost(snaps)
@@ -295,6 +321,7 @@ class Reconciler:
         # A deployment whose prewarm/start was just launched is reported once the call lands
         # (the agent's event wakes the loop): one status write instead of two (issue 16, scale).
         writes, posted = self.reporter.writes, self.reporter.posted
+        self._fence()
         await self._report(snaps, dups, problems, now, busy if self._watching else set())
         phases.done("report")
         phases.log(

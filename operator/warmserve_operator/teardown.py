@@ -42,6 +42,7 @@ class Reconciler(Protocol):
 
     def note_grace(self, snap: NodeSnapshot, now: float) -> set[str]: ...
 
+
 log = logging.getLogger("warmserve.operator")
 
 
@@ -94,6 +95,9 @@ async def _node(
         if not decisions:
             break
         for d in decisions:
+            if not rec.kube.leading():  # the leader fence (.leader): kopf retries the handler
+                still.append(f"{describe(d)}: this replica does not hold the loop's Lease")
+                continue
             try:
                 if isinstance(d, EndGrace):
                     rec.actor.ended.add(d.instance_id)

@@ -34,6 +34,9 @@ async def main() -> None:
     ap.add_argument("--store-budget", type=int, default=0)
     ap.add_argument("--fetch-attempts", type=int, default=3)
     ap.add_argument("--metrics-port", type=int, default=None)
+    # A deliberately slow agent (tests/e2e/test_leader_fencing_e2e.py): while this file exists,
+    # every Describe waits the seconds it holds before answering.
+    ap.add_argument("--slow-describe-file", type=Path, default=None)
     args = ap.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s agent=" + args.node + " %(message)s"
@@ -54,6 +57,8 @@ async def main() -> None:
         fetch_backoff_s=0.2,
         metrics_port=args.metrics_port,
     )
+    if args.slow_describe_file is not None:
+        _slow_describe(args.slow_describe_file)
     server = await AgentServer(cfg).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -66,6 +71,24 @@ async def main() -> None:
     tmp.rename(args.address_file)
     await stop.wait()
     await server.stop(0.2)
+
+
+def _slow_describe(path: Path) -> None:
+    from warmserve_agent.service import AgentService
+
+    describe = AgentService.Describe
+
+    async def slow(self: AgentService, request: object, context: object) -> object:
+        try:
+            delay = float(path.read_text() or 0)
+        except (OSError, ValueError):
+            delay = 0.0
+        if delay > 0:
+            logging.info("event=slow_describe seconds=%s", delay)
+            await asyncio.sleep(delay)
+        return await describe(self, request, context)
+
+    AgentService.Describe = slow  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -172,6 +172,40 @@ class Load:
                 pass
 
 
+def start_sim_agent(
+    procs: Procs, tmp: Path, node: str, env: dict[str, str], *extra: str
+) -> str:
+    """Start ``agent_proc.py`` for ``node`` (4 simulated 64 MiB GPUs, models under
+    ``tmp/models``; ``extra``: more of its flags) and return its address once it serves."""
+    import sys
+
+    addr = tmp / f"{node}-{time.monotonic_ns()}.addr"
+    argv = [
+        sys.executable, str(REPO / "tests/e2e/agent_proc.py"), "--models", str(tmp / "models"),
+        "--gpus", "4x64MiB", "--node", node, "--address-file", str(addr),
+        "--memory-dir", str(tmp / f"mem-{addr.stem}"), *extra,
+    ]  # fmt: skip
+    procs.start(node, argv, env)
+    deadline = time.monotonic() + 60
+    while not (addr.exists() and addr.read_text()):
+        assert time.monotonic() < deadline, procs.log(node)
+        time.sleep(0.1)
+    return addr.read_text()
+
+
+def register_gpu_node(kubectl: Any, name: str, address: str) -> None:
+    """The GPUNode of an agent run by hand (no discovery)."""
+    import json
+
+    body = {
+        "apiVersion": "warmserve.io/v1alpha1",
+        "kind": "GPUNode",
+        "metadata": {"name": name},
+        "spec": {"agentAddress": address},
+    }
+    kubectl("apply", "-f", "-", input=json.dumps(body))
+
+
 def install_for_operator(
     kubectl: Any, helm: Any, sa_kubeconfig: Any, ns: str, release: str
 ) -> tuple[Path, dict[str, str]]:

@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import REPO, Procs, describe_agents, write_models
+from e2e_support import (
+    REPO,
+    Procs,
+    describe_agents,
+    register_gpu_node,
+    start_sim_agent,
+    write_models,
+)
 from k8s_support import ControlPlane, apply_chart_operator_rbac
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -54,38 +61,10 @@ class Env:
         return self.plane.kubectl(*args, **kw)
 
     def start_agent(self, node: str) -> str:
-        addr = self.tmp / f"{node}-{time.monotonic_ns()}.addr"
-        self.procs.start(
-            node,
-            [
-                sys.executable,
-                str(REPO / "tests/e2e/agent_proc.py"),
-                "--models",
-                str(self.tmp / "models"),
-                "--gpus",
-                "4x64MiB",
-                "--node",
-                node,
-                "--address-file",
-                str(addr),
-                "--memory-dir",
-                str(self.tmp / f"mem-{addr.stem}"),
-            ],
-            self.env,
-        )
-        deadline = time.monotonic() + 60
-        while not (addr.exists() and addr.read_text()):
-            assert time.monotonic() < deadline, self.procs.log(node)
-            time.sleep(0.1)
+        address = start_sim_agent(self.procs, self.tmp, node, self.env)
         name = f"{self.ns}-{node}"
-        self.addresses[name] = addr.read_text()
-        body = {
-            "apiVersion": "warmserve.io/v1alpha1",
-            "kind": "GPUNode",
-            "metadata": {"name": name},
-            "spec": {"agentAddress": self.addresses[name]},
-        }
-        self.kubectl("apply", "-f", "-", input=json.dumps(body))
+        self.addresses[name] = address
+        register_gpu_node(self.plane.kubectl, name, address)
         return name
 
     def start_operator(self, priority: int) -> str:

@@ -179,6 +179,24 @@ def test_existing_secret_and_cert_manager_modes(k8s_bin_dir: Path) -> None:
         # plaintext, unauthenticated agents only when asked for explicitly (issue 16)
         (["--set", "tls.enabled=false"], "also set tls.allowInsecure=true"),
         (["--set", "agent.gpuReserve=lots"], "at '/agent/gpuReserve'"),
+        # the loop's leader election: schema, then the orderings the fence relies on
+        (
+            ["--set-json", "operator.leaderElection.leaseSeconds=2.5"],
+            "at '/operator/leaderElection/leaseSeconds': got number, want integer",
+        ),
+        (
+            ["--set", "operator.leaderElection.renewDeadlineSeconds=12"],
+            "renewDeadlineSeconds (12) must be shorter than leaseSeconds (10)",
+        ),
+        (
+            [
+                "--set",
+                "operator.leaderElection.leaseSeconds=3",
+                "--set",
+                "operator.leaderElection.retryPeriodSeconds=3",
+            ],
+            "retryPeriodSeconds (3) must be shorter than the renew deadline (2.1)",
+        ),
     ],
 )
 def test_bad_values_fail_with_a_message(
@@ -228,6 +246,12 @@ def _env_refs_are_defined(container: dict[str, Any]) -> None:
             "operator.predictor=seasonal",
             "--set",
             "operator.watchNamespaces={team-a,team-b}",
+            "--set",
+            "operator.leaderElection.leaseSeconds=15",
+            "--set",
+            "operator.leaderElection.renewDeadlineSeconds=10",
+            "--set-json",
+            "operator.leaderElection.retryPeriodSeconds=2.5",
         ],
         ["-f", str(KIND_VALUES)],
     ],
@@ -244,6 +268,38 @@ def test_container_args_are_accepted_by_the_warmserve_cli(
         assert container["command"] == ["warmserve"]
         _parse_cli(container["args"])
         _env_refs_are_defined(container)
+
+
+@pytest.mark.parametrize(
+    ("set_args", "timing"),
+    [
+        ([], (10.0, 7.0, 2.0)),
+        (["--set", "operator.leaderElection.leaseSeconds=15"], (15.0, 10.5, 3.0)),
+        (
+            [
+                "--set",
+                "operator.leaderElection.leaseSeconds=15",
+                "--set",
+                "operator.leaderElection.renewDeadlineSeconds=10",
+                "--set-json",
+                "operator.leaderElection.retryPeriodSeconds=2.5",
+            ],
+            (15.0, 10.0, 2.5),
+        ),
+    ],
+)
+def test_leader_election_values_reach_the_operators_timing(
+    k8s_bin_dir: Path, set_args: list[str], timing: tuple[float, float, float]
+) -> None:
+    # What the operator's CLI builds from the chart's arguments (and would refuse at start).
+    from warmserve_operator.leader import ElectionTiming
+
+    container = _find(_render(k8s_bin_dir, *set_args), "Deployment", "-operator")["spec"][
+        "template"
+    ]["spec"]["containers"][0]
+    a = _parse_cli(container["args"])
+    t = ElectionTiming.for_lease(a.lease_seconds, a.renew_deadline_seconds, a.retry_period_seconds)
+    assert (t.lease_s, t.renew_deadline_s, t.retry_s) == pytest.approx(timing)
 
 
 def _pod(docs: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, Any]:

@@ -521,6 +521,9 @@ class FakeKube:
     async def is_leader(self) -> bool:
         return self.leader
 
+    def leading(self) -> bool:
+        return self.leader
+
     async def sync_agent_nodes(self) -> None:
         return None
 

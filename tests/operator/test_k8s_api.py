@@ -309,3 +309,111 @@ def test_history_lives_in_the_operators_namespace_and_writes_elsewhere_are_refus
         asyncio.run(round_trip())
     finally:
         kubectl("delete", "-f", "-", input=victim, check=False)
+
+
+def test_the_lease_is_renewed_on_its_own_and_a_stalled_leader_fences(k8s_namespace: str) -> None:
+    """Two replicas on the real API server: the leader keeps the Lease through a long stretch
+    without polls (renewal is its own task); when its renewals stall it stops acting (leader-only
+    writes refused) within the renew deadline, and only after that does the other take over."""
+    from warmserve_operator.kube import KubeApi
+    from warmserve_operator.leader import ElectionTiming, NotLeader
+
+    timing = ElectionTiming(4, 3, 0.5)
+    ns = k8s_namespace
+
+    def replica(name: str) -> KubeApi:
+        return KubeApi(
+            peering="fence", identity=name, priority=1, history_namespace=ns, election=timing
+        )
+
+    async def until(pred: Any, within: float) -> float:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while not pred():
+            assert loop.time() - t0 < within
+            await asyncio.sleep(0.02)
+        return loop.time() - t0
+
+    async def scenario() -> None:
+        a, b = replica("a"), replica("b")
+        assert a.elector is not None and b.elector is not None
+        stop = asyncio.Event()
+        ta = asyncio.create_task(a.run_election(stop))
+        await until(a.leading, 10)
+        tb = asyncio.create_task(b.run_election(stop))
+        await asyncio.sleep(timing.lease_s + 1)  # longer than the Lease, no poll at all
+        assert a.leading() and not b.leading()
+        await a.write_history("uid-f", {"format": "x"}, "demo/m")
+
+        async def stalled() -> bool:
+            await asyncio.sleep(3600)
+            return True
+
+        a.elector.round = stalled  # its API calls hang from now on
+        fenced = await until(lambda: not a.leading(), timing.renew_deadline_s + 1)
+        with pytest.raises(NotLeader):
+            await a.write_history("uid-f", {"format": "y"}, "demo/m")
+        assert not b.leading(), "the other waits for the Lease to expire"
+        took = await until(b.leading, timing.lease_s + 2 * timing.retry_s + 2)
+        assert not a.leading()
+        print(f"leader fenced after {fenced:.2f} s; the other took over {took:.2f} s later")
+        stop.set()
+        await asyncio.gather(ta, tb)
+        assert not a.leading() and not b.leading()
+
+    asyncio.run(scenario())
+
+
+def test_a_cleanly_stopped_leader_hands_the_lease_over_at_once(k8s_namespace: str) -> None:
+    """Real API server: a leader that stops cleanly (a rolling update) empties the Lease, so the
+    standby takes over on its next round, well before the Lease would have expired; a replica
+    that never held it leaves the Lease alone."""
+    from kubernetes import client
+    from warmserve_operator.kube import KubeApi
+    from warmserve_operator.leader import ElectionTiming
+
+    timing = ElectionTiming(6, 4, 0.3)
+    ns = k8s_namespace
+
+    def replica(name: str) -> KubeApi:
+        return KubeApi(
+            peering="handover", identity=name, priority=1, history_namespace=ns, election=timing
+        )
+
+    def holder() -> str:
+        lease = client.CoordinationV1Api().read_namespaced_lease("handover-loop", ns)
+        return lease.spec.holder_identity or ""
+
+    async def scenario() -> float:
+        a, b = replica("a"), replica("b")
+        stop_a, stop_b, stop_c = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        ta = asyncio.create_task(a.run_election(stop_a))
+        for _ in range(500):
+            if a.leading():
+                break
+            await asyncio.sleep(0.02)
+        assert a.leading()
+        tb = asyncio.create_task(b.run_election(stop_b))
+        c = replica("c")  # stops without ever holding it: writes nothing
+        tc = asyncio.create_task(c.run_election(stop_c))
+        await asyncio.sleep(2 * timing.retry_s)
+        stop_c.set()
+        await tc
+        assert holder() == "a" and not b.leading()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        stop_a.set()
+        await ta
+        assert not a.leading()
+        while not b.leading():
+            assert loop.time() - t0 < timing.lease_s, "the standby waited for expiry"
+            await asyncio.sleep(0.02)
+        took = loop.time() - t0
+        assert holder() == "b"
+        stop_b.set()
+        await tb
+        return took
+
+    took = asyncio.run(scenario())
+    print(f"standby leads {took:.2f} s after the leader's clean stop (Lease {timing.lease_s} s)")
+    assert took < timing.lease_s / 2

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import warmserve_operator.history as history_io
 from operator_fakes import Clock, FakeAgent, FakeKube
 from warmserve_operator.agents import AgentPool
+from warmserve_operator.leader import NotLeader
 from warmserve_operator.observe import observation
 from warmserve_operator.reconciler import OperatorConfig, Reconciler
 
@@ -304,6 +306,54 @@ async def test_not_leader_does_nothing() -> None:
     h.kube.add_md("a", "llama-a", minInstances=1)
     await h.tick(3)
     assert not h.instances("llama-a") and h.kube.status_writes == 0
+
+
+async def test_leadership_lost_during_a_poll_stops_it_before_acting() -> None:
+    """The fence is checked after the poll's observation, not only at its start: a leader whose
+    Lease lapsed while it described the agents makes no agent call and writes no status."""
+    h = Harness()
+    h.kube.add_md("a", "llama-a", minInstances=1)
+    describe = h.agents["node-0"].describe
+
+    async def slow_describe() -> Any:
+        h.kube.leader = False  # the Lease task reports the loss meanwhile
+        return await describe()
+
+    h.agents["node-0"].describe = slow_describe  # type: ignore[method-assign]
+    writes = h.kube.status_writes
+    with pytest.raises(NotLeader):
+        await h.rec.tick()
+    await h.rec.drain_tasks(timeout=5)
+    assert not h.instances("llama-a") and h.kube.status_writes == writes
+    assert not h.rec.may_act()
+    h.agents["node-0"].describe = describe  # type: ignore[method-assign]
+    h.kube.leader = True
+    await h.tick(2)
+    assert h.instances("llama-a"), "acts again once it leads"
+
+
+async def test_a_call_decided_before_the_loss_is_not_sent() -> None:
+    """A decision launched while leading but run after the fence closed is dropped (the Actor
+    checks the fence right before each call, not only the poll)."""
+    h = Harness()
+    h.kube.add_md("a", "llama-a", minInstances=1)
+    closed = [False]
+    h.rec.actor.may_act = lambda: not closed[0]
+    launch = h.rec.actor.launch
+
+    def launch_then_lose(*a: Any) -> set[str]:
+        busy = launch(*a)  # the tasks exist; none has run yet
+        closed[0] = True
+        return busy
+
+    h.rec.actor.launch = launch_then_lose  # type: ignore[method-assign]
+    await h.tick()
+    assert not h.instances("llama-a")
+    assert not h.rec.actor.pending_starts, "a dropped call is no longer pending"
+    closed[0] = False
+    h.rec.actor.launch = launch  # type: ignore[method-assign]
+    await h.tick(2)
+    assert h.instances("llama-a")
 
 
 async def test_a_new_leader_waits_for_settle_polls() -> None:

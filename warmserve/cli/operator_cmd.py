@@ -128,8 +128,25 @@ def register(subparsers: Any) -> None:
         "--lease-seconds",
         type=float,
         default=10.0,
-        help="duration of the loop's leader Lease: a replacement takes over at most this long "
-        "after a leader dies",
+        help="duration of the loop's leader Lease (whole seconds): a replacement takes over at "
+        "most this long (plus one retry period) after a leader dies",
+    )
+    p.add_argument(
+        "--renew-deadline-seconds",
+        type=float,
+        default=None,
+        help="the leader stops acting (fences itself) when it has not renewed its Lease for "
+        "this long; must be shorter than --lease-seconds (client-go's renewDeadline; default: "
+        "0.7 x --lease-seconds, 7 s)",
+    )
+    p.add_argument(
+        "--retry-period-seconds",
+        type=float,
+        default=None,
+        help="time between Lease renewals by the leader and acquisition attempts by the other "
+        "replicas, on their own schedule whatever a poll takes; must be shorter than "
+        "--renew-deadline-seconds (client-go's retryPeriod; default: 0.2 x --lease-seconds, "
+        "2 s)",
     )
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port (0: off)")
     p.add_argument(
@@ -251,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
         make_predictor(args.predictor)
     except (PolicyInputError, KeyError, ValueError) as exc:
         raise CliError(str(exc).strip("'\"")) from exc
+    election = _election(args)
     _check_cluster()
 
     import kopf
@@ -268,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
         priority=priority,
         peering=peering,
         peering_lifetime=args.peering_lifetime,
-        lease_seconds=args.lease_seconds,
+        election=election,
         namespaces=tuple(args.namespaces),
         history_namespace=args.history_namespace,
         metrics_port=args.metrics_port,
@@ -302,6 +320,21 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _election(args: argparse.Namespace) -> Any:
+    """The leader-election timings, checked (a renew deadline not shorter than the Lease would
+    let two replicas act at once)."""
+    from warmserve_operator.leader import ElectionConfigError, ElectionTiming
+
+    from warmserve.cli import CliError
+
+    try:
+        return ElectionTiming.for_lease(
+            args.lease_seconds, args.renew_deadline_seconds, args.retry_period_seconds
+        )
+    except ElectionConfigError as exc:
+        raise CliError(f"{exc}; see --lease-seconds, --renew-deadline-seconds") from exc
 
 
 def _gateway_service(value: str | None) -> tuple[str, str] | None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -143,13 +144,21 @@ class HostSlotMapping:
 
 
 class SlotMemory:
-    """One rank's slot region, opened in the engine's process."""
+    """One rank's slot region, opened in the engine's process.
+
+    ``read`` and ``close`` may run on different threads (the agent's loader thread verifies new
+    layers while node shutdown stops the engine): a lock makes ``close`` wait for a read in
+    progress, and a read after ``close`` raises instead of touching unmapped memory (which
+    crashed the process with SIGSEGV).  A ``tensor()`` view is not guarded: its engine must be
+    done with it before it closes the slot."""
 
     def __init__(self, region: SlotRegion, backend: Any = None) -> None:
         self.region = region
         self.backend = backend
         self._host: HostSlotMapping | None = None
         self._tensor: Any = None
+        self._lock = threading.Lock()
+        self._closed = False
         if region.host_file:
             self.kind = "host-file"
         elif backend is not None and region.local and backend.name == "simulated":
@@ -178,6 +187,8 @@ class SlotMemory:
     def host_mapping(self) -> HostSlotMapping:
         if self.kind == "device":
             raise SlotMemoryError("device memory has no host mapping")
+        if self._closed:
+            raise SlotMemoryError("the slot memory is closed (its engine stopped)")
         if self._host is None:
             path, ppages = self._ppages()
             self._host = HostSlotMapping(
@@ -189,10 +200,11 @@ class SlotMemory:
         r = self.region
         if self.kind == "device":
             return bytes(self.backend.read(r.gpu, r.va + offset, nbytes))
-        m = self.host_mapping()
-        if offset < 0 or offset + nbytes > m.size:
-            raise SlotMemoryError(f"read [{offset}, {offset + nbytes}) outside the slot")
-        return ctypes.string_at(m.base + offset, nbytes)
+        with self._lock:
+            m = self.host_mapping()
+            if offset < 0 or offset + nbytes > m.size:
+                raise SlotMemoryError(f"read [{offset}, {offset + nbytes}) outside the slot")
+            return ctypes.string_at(m.base + offset, nbytes)
 
     def tensor(self) -> Any:
         """``torch.uint8`` tensor over the whole mapped region (weights + KV), no copy."""
@@ -223,10 +235,12 @@ class SlotMemory:
         return b <= ptr and ptr + nbytes <= b + self.region.mapped_bytes
 
     def close(self) -> None:
-        self._tensor = None
-        if self._host is not None:
-            self._host.close()
-            self._host = None
+        with self._lock:
+            self._closed = True
+            self._tensor = None
+            if self._host is not None:
+                self._host.close()
+                self._host = None
 
 
 class _CudaArray:

@@ -1,0 +1,376 @@
+"""The leader fence (operator/warmserve_operator/leader.py): renewal on its own schedule, and a
+leader that stops acting before anyone else may start.
+
+The property test replays Lease rounds of several replicas against one Lease with arbitrary
+delays (slow reads, slow writes, rounds that time out while their write still lands, long
+stalls) through the same pure rules the operator runs (:func:`next_lease`, :func:`after_round`,
+:func:`leading`) and checks that no two replicas ever lead at the same moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from warmserve_operator.leader import (
+    ElectionConfigError,
+    ElectionTiming,
+    Elector,
+    Leadership,
+    LeaseRecord,
+    after_round,
+    leading,
+    next_lease,
+)
+
+# ---------------------------------------------------------------------------- timings
+
+
+def test_timings_are_checked() -> None:
+    t = ElectionTiming()
+    assert (t.lease_s, t.renew_deadline_s, t.retry_s) == pytest.approx((10.0, 7.0, 2.0))
+    assert ElectionTiming.for_lease(4) == ElectionTiming(4, 4 * 0.7, 4 * 0.2)
+    assert ElectionTiming.for_lease(15, 10, 2) == ElectionTiming(15, 10, 2)
+    with pytest.raises(ElectionConfigError, match="shorter than the lease"):
+        ElectionTiming.for_lease(4, 5)
+    with pytest.raises(ElectionConfigError, match=r"renew deadline .* shorter than the lease"):
+        ElectionTiming(10, 10, 2)
+    with pytest.raises(ElectionConfigError, match=r"renew deadline .* shorter than the lease"):
+        ElectionTiming(10, 12, 2)
+    with pytest.raises(ElectionConfigError, match=r"retry period .* shorter than the renew"):
+        ElectionTiming(10, 5, 5)
+    with pytest.raises(ElectionConfigError, match="whole number"):
+        ElectionTiming(2.5, 1, 0.2)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ElectionConfigError, match="must be > 0"):
+            ElectionTiming(10, 7, bad)
+
+
+def test_cli_rejects_a_renew_deadline_not_shorter_than_the_lease(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from warmserve.cli import main
+
+    assert main(["operator", "--lease-seconds", "10", "--renew-deadline-seconds", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "renew deadline (10.0 s) must be shorter than the lease duration (10.0 s)" in err
+    assert "--renew-deadline-seconds" in err
+    assert main(["operator", "--retry-period-seconds", "7"]) == 2
+    assert "retry period (7.0 s) must be shorter" in capsys.readouterr().err
+
+
+def test_help_documents_the_election_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from warmserve.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["operator", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for flag in ("--lease-seconds", "--renew-deadline-seconds", "--retry-period-seconds"):
+        assert flag in out
+    assert "stops acting" in out and "0.7 x --lease-seconds, 7 s" in out
+    assert "0.2 x --lease-seconds, 2 s" in out
+
+
+# ---------------------------------------------------------------------------- the fence
+
+
+def test_fence_follows_the_last_successful_renewal() -> None:
+    t = ElectionTiming(4, 3, 1)
+    s = after_round(Leadership(), 10.0, True)
+    assert leading(s, t, 10.0) and leading(s, t, 12.99) and not leading(s, t, 13.0)
+    s2 = after_round(s, 11.0, None)  # a failed round changes nothing
+    assert s2 == s and not leading(s2, t, 13.5)
+    s3 = after_round(s2, 12.0, True)  # renewed: 3 s from the round's start
+    assert leading(s3, t, 14.9) and not leading(s3, t, 15.0)
+    s4 = after_round(s3, 13.0, False)  # another holds it: at once
+    assert not leading(s4, t, 13.0)
+
+
+delays = st.one_of(st.floats(0.0, 0.1), st.floats(0.0, 3.0))  # mostly quick, some stalls
+
+
+@st.composite
+def schedules(draw: st.DrawFn) -> tuple[ElectionTiming, list[list[tuple[float, ...]]]]:
+    """Timings, and per replica its rounds: (gap before it, read takes, write takes, the
+    answer takes)."""
+    lease = draw(st.integers(1, 4))
+    deadline = draw(st.floats(0.1, lease - 0.01))
+    timing = ElectionTiming(lease, deadline, deadline / 2)
+    plans = [
+        draw(st.lists(st.tuples(delays, delays, delays, delays), min_size=1, max_size=12))
+        for _ in range(draw(st.integers(2, 3)))
+    ]
+    return timing, plans
+
+
+@given(schedules(), st.lists(st.integers(0, 3), min_size=3, max_size=3))
+@settings(max_examples=400, deadline=None)
+def test_no_two_replicas_lead_at_once(
+    sched: tuple[ElectionTiming, list[list[tuple[float, ...]]]], prios: list[int]
+) -> None:
+    replay(*sched, prios)
+
+
+Fence = Callable[[Leadership, ElectionTiming, float], bool]
+
+
+def replay(
+    timing: ElectionTiming,
+    plans: list[list[tuple[float, ...]]],
+    prios: list[int],
+    fence: Fence = leading,
+) -> None:
+    """Run the replicas' rounds on one timeline; assert that at most one passes ``fence`` at
+    any moment."""
+    rd = timing.renew_deadline_s
+    names = [f"r{i}" for i in range(len(plans))]
+    lease: LeaseRecord | None = None
+    version = 0
+    states = [Leadership() for _ in names]
+    # (replica, round) -> (version read, decision) once read before the round timed out
+    reads: dict[tuple[int, int], tuple[int, bool, LeaseRecord | None]] = {}
+    results: dict[tuple[int, int], bool | None] = {}
+    finished: set[tuple[int, int]] = set()
+    starts: dict[tuple[int, int], float] = {}
+    events: list[tuple[float, int, int, int, str]] = []
+    seq = itertools.count()
+
+    def start(i: int, j: int, t: float) -> None:
+        if j >= len(plans[i]):
+            return
+        gap, read, write, answer = plans[i][j]
+        t0 = t + gap
+        starts[i, j] = t0
+        left = states[i].renewed_at + rd - t0
+        budget = left if states[i].holder and left > 0 else rd
+        events.append((t0 + read, next(seq), i, j, "read"))
+        events.append((t0 + read + write, next(seq), i, j, "write"))
+        events.append((t0 + read + write + answer, next(seq), i, j, "answer"))
+        events.append((t0 + budget, next(seq), i, j, "timeout"))
+
+    def check(t: float) -> None:
+        """At most one replica passes the fence at ``t`` (states change only at events, and
+        the fence only closes between them, so events are the moments to look at)."""
+        now = [k for k in range(len(names)) if fence(states[k], timing, t)]
+        assert len(now) <= 1, f"{[names[k] for k in now]} all lead at {t:.3f}: {states}"
+
+    for i in range(len(names)):
+        start(i, 0, 0.0)
+    while events:
+        events.sort()
+        t, _, i, j, kind = events.pop(0)
+        check(t)
+        if kind == "read":
+            if (i, j) in finished:
+                continue  # timed out first: the round was cancelled before it could write
+            lead, write = next_lease(lease, names[i], prios[i], t, float(timing.lease_s))
+            if lease is not None and lease.holder == names[i] and write and not write.holder:
+                states[i] = Leadership(False, states[i].renewed_at)  # before_release
+            reads[i, j] = (version, lead, write)
+        elif kind == "write":
+            if (i, j) not in reads:
+                continue
+            read_version, lead, write = reads[i, j]
+            if write is None:
+                results[i, j] = lead
+            elif read_version == version:  # compare-and-swap on resourceVersion
+                lease, version = replace(write, resource_version=str(version + 1)), version + 1
+                results[i, j] = lead
+            else:
+                results[i, j] = None  # conflict: unknown
+        elif (i, j) not in finished:  # the answer, or the timeout, whichever comes first
+            finished.add((i, j))
+            held = results.get((i, j)) if kind == "answer" else None
+            states[i] = after_round(states[i], starts[i, j], held)
+            start(i, j + 1, t)
+        check(t)
+
+
+def test_the_replay_catches_a_fence_that_outlives_the_lease() -> None:
+    """Not vacuous: a leader whose renewal stalls (5 s answer) is replaced by a polling
+    standby; the real fence keeps them apart, a fence without a deadline (the old loop: lead
+    until the next round says otherwise) or one as long as the Lease does not."""
+    timing = ElectionTiming(2, 1.5, 0.75)
+    quick = (0.5, 0.01, 0.01, 0.01)
+    plans = [[(0, 0.01, 0.01, 0.01), (0.5, 0.01, 0.01, 5.0), quick], [quick] * 10]
+    replay(timing, plans, [1, 0])
+    for bad in (
+        lambda s, t, now: s.holder,
+        lambda s, t, now: s.holder and now - s.renewed_at < t.lease_s + 0.5,
+    ):
+        with pytest.raises(AssertionError, match="all lead"):
+            replay(timing, plans, [1, 0], bad)
+
+
+# ---------------------------------------------------------------------------- the Elector
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_elector_fences_at_the_deadline_and_logs_it(caplog: pytest.LogCaptureFixture) -> None:
+    """A leader whose renewals fail stops at the renew deadline, says why, reports it once."""
+    clock = FakeClock()
+    answers: list[bool | Exception | None] = [True, RuntimeError("etcd down"), None]
+    changes: list[tuple[bool, str]] = []
+
+    async def round_() -> bool | None:
+        a = answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    e = Elector(round_, ElectionTiming(4, 3, 1), clock)
+    e.on_change = lambda lead, why: changes.append((lead, why))
+
+    async def go() -> None:
+        await e.run_round()
+        assert e.leading() and changes == [(True, "acquired")]
+        clock.t += 2.0
+        await e.run_round()  # an API error: still leading until the deadline
+        assert e.leading()
+        clock.t += 0.9
+        await e.run_round()  # unknown (a conflict)
+        assert e.leading()
+        clock.t += 0.2  # 3.1 s since the last successful renewal started
+        assert not e.leading() and not e.leading()
+
+    with caplog.at_level("INFO", logger="warmserve.operator"):
+        asyncio.run(go())
+    assert changes == [(True, "acquired"), (False, "renew_deadline")]
+    lost = [r.getMessage() for r in caplog.records if "leadership_lost" in r.getMessage()]
+    assert lost == [
+        "event=leadership_lost reason=renew_deadline since_renewal_s=3.10 renew_deadline_s=3.00"
+    ]
+
+
+def test_elector_renews_while_a_poll_blocks_and_stops_on_stop() -> None:
+    """Renewal runs on its own task: a poll that takes longer than the Lease does not stop it."""
+    rounds: list[float] = []
+
+    async def round_() -> bool:
+        rounds.append(asyncio.get_running_loop().time())
+        return True
+
+    async def go() -> None:
+        e = Elector(round_, ElectionTiming(1, 0.5, 0.05))
+        stop = asyncio.Event()
+        task = asyncio.create_task(e.run(stop))
+        await asyncio.sleep(0.6)  # "a slow poll" on the same loop
+        assert e.leading() and len(rounds) >= 5
+        stop.set()
+        await task
+        assert not e.leading()
+
+    asyncio.run(go())
+
+
+def test_a_released_lease_fences_before_the_write() -> None:
+    """hold_lease calls before_release before writing the hand-over (the asker may take the
+    Lease as soon as that write lands)."""
+    from warmserve_operator.leader import PREEMPT_ANNOTATION, PRIORITY_ANNOTATION, hold_lease
+
+    order: list[str] = []
+
+    obj = SimpleNamespace(
+        metadata=SimpleNamespace(
+            annotations={PRIORITY_ANNOTATION: "1", PREEMPT_ANNOTATION: "other"},
+            resource_version="5",
+        ),
+        spec=SimpleNamespace(
+            holder_identity="me", renew_time="2999-01-01T00:00:00Z", lease_duration_seconds=10
+        ),
+    )
+
+    class Coord:
+        def read_namespaced_lease(self, name: str, ns: str) -> SimpleNamespace:
+            return obj
+
+        def replace_namespaced_lease(self, name: str, ns: str, body: object) -> None:
+            order.append("write")
+
+    async def run(fn: object, *a: object) -> object:
+        return fn(*a)  # type: ignore[operator]
+
+    got = asyncio.run(
+        hold_lease(
+            Coord(),
+            RuntimeError,
+            run,
+            "ns",
+            "l",
+            "me",
+            1,
+            10.0,
+            "m",
+            lambda: order.append("fenced"),
+        )
+    )
+    assert got is False and order == ["fenced", "write"]
+
+
+# ---------------------------------------------------------------------------- release on stop
+
+
+def test_only_the_holder_releases() -> None:
+    from warmserve_operator.leader import released
+
+    mine = LeaseRecord("me", 5.0, 10.0, 3, "other", "7")
+    assert released(mine, "me") == LeaseRecord("", 5.0, 10.0, 3, "", "7")
+    assert released(replace(mine, holder="other"), "me") is None
+    assert released(replace(mine, holder=""), "me") is None
+    assert released(None, "me") is None
+
+
+@pytest.mark.parametrize("outcome", ["ok", "fails", "hangs"])
+def test_a_clean_stop_fences_then_releases_a_held_lease(
+    outcome: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """client-go's ReleaseOnCancel: on stop the leader stops acting first, then empties the
+    Lease (best effort, bounded by one retry period); a replica that does not hold it writes
+    nothing."""
+    calls: list[bool] = []
+
+    async def go(holds: bool) -> None:
+        e: Elector
+
+        async def round_() -> bool:
+            return holds
+
+        async def release() -> None:
+            calls.append(e.leading())  # the fence is already down when the write goes out
+            if outcome == "fails":
+                raise RuntimeError("etcd down")
+            if outcome == "hangs":
+                await asyncio.sleep(3600)
+
+        e = Elector(round_, ElectionTiming(1, 0.5, 0.05), release_=release)
+        stop = asyncio.Event()
+        task = asyncio.create_task(e.run(stop))
+        await asyncio.sleep(0.12)
+        assert e.leading() is holds
+        stop.set()
+        await asyncio.wait_for(task, 1.0)  # a hanging release is cut at one retry period
+        assert not e.leading()
+
+    with caplog.at_level("INFO", logger="warmserve.operator"):
+        asyncio.run(go(holds=True))
+        asyncio.run(go(holds=False))
+    assert calls == [False]
+    logged = [r.getMessage() for r in caplog.records if "lease_release" in r.getMessage()]
+    assert logged == (
+        ["event=lease_released"]
+        if outcome == "ok"
+        else [m for m in logged if m.startswith("event=lease_release_failed")]
+    ) and len(logged) == 1
