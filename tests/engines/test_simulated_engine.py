@@ -28,7 +28,7 @@ async def _flood(endpoint: str, n: int, timeout: float) -> list[BaseException | 
     import aiohttp
 
     async def one(s: aiohttp.ClientSession) -> int:
-        async with s.post(f"{endpoint}/v1/completions", json={"prompt": "x", "max_tokens": 4}) as r:
+        async with s.post(f"{endpoint}/v1/completions", json={"prompt": "x", "max_tokens": 8}) as r:
             await r.read()
             return r.status
 
@@ -43,9 +43,10 @@ def test_queue_is_bounded_and_abandoned_requests_are_dropped(
     inst, _ = core.activate("gamma", [0])
     eng = inst.engine
     limit = 4 * 1  # 4 x max_batch
-    # 12 clients that give up after 1.5 s (the first request needs 4 s): one runs, `limit`
-    # wait, the rest are refused (429) at once; 1.5 s leaves a loaded CI machine time to connect
-    results = asyncio.run(_flood(inst.endpoint, 12, timeout=1.5))
+    # 12 clients that give up after 3 s (the first request needs 8 s): one runs, `limit`
+    # wait, the rest are refused (429) at once; 3 s leaves a loaded CI machine (load 4.5 failed
+    # with 1.5 s against a 4 s request) time to connect and be refused
+    results = asyncio.run(_flood(inst.endpoint, 12, timeout=3.0))
     refused = [r for r in results if r == 429]
     assert len(refused) == 12 - 1 - limit, results
     # every client went away: nothing may stay queued or running and count as load
