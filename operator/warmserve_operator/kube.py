@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .leader import ElectionTiming, Elector, NotLeader
+from .leader import ElectionTiming, Elector, LeaseTarget, NotLeader
 from .spec import API_VERSION, GROUP, MD_KIND, MD_PLURAL, NODE_KIND, NODE_PLURAL, VERSION
 
 log = logging.getLogger("warmserve.operator.kube")
@@ -356,35 +356,28 @@ class KubeApi:
         if self.elector is not None:
             await self.elector.run(stop)
 
-    async def _lease_round(self) -> bool | None:
-        from .leader import hold_lease
-
-        return await hold_lease(
+    def _lease(self) -> LeaseTarget:
+        return LeaseTarget(
             self._coord,
             self._exc,
             self._t,
             self.history_namespace,
             f"{self.peering}-loop",
-            self.identity[:128],
-            self.priority,
-            self.timing.lease_s,
             COMPONENT,
-            self.elector.release if self.elector is not None else lambda: None,
+        )
+
+    async def _lease_round(self) -> bool | None:
+        from .leader import hold_lease
+
+        release = self.elector.release if self.elector is not None else lambda: None
+        return await hold_lease(
+            self._lease(), self.identity[:128], self.priority, self.timing.lease_s, release
         )
 
     async def _lease_release(self) -> bool:
         from .leader import release_lease
 
-        return await release_lease(
-            self._coord,
-            self._exc,
-            self._t,
-            self.history_namespace,
-            f"{self.peering}-loop",
-            self.identity[:128],
-            self.timing.lease_s,
-            COMPONENT,
-        )
+        return await release_lease(self._lease(), self.identity[:128], self.timing.lease_s)
 
     async def sync_agent_nodes(self) -> None:
         """Create/update a GPUNode for every running agent pod (see :class:`AgentDiscovery`)."""

@@ -188,64 +188,57 @@ def _unix(value: Any) -> float:
     return dt.datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
 
 
+@dataclass(frozen=True, slots=True)
+class LeaseTarget:
+    """Where a replica's Lease rounds go: ``coord``, a ``CoordinationV1Api``; ``run``, runs a
+    blocking client call off the event loop; ``api_exception``, the client's error type; the
+    Lease ``namespace/name``; ``manager``, the ``managed-by`` label it carries."""
+
+    coord: Any
+    api_exception: type[Exception]
+    run: Callable[..., Any]
+    namespace: str
+    name: str
+    manager: str
+
+
 async def hold_lease(
-    coord: Any,
-    api_exception: type[Exception],
-    run: Callable[..., Any],
-    namespace: str,
-    name: str,
+    target: LeaseTarget,
     me: str,
     priority: int,
     duration_s: float,
-    manager: str,
     before_release: Callable[[], None] = lambda: None,
 ) -> bool | None:
-    """One round of :func:`next_lease` against the Lease ``namespace/name`` (``coord``: a
-    ``CoordinationV1Api``; ``run``: runs a blocking client call off the event loop).  None: our
-    write lost a conflict, so who holds it is unknown until the next round."""
-    obj, rec = await _read_lease(coord, api_exception, run, namespace, name, duration_s)
+    """One round of :func:`next_lease` against the Lease.  None: our write lost a conflict, so
+    who holds it is unknown until the next round."""
+    obj, rec = await _read_lease(target, duration_s)
     now = dt.datetime.now(dt.UTC).timestamp()
     leader, write = next_lease(rec, me, priority, now, duration_s)
     if write is None:
         return leader
     if rec is not None and rec.holder == me and not write.holder:
         before_release()  # stop acting before the asker can take it
-    if not await _write_lease(coord, api_exception, run, namespace, name, obj, write, manager):
+    if not await _write_lease(target, obj, write):
         # Another replica wrote first: a higher priority asking us to hand over (we still hold
         # it) or a taker of an expired Lease (our deadline passed before that).
         return None
     return leader
 
 
-async def release_lease(
-    coord: Any,
-    api_exception: type[Exception],
-    run: Callable[..., Any],
-    namespace: str,
-    name: str,
-    me: str,
-    duration_s: float,
-    manager: str,
-) -> bool:
+async def release_lease(target: LeaseTarget, me: str, duration_s: float) -> bool:
     """Empty the Lease if it is still ours (:func:`released`); True if it was written."""
-    obj, rec = await _read_lease(coord, api_exception, run, namespace, name, duration_s)
+    obj, rec = await _read_lease(target, duration_s)
     write = released(rec, me)
     if write is None:
         return False
-    return await _write_lease(coord, api_exception, run, namespace, name, obj, write, manager)
+    return await _write_lease(target, obj, write)
 
 
-async def _read_lease(
-    coord: Any,
-    api_exception: type[Exception],
-    run: Callable[..., Any],
-    namespace: str,
-    name: str,
-    duration_s: float,
-) -> tuple[Any, LeaseRecord | None]:
+async def _read_lease(target: LeaseTarget, duration_s: float) -> tuple[Any, LeaseRecord | None]:
+    t = target
     try:
-        obj = await run(coord.read_namespaced_lease, name, namespace)
-    except api_exception as exc:
+        obj = await t.run(t.coord.read_namespaced_lease, t.name, t.namespace)
+    except t.api_exception as exc:
         if getattr(exc, "status", None) != 404:
             raise
         return None, None
@@ -260,30 +253,22 @@ async def _read_lease(
     )
 
 
-async def _write_lease(
-    coord: Any,
-    api_exception: type[Exception],
-    run: Callable[..., Any],
-    namespace: str,
-    name: str,
-    obj: Any,
-    write: LeaseRecord,
-    manager: str,
-) -> bool:
+async def _write_lease(target: LeaseTarget, obj: Any, write: LeaseRecord) -> bool:
     """Create or replace (with the read ``resourceVersion``); False: another replica wrote
     first (404/409)."""
     from kubernetes import client
 
+    t = target
     body = client.V1Lease(
         metadata=client.V1ObjectMeta(
-            name=name,
-            namespace=namespace,
+            name=t.name,
+            namespace=t.namespace,
             resource_version=write.resource_version or None,
             annotations={
                 PRIORITY_ANNOTATION: str(write.priority),
                 PREEMPT_ANNOTATION: write.preempt_by,
             },
-            labels={"app.kubernetes.io/managed-by": manager},
+            labels={"app.kubernetes.io/managed-by": t.manager},
         ),
         spec=client.V1LeaseSpec(
             holder_identity=write.holder,
@@ -293,10 +278,10 @@ async def _write_lease(
     )
     try:
         if obj is None:
-            await run(coord.create_namespaced_lease, namespace, body)
+            await t.run(t.coord.create_namespaced_lease, t.namespace, body)
         else:
-            await run(coord.replace_namespaced_lease, name, namespace, body)
-    except api_exception as exc:
+            await t.run(t.coord.replace_namespaced_lease, t.name, t.namespace, body)
+    except t.api_exception as exc:
         if getattr(exc, "status", None) in (404, 409):
             return False
         raise

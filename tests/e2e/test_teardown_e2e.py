@@ -19,7 +19,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from e2e_support import REPO, Load, Procs, W, describe_agents, get_json, wait_for, write_models
+from e2e_support import (
+    REPO,
+    Load,
+    Procs,
+    W,
+    describe_agents,
+    get_json,
+    register_gpu_node,
+    wait_for,
+    write_models,
+)
 from k8s_support import apply_chart_operator_rbac
 
 MAX_GRACE_S = 8.0
@@ -81,13 +91,7 @@ def test_delete_drains_through_grace_and_a_duplicate_owns_nothing(
         lambda: addr_file.exists() and addr_file.read_text(), "agent up", 60, procs.log
     )
     node = f"{ns}-node-a"
-    gpunode = {
-        "apiVersion": "warmserve.io/v1alpha1",
-        "kind": "GPUNode",
-        "metadata": {"name": node},
-        "spec": {"agentAddress": address},
-    }
-    kubectl("apply", "-f", "-", input=json.dumps(gpunode))
+    register_gpu_node(kubectl, node, address)
 
     def logs() -> str:
         return procs.log("operator", 60) + "\n" + procs.log("agent", 20)

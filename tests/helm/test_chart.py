@@ -207,6 +207,17 @@ def test_bad_values_fail_with_a_message(
     assert message in proc.stderr
 
 
+# Every leader-election value set (a float through --set-json: --set makes "2.5" a string).
+CUSTOM_ELECTION = [
+    "--set",
+    "operator.leaderElection.leaseSeconds=15",
+    "--set",
+    "operator.leaderElection.renewDeadlineSeconds=10",
+    "--set-json",
+    "operator.leaderElection.retryPeriodSeconds=2.5",
+]
+
+
 def _parse_cli(args: list[str]) -> argparse.Namespace:
     """Parse ``args`` with the real ``warmserve`` argument parser (fails on unknown flags)."""
     from warmserve.cli import build_parser
@@ -246,12 +257,7 @@ def _env_refs_are_defined(container: dict[str, Any]) -> None:
             "operator.predictor=seasonal",
             "--set",
             "operator.watchNamespaces={team-a,team-b}",
-            "--set",
-            "operator.leaderElection.leaseSeconds=15",
-            "--set",
-            "operator.leaderElection.renewDeadlineSeconds=10",
-            "--set-json",
-            "operator.leaderElection.retryPeriodSeconds=2.5",
+            *CUSTOM_ELECTION,
         ],
         ["-f", str(KIND_VALUES)],
     ],
@@ -275,17 +281,7 @@ def test_container_args_are_accepted_by_the_warmserve_cli(
     [
         ([], (10.0, 7.0, 2.0)),
         (["--set", "operator.leaderElection.leaseSeconds=15"], (15.0, 10.5, 3.0)),
-        (
-            [
-                "--set",
-                "operator.leaderElection.leaseSeconds=15",
-                "--set",
-                "operator.leaderElection.renewDeadlineSeconds=10",
-                "--set-json",
-                "operator.leaderElection.retryPeriodSeconds=2.5",
-            ],
-            (15.0, 10.0, 2.5),
-        ),
+        (CUSTOM_ELECTION, (15.0, 10.0, 2.5)),
     ],
 )
 def test_leader_election_values_reach_the_operators_timing(

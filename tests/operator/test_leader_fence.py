@@ -279,7 +279,12 @@ def test_elector_renews_while_a_poll_blocks_and_stops_on_stop() -> None:
 def test_a_released_lease_fences_before_the_write() -> None:
     """hold_lease calls before_release before writing the hand-over (the asker may take the
     Lease as soon as that write lands)."""
-    from warmserve_operator.leader import PREEMPT_ANNOTATION, PRIORITY_ANNOTATION, hold_lease
+    from warmserve_operator.leader import (
+        PREEMPT_ANNOTATION,
+        PRIORITY_ANNOTATION,
+        LeaseTarget,
+        hold_lease,
+    )
 
     order: list[str] = []
 
@@ -305,15 +310,10 @@ def test_a_released_lease_fences_before_the_write() -> None:
 
     got = asyncio.run(
         hold_lease(
-            Coord(),
-            RuntimeError,
-            run,
-            "ns",
-            "l",
+            LeaseTarget(Coord(), RuntimeError, run, "ns", "l", "m"),
             "me",
             1,
             10.0,
-            "m",
             lambda: order.append("fenced"),
         )
     )
