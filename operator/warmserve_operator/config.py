@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from warmserve.control.controller import ControlConfig
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import PolicyInputError
+from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_SPARES
 
 from .spec import DEFAULT_LOAD_BANDWIDTH
 
@@ -26,6 +27,7 @@ class OperatorConfig:
     agent_lost_after: int = 3
     evict_aware: bool = True
     spare_replicas: int = 0  # ControlConfig.spare_replicas (docs/policy.md "Spare replicas")
+    overshoot_spares: int = DEFAULT_OVERSHOOT_SPARES  # ControlConfig.overshoot_spares
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
     node_status_refresh_s: float = 30.0
     # Consecutive polls this replica must hold the Lease before acting (docs/operator.md); the
@@ -46,6 +48,8 @@ class OperatorConfig:
             raise PolicyInputError("load bandwidth must be > 0")
         if self.spare_replicas < 0:
             raise PolicyInputError(f"spare replicas must be >= 0, got {self.spare_replicas}")
+        if self.overshoot_spares < 0:
+            raise PolicyInputError(f"overshoot spares must be >= 0, got {self.overshoot_spares}")
 
     def control(self) -> ControlConfig:
         return ControlConfig(
@@ -55,4 +59,5 @@ class OperatorConfig:
             predictor=self.predictor,
             evict_aware=self.evict_aware,
             spare_replicas=self.spare_replicas,
+            overshoot_spares=self.overshoot_spares,
         )

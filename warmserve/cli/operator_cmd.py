@@ -13,6 +13,7 @@ import uuid
 from typing import Any
 
 from warmserve.cli import DefaultsHelpFormatter
+from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_SPARES
 
 
 def _env_float(name: str, default: float) -> float:
@@ -92,6 +93,14 @@ def register(subparsers: Any) -> None:
         default=0,
         help="extra burst prewarm replicas per model beyond Eq. 6, kept warm behind each start "
         "(docs/policy.md 'Spare replicas'; 0: the paper's Eq. 6)",
+    )
+    p.add_argument(
+        "--overshoot-spares",
+        type=int,
+        default=DEFAULT_OVERSHOOT_SPARES,
+        help="extra burst prewarm replicas for a model whose demand passed its forecast peak "
+        "this window or the last (docs/policy.md 'Overshoot spares'; 0: off; default "
+        "%(default)s)",
     )
     p.add_argument(
         "--peering",
@@ -259,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
             load_bandwidth=args.load_bandwidth_gib * 1024**3,
             agent_lost_after=args.agent_lost_after,
             spare_replicas=args.spare_replicas,
+            overshoot_spares=args.overshoot_spares,
             autoscaler=AutoscalerConfig(
                 scale_down_delay_s=args.scale_down_delay, max_grace_s=args.max_grace
             ),

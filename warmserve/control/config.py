@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import PolicyInputError
+from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_SPARES
 from warmserve.policy.predictor import Predictor, season_length
 
 
@@ -35,10 +36,17 @@ class ControlConfig:
     # paper's Eq. 6; the operator (--spare-replicas) and the simulator (policy.spare_replicas)
     # pass the same value through.
     spare_replicas: int = 0
+    # Extra burst replicas for a model whose demand has passed its forecast peak in this or the
+    # previous window (warmserve.policy.overshoot, docs/policy.md "Overshoot spares"); 0: off.
+    overshoot_spares: int = DEFAULT_OVERSHOOT_SPARES
 
     def __post_init__(self) -> None:
         if self.spare_replicas < 0:
             raise PolicyInputError(f"spare_replicas must be >= 0, got {self.spare_replicas}")
+        if self.overshoot_spares < 0:
+            raise PolicyInputError(
+                f"overshoot_spares must be >= 0, got {self.overshoot_spares}"
+            )
         if not (math.isfinite(self.window_s) and self.window_s > 0):
             raise PolicyInputError(f"window must be > 0 seconds, got {self.window_s}")
         season_length(self.window_s, self.day_s)  # raises unless the window divides a day

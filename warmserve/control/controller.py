@@ -59,6 +59,7 @@ from warmserve.policy.cluster import (
 )
 from warmserve.policy.evict_aware_placement import PrewarmPlan, plan_prewarm
 from warmserve.policy.fairness import FairDemand, fair_caps
+from warmserve.policy.overshoot import peak_exceeded, spares_for
 from warmserve.policy.predictor import season_length
 from warmserve.policy.reclaim import plan_reclaim
 from warmserve.policy.start_choice import NoCapacity, choose_start
@@ -99,6 +100,8 @@ class Controller(ModelTracking):
         self.replan_reasons: set[str] = {"start"}
         self.stale: set[str] = set()  # models whose forecast must be recomputed
         self.last_plan: PrewarmPlan | None = None
+        # model -> the last window in which its demand passed its forecast peak (overshoot)
+        self.overshoot: dict[str, int] = {}
         self.last_plan_state: ClusterState | None = None  # the snapshot it was planned on
         self.plans = 0
         self.snapshot_memo = SnapshotMemo()  # reuse between polls (pure: same snapshot)
@@ -126,6 +129,7 @@ class Controller(ModelTracking):
         """
         state = self.snapshot(obs)
         self._note_free(state)
+        self._note_overshoot()
         loads = observed_demand(obs, self.models)
         slot_of = {(s.model, s.node, s.gpus): s.id for s in obs.slots if not s.foreign and s.id}
         by_key = {instance_key(i.node, i.gpus): i for i in obs.instances if not i.foreign}
@@ -179,7 +183,7 @@ class Controller(ModelTracking):
                     self.meta.pop((r.model, r.node, r.gpus), None)
                 if choice.replica is not None:
                     self.meta.pop((model, choice.node, choice.gpus), None)
-                    if self.cfg.spare_replicas:
+                    if self._spare_of(model):
                         # the spare behind this start (docs/policy.md "Spare replicas")
                         self.replan_reasons.add("replica used")
                 state = apply_start(state, choice, "")
@@ -306,11 +310,42 @@ class Controller(ModelTracking):
         else:
             self.last_free = {k: min(v, self.last_free.get(k, v)) for k, v in cur.items()}
 
+    def _note_overshoot(self) -> None:
+        """Flag each model whose demand has passed its forecast peak in this window
+        (:mod:`warmserve.policy.overshoot`); a newly flagged model's spare is planned now."""
+        if not self.cfg.overshoot_spares or self.window_index is None:
+            return
+        w = self.window_index
+        for model, st in self.models.items():
+            if self.overshoot.get(model) == w:
+                continue
+            if peak_exceeded(st.tracker.peak_so_far, st.forecast):
+                if self._spare_of(model) == self.cfg.spare_replicas:  # not held from the last
+                    self.replan_reasons.add("peak forecast exceeded")
+                self.overshoot[model] = w
+
+    def spares(self) -> dict[str, int]:
+        """Extra burst replicas per managed model beyond Eq. 6 now (``spare_replicas`` for
+        every model, ``overshoot_spares`` more for a model whose forecast peak was exceeded
+        this window or the last)."""
+        w = -1 if self.window_index is None else self.window_index
+        return spares_for(
+            {m: self.overshoot.get(m) for m in self.models}, w,
+            base=self.cfg.spare_replicas, overshoot=self.cfg.overshoot_spares,
+        )
+
+    def _spare_of(self, model: str) -> int:
+        w = -1 if self.window_index is None else self.window_index
+        return spares_for(
+            {model: self.overshoot.get(model)}, w,
+            base=self.cfg.spare_replicas, overshoot=self.cfg.overshoot_spares,
+        )[model]
+
     def _plan(
         self, state: ClusterState, slot_of: Mapping[ReplicaKey, str]
     ) -> tuple[PrewarmPlan, list[Decision]]:
         plan = plan_prewarm(
-            state, evict_aware=self.cfg.evict_aware, spare_replicas=self.cfg.spare_replicas
+            state, evict_aware=self.cfg.evict_aware, spare_replicas=self.spares()
         )
         self.plans += 1
         self.last_plan = plan

@@ -60,7 +60,7 @@ then partially overlap, which is exactly the interference §2.3 describes.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -203,7 +203,7 @@ def _stale(state: ClusterState, r: Replica, busy: dict[str, set[int]]) -> bool:
 
 
 def _match_existing(
-    state: ClusterState, busy: dict[str, set[int]], spare: int = 0
+    state: ClusterState, busy: dict[str, set[int]], spare: int | Mapping[str, int] = 0
 ) -> tuple[list[Replica], list[Replica], list[ReplicaRequest]]:
     """Split resident replicas into keep/evict and return the requests still to place."""
     by_model: dict[str, list[Replica]] = defaultdict(list)
@@ -215,7 +215,8 @@ def _match_existing(
     for name in sorted(set(state.models)):
         spec = state.models[name]
         fc = state.forecasts.get(name)
-        wanted = model_replicas(spec, fc, state.active_instances(name), spare) if fc else []
+        extra = spare if isinstance(spare, int) else spare.get(name, 0)
+        wanted = model_replicas(spec, fc, state.active_instances(name), extra) if fc else []
         resident = sorted(
             by_model.get(name, []),
             key=lambda r: (KIND_RANK[r.kind], r.rank, r.node, r.gpus),
@@ -357,13 +358,17 @@ def _place_first_fit(
 
 
 def plan_prewarm(
-    state: ClusterState, *, evict_aware: bool = True, spare_replicas: int = 0
+    state: ClusterState,
+    *,
+    evict_aware: bool = True,
+    spare_replicas: int | Mapping[str, int] = 0,
 ) -> PrewarmPlan:
     """Plan the next window's prewarm replicas (Algorithm 1; see the module docstring).
 
     Deterministic: the same snapshot gives the same plan.  ``evict_aware=False`` is the §7.5
     ablation (first-fit, no nesting rule).  ``spare_replicas``: extra burst replicas per model
-    beyond Eq. 6 (:mod:`warmserve.policy.scoring`).
+    beyond Eq. 6 (:mod:`warmserve.policy.scoring`), the same for every model or per model (a
+    mapping; models not in it get none: :mod:`warmserve.policy.overshoot`).
     """
     busy = busy_gpus(state, include_grace=False)
     keep, evict, todo = _match_existing(state, busy, spare_replicas)

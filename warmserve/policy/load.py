@@ -227,6 +227,11 @@ class WindowLoadTracker:
         return self._window_start
 
     @property
+    def peak_so_far(self) -> float:
+        """The current window's peak up to now (the level held now included)."""
+        return max(self._peak, self._level)
+
+    @property
     def inflight(self) -> float:
         """The in-flight count most recently reported."""
         return self._level

@@ -117,6 +117,7 @@ class Simulation(Gateway, Batching, Lifecycle):
         check: bool = False,
         record: bool = False,
         spare_replicas: int = 0,
+        overshoot_spares: int = 0,
     ) -> None:
         self.check = check
         self.sys = system
@@ -178,6 +179,7 @@ class Simulation(Gateway, Batching, Lifecycle):
                     evict_aware=system.evict_aware,
                     reclaim=system.reclaim,
                     spare_replicas=spare_replicas,
+                    overshoot_spares=overshoot_spares,
                 )
             )
             self.controller.set_models(

@@ -281,6 +281,7 @@ def run_system(
         check=check,
         record=record,
         spare_replicas=sc.spare_replicas,
+        overshoot_spares=sc.overshoot_spares,
     )
     out = sim.run()
     wall = time.perf_counter() - t0

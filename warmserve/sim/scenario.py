@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from warmserve.policy.cluster import PolicyInputError
+from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_SPARES
 
 
 class ScenarioError(PolicyInputError):
@@ -61,6 +62,7 @@ class Scenario:
     fine_arrivals: str | None = None  # arrival template trace, "poisson"; None: the lengths trace
     prewarm_depth: str = "budget"  # "budget" or "profiled" (models[].prewarm_layers overrides)
     spare_replicas: int = 0  # ControlConfig.spare_replicas (docs/policy.md "Spare replicas")
+    overshoot_spares: int = DEFAULT_OVERSHOOT_SPARES  # ControlConfig.overshoot_spares
     grace_s: float = 300.0
     scale_down_delay_s: float = 60.0
     scale_up_utilization: float = 1.0
@@ -128,7 +130,7 @@ def parse(doc: Any, source: str = "scenario") -> Scenario:
         {
             "window_s", "predictor", "grace_s", "scale_interval_s", "queue_timeout_s", "drain_s",
             "scale_down_delay_s", "scale_up_utilization", "scale_down_utilization",
-            "prewarm_depth", "spare_replicas",
+            "prewarm_depth", "spare_replicas", "overshoot_spares",
         },
         "policy",
     )
@@ -187,6 +189,9 @@ def parse(doc: Any, source: str = "scenario") -> Scenario:
         queue_timeout_s=_get(pol, "queue_timeout_s", float, "policy", 3600.0),
         drain_s=_get(pol, "drain_s", float, "policy", 1800.0),
         spare_replicas=_get(pol, "spare_replicas", int, "policy", 0),
+        overshoot_spares=_get(
+            pol, "overshoot_spares", int, "policy", DEFAULT_OVERSHOOT_SPARES
+        ),
         seed=_get(doc, "seed", int, source, 0),
         systems=tuple(str(s) for s in systems),
         grid=grid,
@@ -262,6 +267,10 @@ def validate(sc: Scenario) -> None:
     _positive(sc.drain_s, "policy.drain_s", allow_zero=True)
     if sc.spare_replicas < 0:
         raise ScenarioError(f"policy.spare_replicas must be >= 0, got {sc.spare_replicas}")
+    if sc.overshoot_spares < 0:
+        raise ScenarioError(
+            f"policy.overshoot_spares must be >= 0, got {sc.overshoot_spares}"
+        )
     if sc.prewarm_depth not in PREWARM_DEPTHS:
         raise ScenarioError(
             f"policy.prewarm_depth must be one of {', '.join(PREWARM_DEPTHS)}, "

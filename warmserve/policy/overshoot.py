@@ -1,0 +1,67 @@
+"""Spare replicas after a peak-forecast miss: a learned, per-model deviation from Eq. 6
+(issue 12 §6).
+
+Eq. 6 (WarmServe §5.2) prewarms burst replicas up to ``ceil(L_P / B)`` instances and nothing
+beyond, so once a model's demand passes its forecast peak ``L_P`` every further start is a cold
+start however good the forecast is on average.  The peak forecast is a calibrated upper quantile
+(:mod:`warmserve.policy.peak_forecast`, 92 % of windows at or below it), so such windows are
+expected about one in twelve, and a forecast whose peak sits just under a batch boundary (25-31
+requests in flight with ``B`` = 32) leaves no burst replica for the 33rd request.
+
+The rule (*overshoot spares*): when a model's demand in the current window has exceeded that
+window's forecast peak (the window's peak so far, as the load tracker measures it, is above
+``L_P``: the forecast has missed for this window), the model gets ``overshoot`` extra burst
+replicas (:func:`warmserve.policy.scoring.model_replicas`' ``spare``: score 0, below every
+replica Eq. 5-6 ask for) for the rest of that window and the next ``hold_windows`` windows; the
+control loop re-plans when it sets the flag and after every start that uses a replica of a
+flagged model, so a spare is loaded behind each start while the load climbs past the forecast.
+The paper's Eq. 6 is unchanged for models whose forecast holds.
+
+Why this and not one spare for every model (``spare_replicas``, docs/policy.md "Spare replicas"):
+measured on the paper testbed at RPS 25 (seeds 0-2, ``bench/policy_breakdown.py``), the misses
+with no replica left were all of models whose demand had passed the forecast peak (193 requests
+in flight against a forecast of 118-164 for a 7B at alpha 2; 33 against 25-31 for a 13B/70B);
+a spare only there covers them, while an unconditional spare for every model also moves the
+replicas of models whose forecast holds (the tail effect of that was mixed across seeds).
+
+Everything here is pure; the controller (:mod:`warmserve.control.controller`) keeps, per model,
+the last window in which its forecast was exceeded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from warmserve.policy.cluster import LoadForecast, PolicyInputError
+
+DEFAULT_HOLD_WINDOWS = 1  # the flag outlives its window by one window
+DEFAULT_OVERSHOOT_SPARES = 0  # ControlConfig.overshoot_spares (docs/policy.md)
+
+
+def peak_exceeded(peak_so_far: float, forecast: LoadForecast | None) -> bool:
+    """Whether the window's demand so far has passed its forecast peak (no forecast: never)."""
+    return forecast is not None and peak_so_far > forecast.peak
+
+
+def spares_for(
+    models: Mapping[str, int | None],
+    window_index: int,
+    *,
+    base: int = 0,
+    overshoot: int = 1,
+    hold_windows: int = DEFAULT_HOLD_WINDOWS,
+) -> dict[str, int]:
+    """Extra burst replicas per model: ``base`` for every model, plus ``overshoot`` for a model
+    whose forecast peak was last exceeded in window ``w`` with
+    ``window_index - hold_windows <= w <= window_index`` (``models`` maps each model to its
+    last such window, ``None`` when never)."""
+    if min(base, overshoot, hold_windows) < 0:
+        raise PolicyInputError(
+            f"spares and hold windows must be >= 0, got base={base} overshoot={overshoot} "
+            f"hold_windows={hold_windows}"
+        )
+    out = {}
+    for model, last in models.items():
+        hot = last is not None and window_index - hold_windows <= last <= window_index
+        out[model] = base + (overshoot if hot else 0)
+    return out
