@@ -546,3 +546,11 @@ async def test_a_deployment_asking_for_every_gpu_does_not_starve_the_others() ->
         await h.tick()
     assert len(h.instances("llama-b")) == 1, "b got its instance"
     assert len(h.instances("llama-a")) == 6, "the hog keeps the rest (6 of 8 GPUs)"
+
+
+def test_config_passes_overshoot_spares() -> None:
+    from warmserve.policy.cluster import PolicyInputError
+
+    with pytest.raises(PolicyInputError, match="overshoot spares"):
+        OperatorConfig(overshoot_spares=-1)
+    assert OperatorConfig(overshoot_spares=1).control().overshoot_spares == 1

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from warmserve.control.controller import ControlConfig, Controller, ModelEntry
 from warmserve.control.decisions import Prewarm, Start
 from warmserve.control.observation import GpuObs, InstanceObs, Observation, SlotObs
 from warmserve.policy.cluster import (
+    GPU,
     ClusterState,
     GiB,
-    GPU,
     InstancePhase,
     LoadForecast,
     ModelSpec,
@@ -20,7 +20,7 @@ from warmserve.policy.cluster import (
     PolicyInputError,
 )
 from warmserve.policy.evict_aware_placement import plan_prewarm
-from warmserve.policy.overshoot import peak_exceeded, spares_for
+from warmserve.policy.overshoot import near_batch_boundary, peak_exceeded, spares_for
 from warmserve.policy.scoring import replica_counts
 
 SPEC = ModelSpec("m", 10 * GiB, 1, 32, 5.0)
@@ -32,6 +32,7 @@ def test_peak_exceeded_only_above_the_forecast_peak() -> None:
     assert not peak_exceeded(500.0, None)
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     last=st.dictionaries(st.sampled_from("abcdef"), st.none() | st.integers(-3, 12)),
     window=st.integers(0, 10),
@@ -64,6 +65,7 @@ def _state(forecasts: dict[str, LoadForecast], n_nodes: int = 1) -> ClusterState
     return ClusterState(nodes, specs, forecasts=forecasts)
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     fcs=st.lists(st.tuples(st.floats(0, 100), st.floats(0, 100)), min_size=1, max_size=3),
     hot=st.sets(st.integers(0, 2)),
@@ -92,7 +94,7 @@ def test_per_model_spares_never_fewer_than_eq6_and_score_last(
 
 
 def _is_spare(r, forecasts) -> bool:  # type: ignore[no-untyped-def]
-    n_basic, n_burst = replica_counts(forecasts[r.model], 32, 0)
+    _, n_burst = replica_counts(forecasts[r.model], 32, 0)
     return r.kind.value == "burst" and r.rank >= n_burst
 
 
@@ -172,3 +174,42 @@ def test_controller_drops_the_spare_after_the_hold() -> None:
         ctl.observe(obs)
         ctl.decide(obs)
         assert ctl.spares() == {"m": want}, t
+
+
+def test_near_batch_boundary() -> None:
+    # the measured misses: peaks of 25-31 with B = 32 left no burst replica for the 33rd request
+    assert near_batch_boundary(LoadForecast(7, 30.3), 32, 0.25)
+    assert near_batch_boundary(LoadForecast(7, 25.2), 32, 0.25)
+    assert not near_batch_boundary(LoadForecast(7, 24.0), 32, 0.25)  # 8 of room: not < 8
+    assert not near_batch_boundary(LoadForecast(7, 33.0), 32, 0.25)  # 31 of room in 2
+    assert near_batch_boundary(LoadForecast(50, 64.0), 32, 0.25)  # no room at all
+    assert not near_batch_boundary(LoadForecast(0, 0), 32, 0.25)  # nothing predicted
+    assert not near_batch_boundary(LoadForecast(7, 30.3), 32, 0.0)
+    assert not near_batch_boundary(None, 32, 0.25)
+    with pytest.raises(PolicyInputError):
+        near_batch_boundary(LoadForecast(7, 30.3), 32, -0.1)
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(peak=st.floats(0.01, 500), batch=st.integers(1, 64), h=st.floats(0, 1))
+def test_near_batch_boundary_is_monotone_in_headroom(peak: float, batch: int, h: float) -> None:
+    fc = LoadForecast(0, peak)
+    if near_batch_boundary(fc, batch, h):
+        assert near_batch_boundary(fc, batch, min(h + 0.1, 1.0))
+    # a whole batch of headroom: always near (the room in ceil(L_P / B) instances is < B)
+    assert near_batch_boundary(fc, batch, 1.0)
+
+
+def test_controller_headroom_gives_a_spare_before_any_overshoot() -> None:
+    """``overshoot_headroom``: a model whose forecast peak sits just under a batch boundary
+    gets its spare at the window's plan, before its demand passes the forecast."""
+    ctl = Controller(ControlConfig(window_s=300.0, overshoot_spares=1, overshoot_headroom=0.25))
+    ctl.set_models({"m": ModelEntry(SPEC)}, 0.0)
+    gpus = tuple(GpuObs("n0", g, 80 * GiB) for g in range(4))
+    obs = Observation(10.0, gpus, (), _serving(1, 0), {})
+    ctl.observe(obs)
+    ctl.decide(obs)
+    ctl.models["m"].forecast = LoadForecast(7, 30.3)
+    assert ctl.spares() == {"m": 1}
+    ctl.models["m"].forecast = LoadForecast(7, 20.0)
+    assert ctl.spares() == {"m": 0}

@@ -173,3 +173,32 @@ def test_startup_override_by_name_or_path_and_unknown_profile(tmp_path, capsys):
     assert results["instant"]["ttft_p99_s"] < results["fast-path"]["ttft_p99_s"] / 5
     rc, err = _err(capsys, ["simulate", path, "--startup", "nope"])
     assert rc == 2 and "unknown start-up profile 'nope'" in err
+
+
+def test_overshoot_spares_reach_the_controller():
+    """``policy.overshoot_spares`` / ``policy.overshoot_headroom`` are ControlConfig's in the
+    simulator (the operator's ``--overshoot-spares``; docs/policy.md "Overshoot spares");
+    negative is an error."""
+    from warmserve.sim.core import Simulation
+
+    doc = make_doc(**{"policy.overshoot_spares": 1, "policy.overshoot_headroom": 0.25,
+                      "workload.duration_s": 300})
+    sc = parse(doc)
+    assert (sc.overshoot_spares, sc.overshoot_headroom) == (1, 0.25)
+    seen = []
+    orig = Simulation.__init__
+
+    def spy(self, *a, **kw):
+        orig(self, *a, **kw)
+        seen.append((self.controller.cfg.overshoot_spares, self.controller.cfg.overshoot_headroom))
+
+    Simulation.__init__ = spy
+    try:
+        runner.run_system(runner.prepare(sc), "warmserve")
+    finally:
+        Simulation.__init__ = orig
+    assert seen == [(1, 0.25)]
+    with pytest.raises(ScenarioError, match="overshoot_spares"):
+        parse(make_doc(**{"policy.overshoot_spares": -1}))
+    with pytest.raises(ScenarioError, match="overshoot_headroom"):
+        parse(make_doc(**{"policy.overshoot_headroom": -0.5}))

@@ -39,10 +39,17 @@ class ControlConfig:
     # Extra burst replicas for a model whose demand has passed its forecast peak in this or the
     # previous window (warmserve.policy.overshoot, docs/policy.md "Overshoot spares"); 0: off.
     overshoot_spares: int = DEFAULT_OVERSHOOT_SPARES
+    # ... also for a model whose forecast peak leaves less than this share of a batch of room in
+    # the instances Eq. 6 sizes for (warmserve.policy.overshoot.near_batch_boundary); 0: never.
+    overshoot_headroom: float = 0.0
 
     def __post_init__(self) -> None:
         if self.spare_replicas < 0:
             raise PolicyInputError(f"spare_replicas must be >= 0, got {self.spare_replicas}")
+        if not (math.isfinite(self.overshoot_headroom) and 0 <= self.overshoot_headroom <= 1):
+            raise PolicyInputError(
+                f"overshoot_headroom must be in [0, 1], got {self.overshoot_headroom}"
+            )
         if self.overshoot_spares < 0:
             raise PolicyInputError(
                 f"overshoot_spares must be >= 0, got {self.overshoot_spares}"

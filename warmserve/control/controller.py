@@ -59,7 +59,7 @@ from warmserve.policy.cluster import (
 )
 from warmserve.policy.evict_aware_placement import PrewarmPlan, plan_prewarm
 from warmserve.policy.fairness import FairDemand, fair_caps
-from warmserve.policy.overshoot import peak_exceeded, spares_for
+from warmserve.policy.overshoot import near_batch_boundary, peak_exceeded, spares_for
 from warmserve.policy.predictor import season_length
 from warmserve.policy.reclaim import plan_reclaim
 from warmserve.policy.start_choice import NoCapacity, choose_start
@@ -332,13 +332,24 @@ class Controller(ModelTracking):
         return spares_for(
             {m: self.overshoot.get(m) for m in self.models}, w,
             base=self.cfg.spare_replicas, overshoot=self.cfg.overshoot_spares,
+            near=self._near(self.models),
         )
+
+    def _near(self, models: Iterable[str]) -> set[str]:
+        h = self.cfg.overshoot_headroom
+        if not h or not self.cfg.overshoot_spares:
+            return set()
+        return {
+            m for m in models
+            if near_batch_boundary(self.models[m].forecast, self.models[m].spec.max_batch, h)
+        }
 
     def _spare_of(self, model: str) -> int:
         w = -1 if self.window_index is None else self.window_index
         return spares_for(
             {model: self.overshoot.get(model)}, w,
             base=self.cfg.spare_replicas, overshoot=self.cfg.overshoot_spares,
+            near=self._near((model,)),
         )[model]
 
     def _plan(

@@ -30,9 +30,10 @@ the last window in which its forecast was exceeded.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from warmserve.policy.cluster import LoadForecast, PolicyInputError
+from warmserve.policy.scoring import instances_for
 
 DEFAULT_HOLD_WINDOWS = 1  # the flag outlives its window by one window
 DEFAULT_OVERSHOOT_SPARES = 0  # ControlConfig.overshoot_spares (docs/policy.md)
@@ -43,6 +44,20 @@ def peak_exceeded(peak_so_far: float, forecast: LoadForecast | None) -> bool:
     return forecast is not None and peak_so_far > forecast.peak
 
 
+def near_batch_boundary(forecast: LoadForecast | None, max_batch: int, headroom: float) -> bool:
+    """Whether the forecast peak leaves less than ``headroom`` batches (a fraction of ``B``) of
+    room in the ``ceil(L_P / B)`` instances Eq. 6 sizes for: a peak of 30 with ``B`` = 32 and
+    ``headroom`` 0.25 is (2 < 8 requests of room); 0 headroom or no peak: never."""
+    if headroom < 0 or max_batch < 1:
+        raise PolicyInputError(
+            f"need headroom >= 0 and max_batch >= 1, got {headroom}, {max_batch}"
+        )
+    if forecast is None or forecast.peak <= 0 or headroom == 0:
+        return False
+    room = instances_for(forecast.peak, max_batch) * max_batch - forecast.peak
+    return room < headroom * max_batch
+
+
 def spares_for(
     models: Mapping[str, int | None],
     window_index: int,
@@ -50,11 +65,13 @@ def spares_for(
     base: int = 0,
     overshoot: int = 1,
     hold_windows: int = DEFAULT_HOLD_WINDOWS,
+    near: Collection[str] = (),
 ) -> dict[str, int]:
     """Extra burst replicas per model: ``base`` for every model, plus ``overshoot`` for a model
     whose forecast peak was last exceeded in window ``w`` with
     ``window_index - hold_windows <= w <= window_index`` (``models`` maps each model to its
-    last such window, ``None`` when never)."""
+    last such window, ``None`` when never) or that is in ``near`` (its forecast peak is near a
+    batch boundary: :func:`near_batch_boundary`)."""
     if min(base, overshoot, hold_windows) < 0:
         raise PolicyInputError(
             f"spares and hold windows must be >= 0, got base={base} overshoot={overshoot} "
@@ -62,6 +79,8 @@ def spares_for(
         )
     out = {}
     for model, last in models.items():
-        hot = last is not None and window_index - hold_windows <= last <= window_index
+        hot = model in near or (
+            last is not None and window_index - hold_windows <= last <= window_index
+        )
         out[model] = base + (overshoot if hot else 0)
     return out

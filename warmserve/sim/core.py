@@ -118,6 +118,7 @@ class Simulation(Gateway, Batching, Lifecycle):
         record: bool = False,
         spare_replicas: int = 0,
         overshoot_spares: int = 0,
+        overshoot_headroom: float = 0.0,
     ) -> None:
         self.check = check
         self.sys = system
@@ -180,6 +181,7 @@ class Simulation(Gateway, Batching, Lifecycle):
                     reclaim=system.reclaim,
                     spare_replicas=spare_replicas,
                     overshoot_spares=overshoot_spares,
+                    overshoot_headroom=overshoot_headroom,
                 )
             )
             self.controller.set_models(

@@ -282,6 +282,7 @@ def run_system(
         record=record,
         spare_replicas=sc.spare_replicas,
         overshoot_spares=sc.overshoot_spares,
+        overshoot_headroom=sc.overshoot_headroom,
     )
     out = sim.run()
     wall = time.perf_counter() - t0

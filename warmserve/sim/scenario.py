@@ -63,6 +63,7 @@ class Scenario:
     prewarm_depth: str = "budget"  # "budget" or "profiled" (models[].prewarm_layers overrides)
     spare_replicas: int = 0  # ControlConfig.spare_replicas (docs/policy.md "Spare replicas")
     overshoot_spares: int = DEFAULT_OVERSHOOT_SPARES  # ControlConfig.overshoot_spares
+    overshoot_headroom: float = 0.0  # ControlConfig.overshoot_headroom
     grace_s: float = 300.0
     scale_down_delay_s: float = 60.0
     scale_up_utilization: float = 1.0
@@ -130,7 +131,7 @@ def parse(doc: Any, source: str = "scenario") -> Scenario:
         {
             "window_s", "predictor", "grace_s", "scale_interval_s", "queue_timeout_s", "drain_s",
             "scale_down_delay_s", "scale_up_utilization", "scale_down_utilization",
-            "prewarm_depth", "spare_replicas", "overshoot_spares",
+            "prewarm_depth", "spare_replicas", "overshoot_spares", "overshoot_headroom",
         },
         "policy",
     )
@@ -192,6 +193,7 @@ def parse(doc: Any, source: str = "scenario") -> Scenario:
         overshoot_spares=_get(
             pol, "overshoot_spares", int, "policy", DEFAULT_OVERSHOOT_SPARES
         ),
+        overshoot_headroom=_get(pol, "overshoot_headroom", float, "policy", 0.0),
         seed=_get(doc, "seed", int, source, 0),
         systems=tuple(str(s) for s in systems),
         grid=grid,
@@ -267,6 +269,11 @@ def validate(sc: Scenario) -> None:
     _positive(sc.drain_s, "policy.drain_s", allow_zero=True)
     if sc.spare_replicas < 0:
         raise ScenarioError(f"policy.spare_replicas must be >= 0, got {sc.spare_replicas}")
+    if not (math.isfinite(sc.overshoot_headroom) and 0 <= sc.overshoot_headroom <= 1):
+        raise ScenarioError(
+            f"policy.overshoot_headroom must be in [0, 1] (a share of a batch), got "
+            f"{sc.overshoot_headroom}"
+        )
     if sc.overshoot_spares < 0:
         raise ScenarioError(
             f"policy.overshoot_spares must be >= 0, got {sc.overshoot_spares}"
