@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from warmserve.control.controller import ControlConfig
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import PolicyInputError
-from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_SPARES
+from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
 
 from .spec import DEFAULT_LOAD_BANDWIDTH
 
@@ -28,6 +28,7 @@ class OperatorConfig:
     evict_aware: bool = True
     spare_replicas: int = 0  # ControlConfig.spare_replicas (docs/policy.md "Spare replicas")
     overshoot_spares: int = DEFAULT_OVERSHOOT_SPARES  # ControlConfig.overshoot_spares
+    overshoot_headroom: float = DEFAULT_OVERSHOOT_HEADROOM  # ControlConfig.overshoot_headroom
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
     node_status_refresh_s: float = 30.0
     # Consecutive polls this replica must hold the Lease before acting (docs/operator.md); the
@@ -60,4 +61,5 @@ class OperatorConfig:
             evict_aware=self.evict_aware,
             spare_replicas=self.spare_replicas,
             overshoot_spares=self.overshoot_spares,
+            overshoot_headroom=self.overshoot_headroom,
         )

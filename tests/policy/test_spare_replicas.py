@@ -82,7 +82,8 @@ def test_no_spare_outranks_any_models_asked_for_replica(
 
 
 def _setup(spare: int) -> tuple[Controller, tuple[GpuObs, ...]]:
-    ctl = Controller(ControlConfig(window_s=300.0, spare_replicas=spare))
+    # overshoot spares off: this file is about the every-model spare alone
+    ctl = Controller(ControlConfig(window_s=300.0, spare_replicas=spare, overshoot_spares=0))
     ctl.set_models({"m": ModelEntry(SPEC)}, 0.0)
     return ctl, tuple(GpuObs("n0", g, 80 * GiB) for g in range(4))
 

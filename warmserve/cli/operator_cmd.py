@@ -13,7 +13,7 @@ import uuid
 from typing import Any
 
 from warmserve.cli import DefaultsHelpFormatter
-from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_SPARES
+from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
 
 
 def _env_float(name: str, default: float) -> float:
@@ -101,6 +101,13 @@ def register(subparsers: Any) -> None:
         help="extra burst prewarm replicas for a model whose demand passed its forecast peak "
         "this window or the last (docs/policy.md 'Overshoot spares'; 0: off; default "
         "%(default)s)",
+    )
+    p.add_argument(
+        "--overshoot-headroom",
+        type=float,
+        default=DEFAULT_OVERSHOOT_HEADROOM,
+        help="... and for a model whose forecast peak leaves less than this share of a batch of "
+        "room in the instances Eq. 6 sizes for (0: never; default %(default)s)",
     )
     p.add_argument(
         "--peering",
@@ -269,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
             agent_lost_after=args.agent_lost_after,
             spare_replicas=args.spare_replicas,
             overshoot_spares=args.overshoot_spares,
+            overshoot_headroom=args.overshoot_headroom,
             autoscaler=AutoscalerConfig(
                 scale_down_delay_s=args.scale_down_delay, max_grace_s=args.max_grace
             ),

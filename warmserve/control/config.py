@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import PolicyInputError
-from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_SPARES
+from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
 from warmserve.policy.predictor import Predictor, season_length
 
 
@@ -41,7 +41,7 @@ class ControlConfig:
     overshoot_spares: int = DEFAULT_OVERSHOOT_SPARES
     # ... also for a model whose forecast peak leaves less than this share of a batch of room in
     # the instances Eq. 6 sizes for (warmserve.policy.overshoot.near_batch_boundary); 0: never.
-    overshoot_headroom: float = 0.0
+    overshoot_headroom: float = DEFAULT_OVERSHOOT_HEADROOM
 
     def __post_init__(self) -> None:
         if self.spare_replicas < 0:

@@ -36,7 +36,8 @@ from warmserve.policy.cluster import LoadForecast, PolicyInputError
 from warmserve.policy.scoring import instances_for
 
 DEFAULT_HOLD_WINDOWS = 1  # the flag outlives its window by one window
-DEFAULT_OVERSHOOT_SPARES = 0  # ControlConfig.overshoot_spares (docs/policy.md)
+DEFAULT_OVERSHOOT_SPARES = 1  # ControlConfig.overshoot_spares (docs/policy.md)
+DEFAULT_OVERSHOOT_HEADROOM = 0.25  # ControlConfig.overshoot_headroom: a quarter of a batch
 
 
 def peak_exceeded(peak_so_far: float, forecast: LoadForecast | None) -> bool:

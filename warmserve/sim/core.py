@@ -46,6 +46,7 @@ from warmserve.control.controller import ControlConfig, Controller, ModelEntry
 from warmserve.control.history import LoadHistory
 from warmserve.policy import autoscaler as autoscaler_mod
 from warmserve.policy.gpu_groups import is_laminar
+from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
 from warmserve.sim.batching import EV_INST, Batching
 from warmserve.sim.cluster import (
     STOPPED,
@@ -117,8 +118,8 @@ class Simulation(Gateway, Batching, Lifecycle):
         check: bool = False,
         record: bool = False,
         spare_replicas: int = 0,
-        overshoot_spares: int = 0,
-        overshoot_headroom: float = 0.0,
+        overshoot_spares: int = DEFAULT_OVERSHOOT_SPARES,
+        overshoot_headroom: float = DEFAULT_OVERSHOOT_HEADROOM,
     ) -> None:
         self.check = check
         self.sys = system

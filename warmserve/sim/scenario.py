@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from warmserve.policy.cluster import PolicyInputError
-from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_SPARES
+from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
 
 
 class ScenarioError(PolicyInputError):
@@ -63,7 +63,7 @@ class Scenario:
     prewarm_depth: str = "budget"  # "budget" or "profiled" (models[].prewarm_layers overrides)
     spare_replicas: int = 0  # ControlConfig.spare_replicas (docs/policy.md "Spare replicas")
     overshoot_spares: int = DEFAULT_OVERSHOOT_SPARES  # ControlConfig.overshoot_spares
-    overshoot_headroom: float = 0.0  # ControlConfig.overshoot_headroom
+    overshoot_headroom: float = DEFAULT_OVERSHOOT_HEADROOM  # ControlConfig.overshoot_headroom
     grace_s: float = 300.0
     scale_down_delay_s: float = 60.0
     scale_up_utilization: float = 1.0
@@ -193,7 +193,9 @@ def parse(doc: Any, source: str = "scenario") -> Scenario:
         overshoot_spares=_get(
             pol, "overshoot_spares", int, "policy", DEFAULT_OVERSHOOT_SPARES
         ),
-        overshoot_headroom=_get(pol, "overshoot_headroom", float, "policy", 0.0),
+        overshoot_headroom=_get(
+            pol, "overshoot_headroom", float, "policy", DEFAULT_OVERSHOOT_HEADROOM
+        ),
         seed=_get(doc, "seed", int, source, 0),
         systems=tuple(str(s) for s in systems),
         grid=grid,
