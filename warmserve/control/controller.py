@@ -20,7 +20,8 @@ What the controller owns, so no executor re-decides it:
   after (a) a window boundary, (b) a change of the managed models or their specs, (c) free
   memory growing by more than 1 MiB on some GPU since the last plan (an instance ended, a grace
   instance lent KV memory), (d) an instance vanishing without an ``EndGrace`` (lost), (e) an
-  explicit :meth:`request_replan`.
+  explicit :meth:`request_replan`, (f) a model's demand passing its forecast peak, or a start
+  using a replica of a model that has a spare (:mod:`.spares`: the spare behind it).
 * **Eviction.** A replica the plan no longer wants is evicted only when the plan places a new
   replica on one of its GPUs; otherwise it stays resident at the lowest priority (burst,
   score 0): any start or later placement there takes it first, and until then a start of its
@@ -59,7 +60,6 @@ from warmserve.policy.cluster import (
 )
 from warmserve.policy.evict_aware_placement import PrewarmPlan, plan_prewarm
 from warmserve.policy.fairness import FairDemand, fair_caps
-from warmserve.policy.overshoot import near_batch_boundary, peak_exceeded, spares_for
 from warmserve.policy.predictor import season_length
 from warmserve.policy.reclaim import plan_reclaim
 from warmserve.policy.start_choice import NoCapacity, choose_start
@@ -76,6 +76,7 @@ from .snapshot import (
     build_state,
     instance_key,
 )
+from .spares import SpareTracking
 from .tracking import ModelEntry, ModelState, ModelTracking
 
 FREE_GROWTH_BYTES = 2**20  # free memory must grow by more than this to trigger a re-plan
@@ -84,7 +85,7 @@ SURPLUS: ReplicaMeta = (ReplicaKind.BURST, 0, 0.0)  # a replica kept though no l
 __all__ = ["ControlConfig", "Controller", "ModelEntry"]
 
 
-class Controller(ModelTracking):
+class Controller(ModelTracking, SpareTracking):
     """See the module docstring.  Deterministic; time comes from the observations."""
 
     def __init__(self, config: ControlConfig) -> None:
@@ -309,48 +310,6 @@ class Controller(ModelTracking):
             self.replan_reasons.add("free memory grew")
         else:
             self.last_free = {k: min(v, self.last_free.get(k, v)) for k, v in cur.items()}
-
-    def _note_overshoot(self) -> None:
-        """Flag each model whose demand has passed its forecast peak in this window
-        (:mod:`warmserve.policy.overshoot`); a newly flagged model's spare is planned now."""
-        if not self.cfg.overshoot_spares or self.window_index is None:
-            return
-        w = self.window_index
-        for model, st in self.models.items():
-            if self.overshoot.get(model) == w:
-                continue
-            if peak_exceeded(st.tracker.peak_so_far, st.forecast):
-                if self._spare_of(model) == self.cfg.spare_replicas:  # not held from the last
-                    self.replan_reasons.add("peak forecast exceeded")
-                self.overshoot[model] = w
-
-    def spares(self) -> dict[str, int]:
-        """Extra burst replicas per managed model beyond Eq. 6 now (``spare_replicas`` for
-        every model, ``overshoot_spares`` more for a model whose forecast peak was exceeded
-        this window or the last)."""
-        w = -1 if self.window_index is None else self.window_index
-        return spares_for(
-            {m: self.overshoot.get(m) for m in self.models}, w,
-            base=self.cfg.spare_replicas, overshoot=self.cfg.overshoot_spares,
-            near=self._near(self.models),
-        )
-
-    def _near(self, models: Iterable[str]) -> set[str]:
-        h = self.cfg.overshoot_headroom
-        if not h or not self.cfg.overshoot_spares:
-            return set()
-        return {
-            m for m in models
-            if near_batch_boundary(self.models[m].forecast, self.models[m].spec.max_batch, h)
-        }
-
-    def _spare_of(self, model: str) -> int:
-        w = -1 if self.window_index is None else self.window_index
-        return spares_for(
-            {model: self.overshoot.get(model)}, w,
-            base=self.cfg.spare_replicas, overshoot=self.cfg.overshoot_spares,
-            near=self._near((model,)),
-        )[model]
 
     def _plan(
         self, state: ClusterState, slot_of: Mapping[ReplicaKey, str]

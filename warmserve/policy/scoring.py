@@ -23,7 +23,8 @@ Deviations, and why:
   64.00000000001 with B = 32 asks for 2 instances, not 3.
 - Basic replicas always rank above burst ones regardless of score (the paper's rule); callers
   use :func:`priority_key` to sort, which encodes it.
-- **Spare burst replicas** (issue 12 §6, ``spare``; the control loop's default is 1): Eq. 6 is
+- **Spare burst replicas** (issue 12 §6, ``spare``: ``ControlConfig.spare_replicas`` for every
+  model, default 0, and :mod:`warmserve.policy.overshoot`'s per-model spares, default on): Eq. 6 is
   extended to ``N_burst = max(ceil(L_P / B) - N_basic - K, 0) + spare`` for every model with a
   predicted peak or an active instance.  Eq. 6 asks for nothing beyond ``ceil(L_P / B)``
   instances, so every start past the predicted peak was a miss, and so was a peak just above
