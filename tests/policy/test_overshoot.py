@@ -6,14 +6,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from warmserve.control.controller import ControlConfig, Controller, ModelEntry
-from warmserve.control.decisions import Prewarm, Start
-from warmserve.control.observation import GpuObs, InstanceObs, Observation, SlotObs
+from warmserve.control.controller import ControlConfig
 from warmserve.policy.cluster import (
     GPU,
     ClusterState,
     GiB,
-    InstancePhase,
     LoadForecast,
     ModelSpec,
     Node,
@@ -118,64 +115,6 @@ def priority_key_of(r) -> tuple:  # type: ignore[no-untyped-def]
     return (0 if r.kind.value == "basic" else 1, -r.score, r.model, r.rank)
 
 
-def _setup(overshoot: int) -> tuple[Controller, tuple[GpuObs, ...]]:
-    ctl = Controller(ControlConfig(window_s=300.0, overshoot_spares=overshoot))
-    ctl.set_models({"m": ModelEntry(SPEC)}, 0.0)
-    return ctl, tuple(GpuObs("n0", g, 80 * GiB) for g in range(4))
-
-
-def _serving(n: int, in_flight: int) -> tuple[InstanceObs, ...]:
-    return tuple(
-        InstanceObs(f"i{g}", "m", "n0", (g,), InstancePhase.SERVING, in_flight=in_flight,
-                    running=in_flight)
-        for g in range(n)
-    )
-
-
-def test_controller_prewarms_a_spare_once_demand_passes_the_forecast_peak() -> None:
-    """No history: the forecast peak is 0, so one instance with 10 requests in flight has
-    passed it; the overshoot spare is prewarmed, the next start hits it and the same decision
-    prewarms the spare behind it.  With ``overshoot_spares=0`` (Eq. 6) nothing is prewarmed
-    and the start is cold."""
-    ctl, gpus = _setup(overshoot=1)
-    obs = Observation(10.0, gpus, (), _serving(1, 10), {})
-    ctl.observe(obs)
-    out = ctl.decide(obs)
-    assert ctl.forecast_of("m") is not None and ctl.forecast_of("m").peak < 10
-    first = [d for d in out.items if isinstance(d, Prewarm)]
-    assert [(d.model, d.gpus, d.score) for d in first] == [("m", (1,), 0.0)]
-    slot = SlotObs("s1", "m", "n0", (1,), first[0].bytes_per_gpu, priority=(
-        first[0].kind, first[0].rank, first[0].score))
-    obs = Observation(20.0, gpus, (slot,), _serving(1, 40), {})
-    ctl.observe(obs)
-    out = ctl.decide(obs)
-    assert [(d.gpus, d.hit) for d in out.items if isinstance(d, Start)] == [((1,), True)]
-    assert [(d.model, d.gpus) for d in out.items if isinstance(d, Prewarm)] == [("m", (2,))]
-
-    ctl, gpus = _setup(overshoot=0)
-    obs = Observation(10.0, gpus, (), _serving(1, 10), {})
-    ctl.observe(obs)
-    assert not [d for d in ctl.decide(obs).items if isinstance(d, Prewarm)]
-    obs = Observation(20.0, gpus, (), _serving(1, 40), {})
-    ctl.observe(obs)
-    assert [d.hit for d in ctl.decide(obs).items if isinstance(d, Start)] == [False]
-
-
-def test_controller_drops_the_spare_after_the_hold() -> None:
-    """Flagged in window 0, the spare holds through window 1 and is gone in window 2 when the
-    demand (0 from t = 300 s on) never passed the forecast peak since."""
-    ctl, gpus = _setup(overshoot=1)
-    obs = Observation(10.0, gpus, (), _serving(1, 10), {})
-    ctl.observe(obs)
-    ctl.decide(obs)
-    assert ctl.spares() == {"m": 1}
-    for t, want in ((300.0, 1), (450.0, 1), (600.0, 0), (750.0, 0)):
-        obs = Observation(t, gpus, (), _serving(1, 0), {})
-        ctl.observe(obs)
-        ctl.decide(obs)
-        assert ctl.spares() == {"m": want}, t
-
-
 def test_near_batch_boundary() -> None:
     # the measured misses: peaks of 25-31 with B = 32 left no burst replica for the 33rd request
     assert near_batch_boundary(LoadForecast(7, 30.3), 32, 0.25)
@@ -198,18 +137,3 @@ def test_near_batch_boundary_is_monotone_in_headroom(peak: float, batch: int, h:
         assert near_batch_boundary(fc, batch, min(h + 0.1, 1.0))
     # a whole batch of headroom: always near (the room in ceil(L_P / B) instances is < B)
     assert near_batch_boundary(fc, batch, 1.0)
-
-
-def test_controller_headroom_gives_a_spare_before_any_overshoot() -> None:
-    """``overshoot_headroom``: a model whose forecast peak sits just under a batch boundary
-    gets its spare at the window's plan, before its demand passes the forecast."""
-    ctl = Controller(ControlConfig(window_s=300.0, overshoot_spares=1, overshoot_headroom=0.25))
-    ctl.set_models({"m": ModelEntry(SPEC)}, 0.0)
-    gpus = tuple(GpuObs("n0", g, 80 * GiB) for g in range(4))
-    obs = Observation(10.0, gpus, (), _serving(1, 0), {})
-    ctl.observe(obs)
-    ctl.decide(obs)
-    ctl.models["m"].forecast = LoadForecast(7, 30.3)
-    assert ctl.spares() == {"m": 1}
-    ctl.models["m"].forecast = LoadForecast(7, 20.0)
-    assert ctl.spares() == {"m": 0}

@@ -81,9 +81,12 @@ def test_no_spare_outranks_any_models_asked_for_replica(
     assert all(priority_key(r) < priority_key(s) for r in asked for s in spares)
 
 
-def _setup(spare: int) -> tuple[Controller, tuple[GpuObs, ...]]:
-    # overshoot spares off: this file is about the every-model spare alone
-    ctl = Controller(ControlConfig(window_s=300.0, spare_replicas=spare, overshoot_spares=0))
+def _setup(spare: int, overshoot: int = 0) -> tuple[Controller, tuple[GpuObs, ...]]:
+    """``overshoot`` (ControlConfig.overshoot_spares, headroom 0.25): off unless a test is
+    about it (the overshoot spares, warmserve.policy.overshoot, below)."""
+    cfg = ControlConfig(window_s=300.0, spare_replicas=spare, overshoot_spares=overshoot,
+                        overshoot_headroom=0.25)
+    ctl = Controller(cfg)
     ctl.set_models({"m": ModelEntry(SPEC)}, 0.0)
     return ctl, tuple(GpuObs("n0", g, 80 * GiB) for g in range(4))
 
@@ -126,3 +129,63 @@ def test_controller_without_spares_is_the_papers_eq6() -> None:
     ctl.observe(obs)
     starts = [d for d in ctl.decide(obs).items if isinstance(d, Start)]
     assert [d.hit for d in starts] == [False]
+
+
+# ---------------------------------------------------------------- overshoot spares
+
+
+def test_controller_prewarms_a_spare_once_demand_passes_the_forecast_peak() -> None:
+    """No history: the forecast peak is 0, so one instance with 10 requests in flight has
+    passed it; the overshoot spare is prewarmed, the next start hits it and the same decision
+    prewarms the spare behind it.  With ``overshoot_spares=0`` (Eq. 6) nothing is prewarmed
+    and the start is cold."""
+    ctl, gpus = _setup(spare=0, overshoot=1)
+    obs = Observation(10.0, gpus, (), _serving(1, 10), {})
+    ctl.observe(obs)
+    out = ctl.decide(obs)
+    assert ctl.forecast_of("m") is not None and ctl.forecast_of("m").peak < 10
+    first = [d for d in out.items if isinstance(d, Prewarm)]
+    assert [(d.model, d.gpus, d.score) for d in first] == [("m", (1,), 0.0)]
+    slot = SlotObs("s1", "m", "n0", (1,), first[0].bytes_per_gpu, priority=(
+        first[0].kind, first[0].rank, first[0].score))
+    obs = Observation(20.0, gpus, (slot,), _serving(1, 40), {})
+    ctl.observe(obs)
+    out = ctl.decide(obs)
+    assert [(d.gpus, d.hit) for d in out.items if isinstance(d, Start)] == [((1,), True)]
+    assert [(d.model, d.gpus) for d in out.items if isinstance(d, Prewarm)] == [("m", (2,))]
+
+    ctl, gpus = _setup(spare=0, overshoot=0)
+    obs = Observation(10.0, gpus, (), _serving(1, 10), {})
+    ctl.observe(obs)
+    assert not [d for d in ctl.decide(obs).items if isinstance(d, Prewarm)]
+    obs = Observation(20.0, gpus, (), _serving(1, 40), {})
+    ctl.observe(obs)
+    assert [d.hit for d in ctl.decide(obs).items if isinstance(d, Start)] == [False]
+
+
+def test_controller_drops_the_spare_after_the_hold() -> None:
+    """Flagged in window 0, the spare holds through window 1 and is gone in window 2 when the
+    demand (0 from t = 300 s on) never passed the forecast peak since."""
+    ctl, gpus = _setup(spare=0, overshoot=1)
+    obs = Observation(10.0, gpus, (), _serving(1, 10), {})
+    ctl.observe(obs)
+    ctl.decide(obs)
+    assert ctl.spares() == {"m": 1}
+    for t, want in ((300.0, 1), (450.0, 1), (600.0, 0), (750.0, 0)):
+        obs = Observation(t, gpus, (), _serving(1, 0), {})
+        ctl.observe(obs)
+        ctl.decide(obs)
+        assert ctl.spares() == {"m": want}, t
+
+
+def test_controller_headroom_gives_a_spare_before_any_overshoot() -> None:
+    """``overshoot_headroom``: a model whose forecast peak sits just under a batch boundary
+    gets its spare at the window's plan, before its demand passes the forecast."""
+    ctl, gpus = _setup(spare=0, overshoot=1)
+    obs = Observation(10.0, gpus, (), _serving(1, 0), {})
+    ctl.observe(obs)
+    ctl.decide(obs)
+    ctl.models["m"].forecast = LoadForecast(7, 30.3)
+    assert ctl.spares() == {"m": 1}
+    ctl.models["m"].forecast = LoadForecast(7, 20.0)
+    assert ctl.spares() == {"m": 0}
