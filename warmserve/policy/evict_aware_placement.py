@@ -358,10 +358,7 @@ def _place_first_fit(
 
 
 def plan_prewarm(
-    state: ClusterState,
-    *,
-    evict_aware: bool = True,
-    spare_replicas: int | Mapping[str, int] = 0,
+    state: ClusterState, *, evict_aware: bool = True, spare_replicas: int | Mapping[str, int] = 0
 ) -> PrewarmPlan:
     """Plan the next window's prewarm replicas (Algorithm 1; see the module docstring).
 
