@@ -135,7 +135,8 @@ def replay(
     states = [Leadership() for _ in names]
     # (replica, round) -> (version read, decision) once read before the round timed out
     reads: dict[tuple[int, int], tuple[int, bool, LeaseRecord | None]] = {}
-    results: dict[tuple[int, int], bool | None] = {}
+    results: dict[tuple[int, int], tuple[bool | None, int | None]] = {}
+    terms: list[int] = []  # leaseTransitions of every version written
     finished: set[tuple[int, int]] = set()
     starts: dict[tuple[int, int], float] = {}
     events: list[tuple[float, int, int, int, str]] = []
@@ -159,6 +160,14 @@ def replay(
         the fence only closes between them, so events are the moments to look at)."""
         now = [k for k in range(len(names)) if fence(states[k], timing, t)]
         assert len(now) <= 1, f"{[names[k] for k in now]} all lead at {t:.3f}: {states}"
+        # Fencing tokens: the leader's is the Lease's current term, so every later leader's
+        # token is higher (leaseTransitions never decreases) and the agent refuses this one's
+        # late calls once it has seen the next.
+        assert terms == sorted(terms), f"leaseTransitions went down: {terms}"
+        for k in now:
+            assert lease is not None and states[k].token == lease.transitions >= 1, (
+                f"{names[k]} leads with token {states[k].token}, the Lease is at {lease}"
+            )
 
     for i in range(len(names)):
         start(i, 0, 0.0)
@@ -171,23 +180,24 @@ def replay(
                 continue  # timed out first: the round was cancelled before it could write
             lead, write = next_lease(lease, names[i], prios[i], t, float(timing.lease_s))
             if lease is not None and lease.holder == names[i] and write and not write.holder:
-                states[i] = Leadership(False, states[i].renewed_at)  # before_release
+                states[i] = Leadership(False, states[i].renewed_at, states[i].token)
             reads[i, j] = (version, lead, write)
         elif kind == "write":
             if (i, j) not in reads:
                 continue
             read_version, lead, write = reads[i, j]
             if write is None:
-                results[i, j] = lead
+                results[i, j] = (lead, None)
             elif read_version == version:  # compare-and-swap on resourceVersion
                 lease, version = replace(write, resource_version=str(version + 1)), version + 1
-                results[i, j] = lead
+                terms.append(write.transitions)
+                results[i, j] = (lead, write.transitions)
             else:
-                results[i, j] = None  # conflict: unknown
+                results[i, j] = (None, None)  # conflict: unknown
         elif (i, j) not in finished:  # the answer, or the timeout, whichever comes first
             finished.add((i, j))
-            held = results.get((i, j)) if kind == "answer" else None
-            states[i] = after_round(states[i], starts[i, j], held)
+            held, token = results.get((i, j), (None, None)) if kind == "answer" else (None, None)
+            states[i] = after_round(states[i], starts[i, j], held, token)
             start(i, j + 1, t)
         check(t)
 
@@ -204,7 +214,7 @@ def test_the_replay_catches_a_fence_that_outlives_the_lease() -> None:
         lambda s, t, now: s.holder,
         lambda s, t, now: s.holder and now - s.renewed_at < t.lease_s + 0.5,
     ):
-        with pytest.raises(AssertionError, match="all lead"):
+        with pytest.raises(AssertionError, match="all lead|leads with token"):
             replay(timing, plans, [1, 0], bad)
 
 
@@ -317,7 +327,7 @@ def test_a_released_lease_fences_before_the_write() -> None:
             lambda: order.append("fenced"),
         )
     )
-    assert got is False and order == ["fenced", "write"]
+    assert got == (False, 0) and order == ["fenced", "write"]
 
 
 # ---------------------------------------------------------------------------- release on stop
