@@ -12,8 +12,8 @@ and refuses a lower one (:func:`admit`, pure and property-tested):
 * ``token == highest``: accepted (the current leader's calls, retries included);
 * ``0 < token < highest``: refused (``stale``): a newer leader has reached this agent;
 * ``token == 0``: an unfenced caller (the ``warmserve`` CLI, tests, an older operator):
-  accepted, unless the agent runs with ``--require-fencing-token`` (``unfenced``).  Its call
-  never moves the fence.
+  accepted, unless the agent runs with ``--require-fencing-token`` (``unfenced``; ``Describe``
+  stays open).  Its call never moves the fence.
 
 :class:`Fence` applies the rule and keeps ``highest`` in a file (``--fencing-file``, by default
 in the weight store, which outlives the agent process): an agent that forgot the fence on a
@@ -119,11 +119,12 @@ class Fence:
             raise FenceError(f"fencing file {self.path}: highest_token must be a uint64")
         return value
 
-    def check(self, method: str, token: int) -> Verdict:
+    def check(self, method: str, token: int, read: bool = False) -> Verdict:
         """The verdict for one call (persisting a raised fence first); logs and counts a
-        refusal (``event=call_fenced``)."""
+        refusal (``event=call_fenced``).  ``read``: a ``Describe``, open to unfenced callers
+        (the CLI) even when the agent requires tokens of mutations."""
         with self._lock:
-            verdict = admit(self.highest, token, self.require_token)
+            verdict = admit(self.highest, token, self.require_token and not read)
             if verdict.refused is not None:
                 self.refused[(method, verdict.refused.value)] += 1
                 log.warning(
@@ -164,10 +165,12 @@ class Fence:
             )
 
 
-async def enforce(fence: Fence, method: str, token: int, context: grpc.aio.ServicerContext) -> None:
+async def enforce(
+    fence: Fence, method: str, token: int, context: grpc.aio.ServicerContext, read: bool = False
+) -> None:
     """The servicer's check before any mutation: FAILED_PRECONDITION (``fenced: ...``) when
     :meth:`Fence.check` refuses ``token``."""
-    verdict = fence.check(method, token)
+    verdict = fence.check(method, token, read)
     if verdict.refused is not None:
         await context.abort(
             grpc.StatusCode.FAILED_PRECONDITION, bounded(refusal_message(method, token, verdict))

@@ -225,5 +225,5 @@ class Description:
     async def Describe(self, request: pb.DescribeRequest, context: Any) -> pb.NodeDescription:
         # A leader's token raises the fence before it decides from this state: a deposed
         # leader's call that lands after it cannot act on what the new leader saw.
-        await enforce(self.fence, "Describe", request.fencing_token, context)
+        await enforce(self.fence, "Describe", request.fencing_token, context, read=True)
         return await asyncio.to_thread(self.describe_pb)

@@ -107,7 +107,7 @@ class FakeAgent:
     def _fenced(self, method: str) -> None:
         """The agent's first check on every mutating call and Describe."""
         token = self.fencing.token()
-        verdict = self.fence.check(method, token)
+        verdict = self.fence.check(method, token, read=method == "Describe")
         if verdict.refused is not None:
             self.fencing.refused(token)
             raise AgentCallError("FAILED_PRECONDITION", refusal_message(method, token, verdict))
