@@ -420,7 +420,7 @@ class Elector:
                     await asyncio.wait_for(stop.wait(), timeout=self.timing.retry_s)
         finally:
             held = self.state.holder
-            self.state = Leadership()
+            self.state = Leadership(token=self.state.token)  # the last term, for the record
             if self._was:
                 self._transition(False, "stopped", 0.0)
         if held and self.release_round is not None:
