@@ -5,8 +5,8 @@ The operator fences itself (it acts only while its Lease renewal is fresh), but 
 sent when it lost the Lease, or sent by a leader that was paused (GC, SIGSTOP, a partition)
 between its check and its call, still reaches the agent after the standby took over.  So every
 mutating call (and ``Describe``) carries ``fencing_token``: the caller's leadership term, the
-Lease's ``leaseTransitions``, which only grows.  The agent keeps the highest token it has seen
-and refuses a lower one (:func:`admit`, pure and property-tested):
+Lease's ``leaseTransitions`` under its creation time, which only grows.  The agent keeps the
+highest token it has seen and refuses a lower one (:func:`admit`, pure and property-tested):
 
 * ``token > highest``: accepted, and the fence rises to it;
 * ``token == highest``: accepted (the current leader's calls, retries included);

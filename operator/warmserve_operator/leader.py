@@ -32,7 +32,8 @@ old leader stops before anyone else may start.
 The self-fence cannot recall a call already sent, nor stop a leader paused (GC, SIGSTOP, a
 partition) between its check and its call.  So every agent call carries a *fencing token*
 (Kleppmann; Chubby's sequencers, :mod:`warmserve_agent.fencing`): the Lease's
-``leaseTransitions`` of the term this replica holds (:attr:`Leadership.token`).  A write that makes
+``leaseTransitions`` of the term this replica holds, under the Lease's creation time
+(:func:`.lease.fencing_token`, :attr:`Leadership.token`).  A write that makes
 a replica the holder of a Lease that was not live and its own — created, empty, another's, or
 expired (a re-acquire by the same holder after losing it included) — increments it
 (:func:`next_lease`); renewals, hand-over requests and releases keep it.  Every write is a
@@ -154,7 +155,7 @@ class Leadership:
 
     holder: bool = False
     renewed_at: float = -math.inf
-    token: int = 0  # the fencing token (leaseTransitions) of the last term written as ours
+    token: int = 0  # the fencing token (.lease.fencing_token) of the last term written as ours
 
 
 def after_round(

@@ -13,6 +13,19 @@ from typing import Any
 
 PRIORITY_ANNOTATION = "warmserve.io/priority"
 PREEMPT_ANNOTATION = "warmserve.io/preempt-by"
+TERM_BITS = 32  # leaseTransitions in the low bits of a fencing token
+
+
+def fencing_token(created_s: int, transitions: int) -> int:
+    """The fencing token of a term: the Lease's ``creationTimestamp`` (unix seconds) in the high
+    bits, its ``leaseTransitions`` in the low 32.  ``leaseTransitions`` orders the terms of one
+    Lease; the creation time orders Leases, so a Lease deleted and created again (a reinstall, a
+    new ``--peering``, a fresh cluster over the same nodes) starts above every token of the old
+    one instead of at 1, which agents that remember the old tokens (their ``--fencing-file``)
+    would refuse for good.  A uint64 (the wire type) until the year 2106."""
+    if not 0 <= transitions < 2**TERM_BITS or not 0 <= created_s < 2**32:
+        raise ValueError(f"no fencing token for created={created_s} transitions={transitions}")
+    return (created_s << TERM_BITS) | transitions
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +36,13 @@ class LeaseRecord:
     priority: int = 0
     preempt_by: str = ""
     resource_version: str = ""
-    transitions: int = 0  # spec.leaseTransitions: the fencing token of the holder's term
+    transitions: int = 0  # spec.leaseTransitions: the holder's term
+    created_s: int = 0  # metadata.creationTimestamp (unix seconds; 0: not created yet)
+
+    @property
+    def token(self) -> int:
+        """The fencing token of the term this record names (:func:`fencing_token`)."""
+        return fencing_token(self.created_s, self.transitions)
 
     def expired(self, now: float) -> bool:
         return not self.holder or self.renew_s + self.duration_s < now
@@ -37,7 +56,12 @@ def next_lease(
     mine = LeaseRecord(me, now, duration_s, priority)
     if rec is None:
         return True, replace(mine, transitions=1)
-    new_term = replace(mine, resource_version=rec.resource_version, transitions=rec.transitions + 1)
+    new_term = replace(
+        mine,
+        resource_version=rec.resource_version,
+        transitions=rec.transitions + 1,
+        created_s=rec.created_s,
+    )
     if rec.holder == me:
         if rec.preempt_by and rec.preempt_by != me:
             return False, replace(rec, holder="", preempt_by="")
@@ -93,21 +117,22 @@ async def hold_lease(
     duration_s: float,
     before_release: Callable[[], None] = lambda: None,
 ) -> tuple[bool | None, int]:
-    """One round of :func:`next_lease` against the Lease: (whether we hold it, the Lease's
-    ``leaseTransitions`` after the round).  None: our write lost a conflict, so who holds it is
-    unknown until the next round."""
+    """One round of :func:`next_lease` against the Lease: (whether we hold it, the fencing
+    token of the Lease's term after the round).  None: our write lost a conflict, so who holds
+    it is unknown until the next round."""
     obj, rec = await _read_lease(target, duration_s)
     now = dt.datetime.now(dt.UTC).timestamp()
     leader, write = next_lease(rec, me, priority, now, duration_s)
     if write is None:
-        return leader, rec.transitions if rec is not None else 0
+        return leader, rec.token if rec is not None else 0
     if rec is not None and rec.holder == me and not write.holder:
         before_release()  # stop acting before the asker can take it
-    if not await _write_lease(target, obj, write):
+    created = await _write_lease(target, obj, write)
+    if created is None:
         # Another replica wrote first: a higher priority asking us to hand over (we still hold
         # it) or a taker of an expired Lease (our deadline passed before that).
         return None, 0
-    return leader, write.transitions
+    return leader, replace(write, created_s=created).token
 
 
 async def release_lease(target: LeaseTarget, me: str, duration_s: float) -> bool:
@@ -116,7 +141,7 @@ async def release_lease(target: LeaseTarget, me: str, duration_s: float) -> bool
     write = released(rec, me)
     if write is None:
         return False
-    return await _write_lease(target, obj, write)
+    return await _write_lease(target, obj, write) is not None
 
 
 async def _read_lease(target: LeaseTarget, duration_s: float) -> tuple[Any, LeaseRecord | None]:
@@ -136,12 +161,19 @@ async def _read_lease(target: LeaseTarget, duration_s: float) -> tuple[Any, Leas
         ann.get(PREEMPT_ANNOTATION, ""),
         obj.metadata.resource_version or "",
         int(getattr(obj.spec, "lease_transitions", 0) or 0),
+        _created(obj),
     )
 
 
-async def _write_lease(target: LeaseTarget, obj: Any, write: LeaseRecord) -> bool:
-    """Create or replace (with the read ``resourceVersion``); False: another replica wrote
-    first (404/409)."""
+def _created(obj: Any) -> int:
+    """``metadata.creationTimestamp`` in unix seconds (0: unknown)."""
+    ts = getattr(getattr(obj, "metadata", None), "creation_timestamp", None)
+    return int(_unix(ts)) if ts else 0
+
+
+async def _write_lease(target: LeaseTarget, obj: Any, write: LeaseRecord) -> int | None:
+    """Create or replace (with the read ``resourceVersion``); the written Lease's creation time
+    (unix seconds); None: another replica wrote first (404/409)."""
     from kubernetes import client
 
     t = target
@@ -165,11 +197,11 @@ async def _write_lease(target: LeaseTarget, obj: Any, write: LeaseRecord) -> boo
     )
     try:
         if obj is None:
-            await t.run(t.coord.create_namespaced_lease, t.namespace, body)
+            out = await t.run(t.coord.create_namespaced_lease, t.namespace, body)
         else:
-            await t.run(t.coord.replace_namespaced_lease, t.name, t.namespace, body)
+            out = await t.run(t.coord.replace_namespaced_lease, t.name, t.namespace, body)
     except t.api_exception as exc:
         if getattr(exc, "status", None) in (404, 409):
-            return False
+            return None
         raise
-    return True
+    return _created(out) or write.created_s

@@ -165,7 +165,7 @@ def replay(
         # late calls once it has seen the next.
         assert terms == sorted(terms), f"leaseTransitions went down: {terms}"
         for k in now:
-            assert lease is not None and states[k].token == lease.transitions >= 1, (
+            assert lease is not None and states[k].token == lease.token >= 1, (
                 f"{names[k]} leads with token {states[k].token}, the Lease is at {lease}"
             )
 
@@ -191,7 +191,7 @@ def replay(
             elif read_version == version:  # compare-and-swap on resourceVersion
                 lease, version = replace(write, resource_version=str(version + 1)), version + 1
                 terms.append(write.transitions)
-                results[i, j] = (lead, write.transitions)
+                results[i, j] = (lead, write.token)
             else:
                 results[i, j] = (None, None)  # conflict: unknown
         elif (i, j) not in finished:  # the answer, or the timeout, whichever comes first
@@ -408,6 +408,23 @@ def test_every_new_term_increments_lease_transitions() -> None:
     assert lead and same is not None and same.transitions == 3, "re-acquired after expiry"
     lead, other = next_lease(same, "b", 1, 300.0, d)
     assert lead and other is not None and other.holder == "b" and other.transitions == 4
+
+
+def test_a_recreated_lease_starts_above_every_token_of_the_old_one() -> None:
+    """The token is (creationTimestamp, leaseTransitions): a Lease deleted and created again (a
+    reinstall) does not restart at 1 below what the agents remember."""
+    from warmserve_operator.lease import fencing_token
+
+    old = LeaseRecord("a", 100.0, 10.0, transitions=1000, created_s=1_700_000_000)
+    lead, w = next_lease(old, "b", 1, 200.0, 10.0)
+    assert lead and w is not None and w.created_s == old.created_s and w.token == old.token + 1
+    renewed = next_lease(replace(w, resource_version="9"), "b", 1, 201.0, 10.0)[1]
+    assert renewed is not None and renewed.token == w.token, "a renewal keeps the token"
+    again = replace(next_lease(None, "a", 1, 300.0, 10.0)[1], created_s=old.created_s + 1)
+    assert again.transitions == 1 and again.token > w.token
+    assert fencing_token(0, 5) == 5 and fencing_token(1, 0) == 2**32
+    with pytest.raises(ValueError, match="no fencing token"):
+        fencing_token(1, 2**32)
 
 
 def test_the_elector_carries_its_terms_token_and_a_refusal_of_it_ends_the_term(
