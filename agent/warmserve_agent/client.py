@@ -4,7 +4,9 @@
 :class:`SyncAgentClient` wraps it for the CLI and scripts.  Both return the generated protobuf
 messages (``warmserve_agent.api.v1.agent_pb2``) so callers see every field the agent reports.
 
-Every mutating call takes an optional ``request_id``; pass the same id when retrying after a lost
+Every mutating call (and ``describe``) takes an optional ``fencing_token`` (the operator's
+leadership term, :mod:`warmserve_agent.fencing`; 0: unfenced).  Every mutating call takes an
+optional ``request_id``; pass the same id when retrying after a lost
 answer and the agent returns the first result without redoing the work (idempotency).  When
 omitted, a fresh id is generated (retries are then *not* deduplicated).
 
@@ -122,8 +124,10 @@ class AgentClient:
         resp = await self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
-    async def describe(self) -> pb.NodeDescription:
-        return await self._unary(self._stub.Describe, pb.DescribeRequest())
+    async def describe(self, *, fencing_token: int = 0) -> pb.NodeDescription:
+        return await self._unary(
+            self._stub.Describe, pb.DescribeRequest(fencing_token=fencing_token)
+        )
 
     async def prewarm(
         self,
@@ -135,6 +139,7 @@ class AgentClient:
         timeout_s: float | None = 600.0,
         source: str = "",
         owner: str = "",
+        fencing_token: int = 0,
     ) -> AsyncIterator[pb.PrewarmProgress]:
         """Stream progress of loading ``model`` (first ``layers``, 0 = all) onto ``gpus``.
 
@@ -149,6 +154,7 @@ class AgentClient:
             layers=layers,
             source=source,
             owner=owner,
+            fencing_token=fencing_token,
         )
         call = self._stub.Prewarm(req, metadata=self._metadata, timeout=timeout_s)
         try:
@@ -168,6 +174,7 @@ class AgentClient:
         timeout_s: float | None = 600.0,
         on_progress: Callable[[pb.PrewarmProgress], Any] | None = None,
         owner: str = "",
+        fencing_token: int = 0,
     ) -> pb.PrewarmProgress:
         """Prewarm and return the final progress message (``.slot`` is the resident slot)."""
         last: pb.PrewarmProgress | None = None
@@ -179,6 +186,7 @@ class AgentClient:
             source=source,
             timeout_s=timeout_s,
             owner=owner,
+            fencing_token=fencing_token,
         ):
             last = msg
             if on_progress is not None:
@@ -187,8 +195,14 @@ class AgentClient:
             raise AgentError(grpc.StatusCode.UNKNOWN, "prewarm stream ended without a message")
         return last
 
-    async def evict(self, slot_id: str, *, request_id: str | None = None) -> pb.EvictResponse:
-        req = pb.EvictRequest(request_id=request_id or new_request_id("evict"), slot_id=slot_id)
+    async def evict(
+        self, slot_id: str, *, request_id: str | None = None, fencing_token: int = 0
+    ) -> pb.EvictResponse:
+        req = pb.EvictRequest(
+            request_id=request_id or new_request_id("evict"),
+            slot_id=slot_id,
+            fencing_token=fencing_token,
+        )
         return await self._unary(self._stub.Evict, req)
 
     async def activate(
@@ -203,6 +217,7 @@ class AgentClient:
         timeout_s: float | None = 600.0,
         source: str = "",
         owner: str = "",
+        fencing_token: int = 0,
     ) -> pb.ActivateResponse:
         req = pb.ActivateRequest(
             request_id=request_id or new_request_id("activate"),
@@ -213,24 +228,33 @@ class AgentClient:
             engine=engine,
             engine_args=list(engine_args),
             owner=owner,
+            fencing_token=fencing_token,
         )
         return await self._unary(self._stub.Activate, req, timeout_s)
 
     async def begin_grace(
-        self, instance_id: str, *, request_id: str | None = None
+        self, instance_id: str, *, request_id: str | None = None, fencing_token: int = 0
     ) -> pb.BeginGraceResponse:
         req = pb.BeginGraceRequest(
-            request_id=request_id or new_request_id("grace"), instance_id=instance_id
+            request_id=request_id or new_request_id("grace"),
+            instance_id=instance_id,
+            fencing_token=fencing_token,
         )
         return await self._unary(self._stub.BeginGrace, req)
 
     async def end_instance(
-        self, instance_id: str, *, evict_weights: bool = False, request_id: str | None = None
+        self,
+        instance_id: str,
+        *,
+        evict_weights: bool = False,
+        request_id: str | None = None,
+        fencing_token: int = 0,
     ) -> pb.EndInstanceResponse:
         req = pb.EndInstanceRequest(
             request_id=request_id or new_request_id("end"),
             instance_id=instance_id,
             evict_weights=evict_weights,
+            fencing_token=fencing_token,
         )
         return await self._unary(self._stub.EndInstance, req)
 

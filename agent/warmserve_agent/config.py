@@ -15,6 +15,7 @@ from pathlib import Path
 
 from warmserve.units import SizeError, parse_size
 
+FENCING_FILE = ".warmserve-fencing.json"  # hidden: the store's catalogue skips it
 _GPUS_RE = re.compile(r"^\s*(\d+)\s*x\s*(.+)$")
 
 
@@ -60,6 +61,11 @@ class AgentConfig:
     tls_key: Path | None = None
     client_ca: Path | None = None
     token_file: Path | None = None
+    # Fencing tokens (warmserve_agent.fencing): where the highest operator leadership term seen
+    # is kept across restarts (None: <model_dir>/.warmserve-fencing.json, the node's persistent
+    # store), and whether a mutating call without a token is refused.
+    fencing_file: Path | None = None
+    require_fencing_token: bool = False
     # Accept serving the API on a non-loopback address with no authentication (logged loudly).
     allow_insecure_listen: bool = False
     metrics_port: int | None = None
@@ -92,3 +98,7 @@ class AgentConfig:
     allowed_paths: tuple[Path, ...] = ()
     engines: tuple[str, ...] = ("simulated",)  # what workers preload and may host
     default_engine: str = ""  # for Activate calls naming none (default: engines[0])
+
+    @property
+    def fencing_path(self) -> Path:
+        return self.fencing_file or Path(self.model_dir) / FENCING_FILE

@@ -17,15 +17,22 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from warmserve.policy.cluster import WorkerState
+from warmserve_agent.fencing import Fence
 from warmserve_agent.node import NodeCore
 
 ACTIVATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class AgentCollector(Collector):
-    def __init__(self, core: NodeCore, restarts: Callable[[int], int] = lambda g: 0) -> None:
+    def __init__(
+        self,
+        core: NodeCore,
+        restarts: Callable[[int], int] = lambda g: 0,
+        fence: Fence | None = None,
+    ) -> None:
         self.core = core
         self.restarts = restarts
+        self.fence = fence if fence is not None else Fence()
 
     def collect(self) -> Iterator[object]:
         core = self.core
@@ -86,3 +93,21 @@ class AgentCollector(Collector):
             buckets.append(("+Inf", float(len(samples))))
             h.add_metric([node, str(hit).lower()], buckets, sum_value=sum(samples))
         yield h
+        yield from self._fencing(node)
+
+    def _fencing(self, node: str) -> Iterator[object]:
+        fenced = CounterMetricFamily(
+            "warmserve_agent_fenced_calls",
+            "Calls refused for a stale fencing token (a deposed operator leader) or none",
+            labels=["node", "method", "reason"],
+        )
+        for (method, reason), n in sorted(self.fence.refused.items()):
+            fenced.add_metric([node, method, reason], n)
+        yield fenced
+        token = GaugeMetricFamily(
+            "warmserve_agent_fencing_token",
+            "The highest operator leadership term (fencing token) this agent has seen",
+            labels=["node"],
+        )
+        token.add_metric([node], self.fence.highest)
+        yield token

@@ -29,6 +29,7 @@ from grpc_health.v1.health import aio as health_aio
 from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
 from warmserve_agent.auth import TokenInterceptor, check_exposure
 from warmserve_agent.config import AgentConfig, ConfigError
+from warmserve_agent.fencing import Fence, FenceError
 from warmserve_agent.memory import MemoryManager
 from warmserve_agent.memory_setup import (
     cuda_gpu_sizes,
@@ -58,6 +59,7 @@ class AgentServer:
         self.core: NodeCore | None = None
         self.service: AgentService | None = None
         self.fetcher: ModelFetcher | None = None
+        self.fence = Fence()
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -81,6 +83,10 @@ class AgentServer:
     async def _start(self) -> AgentServer:
         cfg = self.cfg
         exposure_warning = check_exposure(cfg)  # before anything is started
+        try:  # a fence it cannot read: refuse to start rather than forget it
+            self.fence = Fence(cfg.fencing_path, cfg.require_fencing_token)
+        except FenceError as exc:
+            raise ConfigError(str(exc)) from None
         in_workers = memory_in_workers(cfg)
         if in_workers and not cfg.use_workers:
             raise ConfigError("memory owned by workers needs worker processes (use_workers)")
@@ -160,6 +166,7 @@ class AgentServer:
             max_watch_queue=cfg.watch_queue_max,
             watch_write_timeout_s=cfg.watch_write_timeout_s,
             fetcher=self.fetcher,
+            fence=self.fence,
         )
         self.service.bind_loop(asyncio.get_running_loop())
 
@@ -262,7 +269,7 @@ class AgentServer:
         assert self.core is not None
         reg = CollectorRegistry()
         restarts = (lambda g: self.pool.restarts[g]) if self.pool is not None else (lambda g: 0)
-        reg.register(AgentCollector(self.core, restarts))
+        reg.register(AgentCollector(self.core, restarts, self.fence))
         if self.fetcher is not None:
             from warmserve_agent.sources.metrics import FetchCollector
 

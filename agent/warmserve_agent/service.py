@@ -6,6 +6,9 @@ Responsibilities beyond translating messages:
   a replay with the same id and the same arguments waits for / returns the first outcome (the
   same answer, or the same error) without redoing the work; the same id with different
   arguments is refused with ALREADY_EXISTS.  The last ``max_request_ids`` ids are remembered.
+* **Fencing.** Every mutating call and ``Describe`` pass the caller's ``fencing_token`` through
+  :mod:`~warmserve_agent.fencing` before anything changes: a deposed operator leader's late
+  call is refused (FAILED_PRECONDITION, ``fenced: ...``).
 * **Status codes.** :class:`~warmserve_agent.node_records.Refusal` carries the gRPC status name
   and a message a person can act on; it becomes ``context.abort(code, message)``.
 * **Streams.** ``Prewarm`` streams progress of its slot until the requested layers are resident;
@@ -40,6 +43,7 @@ from collections import OrderedDict
 
 from warmserve_agent.api.v1 import agent_pb2 as pb
 from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
+from warmserve_agent.fencing import Fence
 from warmserve_agent.node import NodeCore
 from warmserve_agent.service_describe import ServiceInfo
 from warmserve_agent.service_idempotency import IdemEntry
@@ -61,10 +65,12 @@ class AgentService(PrewarmRPCs, InstanceRPCs, WatchStreams, pb_grpc.NodeAgentSer
         max_watch_queue: int = 1024,
         watch_write_timeout_s: float = 30.0,
         fetcher: ModelFetcher | None = None,
+        fence: Fence | None = None,
     ) -> None:
         self.core = core
         self.info = info
         self.fetcher = fetcher
+        self.fence = fence if fence is not None else Fence()
         self._usage: tuple[int, float, pb.StoreInfo] | None = None
         self.max_request_ids = max_request_ids
         self.max_watch_queue = max_watch_queue

@@ -21,6 +21,7 @@ from typing import Any
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent import __version__
 from warmserve_agent.api.v1 import agent_pb2 as pb
+from warmserve_agent.fencing import Fence, enforce
 from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import InstanceRec, SlotRec
 from warmserve_agent.sources.fetcher import ModelFetcher
@@ -52,6 +53,7 @@ class Description:
     core: NodeCore
     info: ServiceInfo
     fetcher: ModelFetcher | None
+    fence: Fence
     _usage: tuple[int, float, pb.StoreInfo] | None
     _catalog_cache: tuple[tuple[int, ...], float, list[pb.ModelInfo]] | None
     _catalog_orgs: tuple[str, ...]
@@ -221,4 +223,7 @@ class Description:
 
     # ---- RPC ------------------------------------------------------------------------------
     async def Describe(self, request: pb.DescribeRequest, context: Any) -> pb.NodeDescription:
+        # A leader's token raises the fence before it decides from this state: a deposed
+        # leader's call that lands after it cannot act on what the new leader saw.
+        await enforce(self.fence, "Describe", request.fencing_token, context, read=True)
         return await asyncio.to_thread(self.describe_pb)

@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from warmserve_agent.fencing import Fence, enforce
 from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import ID_RE, Refusal
 from warmserve_agent.safe_text import bounded, shown
@@ -54,6 +55,7 @@ class IdempotentCalls:
 
     core: NodeCore
     fetcher: ModelFetcher | None
+    fence: Fence
     max_request_ids: int
     _idem: OrderedDict[str, IdemEntry]
 
@@ -79,8 +81,13 @@ class IdempotentCalls:
         fingerprint: tuple[Any, ...],
         context: grpc.aio.ServicerContext,
         fn: Callable[[], Any],
+        token: int = 0,
     ) -> tuple[Any, IdemEntry]:
-        """Run ``fn`` in a thread once per request id; replays get the first outcome."""
+        """Run ``fn`` in a thread once per request id; replays get the first outcome.  The
+        caller's fencing ``token`` is checked first (:mod:`~warmserve_agent.fencing`), replays
+        included: a deposed leader learns it is deposed.  It is not part of the fingerprint: a
+        new leader repeating its predecessor's request id gets the first outcome."""
+        await enforce(self.fence, method, token, context)
         await self._check_request_id(rid, context)
         entry = self._idem.get(rid)
         if entry is not None:

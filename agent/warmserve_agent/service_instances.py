@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from warmserve_agent.api.v1 import agent_pb2 as pb
+from warmserve_agent.fencing import enforce
 from warmserve_agent.node_records import Refusal
 from warmserve_agent.service_describe import Description
 from warmserve_agent.service_fetch import ModelFetching
@@ -40,6 +41,7 @@ class InstanceRPCs(IdempotentCalls, ModelFetching, Description):
             args,
         )
         if request.source:
+            await enforce(self.fence, "Activate", request.fencing_token, context)
             try:  # a bad engine or argument is refused before a fetch changes the store
                 self.core.check_engine(request.engine, args)
             except Refusal as r:
@@ -63,6 +65,7 @@ class InstanceRPCs(IdempotentCalls, ModelFetching, Description):
                     args,
                     request.owner,
                 ),
+                request.fencing_token,
             )
         if self.fetcher is not None:
             self.fetcher.touch(request.model)
@@ -82,6 +85,7 @@ class InstanceRPCs(IdempotentCalls, ModelFetching, Description):
             (request.instance_id,),
             context,
             lambda: self.core.begin_grace(request.instance_id),
+            request.fencing_token,
         )
         return pb.BeginGraceResponse(instance=self.instance_pb(inst))
 
@@ -94,6 +98,7 @@ class InstanceRPCs(IdempotentCalls, ModelFetching, Description):
             (request.instance_id, request.evict_weights),
             context,
             lambda: self.core.end_instance(request.instance_id, request.evict_weights),
+            request.fencing_token,
         )
         gs = set(inst.gpus)
         return pb.EndInstanceResponse(

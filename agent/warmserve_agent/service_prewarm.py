@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from warmserve_agent.api.v1 import agent_pb2 as pb
+from warmserve_agent.fencing import enforce
 from warmserve_agent.service_describe import Description
 from warmserve_agent.service_fetch import ModelFetching
 from warmserve_agent.service_idempotency import IdempotentCalls, abort
@@ -45,7 +46,8 @@ class PrewarmRPCs(IdempotentCalls, ModelFetching, Description):
         pin = self._pin(request.model)
         pin.__enter__()
         try:
-            if request.source:
+            if request.source:  # a deposed leader's call must not fill the store either
+                await enforce(self.fence, "Prewarm", request.fencing_token, context)
                 async for info in self._fetch(
                     request.model, request.source, list(request.gpus), context
                 ):
@@ -58,6 +60,7 @@ class PrewarmRPCs(IdempotentCalls, ModelFetching, Description):
                 lambda: self.core.prewarm(
                     request.model, request.gpus, request.layers, request.owner
                 ),
+                request.fencing_token,
             )
             last: tuple[Any, ...] | None = None
             while True:
@@ -115,6 +118,7 @@ class PrewarmRPCs(IdempotentCalls, ModelFetching, Description):
             (request.slot_id,),
             context,
             lambda: self.core.evict(request.slot_id),
+            request.fencing_token,
         )
         return pb.EvictResponse(
             slot_id=slot.slot_id,

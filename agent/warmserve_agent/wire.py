@@ -15,6 +15,10 @@ from enum import StrEnum
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent.api.v1 import agent_pb2 as pb
 
+# Every fencing refusal's message starts with this (FAILED_PRECONDITION; warmserve_agent.fencing):
+# the operator tells a deposed-leader refusal from any other precondition by it.
+FENCED_PREFIX = "fenced:"
+
 
 class SlotState(StrEnum):
     """A prewarm slot's state, as the agent reports it."""

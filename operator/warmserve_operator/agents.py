@@ -9,6 +9,11 @@ agent reports, so ``warmserve status`` and ``kubectl get gpunodes`` need no gRPC
 
 The reconciler sees agents only through :class:`AgentPort` and plain snapshot dataclasses, so
 its decision-to-action translation is tested with an in-memory fake, without gRPC.
+
+Fencing: :class:`GrpcAgent` sends every mutating call and ``Describe`` with the leadership
+term's fencing token (:class:`Fencing`, the :class:`~.leader.Elector`), and reports a refusal of
+it back (``Fencing.refused``: the replica stops leading, ``reason=fenced_by_agent``), so the
+agent refuses a deposed leader's late calls (:mod:`warmserve_agent.fencing`).
 """
 
 from __future__ import annotations
@@ -83,6 +88,25 @@ class AgentPort(Protocol):
     async def close(self) -> None: ...
 
 
+class Fencing(Protocol):
+    """Where agent calls get their fencing token and report its refusal (:class:`~.leader.Elector`;
+    :class:`Unfenced` for ``--standalone``)."""
+
+    def token(self) -> int: ...
+
+    def refused(self, token: int) -> None: ...
+
+
+class Unfenced:
+    """No election (``--standalone``, tests): token 0, an unfenced caller."""
+
+    def token(self) -> int:
+        return 0
+
+    def refused(self, token: int) -> None:
+        log.error("event=call_fenced_unfenced_caller: the agent requires a fencing token")
+
+
 @dataclass(frozen=True, slots=True)
 class AgentAuth:
     """How the operator authenticates to agents (token and/or TLS), from the operator's flags."""
@@ -98,11 +122,14 @@ class AgentAuth:
 class GrpcAgent:
     """:class:`AgentPort` over the agent's gRPC API (``warmserve_agent.client.AgentClient``)."""
 
-    def __init__(self, node: str, address: str, auth: AgentAuth) -> None:
+    def __init__(
+        self, node: str, address: str, auth: AgentAuth, fencing: Fencing | None = None
+    ) -> None:
         from warmserve_agent.client import AgentClient
 
         self.node = node
         self.address = address
+        self.fencing = fencing if fencing is not None else Unfenced()
         self._client = AgentClient(
             address,
             token_file=auth.token_file,
@@ -113,16 +140,24 @@ class GrpcAgent:
             timeout_s=auth.timeout_s,
         )
 
-    async def _call(self, coro: Any) -> Any:
+    async def _call(self, call: Callable[[int], Any]) -> Any:
+        """``call(fencing_token)``: the client call; a fenced refusal is reported to
+        :attr:`fencing` with the token this call carried."""
         from warmserve_agent.client import AgentError
 
+        token = self.fencing.token()
         try:
-            return await coro
+            return await call(token)
         except AgentError as exc:
-            raise AgentCallError(exc.code.name, exc.message) from None
+            err = AgentCallError(exc.code.name, exc.message)
+            if err.fenced:
+                log.warning("event=call_fenced node=%s token=%d message=%r", self.node, token, err)
+                self.fencing.refused(token)
+            raise err from None
 
     async def describe(self) -> NodeSnapshot:
-        return snapshot_from_pb(self.node, await self._call(self._client.describe()))
+        desc = await self._call(lambda t: self._client.describe(fencing_token=t))
+        return snapshot_from_pb(self.node, desc)
 
     async def prewarm(
         self,
@@ -140,7 +175,7 @@ class GrpcAgent:
                 on_fetch(fetch_from_pb(msg.fetch))
 
         last = await self._call(
-            self._client.prewarm_wait(
+            lambda t: self._client.prewarm_wait(
                 model,
                 gpus,
                 layers,
@@ -150,17 +185,20 @@ class GrpcAgent:
                 # A fetch of many GB can take a while; loading itself is bounded by the agent.
                 timeout_s=3600.0 if source else 600.0,
                 on_progress=progress,
+                fencing_token=t,
             )
         )
         snap = snapshot_from_pb(self.node, _FakeDesc(slots=[last.slot]))
         return snap.slots[0]
 
     async def inspect_model(self, model: str, source: str) -> CatalogEntry:
-        m = await self._call(self._client.inspect_model(model, source))
+        m = await self._call(lambda t: self._client.inspect_model(model, source))
         return CatalogEntry(model, int(m.weight_bytes), int(m.num_layers), m.source)
 
     async def evict(self, slot_id: str, request_id: str) -> None:
-        await self._call(self._client.evict(slot_id, request_id=request_id))
+        await self._call(
+            lambda t: self._client.evict(slot_id, request_id=request_id, fencing_token=t)
+        )
 
     async def activate(
         self,
@@ -175,7 +213,7 @@ class GrpcAgent:
         source: str = "",
     ) -> ActivateResult:
         resp = await self._call(
-            self._client.activate(
+            lambda t: self._client.activate(
                 model,
                 gpus,
                 slot_id=slot_id,
@@ -185,6 +223,7 @@ class GrpcAgent:
                 engine_args=engine_args,
                 source=source,
                 timeout_s=3600.0 if source else 600.0,
+                fencing_token=t,
             )
         )
         inst = snapshot_from_pb(self.node, _FakeDesc(instances=[resp.instance])).instances[0]
@@ -196,12 +235,14 @@ class GrpcAgent:
         )
 
     async def begin_grace(self, instance_id: str, request_id: str) -> None:
-        await self._call(self._client.begin_grace(instance_id, request_id=request_id))
+        await self._call(
+            lambda t: self._client.begin_grace(instance_id, request_id=request_id, fencing_token=t)
+        )
 
     async def end_instance(self, instance_id: str, evict_weights: bool, request_id: str) -> None:
         await self._call(
-            self._client.end_instance(
-                instance_id, evict_weights=evict_weights, request_id=request_id
+            lambda t: self._client.end_instance(
+                instance_id, evict_weights=evict_weights, request_id=request_id, fencing_token=t
             )
         )
 
@@ -233,9 +274,14 @@ class _FakeDesc:
 class AgentPool:
     """One client per GPUNode, re-created when the node's address changes."""
 
-    def __init__(self, auth: AgentAuth | None = None, factory: Any = None) -> None:
+    def __init__(
+        self, auth: AgentAuth | None = None, factory: Any = None, fencing: Fencing | None = None
+    ) -> None:
         self.auth = auth or AgentAuth()
-        self._factory = factory or (lambda node, addr: GrpcAgent(node, addr, self.auth))
+        self.fencing = fencing if fencing is not None else Unfenced()
+        self._factory = factory or (
+            lambda node, addr: GrpcAgent(node, addr, self.auth, self.fencing)
+        )
         self._clients: dict[str, tuple[str, AgentPort]] = {}
 
     def get(self, node: str, address: str) -> AgentPort:

@@ -215,7 +215,9 @@ async def startup(
     auth: AgentAuth = memo.get("agent_auth") or AgentAuth()
     gateways = memo.get("gateways")
     demand = gateways.build() if gateways is not None else None
-    reconciler = Reconciler(config, kube, AgentPool(auth), metrics, demand=demand)
+    # Every agent call carries the Lease term's fencing token (.leader, warmserve_agent.fencing).
+    pool = AgentPool(auth, fencing=kube.elector)
+    reconciler = Reconciler(config, kube, pool, metrics, demand=demand)
     stop = asyncio.Event()
     memo["reconciler"] = reconciler
     memo["stop"] = stop

@@ -366,7 +366,7 @@ class KubeApi:
             COMPONENT,
         )
 
-    async def _lease_round(self) -> bool | None:
+    async def _lease_round(self) -> tuple[bool | None, int]:
         from .leader import hold_lease
 
         release = self.elector.release if self.elector is not None else lambda: None

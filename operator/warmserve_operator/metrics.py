@@ -31,7 +31,8 @@ class Metrics:
             f"{PREFIX}_leadership_lost_total",
             "Times this replica stopped leading (reason: lost = another replica holds the Lease, "
             "released = handed over to a higher priority, renew_deadline = not renewed in "
-            "time, stopped = shutdown)",
+            "time, stopped = shutdown, fenced_by_agent = an agent refused this term's fencing "
+            "token: a newer leader reached it)",
             ["reason"],
             registry=r,
         )

@@ -11,7 +11,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from warmserve_agent.wire import SlotState, instance_phase, slot_state, worker_state
+from warmserve_agent.wire import (
+    FENCED_PREFIX,
+    SlotState,
+    instance_phase,
+    slot_state,
+    worker_state,
+)
 
 from warmserve.policy.cluster import InstancePhase, WorkerState
 
@@ -25,6 +31,11 @@ class AgentCallError(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+    @property
+    def fenced(self) -> bool:
+        """The agent refused the call's fencing token: a newer leader reached it."""
+        return self.code == "FAILED_PRECONDITION" and self.message.startswith(FENCED_PREFIX)
 
 
 @dataclass(frozen=True, slots=True)

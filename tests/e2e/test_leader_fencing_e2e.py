@@ -12,6 +12,12 @@ The check: a watch records every version of the Lease (holder, ``renewTime``); e
 ``event=action`` an operator logs must fall inside its own Lease: the latest version written at
 or before the action names that operator and has not expired.  An action outside it is a second
 actor: the other replica held (or could take) the Lease at that moment.
+
+The self-fence cannot recall a call already on its way.  The second test holds the leader's
+``BeginGrace`` in flight at the agent (as a partition would), freezes the leader (SIGSTOP) past
+its Lease, lets the standby take over and act, then lets the held call through: the agent must
+refuse it (fencing tokens, ``warmserve_agent.fencing``).  Without tokens it drained an instance
+the new leader wanted serving.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -31,6 +38,7 @@ import pytest
 from e2e_support import (
     Procs,
     describe_agents,
+    get_json,
     install_for_operator,
     register_gpu_node,
     start_sim_agent,
@@ -133,10 +141,12 @@ class Env:
         self.addresses: dict[str, str] = {}
         self.kubeconfig: Path | None = None
         self.slow = tmp / "slow-describe"
+        self.hold, self.release = tmp / "hold-calls", tmp / "release-calls"
 
     def start_agent(self, node: str) -> None:
         slow = ("--slow-describe-file", str(self.slow))
-        address = start_sim_agent(self.procs, self.tmp, node, self.env, *slow)
+        held = ("--hold-calls-file", str(self.hold), "--release-calls-file", str(self.release))
+        address = start_sim_agent(self.procs, self.tmp, node, self.env, *slow, *held)
         name = f"{self.ns}-{node}"
         self.addresses[name] = address
         register_gpu_node(self.plane.kubectl, name, address)
@@ -169,12 +179,20 @@ class Env:
         self.plane.kubectl("patch", "wsmd", "chat", "-n", self.ns, "--type=merge", "-p", patch)
 
     def serving(self) -> int:
+        return len(self.serving_ids())
+
+    def serving_ids(self) -> set[str]:
         snaps = describe_agents(self.addresses)
-        return sum(
-            1
+        return {
+            i.instance_id
             for s in snaps.values()
             for i in s.instances
             if i.model == "tiny-chat" and i.phase.value != "grace"
+        }
+
+    def agent_log(self) -> str:
+        return "".join(
+            (self.tmp / f"{n}.log").read_text(errors="replace") for n in ("node-a", "node-b")
         )
 
 
@@ -238,3 +256,67 @@ def test_a_slow_poll_never_makes_two_actors(env: Env) -> None:
         f"Lease versions (renew, holder, duration): {versions}\n{env.logs()}"
     )
     assert not acts[standby], f"the standby acted beside a live leader: {acts[standby]}"
+
+
+def test_a_deposed_leaders_call_in_flight_is_refused_by_the_agent(env: Env) -> None:
+    leader = env.start_operator("operator-leader", 100)
+    env.set_min(2)
+    wait_for(lambda: env.serving() == 2, "the leader starts minInstances=2", 90, env.logs)
+    env.start_operator("operator-standby", 50)
+    time.sleep(2 * POLL_S)  # the standby polls beside the live leader
+    term = get_json(env.plane.kubectl, "lease", f"{PEERING}-loop", "-n", env.ns)["spec"]
+    before = env.serving_ids()
+    env.hold.write_text("")  # calls that reach an agent from now on stay in flight
+    env.set_min(1)  # the leader drains one instance: its BeginGrace is held
+    wait_for(
+        lambda: "event=call_held method=BeginGrace" in env.agent_log(),
+        "the leader's BeginGrace is in flight",
+        60,
+        env.logs,
+    )
+    env.procs.procs["operator-leader"].send_signal(signal.SIGSTOP)  # frozen past its Lease
+    env.hold.unlink()
+    try:
+        env.set_min(3)
+        wait_for(
+            lambda: env.serving() == 3,
+            "the standby took over and started a third instance",
+            90,
+            env.logs,
+        )
+        standby_acts = actions(env.tmp / "operator-standby.log")
+        assert any(verb == "activate" for _, verb in standby_acts), standby_acts
+        env.release.write_text("")  # the deposed leader's call arrives now
+        wait_for(
+            lambda: "event=call_released method=BeginGrace" in env.agent_log(),
+            "the held BeginGrace reaches the agent's service",
+            30,
+            env.logs,
+        )
+        time.sleep(1.5)  # what it would do, done
+        drained = before - env.serving_ids()
+        assert not drained, (
+            f"the deposed leader's BeginGrace drained {drained} after the new leader took "
+            f"over (it wants 3 serving)\n{env.logs()}"
+        )
+        fenced = re.findall(
+            r"event=call_fenced method=BeginGrace token=(\d+) highest=(\d+) reason=stale",
+            env.agent_log(),
+        )
+        assert fenced and all(int(t) < int(h) for t, h in fenced), env.logs()
+        print(f"the agent refused the deposed leader's BeginGrace: token/highest {fenced}")
+    finally:
+        env.procs.procs["operator-leader"].send_signal(signal.SIGCONT)
+    wait_for(
+        lambda: "event=leadership_lost" in (env.tmp / "operator-leader.log").read_text(),
+        "the resumed leader stops leading",
+        30,
+        env.logs,
+    )
+    assert env.serving() == 3
+    # The standby's term came after the leader's (the leader, with the higher priority, may
+    # since have asked for the Lease back: a third term).
+    now = get_json(env.plane.kubectl, "lease", f"{PEERING}-loop", "-n", env.ns)["spec"]
+    assert term["holderIdentity"] == leader and term.get("leaseTransitions", 0) >= 1, term
+    assert now["leaseTransitions"] > term["leaseTransitions"], (term, now)
+    assert "event=leadership_acquired" in (env.tmp / "operator-standby.log").read_text()

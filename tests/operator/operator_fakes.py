@@ -7,7 +7,10 @@ exactly the GPUs, activation evicting other slots on the group, the owner record
 instances, and — what once hid a deletion that never finished (issue 16, H1) — the same
 refusals as the real agent: EndInstance only for a grace instance, BeginGrace only for a serving
 one, no eviction of a serving slot, no prewarm or activation on a serving GPU, nesting of GPU
-groups.  It is a test double of the *contract*, not of the real agent's internals:
+groups; and fencing tokens (the same :class:`warmserve_agent.fencing.Fence` rule: a call
+whose token is lower than the highest seen is refused FAILED_PRECONDITION ``fenced: ...`` and
+reported to ``fencing``, as :class:`~warmserve_operator.agents.GrpcAgent` reports it).  It is
+a test double of the *contract*, not of the real agent's internals:
 ``tests/operator/test_agent_contract.py`` runs the same cases against it and the real agent.
 """
 
@@ -19,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from warmserve_operator.agents import ActivateResult
+from warmserve_agent.fencing import Fence, refusal_message
+from warmserve_operator.agents import ActivateResult, Fencing, Unfenced
 from warmserve_operator.kube import ObjRef
 from warmserve_operator.snapshot import (
     AgentCallError,
@@ -71,8 +75,12 @@ class FakeAgent:
         catalog: dict[str, tuple[int, int]] | None = None,
         clock: Callable[[], float] = time.time,
         remote: dict[str, tuple[int, int]] | None = None,
+        fencing: Fencing | None = None,
+        require_fencing_token: bool = False,
     ) -> None:
         self.node = node
+        self.fencing = fencing if fencing is not None else Unfenced()
+        self.fence = Fence(require_token=require_fencing_token)
         self.memory = memory
         self.n = gpus
         self.catalog = catalog or {}
@@ -95,6 +103,14 @@ class FakeAgent:
     def _check_up(self) -> None:
         if self.down:
             raise OSError(f"agent {self.node} unreachable")
+
+    def _fenced(self, method: str) -> None:
+        """The agent's first check on every mutating call and Describe."""
+        token = self.fencing.token()
+        verdict = self.fence.check(method, token, read=method == "Describe")
+        if verdict.refused is not None:
+            self.fencing.refused(token)
+            raise AgentCallError("FAILED_PRECONDITION", refusal_message(method, token, verdict))
 
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self.ids):012x}"
@@ -152,6 +168,7 @@ class FakeAgent:
     # ------------------------------------------------------------------ AgentPort
     async def describe(self) -> NodeSnapshot:
         self._check_up()
+        self._fenced("Describe")
         gpus = tuple(
             GpuView(
                 g,
@@ -244,6 +261,7 @@ class FakeAgent:
         on_fetch: Any = None,
     ) -> SlotView:
         self._check_up()
+        self._fenced("Prewarm")
         self.calls.append(("prewarm", request_id))
         key = ("prewarm", model, tuple(sorted(gpus)), layers, owner, source)
         if (prev := self._idem(request_id, key)) is not None:
@@ -279,6 +297,7 @@ class FakeAgent:
 
     async def evict(self, slot_id: str, request_id: str) -> None:
         self._check_up()
+        self._fenced("Evict")
         self.calls.append(("evict", request_id))
         key = ("evict", slot_id)
         if self._idem(request_id, key) is not None:
@@ -311,6 +330,7 @@ class FakeAgent:
         source: str = "",
     ) -> ActivateResult:
         self._check_up()
+        self._fenced("Activate")
         self.calls.append(("activate", request_id))
         key = (
             "activate",
@@ -385,6 +405,7 @@ class FakeAgent:
 
     async def begin_grace(self, instance_id: str, request_id: str) -> None:
         self._check_up()
+        self._fenced("BeginGrace")
         self.calls.append(("grace", request_id))
         key = ("grace", instance_id)
         if self._idem(request_id, key) is not None:
@@ -405,6 +426,7 @@ class FakeAgent:
 
     async def end_instance(self, instance_id: str, evict_weights: bool, request_id: str) -> None:
         self._check_up()
+        self._fenced("EndInstance")
         self.calls.append(("end", request_id))
         key = ("end", instance_id, evict_weights)
         if self._idem(request_id, key) is not None:

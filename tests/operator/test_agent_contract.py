@@ -11,6 +11,7 @@ cannot drift from the agent without a failing test.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -60,16 +61,33 @@ def real_agent(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield a
 
 
+class Term:
+    """The operator's :class:`~warmserve_operator.agents.Fencing`, set by hand: the token calls
+    carry (``term``) and the tokens the agent refused (``refused_tokens``)."""
+
+    def __init__(self) -> None:
+        self.term = 0
+        self.refused_tokens: list[int] = []
+
+    def token(self) -> int:
+        return self.term
+
+    def refused(self, token: int) -> None:
+        self.refused_tokens.append(token)
+
+
 @pytest.fixture(params=["fake", "real"])
 async def agent(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
     if request.param == "fake":
-        yield FakeAgent("n1", gpus=2, memory=32 * 1024**2, catalog=_write_models(tmp_path))
+        catalog = _write_models(tmp_path)
+        yield FakeAgent("n1", gpus=2, memory=32 * 1024**2, catalog=catalog, fencing=Term())
         return
     real = request.getfixturevalue("real_agent")
-    client = GrpcAgent("n1", real.address, AgentAuth())
+    client = GrpcAgent("n1", real.address, AgentAuth(), Term())
     try:
         yield client
     finally:
+        client.fencing.term = 0  # unfenced: always accepted by default
         await _reset(client)
         await client.close()
 
@@ -168,3 +186,55 @@ async def test_unknown_and_malformed_ids(agent: Any) -> None:
     await refused("NOT_FOUND", lambda: agent.prewarm("no-such-model", (0,), 0, rid("p")))
     await refused("INVALID_ARGUMENT", lambda: agent.prewarm(A, (0, 0), 0, rid("p")))
     await refused("INVALID_ARGUMENT", lambda: agent.prewarm(A, (7,), 0, rid("p")))
+
+
+# The real agent is shared by the cases (module scope) and keeps its highest token: every case
+# that raises the fence starts above the last.
+_terms = itertools.count(1000, 1000)
+
+
+async def test_a_lower_fencing_token_is_refused_equal_and_higher_accepted(agent: Any) -> None:
+    base = next(_terms)
+    term = agent.fencing
+    term.term = base + 2  # the new leader raises the fence
+    slot = await agent.prewarm(A, (0,), 0, rid("pre"), "uid-1")
+    term.term = base + 1  # the deposed leader's late calls
+    for call in (
+        lambda: agent.prewarm(B, (1,), 0, rid("pre"), "uid-1"),
+        lambda: agent.evict(slot.slot_id, rid("ev")),
+        lambda: agent.activate(A, (0,), slot.slot_id, rid("act"), "uid-1"),
+        lambda: agent.describe(),
+    ):
+        msg = await refused("FAILED_PRECONDITION", call)
+        assert msg.startswith("fenced:") and f"token {base + 1}" in msg, msg
+        assert f"token {base + 2}" in msg and "newer operator leader" in msg, msg
+    assert term.refused_tokens == [base + 1] * 4
+    term.term = base + 2  # equal: the current leader, retries included
+    snap = await agent.describe()
+    assert [s.slot_id for s in snap.slots] == [slot.slot_id]  # nothing of the refused calls
+    res = await agent.activate(A, (0,), slot.slot_id, rid("act"), "uid-1")
+    await agent.begin_grace(res.instance.instance_id, rid("grace"))
+    term.term = base + 3  # higher: accepted, and the fence rises again
+    await agent.end_instance(res.instance.instance_id, True, rid("end"))
+    term.term = base + 2
+    await refused("FAILED_PRECONDITION", lambda: agent.prewarm(A, (0,), 0, rid("pre")))
+    term.term = 0  # an unfenced caller (the CLI): accepted unless the agent requires a token
+    await agent.prewarm(A, (0,), 0, rid("pre"), "uid-1")
+    assert term.refused_tokens == [base + 1] * 4 + [base + 2]
+
+
+async def test_a_deposed_leader_cannot_replay_its_own_request_id(agent: Any) -> None:
+    """The token is checked before the request id: a replay of the deposed leader's own call
+    is refused too (it learns that it is deposed), while the new leader repeating that id
+    gets the first outcome (the token is not part of the request's fingerprint)."""
+    base = next(_terms)
+    term = agent.fencing
+    term.term = base + 1
+    r = rid("pre")
+    first = await agent.prewarm(A, (0,), 0, r, "uid-1")
+    term.term = base + 2
+    again = await agent.prewarm(A, (0,), 0, r, "uid-1")
+    assert again.slot_id == first.slot_id
+    term.term = base + 1
+    await refused("FAILED_PRECONDITION", lambda: agent.prewarm(A, (0,), 0, r, "uid-1"))
+    assert term.refused_tokens == [base + 1]

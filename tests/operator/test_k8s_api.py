@@ -356,6 +356,14 @@ def test_the_lease_is_renewed_on_its_own_and_a_stalled_leader_fences(k8s_namespa
         assert not b.leading(), "the other waits for the Lease to expire"
         took = await until(b.leading, timing.lease_s + 2 * timing.retry_s + 2)
         assert not a.leading()
+        # Fencing tokens: (creationTimestamp, leaseTransitions) of the Lease; the next term +1.
+        from kubernetes import client
+        from warmserve_operator.lease import fencing_token
+
+        lease = client.CoordinationV1Api().read_namespaced_lease("fence-loop", ns)
+        created = int(lease.metadata.creation_timestamp.timestamp())
+        assert b.elector.token() == fencing_token(created, lease.spec.lease_transitions)
+        assert b.elector.token() == a.elector.token() + 1 and created > 0
         print(f"leader fenced after {fenced:.2f} s; the other took over {took:.2f} s later")
         stop.set()
         await asyncio.gather(ta, tb)
@@ -410,6 +418,8 @@ def test_a_cleanly_stopped_leader_hands_the_lease_over_at_once(k8s_namespace: st
             await asyncio.sleep(0.02)
         took = loop.time() - t0
         assert holder() == "b"
+        assert b.elector is not None and a.elector is not None
+        assert b.elector.token() == a.elector.token() + 1, "a hand-over starts a new term"
         stop_b.set()
         await tb
         return took

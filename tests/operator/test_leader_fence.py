@@ -135,7 +135,8 @@ def replay(
     states = [Leadership() for _ in names]
     # (replica, round) -> (version read, decision) once read before the round timed out
     reads: dict[tuple[int, int], tuple[int, bool, LeaseRecord | None]] = {}
-    results: dict[tuple[int, int], bool | None] = {}
+    results: dict[tuple[int, int], tuple[bool | None, int | None]] = {}
+    terms: list[int] = []  # leaseTransitions of every version written
     finished: set[tuple[int, int]] = set()
     starts: dict[tuple[int, int], float] = {}
     events: list[tuple[float, int, int, int, str]] = []
@@ -159,6 +160,14 @@ def replay(
         the fence only closes between them, so events are the moments to look at)."""
         now = [k for k in range(len(names)) if fence(states[k], timing, t)]
         assert len(now) <= 1, f"{[names[k] for k in now]} all lead at {t:.3f}: {states}"
+        # Fencing tokens: the leader's is the Lease's current term, so every later leader's
+        # token is higher (leaseTransitions never decreases) and the agent refuses this one's
+        # late calls once it has seen the next.
+        assert terms == sorted(terms), f"leaseTransitions went down: {terms}"
+        for k in now:
+            assert lease is not None and states[k].token == lease.token >= 1, (
+                f"{names[k]} leads with token {states[k].token}, the Lease is at {lease}"
+            )
 
     for i in range(len(names)):
         start(i, 0, 0.0)
@@ -171,23 +180,24 @@ def replay(
                 continue  # timed out first: the round was cancelled before it could write
             lead, write = next_lease(lease, names[i], prios[i], t, float(timing.lease_s))
             if lease is not None and lease.holder == names[i] and write and not write.holder:
-                states[i] = Leadership(False, states[i].renewed_at)  # before_release
+                states[i] = Leadership(False, states[i].renewed_at, states[i].token)
             reads[i, j] = (version, lead, write)
         elif kind == "write":
             if (i, j) not in reads:
                 continue
             read_version, lead, write = reads[i, j]
             if write is None:
-                results[i, j] = lead
+                results[i, j] = (lead, None)
             elif read_version == version:  # compare-and-swap on resourceVersion
                 lease, version = replace(write, resource_version=str(version + 1)), version + 1
-                results[i, j] = lead
+                terms.append(write.transitions)
+                results[i, j] = (lead, write.token)
             else:
-                results[i, j] = None  # conflict: unknown
+                results[i, j] = (None, None)  # conflict: unknown
         elif (i, j) not in finished:  # the answer, or the timeout, whichever comes first
             finished.add((i, j))
-            held = results.get((i, j)) if kind == "answer" else None
-            states[i] = after_round(states[i], starts[i, j], held)
+            held, token = results.get((i, j), (None, None)) if kind == "answer" else (None, None)
+            states[i] = after_round(states[i], starts[i, j], held, token)
             start(i, j + 1, t)
         check(t)
 
@@ -204,7 +214,7 @@ def test_the_replay_catches_a_fence_that_outlives_the_lease() -> None:
         lambda s, t, now: s.holder,
         lambda s, t, now: s.holder and now - s.renewed_at < t.lease_s + 0.5,
     ):
-        with pytest.raises(AssertionError, match="all lead"):
+        with pytest.raises(AssertionError, match=r"all lead|leads with token"):
             replay(timing, plans, [1, 0], bad)
 
 
@@ -317,7 +327,7 @@ def test_a_released_lease_fences_before_the_write() -> None:
             lambda: order.append("fenced"),
         )
     )
-    assert got is False and order == ["fenced", "write"]
+    assert got == (False, 0) and order == ["fenced", "write"]
 
 
 # ---------------------------------------------------------------------------- release on stop
@@ -374,3 +384,117 @@ def test_a_clean_stop_fences_then_releases_a_held_lease(
         if outcome == "ok"
         else [m for m in logged if m.startswith("event=lease_release_failed")]
     ) and len(logged) == 1
+
+
+# ---------------------------------------------------------------------------- fencing tokens
+
+
+def test_every_new_term_increments_lease_transitions() -> None:
+    """The token of a term is the Lease's leaseTransitions: a renewal, a hand-over request and a
+    release keep it; anything that makes a replica the holder of a Lease that was not live and
+    its own increments it (a re-acquire by the same holder after losing it included)."""
+    d = 10.0
+    lead, w = next_lease(None, "a", 1, 100.0, d)
+    assert lead and w is not None and w.transitions == 1
+    lead, w = next_lease(w, "a", 1, 105.0, d)
+    assert lead and w is not None and w.transitions == 1, "a renewal keeps the term"
+    lead, asked = next_lease(w, "b", 5, 106.0, d)
+    assert not lead and asked is not None and asked.transitions == 1
+    lead, gone = next_lease(asked, "a", 1, 107.0, d)
+    assert not lead and gone is not None and gone.holder == "" and gone.transitions == 1
+    lead, back = next_lease(gone, "a", 1, 107.5, d)
+    assert lead and back is not None and back.transitions == 2, "re-acquired after a release"
+    lead, same = next_lease(back, "a", 1, 200.0, d)
+    assert lead and same is not None and same.transitions == 3, "re-acquired after expiry"
+    lead, other = next_lease(same, "b", 1, 300.0, d)
+    assert lead and other is not None and other.holder == "b" and other.transitions == 4
+
+
+def test_a_recreated_lease_starts_above_every_token_of_the_old_one() -> None:
+    """The token is (creationTimestamp, leaseTransitions): a Lease deleted and created again (a
+    reinstall) does not restart at 1 below what the agents remember."""
+    from warmserve_operator.lease import fencing_token
+
+    old = LeaseRecord("a", 100.0, 10.0, transitions=1000, created_s=1_700_000_000)
+    lead, w = next_lease(old, "b", 1, 200.0, 10.0)
+    assert lead and w is not None and w.created_s == old.created_s and w.token == old.token + 1
+    renewed = next_lease(replace(w, resource_version="9"), "b", 1, 201.0, 10.0)[1]
+    assert renewed is not None and renewed.token == w.token, "a renewal keeps the token"
+    again = replace(next_lease(None, "a", 1, 300.0, 10.0)[1], created_s=old.created_s + 1)
+    assert again.transitions == 1 and again.token > w.token
+    assert fencing_token(0, 5) == 5 and fencing_token(1, 0) == 2**32
+    with pytest.raises(ValueError, match="no fencing token"):
+        fencing_token(1, 2**32)
+
+
+def test_the_elector_carries_its_terms_token_and_a_refusal_of_it_ends_the_term(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    answers: list[tuple[bool | None, int]] = [(True, 3), (True, 3), (True, 5)]
+    changes: list[tuple[bool, str]] = []
+
+    async def round_() -> tuple[bool | None, int]:
+        return answers.pop(0)
+
+    e = Elector(round_, ElectionTiming(4, 3, 1), clock)
+    e.on_change = lambda lead, why: changes.append((lead, why))
+
+    async def go() -> None:
+        assert e.token() == 0  # never led: an unfenced caller
+        await e.run_round()
+        assert e.leading() and e.token() == 3
+        e.refused(2)  # a call of an earlier term of ours: nothing to do
+        assert e.leading() and changes == [(True, "acquired")]
+        e.refused(3)  # the agent has seen a newer term: another replica leads
+        assert not e.leading() and e.token() == 3
+        assert changes == [(True, "acquired"), (False, "fenced_by_agent")]
+        await e.run_round()  # the Lease still says us (the next round decides)
+        assert e.leading()
+        clock.t += 10  # paused past the Lease; nobody took it: a new term, the same leader
+        await e.run_round()
+        assert e.leading() and e.token() == 5
+
+    with caplog.at_level("INFO", logger="warmserve.operator"):
+        asyncio.run(go())
+    logged = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("event=leadership_lost reason=fenced_by_agent") for m in logged)
+    assert "event=stale_call_fenced token=2 current=3" in logged
+    assert "event=leadership_acquired lease_s=4 fencing_token=3" in logged
+
+
+def test_a_fenced_refusal_reaches_the_elector_through_the_grpc_port() -> None:
+    """GrpcAgent sends the Elector's token and reports the agent's refusal of it back."""
+    import grpc
+    from warmserve_agent.client import AgentError
+    from warmserve_operator.agents import AgentAuth, GrpcAgent
+    from warmserve_operator.snapshot import AgentCallError
+
+    sent: list[int] = []
+    refused: list[int] = []
+
+    class Term:
+        def token(self) -> int:
+            return 7
+
+        def refused(self, token: int) -> None:
+            refused.append(token)
+
+    async def evict(slot_id: str, *, request_id: str, fencing_token: int) -> None:
+        sent.append(fencing_token)
+        code = grpc.StatusCode.FAILED_PRECONDITION
+        if slot_id == "fenced":
+            raise AgentError(code, "fenced: Evict carries fencing token 7, but ...")
+        raise AgentError(code, "slot is serving; end the instance first")
+
+    async def go() -> None:
+        agent = GrpcAgent("n1", "127.0.0.1:1", AgentAuth(), Term())  # no connection is made
+        agent._client.evict = evict  # type: ignore[method-assign]
+        for slot, fenced in (("fenced", True), ("other", False)):
+            with pytest.raises(AgentCallError) as info:
+                await agent.evict(slot, "r1")
+            assert info.value.fenced is fenced
+        await agent.close()
+
+    asyncio.run(go())
+    assert sent == [7, 7] and refused == [7]

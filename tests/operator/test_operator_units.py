@@ -169,7 +169,8 @@ def test_missing_weights_and_duplicates() -> None:
 def test_lease_rule() -> None:
     """One holder at a time; a dead leader is replaced within a lease; a higher priority asks
     the holder to hand over and the holder releases before the asker takes it."""
-    assert next_lease(None, "a", 1, 100.0, 15.0) == (True, LeaseRecord("a", 100.0, 15.0, 1))
+    first = LeaseRecord("a", 100.0, 15.0, 1, transitions=1)
+    assert next_lease(None, "a", 1, 100.0, 15.0) == (True, first)
     held = LeaseRecord("a", 100.0, 15.0, 1, resource_version="7")
     lead, w = next_lease(held, "a", 1, 105.0, 15.0)
     assert lead and w is not None and w.renew_s == 105.0 and w.resource_version == "7"

@@ -105,6 +105,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--client-ca", help="CA (PEM) that client certificates must chain to (mTLS)")
     p.add_argument("--token-file", help="file holding the bearer token every call must carry")
     p.add_argument(
+        "--fencing-file",
+        help="where the highest operator leadership term (fencing token) seen is kept across "
+        "restarts, so a deposed leader's late calls stay refused (default "
+        "<model-dir>/.warmserve-fencing.json)",
+    )
+    p.add_argument(
+        "--require-fencing-token",
+        action="store_true",
+        help="refuse mutating calls that carry no fencing token (the warmserve CLI, other "
+        "tools); calls with a lower token than the highest seen are always refused",
+    )
+    p.add_argument(
         "--allow-insecure-listen",
         action="store_true",
         help="serve the API on a non-loopback --listen address without TLS client certificates "
@@ -272,6 +284,8 @@ def _config(args: argparse.Namespace) -> Any:
         tls_key=Path(args.tls_key) if args.tls_key else None,
         client_ca=Path(args.client_ca) if args.client_ca else None,
         token_file=Path(args.token_file) if args.token_file else None,
+        fencing_file=Path(args.fencing_file) if args.fencing_file else None,
+        require_fencing_token=args.require_fencing_token,
         allow_insecure_listen=args.allow_insecure_listen,
         metrics_port=args.metrics_port,
         sim_copy_bytes_per_s=args.sim_copy_gbps * 1e9,

@@ -260,24 +260,28 @@ class NodeDescription(_message.Message):
     def __init__(self, node_name: _Optional[str] = ..., agent_version: _Optional[str] = ..., backend: _Optional[str] = ..., page_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., slots: _Optional[_Iterable[_Union[SlotInfo, _Mapping]]] = ..., instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., generation: _Optional[int] = ..., agent_id: _Optional[str] = ..., agent_started_unix: _Optional[float] = ..., spare_workers: _Optional[int] = ..., fetches: _Optional[_Iterable[_Union[FetchInfo, _Mapping]]] = ..., store: _Optional[_Union[StoreInfo, _Mapping]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("fencing_token",)
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    fencing_token: int
+    def __init__(self, fencing_token: _Optional[int] = ...) -> None: ...
 
 class PrewarmRequest(_message.Message):
-    __slots__ = ("request_id", "model", "gpus", "layers", "source", "owner")
+    __slots__ = ("request_id", "model", "gpus", "layers", "source", "owner", "fencing_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     gpus: _containers.RepeatedScalarFieldContainer[int]
     layers: int
     source: str
     owner: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., source: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+    fencing_token: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., source: _Optional[str] = ..., owner: _Optional[str] = ..., fencing_token: _Optional[int] = ...) -> None: ...
 
 class PrewarmProgress(_message.Message):
     __slots__ = ("slot_id", "layers_loaded", "layers_target", "bytes_loaded", "bytes_target", "bandwidth_bytes_per_s", "done", "slot", "fetch")
@@ -302,12 +306,14 @@ class PrewarmProgress(_message.Message):
     def __init__(self, slot_id: _Optional[str] = ..., layers_loaded: _Optional[int] = ..., layers_target: _Optional[int] = ..., bytes_loaded: _Optional[int] = ..., bytes_target: _Optional[int] = ..., bandwidth_bytes_per_s: _Optional[float] = ..., done: _Optional[bool] = ..., slot: _Optional[_Union[SlotInfo, _Mapping]] = ..., fetch: _Optional[_Union[FetchInfo, _Mapping]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("request_id", "slot_id")
+    __slots__ = ("request_id", "slot_id", "fencing_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SLOT_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     slot_id: str
-    def __init__(self, request_id: _Optional[str] = ..., slot_id: _Optional[str] = ...) -> None: ...
+    fencing_token: int
+    def __init__(self, request_id: _Optional[str] = ..., slot_id: _Optional[str] = ..., fencing_token: _Optional[int] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("slot_id", "freed_bytes_per_gpu", "gpus")
@@ -320,7 +326,7 @@ class EvictResponse(_message.Message):
     def __init__(self, slot_id: _Optional[str] = ..., freed_bytes_per_gpu: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ...) -> None: ...
 
 class ActivateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "gpus", "slot_id", "source", "owner", "engine", "engine_args")
+    __slots__ = ("request_id", "model", "gpus", "slot_id", "source", "owner", "engine", "engine_args", "fencing_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +335,7 @@ class ActivateRequest(_message.Message):
     OWNER_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ARGS_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     gpus: _containers.RepeatedScalarFieldContainer[int]
@@ -337,7 +344,8 @@ class ActivateRequest(_message.Message):
     owner: str
     engine: str
     engine_args: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., slot_id: _Optional[str] = ..., source: _Optional[str] = ..., owner: _Optional[str] = ..., engine: _Optional[str] = ..., engine_args: _Optional[_Iterable[str]] = ...) -> None: ...
+    fencing_token: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., slot_id: _Optional[str] = ..., source: _Optional[str] = ..., owner: _Optional[str] = ..., engine: _Optional[str] = ..., engine_args: _Optional[_Iterable[str]] = ..., fencing_token: _Optional[int] = ...) -> None: ...
 
 class ActivateResponse(_message.Message):
     __slots__ = ("instance", "prewarm_hit", "activation_seconds", "evicted_slot_ids")
@@ -352,12 +360,14 @@ class ActivateResponse(_message.Message):
     def __init__(self, instance: _Optional[_Union[InstanceInfo, _Mapping]] = ..., prewarm_hit: _Optional[bool] = ..., activation_seconds: _Optional[float] = ..., evicted_slot_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BeginGraceRequest(_message.Message):
-    __slots__ = ("request_id", "instance_id")
+    __slots__ = ("request_id", "instance_id", "fencing_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instance_id: str
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    fencing_token: int
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., fencing_token: _Optional[int] = ...) -> None: ...
 
 class BeginGraceResponse(_message.Message):
     __slots__ = ("instance",)
@@ -366,14 +376,16 @@ class BeginGraceResponse(_message.Message):
     def __init__(self, instance: _Optional[_Union[InstanceInfo, _Mapping]] = ...) -> None: ...
 
 class EndInstanceRequest(_message.Message):
-    __slots__ = ("request_id", "instance_id", "evict_weights")
+    __slots__ = ("request_id", "instance_id", "evict_weights", "fencing_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     EVICT_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instance_id: str
     evict_weights: bool
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., evict_weights: _Optional[bool] = ...) -> None: ...
+    fencing_token: int
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., evict_weights: _Optional[bool] = ..., fencing_token: _Optional[int] = ...) -> None: ...
 
 class EndInstanceResponse(_message.Message):
     __slots__ = ("instance_id", "gpus", "slots")
