@@ -24,15 +24,16 @@ replica Eq. 5-6 ask for, of any model):
 
 Deviation from the paper (Eq. 6), and why: measured on the paper testbed at RPS 25, seeds 0-2
 (``bench/policy_breakdown.py``), 25 of 33 misses at alpha 2 and 29 of 52 at alpha 0.5 had no
-replica left; 50 of those 54 were of a model whose demand had passed its forecast peak (193 in
-flight against 118-164 for a 7B) or whose forecast peak left less than a quarter batch of room
-(25.2-30.8 for B = 32).  Against one spare for every model (``spare_replicas``), the models whose
-forecast holds keep exactly Eq. 5-6's replicas.  Effect (docs/policy.md "Overshoot spares", 18
-runs: seeds 0-2 x two polls): hit ratio up at RPS 25 (alpha 2: 87-93 % -> 93-100 %), the tail
-unchanged at alpha 2 and leaning worse at the capacity-bound alpha 0.5 points without leaving
-the run-to-run noise.
+replica left; 50 of those 54 were starts past the forecast peak (by construction: beyond
+``ceil(L_P / B)`` instances), 26 of them with a forecast peak less than a quarter batch under a
+boundary (e.g. 25.2-30.8 for B = 32: the 33rd request started cold), where the missed-forecast
+trigger alone fires too late, hence the boundary trigger. Against one spare for every model
+(``spare_replicas``), the models whose forecast holds keep exactly Eq. 5-6's replicas. Effect
+(docs/policy.md "Overshoot spares", 18 runs: seeds 0-2 x two polls): hit ratio up at RPS 25
+(alpha 2: 87-93 % -> 93-100 %), the tail unchanged at alpha 2 and leaning worse at the
+capacity-bound alpha 0.5 points without leaving the run-to-run noise.
 
-Everything here is pure; the controller (:mod:`warmserve.control.controller`) keeps, per model,
+Everything here is pure; the controller (:mod:`warmserve.control.spares`) keeps, per model,
 the last window in which its forecast was exceeded.
 """
 
