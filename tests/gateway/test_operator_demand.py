@@ -202,7 +202,11 @@ async def test_a_held_request_wakes_the_loop_long_before_its_poll(make_gateway: 
             while not agent.calls and time.monotonic() - t0 < 10:
                 await asyncio.sleep(0.02)
             waited = time.monotonic() - t0
-            assert [c for c, _ in agent.calls] == ["activate"]
+            # the start, and with overshoot spares on (the default; demand 1 > a forecast peak
+            # of 0, docs/policy.md "Overshoot spares") the same decision prewarms one spare
+            calls = [c for c, _ in agent.calls]
+            assert calls[0] == "activate" and set(calls[1:]) <= {"prewarm"}, calls
+            assert len(calls) <= 2, calls
             assert waited < 3.0, f"the start came {waited:.2f}s after the held request"
             held[0].cancel()
     finally:
