@@ -139,6 +139,8 @@ class SimInstance:
     config_slowdown: float | None = None
     prefill_config_slowdown: float | None = None  # None: config_slowdown
     last_request_s: float = 0.0  # last assignment (Prism's idle rule)
+    # its last report to the controller (warmserve.sim.executor.instance_obs), reused while equal
+    last_obs: object | None = field(default=None, repr=False)
 
     @property
     def busy(self) -> bool:
