@@ -60,7 +60,7 @@ then partially overlap, which is exactly the interference §2.3 describes.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -236,10 +236,10 @@ def _match_existing(
     return keep, evict, sorted(todo, key=priority_key)
 
 
-def _build_nodes(
-    state: ClusterState, keep: Sequence[Replica], evict: Sequence[Replica]
+def _build_nodes(  # busy: busy_gpus(state, include_grace=False), as plan_prewarm has it
+    state: ClusterState, keep: Sequence[Replica], evict: Sequence[Replica],
+    busy: Mapping[str, set[int]],
 ) -> tuple[list[NodeSlots], dict[str, int]]:
-    busy = busy_gpus(state, include_grace=False)
     nodes = sorted(state.nodes, key=lambda n: n.name)
     slots = [NodeSlots(n, i, busy.get(n.name, set())) for i, n in enumerate(nodes)]
     at = {ns.name: i for i, ns in enumerate(slots)}
@@ -365,7 +365,7 @@ def plan_prewarm(
     """
     busy = busy_gpus(state, include_grace=False)
     keep, evict, todo = _match_existing(state, busy, spare_replicas)
-    slots, _ = _build_nodes(state, keep, evict)
+    slots, _ = _build_nodes(state, keep, evict, busy)
     if evict_aware:
         place, unplaced = _place_evict_aware(state, slots, todo)
     else:
