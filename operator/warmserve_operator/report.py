@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 from warmserve.control.controller import Controller
 from warmserve.policy.cluster import ModelSpec, Replica
 
+from .event_budget import EventBudget
 from .kube import KubePort, ObjRef, md_ref
 from .metrics import Metrics
 from .observe import NodeRuntime
@@ -71,20 +72,12 @@ class Reporter:
         self.clock = clock
         self._seen: dict[tuple[str, str, str], float] = {}
         self.problem_seen: dict[str, str] = {}  # uid -> last problem status written
-        self._tokens = float(EVENT_BURST)
-        self._refilled = clock()
-        self._backlog: deque[tuple[ObjRef, str, str, str]] = deque()
+        self._budget: EventBudget[tuple[ObjRef, str, str, str]] = EventBudget(
+            clock(), EVENT_RATE, EVENT_BURST, BACKLOG
+        )
         self.writes = 0  # status writes and Events posted (the loop logs them per slow poll)
         self.posted = 0
         self._flushing: asyncio.Task[None] | None = None
-
-    def _take_token(self, now: float) -> bool:
-        self._tokens = min(EVENT_BURST, self._tokens + (now - self._refilled) * EVENT_RATE)
-        self._refilled = now
-        if self._tokens < 1:
-            return False
-        self._tokens -= 1
-        return True
 
     async def event(
         self, ref: ObjRef | None, type_: str, reason: str, message: str, dedupe_s: float = 0.0
@@ -96,9 +89,8 @@ class Reporter:
         if dedupe_s and now - self._seen.get(key, -math.inf) < dedupe_s:
             return
         self._seen[key] = now
-        # Events are best effort: a burst beyond the budget (1,000 deployments placed at once)
-        # is dropped and counted rather than competing with status writes for the API server.
-        if not self._take_token(now):
+        # Over the budget: dropped and counted (event_budget.py says why).
+        if not self._budget.take(now):
             self.metrics.events_dropped.inc()
             return
         self.posted += 1
@@ -108,23 +100,18 @@ class Reporter:
         """Queue a lifecycle Event (``Accepted``, ``SpecChanged``): :meth:`flush` posts it within
         the budget, so 1,000 new deployments get theirs over a minute instead of 1,000 POSTs
         competing with their status writes (or 800 of them dropped)."""
-        if len(self._backlog) >= BACKLOG:
-            self._backlog.popleft()
+        if not self._budget.queue((ref, type_, reason, message)):
             self.metrics.events_dropped.inc()
-        self._backlog.append((ref, type_, reason, message))
 
     def flush_soon(self) -> None:
         """:meth:`flush` beside the loop (one at a time): posting 200 queued Events held the
         first poll of 1,000 new deployments ~6 s before any status was written."""
-        if self._backlog and (self._flushing is None or self._flushing.done()):
+        if self._budget and (self._flushing is None or self._flushing.done()):
             self._flushing = asyncio.get_running_loop().create_task(self.flush())
 
     async def flush(self) -> None:
         """Post queued lifecycle Events as far as the budget allows, together."""
-        now = self.clock()
-        todo = []
-        while self._backlog and self._take_token(now):
-            todo.append(self._backlog.popleft())
+        todo = self._budget.drain(self.clock())
         self.posted += len(todo)
         gate = asyncio.Semaphore(REPORT_CONCURRENCY)
 

@@ -84,6 +84,30 @@ def test_up_replays_through_the_gateway_and_down_leaves_nothing(
         hits = sum((md.get("status") or {}).get("prewarm", {}).get("hits", 0) for md in mds)
         assert hits >= 1, [md.get("status", {}).get("prewarm") for md in mds]
         assert summary["runs"]["warmserve"]["rows"][-1]["ok"] > 0
+        # What the controllers would write (warmserve.local.workload_controllers): every
+        # gateway replica is a ready endpoint of a Service, every workload reports ready pods.
+        def get(*what: str) -> list[dict[str, Any]]:
+            out = subprocess.run([*kubectl, "get", *what, "-o", "json"], capture_output=True,
+                                 text=True, check=True).stdout
+            return json.loads(out)["items"]
+
+        slices = get("endpointslices", "-l", "endpointslice.kubernetes.io/managed-by=warmserve-up")
+        served = {
+            p["port"]
+            for sl in slices
+            if all(e["conditions"]["ready"] for e in sl["endpoints"])
+            for p in sl["ports"]
+        }
+        gateway_ports = {int(u.rsplit(":", 1)[1]) for u in stack["info"]["gatewayReplicas"]}
+        assert gateway_ports and gateway_ports <= served, (gateway_ports, served)
+        workloads = get("deployments,daemonsets")
+        assert {w["kind"] for w in workloads} == {"Deployment", "DaemonSet"}
+        for w in workloads:
+            status = w["status"]
+            if w["kind"] == "Deployment":
+                assert status.get("readyReplicas") == w["spec"]["replicas"], w["metadata"]
+            else:
+                assert status["numberReady"] == status["desiredNumberScheduled"] > 0, status
 
         # `warmserve status` and kubectl work against it from another terminal.
         st = warmserve("status", env={**env, "KUBECONFIG": kubeconfig}, timeout=60)

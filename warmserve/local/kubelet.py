@@ -25,7 +25,8 @@ every interface of the pod) becomes that address, and the operator dials every a
 refuse loopback addresses, so they use the host's address and the host's ports: their
 ``--port`` / ``--admin-port`` become free ports (replica 0 serves the API on ``--port`` of
 ``warmserve up``, 8000 by default).  Then the EndpointSlices of the chart's Services are
-written as the EndpointSlice controller would (one per pod, since their ports differ).
+written as the EndpointSlice controller would (one per pod, since their ports differ;
+:mod:`warmserve.local.workload_controllers`).
 """
 
 from __future__ import annotations
@@ -300,100 +301,6 @@ class Kubelet:
             else:
                 raise StackError(f"pod {pod.name}: env {e['name']} has an unsupported source")
         return env
-
-    # ---- controllers' part --------------------------------------------------------------------
-
-    def endpoint_slices(self) -> None:
-        """Write the EndpointSlices of the release's Services for the pods they select."""
-        svcs = self.plane.get("-n", self.ns, "services")["items"]
-        objs = []
-        for svc in svcs:
-            sel = svc["spec"].get("selector") or {}
-            if not sel:
-                continue
-            name = svc["metadata"]["name"]
-            for pod in self.pods.values():
-                labels = pod.template["metadata"].get("labels") or {}
-                if any(labels.get(k) != v for k, v in sel.items()):
-                    continue
-                if ipaddress.ip_address(pod.ip).is_loopback:
-                    continue
-                ports = []
-                for sp in svc["spec"]["ports"]:
-                    target = sp.get("targetPort", sp["port"])
-                    port = pod.ports.get(str(target)) if isinstance(target, str) else int(target)
-                    if port is not None:
-                        ports.append({"name": sp.get("name", ""), "port": port, "protocol": "TCP"})
-                objs.append(
-                    {
-                        "apiVersion": "discovery.k8s.io/v1",
-                        "kind": "EndpointSlice",
-                        "metadata": {
-                            "name": f"{name}-{pod.name}"[:63],
-                            "namespace": self.ns,
-                            "labels": {
-                                "kubernetes.io/service-name": name,
-                                "endpointslice.kubernetes.io/managed-by": "warmserve-up",
-                            },
-                        },
-                        "addressType": "IPv4",
-                        "ports": ports,
-                        "endpoints": [
-                            {
-                                "addresses": [pod.ip],
-                                "conditions": {"ready": True},
-                                "nodeName": pod.node,
-                                "targetRef": {
-                                    "kind": "Pod",
-                                    "name": pod.name,
-                                    "namespace": self.ns,
-                                },
-                            }
-                        ],
-                    }
-                )
-        if objs:
-            self.plane.apply(objs)
-
-    def workload_status(self) -> None:
-        """Deployment / DaemonSet status as their controllers would report the pods."""
-        import json
-
-        counts: dict[tuple[str, str], int] = {}
-        for p in self.pods.values():
-            counts[(p.owner_kind, p.owner)] = counts.get((p.owner_kind, p.owner), 0) + 1
-        for (kind, name), n in counts.items():
-            obj = self.plane.get("-n", self.ns, kind.lower(), name)
-            gen = obj["metadata"].get("generation", 1)
-            if kind == "Deployment":
-                st = {
-                    "observedGeneration": gen,
-                    "replicas": n,
-                    "readyReplicas": n,
-                    "availableReplicas": n,
-                    "updatedReplicas": n,
-                }
-            else:
-                st = {
-                    "observedGeneration": gen,
-                    "desiredNumberScheduled": n,
-                    "currentNumberScheduled": n,
-                    "numberReady": n,
-                    "numberAvailable": n,
-                    "updatedNumberScheduled": n,
-                    "numberMisscheduled": 0,
-                }
-            self.plane.kubectl(
-                "-n",
-                self.ns,
-                "patch",
-                kind.lower(),
-                name,
-                "--subresource=status",
-                "--type=merge",
-                "-p",
-                json.dumps({"status": st}),
-            )
 
 
 def _ports_text(pod: Pod) -> str:

@@ -30,6 +30,7 @@ from .kubelet import Kubelet, Pod, marker_env, pod_network
 from .scenario import Scenario, simulated_gpus_flag, write_weights
 from .state import Stack, StackError
 from .workload import ReplayPlan
+from .workload_controllers import endpoint_slices, workload_status
 
 NAMESPACE = "warmserve"
 RELEASE = "warmserve"
@@ -207,7 +208,7 @@ def start(
             f" (log: {stack.dir / 'pods' / g.name / 'log'})",
         )
         kubelet.mark_running(g)
-    kubelet.endpoint_slices()
+    endpoint_slices(plane, kubelet.ns, kubelet.pods.values())
     admin = [f"http://127.0.0.1:{g.ports['admin']}" for g in gateways]
     stack.info.update({"gateway": urls[0], "gatewayReplicas": urls, "gatewayAdmin": admin})
     stack.state = "running"
@@ -220,7 +221,7 @@ def start_operator(run: Running, say: Callable[[str], None]) -> None:
     """Run (or re-run) the operator's pod; it registers the agents from their pods itself."""
     run.kubelet.run(run.operator)
     run.kubelet.mark_running(run.operator)
-    run.kubelet.workload_status()
+    workload_status(run.plane, run.kubelet.ns, run.kubelet.pods.values())
 
 
 def stop_pod(run: Running, pod: Pod) -> None:
