@@ -4,6 +4,8 @@ saturated, and a 1,024-GPU / 200-model / 24-hour run.
     python bench/sim_speed.py                 # all three parts (the 24 h run takes a while)
     python bench/sim_speed.py --parts unsat,sat
     python bench/sim_speed.py --scale-hours 2 # a shorter scale run
+    python bench/sim_speed.py --parts scale --scale-hours 1 --scale-start 19:00 --scale-rps 500
+                                              # the busy hour (docs/simulator.md)
     python bench/sim_speed.py --json bench/results/sim_speed.json
 
 Parts:
@@ -105,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="unsat,sat,scale", help="comma list of unsat,sat,scale")
     ap.add_argument("--systems", help="systems of the unsat/sat parts (default: the scenario's)")
     ap.add_argument("--scale-hours", type=float, default=24.0, help="length of the scale run")
+    ap.add_argument("--scale-start", help='start of the scale run ("HH:MM"; default: the '
+                    "scenario's, 00:00)")
+    ap.add_argument("--scale-rps", type=float,
+                    help="total_rps of the scale run (default: the scenario's, 400; the busy "
+                    "hour 19:00 runs at about 500)")
     ap.add_argument("--json", default=str(ROOT / "bench/results/sim_speed.json"))
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
@@ -124,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     if "scale" in parts:
         hours = args.scale_hours
         t0 = time.perf_counter()
-        res = run_part("scale", SCALE, {"duration_s": hours * 3600.0}, ["warmserve"])
+        overrides: dict[str, Any] = {"duration_s": hours * 3600.0}
+        if args.scale_start is not None:
+            overrides["start"] = args.scale_start
+        if args.scale_rps is not None:
+            overrides["total_rps"] = args.scale_rps
+        res = run_part("scale", SCALE, overrides, ["warmserve"])
         res["end_to_end_wall_s"] = time.perf_counter() - t0
         res["hours"] = hours
         out["parts"]["scale"] = res

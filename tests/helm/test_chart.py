@@ -179,6 +179,7 @@ def test_existing_secret_and_cert_manager_modes(k8s_bin_dir: Path) -> None:
         # plaintext, unauthenticated agents only when asked for explicitly (issue 16)
         (["--set", "tls.enabled=false"], "also set tls.allowInsecure=true"),
         (["--set", "agent.gpuReserve=lots"], "at '/agent/gpuReserve'"),
+        (["--set", "agent.requireFencingToken=maybe"], "at '/agent/requireFencingToken'"),
         # the loop's leader election: schema, then the orderings the fence relies on
         (
             ["--set-json", "operator.leaderElection.leaseSeconds=2.5"],
@@ -304,6 +305,19 @@ def _pod(docs: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, Any]:
 
 def _ports(container: dict[str, Any]) -> dict[str, int]:
     return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+
+
+def test_agents_require_a_fencing_token_unless_told_otherwise(k8s_bin_dir: Path) -> None:
+    # The chart's operator always runs with leader election, so it always sends its term's
+    # token: by default only its current leader can change a node (docs/agent.md).
+    def agent_args(*set_args: str) -> list[str]:
+        ds = _find(_render(k8s_bin_dir, *set_args), "DaemonSet", "-agent")
+        return ds["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert "--require-fencing-token" in agent_args()
+    assert "--require-fencing-token" not in agent_args("--set", "agent.requireFencingToken=false")
+    ns = _parse_cli(agent_args())
+    assert ns.require_fencing_token is True
 
 
 def test_agent_engines_and_metrics_are_reachable_from_other_pods(k8s_bin_dir: Path) -> None:

@@ -61,3 +61,45 @@ def test_memo_gives_the_same_snapshots(data: st.DataObject, proactive: bool) -> 
         fresh = build_state(obs, SPECS, forecasts, meta=meta, proactive=proactive)
         reused = build_state(obs, SPECS, forecasts, meta=meta, proactive=proactive, memo=memo)
         assert reused == fresh
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(
+    st.lists(st.integers(-2, 9), max_size=5).map(tuple),
+    st.lists(st.integers(0, 9), max_size=5),
+    st.lists(st.booleans(), min_size=1, max_size=3).map(tuple),
+))
+def test_gpu_set_fast_path_normalises_like_the_full_rule(gpus: object) -> None:
+    """as_gpu_set's shortcut for an already normalised tuple (issue 12 §5) returns what the
+    full normalisation returns, and raises where it raises."""
+    from warmserve.policy.cluster import PolicyInputError, as_gpu_set
+
+    def full(gs: object) -> object:
+        out = tuple(sorted(int(g) for g in gs))  # type: ignore[attr-defined]
+        if not out or len(set(out)) != len(out) or out[0] < 0:
+            return PolicyInputError
+        return out
+
+    want = full(gpus)
+    if want is PolicyInputError:
+        try:
+            as_gpu_set(gpus)  # type: ignore[arg-type]
+        except PolicyInputError:
+            return
+        raise AssertionError(f"{gpus!r} accepted")
+    got = as_gpu_set(gpus)  # type: ignore[arg-type]
+    assert got == want and all(type(g) is int for g in got)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(0, 50), st.floats(0, 5), st.integers(0, 6), st.integers(0, 3),
+       st.sampled_from(list(SPECS)))
+def test_memoised_replica_requests_equal_a_fresh_computation(
+    avg: float, extra: float, active: int, spare: int, model: str
+) -> None:
+    from warmserve.policy.scoring import _model_replicas, model_replicas
+
+    fc = LoadForecast(avg, avg + extra)
+    fresh = list(_model_replicas.__wrapped__(SPECS[model], fc, active, spare))
+    assert model_replicas(SPECS[model], fc, active, spare) == fresh
+    assert model_replicas(SPECS[model], fc, active, spare) == fresh  # the cached answer

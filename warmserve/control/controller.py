@@ -56,7 +56,6 @@ from warmserve.policy.cluster import (
     Instance,
     InstancePhase,
     ReplicaKind,
-    WorkerState,
 )
 from warmserve.policy.evict_aware_placement import PrewarmPlan, plan_prewarm
 from warmserve.policy.fairness import FairDemand, fair_caps
@@ -67,6 +66,7 @@ from warmserve.policy.start_choice import NoCapacity, choose_start
 from .config import ControlConfig
 from .decisions import Decision, Decisions, Drain, EndGrace, Evict, Prewarm, Start
 from .demand import observed_demand
+from .free_growth import FreeGrowth
 from .observation import InstanceObs, Observation
 from .snapshot import (
     ReplicaKey,
@@ -79,7 +79,6 @@ from .snapshot import (
 from .spares import SpareTracking
 from .tracking import ModelEntry, ModelState, ModelTracking
 
-FREE_GROWTH_BYTES = 2**20  # free memory must grow by more than this to trigger a re-plan
 SURPLUS: ReplicaMeta = (ReplicaKind.BURST, 0, 0.0)  # a replica kept though no longer wanted
 
 __all__ = ["ControlConfig", "Controller", "ModelEntry"]
@@ -95,7 +94,7 @@ class Controller(ModelTracking, SpareTracking):
         self.window_index: int | None = None
         self.meta: dict[ReplicaKey, ReplicaMeta] = {}
         self.grace_seen: dict[str, float] = {}
-        self.last_free: dict[tuple[str, int], int] = {}
+        self.free_growth = FreeGrowth()  # re-plan trigger (c)
         self.known_instances: set[str] = set()
         self.ended: set[str] = set()  # instances this controller ended or drained away
         self.replan_reasons: set[str] = {"start"}
@@ -296,20 +295,9 @@ class Controller(ModelTracking, SpareTracking):
             return {m: d.want for m, d in wants.items()}
         return fair_caps(needs, capacity)
 
-    def _free_map(self, state: ClusterState) -> dict[tuple[str, int], int]:
-        return {
-            (n.name, g.index): g.free_bytes
-            for n in state.nodes
-            for g in n.gpus
-            if g.state != WorkerState.DEDICATED
-        }
-
     def _note_free(self, state: ClusterState) -> None:
-        cur = self._free_map(state)
-        if any(v > self.last_free.get(k, 0) + FREE_GROWTH_BYTES for k, v in cur.items()):
+        if self.free_growth.grew(state):
             self.replan_reasons.add("free memory grew")
-        else:
-            self.last_free = {k: min(v, self.last_free.get(k, v)) for k, v in cur.items()}
 
     def _plan(
         self, state: ClusterState, slot_of: Mapping[ReplicaKey, str]
@@ -321,7 +309,7 @@ class Controller(ModelTracking, SpareTracking):
         self.last_plan = plan
         self.last_plan_state = state
         self.replan_reasons = set()
-        self.last_free = self._free_map(state)
+        self.free_growth.reset(state)
         items: list[Decision] = []
         needed = {(r.node, g) for r in plan.place for g in r.gpus}
         for r in plan.evict:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import replace
+from functools import lru_cache
 
 from warmserve.policy.autoscaler import lendable_per_gpu
 from warmserve.policy.cluster import (
@@ -53,6 +54,7 @@ ReplicaKey = tuple[str, str, GpuSet]  # (model, node, gpus)
 ReplicaMeta = tuple[ReplicaKind, int, float]  # kind, rank, score
 
 
+@lru_cache(maxsize=8192)  # pure; asked for every instance at every decision (issue 12 §5)
 def instance_key(node: str, gpus: GpuSet) -> str:
     """The name an instance has in the policy: where it runs, not the executor's id (agents
     name instances randomly, the simulator by a counter), so tie-breaks by name decide alike

@@ -62,6 +62,16 @@ def _require(cond: bool, message: str) -> None:
 
 def as_gpu_set(gpus: Iterable[int]) -> GpuSet:
     """Normalise a GPU group to a sorted tuple of distinct indices (raises on duplicates)."""
+    if type(gpus) is tuple and gpus:
+        # the common case, already normalised: a tuple of strictly increasing ints >= 0
+        # (checked without building the error messages: every snapshot makes thousands)
+        prev = -1
+        for g in gpus:
+            if type(g) is not int or g <= prev:
+                break
+            prev = g
+        else:
+            return gpus
     out = tuple(sorted(int(g) for g in gpus))
     _require(len(out) > 0, "a GPU group must name at least one GPU")
     _require(len(set(out)) == len(out), f"GPU group {list(out)} names a GPU twice")
@@ -84,6 +94,8 @@ class GPU:
     state: WorkerState = WorkerState.IDLE
 
     def __post_init__(self) -> None:
+        if self.index >= 0 and self.memory_bytes > 0 and 0 <= self.free_bytes <= self.memory_bytes:
+            return  # valid (the messages below are built only for an invalid GPU)
         _require(self.index >= 0, f"gpu index must be >= 0, got {self.index}")
         _require(self.memory_bytes > 0, f"gpu {self.index}: memory_bytes must be > 0")
         _require(
@@ -96,17 +108,23 @@ class GPU:
 class Node:
     name: str
     gpus: tuple[GPU, ...]
+    # gpu() by index (derived from ``gpus``; not part of the value)
+    _by_index: dict[int, GPU] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "a node needs a name")
-        idx = [g.index for g in self.gpus]
-        _require(len(set(idx)) == len(idx), f"node {self.name}: duplicate gpu index")
+        by_index = {g.index: g for g in self.gpus}
+        if len(by_index) != len(self.gpus):
+            raise PolicyInputError(f"node {self.name}: duplicate gpu index")
+        object.__setattr__(self, "_by_index", by_index)
 
     def gpu(self, index: int) -> GPU:
-        for g in self.gpus:
-            if g.index == index:
-                return g
-        raise PolicyInputError(f"node {self.name} has no gpu {index}")
+        g = self._by_index.get(index)
+        if g is None:
+            raise PolicyInputError(f"node {self.name} has no gpu {index}")
+        return g
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +186,8 @@ class Replica:
     layers_resident: int | None = None
 
     def __post_init__(self) -> None:
-        _require(self.rank >= 0, f"replica of {self.model}: rank must be >= 0")
+        if self.rank < 0:
+            raise PolicyInputError(f"replica of {self.model}: rank must be >= 0")
         _require(self.score >= 0 and math.isfinite(self.score), "replica score must be finite >= 0")
         object.__setattr__(self, "gpus", as_gpu_set(self.gpus))
 
@@ -192,7 +211,8 @@ class Instance:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gpus", as_gpu_set(self.gpus))
-        _require(self.running >= 0, f"instance of {self.model}: running must be >= 0")
+        if self.running < 0:
+            raise PolicyInputError(f"instance of {self.model}: running must be >= 0")
         _require(self.kv_capacity_bytes >= 0, "kv_capacity_bytes must be >= 0")
         _require(self.kv_used_bytes >= 0, "kv_used_bytes must be >= 0")
 
@@ -228,14 +248,20 @@ class ClusterState:
         names = [n.name for n in self.nodes]
         _require(len(set(names)) == len(names), "duplicate node name")
         for key, spec in self.models.items():
-            _require(key == spec.name, f"models key {key!r} != model name {spec.name!r}")
+            if key != spec.name:
+                raise PolicyInputError(f"models key {key!r} != model name {spec.name!r}")
         # node() by name (a scan per call cost O(nodes): 128 per replica at 1,024 GPUs)
-        object.__setattr__(self, "_by_name", {n.name: n for n in self.nodes})
+        by_name = {n.name: n for n in self.nodes}
+        object.__setattr__(self, "_by_name", by_name)
+        models = self.models
         for r in (*self.replicas, *self.instances):
-            _require(r.model in self.models, f"unknown model {r.model!r}")
-            node = self.node(r.node)
+            if r.model not in models:
+                raise PolicyInputError(f"unknown model {r.model!r}")
+            node = by_name.get(r.node) or self.node(r.node)  # raises for an unknown node
+            known = node._by_index
             for g in r.gpus:
-                node.gpu(g)
+                if g not in known:
+                    node.gpu(g)  # raises
         for m in self.forecasts:
             _require(m in self.models, f"forecast for unknown model {m!r}")
 

@@ -196,7 +196,8 @@ class _DegreeIndex:
 
 def _stale(state: ClusterState, r: Replica, busy: dict[str, set[int]]) -> bool:
     spec = state.models[r.model]
-    if len(r.gpus) != spec.tp or busy.get(r.node, set()).intersection(r.gpus):
+    b = busy.get(r.node)
+    if len(r.gpus) != spec.tp or (b and not b.isdisjoint(r.gpus)):
         return True
     node = state.node(r.node)
     return any(node.gpu(g).state == WorkerState.DEDICATED for g in r.gpus)
@@ -225,24 +226,21 @@ def _match_existing(
         usable = [r for r, s in zip(resident, stale, strict=True) if not s]
         evict += [r for r, s in zip(resident, stale, strict=True) if s]
         for req, r in zip(wanted, usable, strict=False):
-            keep.append(
-                replace(
-                    r,
-                    kind=req.kind,
-                    rank=req.rank,
-                    score=req.score,
-                    bytes_per_gpu=r.bytes_per_gpu or spec.prewarm_bytes_per_gpu,
-                )
-            )
+            b = r.bytes_per_gpu or spec.prewarm_bytes_per_gpu
+            if (r.kind, r.rank, r.score, r.bytes_per_gpu) == (req.kind, req.rank, req.score, b):
+                keep.append(r)  # already as the request says (the common case: an equal value)
+            else:
+                keep.append(replace(r, kind=req.kind, rank=req.rank, score=req.score,
+                                    bytes_per_gpu=b))
         evict += usable[len(wanted) :]
         todo += wanted[len(usable) :]
     return keep, evict, sorted(todo, key=priority_key)
 
 
-def _build_nodes(
-    state: ClusterState, keep: Sequence[Replica], evict: Sequence[Replica]
+def _build_nodes(  # busy: busy_gpus(state, include_grace=False), as plan_prewarm has it
+    state: ClusterState, keep: Sequence[Replica], evict: Sequence[Replica],
+    busy: Mapping[str, set[int]],
 ) -> tuple[list[NodeSlots], dict[str, int]]:
-    busy = busy_gpus(state, include_grace=False)
     nodes = sorted(state.nodes, key=lambda n: n.name)
     slots = [NodeSlots(n, i, busy.get(n.name, set())) for i, n in enumerate(nodes)]
     at = {ns.name: i for i, ns in enumerate(slots)}
@@ -254,7 +252,7 @@ def _build_nodes(
             ns.free[p] = min(ns.free[p] + b, ns.memory[p])
     for inst in state.instances:
         ns = slots[at[inst.node]]
-        m = ns.mask_of(inst.gpus)
+        m = ns.masks.get(inst.gpus) or ns.mask_of(inst.gpus)  # the cached answer, else computed
         ns.occupants.append(Occupant(m, None, 0.0, inst.model))
         ns.extra_masks.add(m)
     for r in keep:
@@ -369,7 +367,7 @@ def plan_prewarm(
     """
     busy = busy_gpus(state, include_grace=False)
     keep, evict, todo = _match_existing(state, busy, spare_replicas)
-    slots, _ = _build_nodes(state, keep, evict)
+    slots, _ = _build_nodes(state, keep, evict, busy)
     if evict_aware:
         place, unplaced = _place_evict_aware(state, slots, todo)
     else:

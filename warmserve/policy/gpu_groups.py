@@ -172,10 +172,11 @@ class NodeSlots:
                     and g.index not in busy
                     for g in gpus
                 ),
+                {},  # mask_of's answers (derived from the positions only)
             )
             hit = (node, key, facts)
             _NODE_FACTS[id(node)] = hit
-        self.index, self.pos, self.memory, free, self.candidate = hit[2]
+        self.index, self.pos, self.memory, free, self.candidate, self.masks = hit[2]
         self.free = list(free)
         self.occupants: list[Occupant] = []
         self.extra_masks: set[int] = set()
@@ -185,7 +186,12 @@ class NodeSlots:
         return len(self.index)
 
     def mask_of(self, gpus: Iterable[int]) -> int:
-        return positions_mask(self.pos[g] for g in gpus)
+        if type(gpus) is not tuple:
+            return positions_mask(self.pos[g] for g in gpus)
+        m = self.masks.get(gpus)
+        if m is None:
+            m = self.masks[gpus] = positions_mask(self.pos[g] for g in gpus)
+        return m
 
     def gpus_of(self, mask: int) -> GpuSet:
         return tuple(self.index[p] for p in range(self.n) if mask >> p & 1)

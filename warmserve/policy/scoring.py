@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from warmserve.policy.cluster import (
     ClusterState,
@@ -125,6 +126,16 @@ def model_replicas(
 
     The ``spare`` replicas come last, with score 0 (module docstring); the others' scores are
     Eq. 7-8's for the Eq. 5-6 counts, whatever ``spare`` is."""
+    return list(_model_replicas(spec, forecast, active, spare))
+
+
+@lru_cache(maxsize=4096)
+def _model_replicas(
+    spec: ModelSpec, forecast: LoadForecast, active: int, spare: int
+) -> tuple[ReplicaRequest, ...]:
+    """:func:`model_replicas`, memoised (a pure function of immutable values: every plan asks
+    it for every model, and most models' forecast and instances did not change since the last
+    plan; issue 12 §5)."""
     n_basic, n_burst = replica_counts(forecast, spec.max_batch, active)
     _, with_spares = replica_counts(forecast, spec.max_batch, active, spare)
     out = [
@@ -146,7 +157,7 @@ def model_replicas(
         ReplicaRequest(spec.name, ReplicaKind.BURST, i, 0.0)
         for i in range(n_burst, with_spares)
     ]
-    return out
+    return tuple(out)
 
 
 def priority_key(req: ReplicaRequest) -> tuple[int, float, str, int]:

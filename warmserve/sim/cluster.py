@@ -139,6 +139,8 @@ class SimInstance:
     config_slowdown: float | None = None
     prefill_config_slowdown: float | None = None  # None: config_slowdown
     last_request_s: float = 0.0  # last assignment (Prism's idle rule)
+    # its last report to the controller (warmserve.sim.executor.instance_obs), reused while equal
+    last_obs: object | None = field(default=None, repr=False)
 
     @property
     def busy(self) -> bool:
@@ -209,11 +211,18 @@ class SimCluster:
 
     def counts(self) -> dict[str, int]:
         """GPUs per worker state (for the timeline)."""
-        used = self.replica_bytes()
+        # gpu_state's rule counted per state without visiting every GPU (asked at every start
+        # and stop: 1,024 GPUs at scale, issue 12 §5): held GPUs are grace or dedicated, GPUs
+        # with a replica and no holder universal, the rest idle
         out = {s.value: 0 for s in WorkerState}
-        for n in self.node_names:
-            for g in range(self.gpus_per_node):
-                out[self.gpu_state(n, g, (n, g) in used).value] += 1
+        holder = self.holder
+        grace = sum(1 for inst in holder.values() if inst.phase == GRACE)
+        out[WorkerState.GRACE.value] = grace
+        out[WorkerState.DEDICATED.value] = len(holder) - grace
+        with_replica = {(r.node, g) for r in self.replicas for g in r.gpus}
+        universal = sum(1 for k in with_replica if k not in holder)
+        out[WorkerState.UNIVERSAL.value] = universal
+        out[WorkerState.IDLE.value] = self.total_gpus - len(holder) - universal
         return out
 
     def add_replica(self, r: SimReplica) -> SimReplica:

@@ -52,21 +52,41 @@ MAX_ROUNDS = 3  # decide again after drains/ends, at most this many times in one
 
 def instance_obs(inst: SimInstance) -> InstanceObs:
     """A simulated instance as the controller sees an agent's: requests assigned to it are
-    both its in-flight load and its running requests (the engine queues nothing else)."""
-    kv_cap = int(inst.kv_cap_tokens * inst.kv_bytes_per_token)
-    used = min(int(inst.kv_tokens_now() * inst.kv_bytes_per_token), kv_cap)
-    return InstanceObs(
+    both its in-flight load and its running requests (the engine queues nothing else).
+
+    The previous report of the instance is returned again while its facts are equal (most
+    instances change between two polls only in a few of them): the same value, and the
+    snapshot memo then finds it by identity (issue 12 §5)."""
+    bpt = inst.kv_bytes_per_token
+    kv_cap = int(inst.kv_cap_tokens * bpt)
+    used = min(int(inst.kv_tokens_now() * bpt), kv_cap)
+    phase = PHASE[inst.phase]
+    grace = inst.grace_since if inst.phase == GRACE else None
+    n = inst.n_assigned
+    o = inst.last_obs
+    if (
+        o is not None
+        and o.phase is phase
+        and o.in_flight == n
+        and o.kv_used_bytes == used
+        and o.kv_capacity_bytes == kv_cap
+        and o.grace_started_s == grace
+    ):
+        return o  # type: ignore[no-any-return]
+    o = InstanceObs(
         inst.name,
         inst.model,
         inst.node,
         inst.gpus,
-        PHASE[inst.phase],
-        in_flight=inst.n_assigned,
-        running=inst.n_assigned,
+        phase,
+        in_flight=n,
+        running=n,
         kv_capacity_bytes=kv_cap,
         kv_used_bytes=used,
-        grace_started_s=inst.grace_since if inst.phase == GRACE else None,
+        grace_started_s=grace,
     )
+    inst.last_obs = o
+    return o
 
 
 class ControlExecutor:
