@@ -51,6 +51,9 @@ class OperatorConfig:
             raise PolicyInputError(f"spare replicas must be >= 0, got {self.spare_replicas}")
         if self.overshoot_spares < 0:
             raise PolicyInputError(f"overshoot spares must be >= 0, got {self.overshoot_spares}")
+        # The rest of the control layer's checks (overshoot_headroom, ...) run here too, so a bad
+        # flag fails at start with its message, not in the first poll.
+        self.control()
 
     def control(self) -> ControlConfig:
         return ControlConfig(

@@ -554,3 +554,20 @@ def test_config_passes_overshoot_spares() -> None:
     with pytest.raises(PolicyInputError, match="overshoot spares"):
         OperatorConfig(overshoot_spares=-1)
     assert OperatorConfig(overshoot_spares=1).control().overshoot_spares == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--overshoot-spares", "-1"], "overshoot spares must be >= 0, got -1"),
+        (["--overshoot-headroom", "1.5"], "overshoot_headroom must be in [0, 1], got 1.5"),
+        (["--overshoot-headroom", "nan"], "overshoot_headroom must be in [0, 1], got nan"),
+    ],
+)
+def test_operator_cli_refuses_bad_overshoot_flags(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from warmserve.cli import main
+
+    assert main(["operator", *flags]) == 2
+    assert message in capsys.readouterr().err

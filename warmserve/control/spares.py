@@ -42,11 +42,15 @@ class SpareTracking:
         """Extra burst replicas per managed model beyond Eq. 6 now (``spare_replicas`` for
         every model, ``overshoot_spares`` more for a model whose forecast peak was exceeded
         this window or the last)."""
+        return self._spares(self.models)
+
+    def _spares(self, models: Iterable[str]) -> dict[str, int]:
+        models = list(models)
         w = -1 if self.window_index is None else self.window_index
         return spares_for(
-            {m: self.overshoot.get(m) for m in self.models}, w,
+            {m: self.overshoot.get(m) for m in models}, w,
             base=self.cfg.spare_replicas, overshoot=self.cfg.overshoot_spares,
-            near=self._near(self.models),
+            near=self._near(models),
         )
 
     def _near(self, models: Iterable[str]) -> set[str]:
@@ -59,9 +63,4 @@ class SpareTracking:
         }
 
     def _spare_of(self, model: str) -> int:
-        w = -1 if self.window_index is None else self.window_index
-        return spares_for(
-            {model: self.overshoot.get(model)}, w,
-            base=self.cfg.spare_replicas, overshoot=self.cfg.overshoot_spares,
-            near=self._near((model,)),
-        )[model]
+        return self._spares((model,))[model]
