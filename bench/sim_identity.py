@@ -23,7 +23,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import astuple
+from dataclasses import astuple, fields
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(len(sys.path) if os.environ.get("WARMSERVE_COMPILED") else 0, str(ROOT))
 
 from warmserve.sim.compiled import TIMING_KEYS, CompiledError, compare, run_compiled  # noqa: E402
+
+
+def _hist(h: Any) -> dict[str, Any]:
+    return {"n": h.n, "total": h.total, "lo": h.lo, "hi": h.hi,
+            "counts": [[i, c] for i, c in enumerate(h.counts) if c]}
+
+
+def _stats(st: Any) -> dict[str, Any]:
+    """A model's online statistics, every histogram bucket included."""
+    out = {f.name: getattr(st, f.name) for f in fields(st)
+           if f.name not in ("ttft", "tpot", "drops")}  # (compiled: no vars())
+    return {**out, "ttft": _hist(st.ttft), "tpot": _hist(st.tpot),
+            "drops": dict(sorted(st.drops.items()))}
 
 
 def dump(args: argparse.Namespace) -> dict[str, Any]:
@@ -64,6 +77,7 @@ def dump(args: argparse.Namespace) -> dict[str, Any]:
             "gpu_seconds": res.gpu_seconds,
             "universal_gpu_seconds": res.universal_gpu_seconds,
             "end_s": res.end_s,
+            "stats": [_stats(st) for st in res.stats],
         }
         print(f"{s}: {res.requests:,} requests, {len(res.starts):,} starts, "
               f"{res.events:,} events", file=sys.stderr, flush=True)

@@ -260,7 +260,7 @@ class Simulation(Gateway, Batching, Lifecycle):
                     break
                 self.t_now = t
                 self.events += 1
-                _, _, kind, obj, ver = pop(heap)
+                _t, _seq, kind, obj, ver = pop(heap)
                 if kind == EV_INST:
                     inst = cast(SimInstance, obj)
                     if ver == inst.version and inst.phase != STOPPED:
