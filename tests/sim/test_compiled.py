@@ -119,15 +119,16 @@ def test_compare_counts_values_and_finds_every_difference():
 @pytest.mark.slow
 def test_compiled_run_equals_pure_python(tmp_path):
     """Builds the compiled copy (cached by its key: ~1 min cold on 2 cores, instant after) and
-    runs every system of the testbed for 5 simulated minutes, pure and compiled."""
+    runs every system of the testbed for 5 simulated minutes, pure and compiled; then the CLI."""
     if compiled.mypy_version() is None:  # the dev extra pins mypy: CI always has it
         pytest.fail("mypyc is not installed (pip install -e '.[dev]')")
     env = {k: v for k, v in os.environ.items() if k != compiled.ENV_DIR}
     outs = {}
     for mode in ("pure", "compiled"):
         out = tmp_path / f"{mode}.json"
-        cmd = [sys.executable, "-P", "-m", "warmserve", "simulate", str(TESTBED),
-               "--duration", "300", "--json", str(out)]
+        # every result: rows, starts, timelines, counters, each model's histograms
+        cmd = [sys.executable, str(ROOT / "bench/sim_identity.py"), "run", str(TESTBED),
+               "--duration", "300", "--out", str(out)]
         if mode == "compiled":
             cmd.append("--compiled")
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path,
@@ -135,8 +136,17 @@ def test_compiled_run_equals_pure_python(tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]
         outs[mode] = json.loads(out.read_text())
     n, diffs = compiled.compare(outs["pure"], outs["compiled"])
-    assert n > 1000 and len(outs["pure"]["rows"]) >= 10
+    assert n > 10_000 and len(outs["pure"]["systems"]) >= 10
     assert diffs == []
+    # the CLI's --compiled runs too, and prints what the pure run prints
+    cli = [sys.executable, "-P", "-m", "warmserve", "simulate", str(TESTBED), "--duration", "60",
+           "--systems", "warmserve"]
+    pure = subprocess.run(cli, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    comp = subprocess.run([*cli, "--compiled"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=900)
+    assert pure.returncode == 0 and comp.returncode == 0, comp.stderr[-3000:]
+    table = [ln for ln in pure.stdout.splitlines() if "per wall second" not in ln]
+    assert [ln for ln in comp.stdout.splitlines() if "per wall second" not in ln] == table
     # and it really ran compiled: the extensions exist in the cache entry of today's sources
     dest = compiled.cache_root() / compiled.cache_key(compiled.package_dir(),
                                                       compiled.mypy_version() or "")

@@ -40,10 +40,12 @@ MODULES: tuple[str, ...] = (
     "warmserve/sim/stats.py",
     "warmserve/sim/sharing.py",
     "warmserve/sim/executor.py",
-    # the decisions the loop asks for: the snapshot and Algorithm 1 (Eq. 5-8 placement), the
-    # fair-share caps, the autoscaler, the start choice (the controller itself and its tracking
-    # parts are mixins with multiple inheritance, which mypyc takes only as traits: left pure;
-    # policy/cluster.py's frozen dataclasses set attributes mypyc's native classes lack)
+    # the decisions the loop asks for: the controller (its parts are traits), the snapshot and
+    # Algorithm 1 (Eq. 5-8 placement), the fair-share caps, the autoscaler, the start choice
+    # (policy/cluster.py's frozen dataclasses set attributes mypyc's native classes lack: pure)
+    "warmserve/control/controller.py",
+    "warmserve/control/tracking.py",
+    "warmserve/control/spares.py",
     "warmserve/control/snapshot.py",
     "warmserve/policy/evict_aware_placement.py",
     "warmserve/policy/gpu_groups.py",
