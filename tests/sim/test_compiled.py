@@ -152,3 +152,19 @@ def test_compiled_run_equals_pure_python(tmp_path):
                                                       compiled.mypy_version() or "")
     assert (dest / "BUILT").exists()
     assert list((dest / "warmserve" / "sim").glob("core.*.so"))
+
+
+def test_cli_runs_again_with_the_arguments_it_parsed(monkeypatch):
+    """``main(argv)`` called by a program (not from sys.argv) runs that argv again."""
+    seen = []
+
+    def fake_run_compiled(argv):
+        seen.append(list(argv))
+        raise compiled.CompiledError("stop here")
+
+    monkeypatch.setattr(compiled, "run_compiled", fake_run_compiled)
+    monkeypatch.setattr(sys, "argv", ["pytest", "-q"])
+    rc = main(["simulate", str(TESTBED), "--duration", "60", "--compiled"])
+    assert rc == 2
+    assert seen == [["-m", "warmserve", "simulate", str(TESTBED), "--duration", "60",
+                     "--compiled"]]

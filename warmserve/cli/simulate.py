@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         from warmserve.sim.compiled import CompiledError, run_compiled
 
         try:  # builds, then runs this command again from the compiled copy (returns there)
-            run_compiled(["-m", "warmserve", *sys.argv[1:]])
+            run_compiled(["-m", "warmserve", *args.argv])
         except CompiledError as e:
             raise CliError(str(e)) from None
     from warmserve.sim import report
