@@ -48,7 +48,7 @@ from dataclasses import replace
 
 from warmserve.policy.autoscaler import (
     ScaleDecision,
-    desired_instances,
+    fair_demand_counts,
 )
 from warmserve.policy.autoscaler import decide as autoscale
 from warmserve.policy.cluster import (
@@ -61,6 +61,7 @@ from warmserve.policy.evict_aware_placement import PrewarmPlan, plan_prewarm
 from warmserve.policy.fairness import FairDemand, fair_caps
 from warmserve.policy.predictor import season_length
 from warmserve.policy.reclaim import plan_reclaim
+from warmserve.policy.replica_match import MatchMemo
 from warmserve.policy.start_choice import NoCapacity, choose_start
 
 from .config import ControlConfig
@@ -105,6 +106,7 @@ class Controller(ModelTracking, SpareTracking):
         self.last_plan_state: ClusterState | None = None  # the snapshot it was planned on
         self.plans = 0
         self.snapshot_memo = SnapshotMemo()  # reuse between polls (pure: same snapshot)
+        self.match_memo = MatchMemo()  # Algorithm 1's per-model match between plans (pure)
         # model -> ((load, active instances, entry), (want, need)) of its last fair-share call
         self._fair_memo: dict[str, tuple[tuple[float, int, ModelEntry],
                                          tuple[FairDemand, FairDemand]]] = {}
@@ -282,14 +284,13 @@ class Controller(ModelTracking, SpareTracking):
             if hit is not None and hit[0] == key:  # pure in key: most models did not change
                 wants[model], needs[model] = hit[1]
                 continue
-            args = (e.spec.max_batch, self.cfg.autoscaler, e.min_instances, e.max_instances)
-            want = desired_instances(load, args[0], current, *args[1:])
             # weight (demand-weighted shares): the instances the load alone asks for
-            weight = desired_instances(load, args[0], 0, self.cfg.autoscaler, 0, None)
-            wants[model] = FairDemand(e.spec.tp, want, weight)
-            needs[model] = FairDemand(
-                e.spec.tp, desired_instances(load, args[0], 0, *args[1:]), weight
+            want, need, weight = fair_demand_counts(
+                load, e.spec.max_batch, current, self.cfg.autoscaler, e.min_instances,
+                e.max_instances,
             )
+            wants[model] = FairDemand(e.spec.tp, want, weight)
+            needs[model] = FairDemand(e.spec.tp, need, weight)
             memo[model] = (key, (wants[model], needs[model]))
         if sum(d.want * d.tp for d in wants.values()) <= capacity:
             return {m: d.want for m, d in wants.items()}
@@ -303,7 +304,8 @@ class Controller(ModelTracking, SpareTracking):
         self, state: ClusterState, slot_of: Mapping[ReplicaKey, str]
     ) -> tuple[PrewarmPlan, list[Decision]]:
         plan = plan_prewarm(
-            state, evict_aware=self.cfg.evict_aware, spare_replicas=self.spares()
+            state, evict_aware=self.cfg.evict_aware, spare_replicas=self.spares(),
+            memo=self.match_memo,
         )
         self.plans += 1
         self.last_plan = plan
