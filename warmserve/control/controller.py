@@ -105,6 +105,8 @@ class Controller(ModelTracking, SpareTracking):
         self.overshoot: dict[str, int] = {}
         self.last_plan_state: ClusterState | None = None  # the snapshot it was planned on
         self.plans = 0
+        # the last observation observe() measured, and its demand per model
+        self.observed: tuple[Observation | None, dict[str, float]] = (None, {})
         self.snapshot_memo = SnapshotMemo()  # reuse between polls (pure: same snapshot)
         self.match_memo = MatchMemo()  # Algorithm 1's per-model match between plans (pure)
         # model -> ((load, active instances, entry), (want, need)) of its last fair-share call
@@ -132,7 +134,9 @@ class Controller(ModelTracking, SpareTracking):
         state = self.snapshot(obs)
         self._note_free(state)
         self._note_overshoot()
-        loads = observed_demand(obs, self.models)
+        seen, loads = self.observed
+        if seen is not obs or loads.keys() != self.models.keys():
+            loads = observed_demand(obs, self.models)  # not the observation observe() measured
         slot_of = {(s.model, s.node, s.gpus): s.id for s in obs.slots if not s.foreign and s.id}
         by_key = {instance_key(i.node, i.gpus): i for i in obs.instances if not i.foreign}
         grace_by_key = {

@@ -330,6 +330,10 @@ def plan_prewarm(
     """
     busy = busy_gpus(state, include_grace=False)
     keep, evict, todo = match_existing(state, busy, spare_replicas, memo)
+    if not todo:
+        # nothing to place (most re-plans: the match kept every request): either placement
+        # places and refuses nothing, so the nodes' working state is not needed
+        return PrewarmPlan(tuple(keep), (), tuple(evict), ())
     slots, _ = _build_nodes(state, keep, evict, busy)
     if evict_aware:
         place, unplaced = _place_evict_aware(state, slots, todo)

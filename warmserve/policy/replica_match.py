@@ -25,6 +25,7 @@ from warmserve.policy.cluster import (
     ClusterState,
     LoadForecast,
     ModelSpec,
+    Node,
     Replica,
     WorkerState,
 )
@@ -47,14 +48,22 @@ class MatchMemo:
 
     def __init__(self) -> None:
         self.models: dict[str, tuple[_Key, _Outcome]] = {}
+        # id(node) -> (node, its dedicated GPUs); the node is kept, so its id is not reused
+        self.dedicated: dict[int, tuple[Node, frozenset[int]]] = {}
 
 
-def _stale(state: ClusterState, r: Replica, tp: int, busy: Mapping[str, set[int]]) -> bool:
-    b = busy.get(r.node)
-    if len(r.gpus) != tp or (b and not b.isdisjoint(r.gpus)):
-        return True
-    node = state.node(r.node)
-    return any(node.gpu(g).state == WorkerState.DEDICATED for g in r.gpus)
+def _blocked(node: Node, busy: set[int] | None, memo: MatchMemo | None) -> frozenset[int]:
+    """GPUs of ``node`` a replica must not be on: dedicated ones and ``busy`` ones (those of
+    serving and starting instances).  A node's dedicated GPUs are kept per node object in
+    ``memo`` (the snapshot memo reuses the objects of unchanged nodes)."""
+    hit = memo.dedicated.get(id(node)) if memo is not None else None
+    if hit is not None and hit[0] is node:
+        ded = hit[1]
+    else:
+        ded = frozenset(g.index for g in node.gpus if g.state == WorkerState.DEDICATED)
+        if memo is not None:
+            memo.dedicated[id(node)] = (node, ded)
+    return ded | busy if busy else ded
 
 
 def _match_model(
@@ -96,18 +105,25 @@ def match_existing(
     keep: list[Replica] = []
     evict: list[Replica] = []
     todo: list[ReplicaRequest] = []
+    # a replica is stale when its degree is not its model's or one of its GPUs is blocked
+    blocked: dict[str, frozenset[int]] = {}
+    for r in state.replicas:
+        if r.node not in blocked:
+            blocked[r.node] = _blocked(state.node(r.node), busy.get(r.node), memo)
     known = memo.models if memo is not None else {}
     seen: dict[str, tuple[_Key, _Outcome]] = {}
     for name in sorted(state.models):
         spec = state.models[name]
         resident = tuple(by_model.get(name, ()))
+        tp = spec.tp
         key: _Key = (
             spec,
             state.forecasts.get(name),
             state.active_instances(name),
             spare if isinstance(spare, int) else spare.get(name, 0),
             resident,
-            tuple(_stale(state, r, spec.tp, busy) for r in resident),
+            tuple(len(r.gpus) != tp or not blocked[r.node].isdisjoint(r.gpus)
+                  for r in resident),
         )
         hit = known.get(name)
         out = hit[1] if hit is not None and hit[0] == key else _match_model(*key)
@@ -117,4 +133,7 @@ def match_existing(
         todo += out[2]
     if memo is not None:
         memo.models = seen
+        if len(memo.dedicated) > 4 * max(len(state.nodes), 1):  # bounded: drop old nodes
+            memo.dedicated = {id(n): memo.dedicated[id(n)] for n in state.nodes
+                              if id(n) in memo.dedicated and memo.dedicated[id(n)][0] is n}
     return keep, evict, sorted(todo, key=priority_key)
