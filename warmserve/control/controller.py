@@ -107,6 +107,8 @@ class Controller(ModelTracking, SpareTracking):
         self.plans = 0
         # the last observation observe() measured, and its demand per model
         self.observed: tuple[Observation | None, dict[str, float]] = (None, {})
+        # model -> (inputs, answer) of its last autoscaler call that read no clock
+        self._scale_memo: dict[str, tuple[tuple[object, ...], ScaleDecision]] = {}
         self.snapshot_memo = SnapshotMemo()  # reuse between polls (pure: same snapshot)
         self.match_memo = MatchMemo()  # Algorithm 1's per-model match between plans (pure)
         # model -> ((load, active instances, entry), (want, need)) of its last fair-share call
@@ -156,16 +158,9 @@ class Controller(ModelTracking, SpareTracking):
             entry = st.entry
             cap = caps[model]
             hi = cap if entry.max_instances is None else min(entry.max_instances, cap)
-            d = autoscale(
-                entry.spec,
-                loads.get(model, 0.0),
-                mine.get(model, []),
-                self.cfg.autoscaler,
-                obs.now,
-                st.memory,
-                grace_started_s=grace_by_key,
-                min_instances=min(entry.min_instances, hi),
-                max_instances=hi,
+            d = self._autoscale(
+                st, loads.get(model, 0.0), mine.get(model, []), obs.now, grace_by_key,
+                min(entry.min_instances, hi), hi,
             )
             st.memory = d.memory
             scale[model] = d
@@ -228,6 +223,29 @@ class Controller(ModelTracking, SpareTracking):
             plan, plan_items = self._plan(state, slot_of)
             items += plan_items
         return Decisions(tuple(items), scale, plan, no_capacity)
+
+    def _autoscale(
+        self, st: ModelState, load: float, insts: list[Instance], now: float,
+        grace_by_key: dict[str, float], lo: int, hi: int,
+    ) -> ScaleDecision:
+        """:func:`warmserve.policy.autoscaler.decide` for one model, its last answer reused
+        when it provably repeats (issue 12 §5): with no instance in grace and a decision that
+        did not scale down, the answer reads neither the clock nor the memory, only the spec,
+        the load, the count of instances and the bounds."""
+        spec = st.entry.spec
+        key = None
+        if all(i.phase != InstancePhase.GRACE for i in insts):
+            key = (spec, self.cfg.autoscaler, load, len(insts), lo, hi)
+            hit = self._scale_memo.get(spec.name)
+            if hit is not None and hit[0] == key:
+                return hit[1]
+        d = autoscale(spec, load, insts, self.cfg.autoscaler, now, st.memory,
+                      grace_started_s=grace_by_key, min_instances=lo, max_instances=hi)
+        if key is not None and d.memory.low_since_s is None and not d.drain:
+            # "load above band" or "in band": the two branches that read no clock or memory
+            # (waiting out the delay remembers when; a drain names instances)
+            self._scale_memo[spec.name] = (key, d)
+        return d
 
     def _reclaim(
         self,
