@@ -12,8 +12,8 @@ from warmserve.control.controller import Controller, ModelEntry
 from warmserve.control.decisions import Decisions
 
 from . import history as history_io
-from .kube import KubePort
 from .metrics import Metrics
+from .ports import KubePort
 from .report import REPORT_CONCURRENCY, Deployment, Reporter
 from .snapshot import NodeSnapshot
 from .sources import SourceCatalog

@@ -88,7 +88,7 @@ def gpu_nodes(body: kopf.Body, name: str, **_: Any) -> dict[str, Any]:
 
 
 class IndexView:
-    """The loop's view of kopf's indexes (:class:`.kube.ClusterView`).
+    """The loop's view of kopf's indexes (:class:`.ports.ClusterView`).
 
     Ready once both indexes hold every object a one-off listing at startup saw (kopf fills its
     indexes from its own listing; acting on a half-filled index would take the deployments not

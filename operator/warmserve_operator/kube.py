@@ -2,9 +2,10 @@
 
 kopf owns the watch streams and the per-object handlers; the cluster-level window loop needs a
 few direct calls (list the deployments and GPU nodes, patch their status, read/write the load
-history ConfigMaps, post Events, read the peering object).  They go through :class:`KubePort`
-so the reconciler is unit-tested with an in-memory fake; :class:`KubeApi` implements it with the
-official ``kubernetes`` client (synchronous, so every call runs in a worker thread).
+history ConfigMaps, post Events, read the peering object).  They go through
+:class:`.ports.KubePort` so the reconciler is unit-tested with an in-memory fake;
+:class:`KubeApi` implements it with the official ``kubernetes`` client (synchronous, so every
+call runs in a worker thread).
 
 Leadership: kopf's peering pauses a replica's handlers while a live peer with a higher priority
 exists (and pauses all replicas with equal priorities).  The window loop is not a kopf handler,
@@ -22,11 +23,11 @@ import functools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from .leader import ElectionTiming, Elector, LeaseTarget, NotLeader
-from .spec import API_VERSION, GROUP, MD_KIND, MD_PLURAL, NODE_KIND, NODE_PLURAL, VERSION
+from .ports import AgentDiscovery, ClusterView, ObjRef
+from .spec import API_VERSION, GROUP, MD_PLURAL, NODE_KIND, NODE_PLURAL, VERSION
 
 log = logging.getLogger("warmserve.operator.kube")
 
@@ -35,55 +36,6 @@ PEERING_PLURAL = "clusterkopfpeerings"
 COMPONENT = "warmserve-operator"
 REQUEST_TIMEOUT_S = 15.0
 API_THREADS = 16
-
-
-@dataclass(frozen=True, slots=True)
-class ObjRef:
-    """The object an Event is about."""
-
-    kind: str
-    name: str
-    namespace: str = ""
-    uid: str = ""
-    api_version: str = API_VERSION
-
-
-def md_ref(namespace: str, name: str, uid: str = "") -> ObjRef:
-    return ObjRef(MD_KIND, name, namespace, uid)
-
-
-def node_ref(name: str, uid: str = "") -> ObjRef:
-    return ObjRef(NODE_KIND, name, "", uid)
-
-
-@dataclass(frozen=True, slots=True)
-class AgentDiscovery:
-    """Find agent DaemonSet pods (label selector in a namespace) and register them as GPUNodes.
-
-    In a cluster the chart's agent pods are discovered this way (GPUNode name = the pod's node,
-    address = pod IP : gRPC port); outside one (tests, hand-run agents) GPUNodes are created
-    by hand and discovery is off.
-    """
-
-    namespace: str
-    selector: str = "app.kubernetes.io/part-of=warmserve,app.kubernetes.io/component=agent"
-    port: int = 50051
-
-
-class KubePort(Protocol):
-    async def ready(self) -> bool: ...
-    async def list_model_deployments(self) -> list[dict[str, Any]]: ...
-    async def list_gpu_nodes(self) -> list[dict[str, Any]]: ...
-    async def patch_md_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
-    async def patch_node_status(self, name: str, status: dict[str, Any]) -> None: ...
-    async def read_histories(self, uids: list[str]) -> dict[str, dict[str, str]]: ...
-    async def write_history(self, uid: str, data: dict[str, str], owner_key: str) -> None: ...
-    async def delete_history(self, uid: str) -> None: ...
-    async def list_history_uids(self) -> list[str]: ...
-    async def emit_event(self, ref: ObjRef, type_: str, reason: str, message: str) -> None: ...
-    async def is_leader(self) -> bool: ...
-    def leading(self) -> bool: ...
-    async def sync_agent_nodes(self) -> None: ...
 
 
 def own_namespace() -> str:
@@ -106,15 +58,6 @@ def own_namespace() -> str:
         return str((active or {}).get("context", {}).get("namespace") or "default")
     except Exception:  # no kubeconfig: the caller fails on its own, clearly
         return "default"
-
-
-class ClusterView(Protocol):
-    """What the loop reads of the API: kopf's indexes of ModelDeployments and GPUNodes
-    (:mod:`.handlers`), so a poll never re-lists them."""
-
-    def model_deployments(self) -> list[dict[str, Any]]: ...
-    def gpu_nodes(self) -> list[dict[str, Any]]: ...
-    def ready(self) -> bool: ...
 
 
 class KubeApi:

@@ -26,7 +26,7 @@ from warmserve.policy.cluster import InstancePhase
 
 from .agents import AgentPool
 from .identity import Ownership, gpus_str, ownership
-from .kube import KubePort, ObjRef, node_ref
+from .ports import KubePort, ObjRef, node_ref
 from .snapshot import AgentCallError, NodeSnapshot
 from .spec import GPUNodeSpec, SpecError, parse_gpu_node
 

@@ -35,10 +35,10 @@ from .config import OperatorConfig
 from .deployments import DeploymentBook
 from .gateway_demand import GatewayDemand, GatewayHeld
 from .identity import orphans
-from .kube import KubePort, ObjRef, md_ref
 from .leader import NotLeader
 from .metrics import Metrics, Phases
 from .observe import Observer, note_grace, observation
+from .ports import KubePort, ObjRef, md_ref
 from .report import Deployment, Reporter
 from .snapshot import NodeSnapshot
 from .spec import ModelDeploymentSpec, dedupe_models

@@ -19,9 +19,9 @@ from warmserve.control.controller import Controller
 from warmserve.policy.cluster import ModelSpec, Replica
 
 from .event_budget import EventBudget
-from .kube import KubePort, ObjRef, md_ref
 from .metrics import Metrics
 from .observe import NodeRuntime
+from .ports import KubePort, ObjRef, md_ref
 from .snapshot import NodeSnapshot
 from .spec import ModelDeploymentSpec
 from .status import Condition, ModelView, model_status, node_status, now_iso, strip_volatile

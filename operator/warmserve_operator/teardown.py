@@ -22,8 +22,8 @@ from warmserve.control.decisions import EndGrace
 from .act import Actor, call, describe, rid
 from .agents import AgentPool, AgentPort
 from .identity import teardown as teardown_decisions
-from .kube import KubePort
 from .observe import NodeRuntime, Observer
+from .ports import KubePort
 from .snapshot import AgentCallError, NodeSnapshot
 from .spec import ModelDeploymentSpec
 

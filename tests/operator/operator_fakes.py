@@ -24,7 +24,7 @@ from typing import Any
 
 from warmserve_agent.fencing import Fence, refusal_message
 from warmserve_operator.agents import ActivateResult, Fencing, Unfenced
-from warmserve_operator.kube import ObjRef
+from warmserve_operator.ports import ObjRef
 from warmserve_operator.snapshot import (
     AgentCallError,
     FetchView,

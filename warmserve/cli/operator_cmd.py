@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     import warmserve_operator.handlers  # noqa: F401  (registers the handlers)
     from warmserve_operator.agents import AgentAuth
     from warmserve_operator.gateway_demand import GatewaySources
-    from warmserve_operator.kube import AgentDiscovery
+    from warmserve_operator.ports import AgentDiscovery
 
     identity = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
     priority = args.priority if args.priority is not None else random.randint(1, 2**30)
