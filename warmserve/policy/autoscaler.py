@@ -135,12 +135,8 @@ def desired_instances(
 
 
 def fair_demand_counts(
-    load: float,
-    max_batch: int,
-    current: int,
-    config: AutoscalerConfig,
-    min_instances: int | None = None,
-    max_instances: int | None = None,
+    load: float, max_batch: int, current: int, config: AutoscalerConfig,
+    min_instances: int | None = None, max_instances: int | None = None,
 ) -> tuple[int, int, int]:
     """What the fair share reads of one model, in one pass: ``(want, need, weight)`` =
     :func:`desired_instances` with ``current``, the same with no current instance (no
