@@ -11,6 +11,7 @@ from warmserve.policy.autoscaler import (
     ScaleMemory,
     decide,
     desired_instances,
+    fair_demand_counts,
     grace_done,
     lendable_for,
     lendable_per_gpu,
@@ -187,3 +188,24 @@ def test_grace_done_rules() -> None:
     assert grace_done(0, 10.0, 10.0, CFG)
     assert not grace_done(3, 10.0, 309.9, CFG)
     assert grace_done(3, 10.0, 310.0, CFG)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.floats(0, 500, allow_nan=False), st.integers(1, 64), st.integers(0, 12),
+    st.sampled_from([(1.0, 0.5), (0.8, 0.3), (0.9, 0.6)]), st.integers(0, 3),
+    st.one_of(st.none(), st.integers(3, 10)), st.integers(0, 2),
+)
+def test_fair_demand_counts_are_the_three_desired_counts(
+    load: float, batch: int, current: int, ud: tuple[float, float], lo: int,
+    hi: int | None, cfg_lo: int,
+) -> None:
+    """The fair share's one-pass counts are exactly the three desired_instances calls they
+    replace (issue 12 §5): with the current instances, without, and unbounded without."""
+    cfg = AutoscalerConfig(scale_up_utilization=ud[0], scale_down_utilization=ud[1],
+                           min_instances=cfg_lo)
+    for bounds in ((lo, hi), (None, None)):
+        want = desired_instances(load, batch, current, cfg, *bounds)
+        need = desired_instances(load, batch, 0, cfg, *bounds)
+        weight = desired_instances(load, batch, 0, cfg, 0, None)
+        assert fair_demand_counts(load, batch, current, cfg, *bounds) == (want, need, weight)

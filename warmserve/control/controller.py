@@ -48,7 +48,7 @@ from dataclasses import replace
 
 from warmserve.policy.autoscaler import (
     ScaleDecision,
-    desired_instances,
+    fair_demand_counts,
 )
 from warmserve.policy.autoscaler import decide as autoscale
 from warmserve.policy.cluster import (
@@ -61,6 +61,7 @@ from warmserve.policy.evict_aware_placement import PrewarmPlan, plan_prewarm
 from warmserve.policy.fairness import FairDemand, fair_caps
 from warmserve.policy.predictor import season_length
 from warmserve.policy.reclaim import plan_reclaim
+from warmserve.policy.replica_match import MatchMemo
 from warmserve.policy.start_choice import NoCapacity, choose_start
 
 from .config import ControlConfig
@@ -104,7 +105,12 @@ class Controller(ModelTracking, SpareTracking):
         self.overshoot: dict[str, int] = {}
         self.last_plan_state: ClusterState | None = None  # the snapshot it was planned on
         self.plans = 0
+        # the last observation observe() measured, and its demand per model
+        self.observed: tuple[Observation | None, dict[str, float]] = (None, {})
+        # model -> (inputs, answer) of its last autoscaler call that read no clock
+        self._scale_memo: dict[str, tuple[tuple[object, ...], ScaleDecision]] = {}
         self.snapshot_memo = SnapshotMemo()  # reuse between polls (pure: same snapshot)
+        self.match_memo = MatchMemo()  # Algorithm 1's per-model match between plans (pure)
         # model -> ((load, active instances, entry), (want, need)) of its last fair-share call
         self._fair_memo: dict[str, tuple[tuple[float, int, ModelEntry],
                                          tuple[FairDemand, FairDemand]]] = {}
@@ -130,7 +136,9 @@ class Controller(ModelTracking, SpareTracking):
         state = self.snapshot(obs)
         self._note_free(state)
         self._note_overshoot()
-        loads = observed_demand(obs, self.models)
+        seen, loads = self.observed
+        if seen is not obs or loads.keys() != self.models.keys():
+            loads = observed_demand(obs, self.models)  # not the observation observe() measured
         slot_of = {(s.model, s.node, s.gpus): s.id for s in obs.slots if not s.foreign and s.id}
         by_key = {instance_key(i.node, i.gpus): i for i in obs.instances if not i.foreign}
         grace_by_key = {
@@ -150,16 +158,9 @@ class Controller(ModelTracking, SpareTracking):
             entry = st.entry
             cap = caps[model]
             hi = cap if entry.max_instances is None else min(entry.max_instances, cap)
-            d = autoscale(
-                entry.spec,
-                loads.get(model, 0.0),
-                mine.get(model, []),
-                self.cfg.autoscaler,
-                obs.now,
-                st.memory,
-                grace_started_s=grace_by_key,
-                min_instances=min(entry.min_instances, hi),
-                max_instances=hi,
+            d = self._autoscale(
+                st, loads.get(model, 0.0), mine.get(model, []), obs.now, grace_by_key,
+                min(entry.min_instances, hi), hi,
             )
             st.memory = d.memory
             scale[model] = d
@@ -223,6 +224,29 @@ class Controller(ModelTracking, SpareTracking):
             items += plan_items
         return Decisions(tuple(items), scale, plan, no_capacity)
 
+    def _autoscale(
+        self, st: ModelState, load: float, insts: list[Instance], now: float,
+        grace_by_key: dict[str, float], lo: int, hi: int,
+    ) -> ScaleDecision:
+        """:func:`warmserve.policy.autoscaler.decide` for one model, its last answer reused
+        when it provably repeats (issue 12 §5): with no instance in grace and a decision that
+        did not scale down, the answer reads neither the clock nor the memory, only the spec,
+        the load, the count of instances and the bounds."""
+        spec = st.entry.spec
+        key = None
+        if all(i.phase != InstancePhase.GRACE for i in insts):
+            key = (spec, self.cfg.autoscaler, load, len(insts), lo, hi)
+            hit = self._scale_memo.get(spec.name)
+            if hit is not None and hit[0] == key:
+                return hit[1]
+        d = autoscale(spec, load, insts, self.cfg.autoscaler, now, st.memory,
+                      grace_started_s=grace_by_key, min_instances=lo, max_instances=hi)
+        if key is not None and d.memory.low_since_s is None and not d.drain:
+            # "load above band" or "in band": the two branches that read no clock or memory
+            # (waiting out the delay remembers when; a drain names instances)
+            self._scale_memo[spec.name] = (key, d)
+        return d
+
     def _reclaim(
         self,
         state: ClusterState,
@@ -282,14 +306,13 @@ class Controller(ModelTracking, SpareTracking):
             if hit is not None and hit[0] == key:  # pure in key: most models did not change
                 wants[model], needs[model] = hit[1]
                 continue
-            args = (e.spec.max_batch, self.cfg.autoscaler, e.min_instances, e.max_instances)
-            want = desired_instances(load, args[0], current, *args[1:])
             # weight (demand-weighted shares): the instances the load alone asks for
-            weight = desired_instances(load, args[0], 0, self.cfg.autoscaler, 0, None)
-            wants[model] = FairDemand(e.spec.tp, want, weight)
-            needs[model] = FairDemand(
-                e.spec.tp, desired_instances(load, args[0], 0, *args[1:]), weight
+            want, need, weight = fair_demand_counts(
+                load, e.spec.max_batch, current, self.cfg.autoscaler, e.min_instances,
+                e.max_instances,
             )
+            wants[model] = FairDemand(e.spec.tp, want, weight)
+            needs[model] = FairDemand(e.spec.tp, need, weight)
             memo[model] = (key, (wants[model], needs[model]))
         if sum(d.want * d.tp for d in wants.values()) <= capacity:
             return {m: d.want for m, d in wants.items()}
@@ -303,7 +326,8 @@ class Controller(ModelTracking, SpareTracking):
         self, state: ClusterState, slot_of: Mapping[ReplicaKey, str]
     ) -> tuple[PrewarmPlan, list[Decision]]:
         plan = plan_prewarm(
-            state, evict_aware=self.cfg.evict_aware, spare_replicas=self.spares()
+            state, evict_aware=self.cfg.evict_aware, spare_replicas=self.spares(),
+            memo=self.match_memo,
         )
         self.plans += 1
         self.last_plan = plan

@@ -34,17 +34,30 @@ class FreeGrowth:
         self.least: dict[str, NodeFree] = {}
         # node name -> the Node object its ``least`` entry was computed from
         self._from: dict[str, Node] = {}
+        # names whose ``least`` entry is exactly ``node_free`` of that object (no lower minimum)
+        self._exact: set[str] = set()
 
     def reset(self, state: ClusterState) -> None:
         """A plan ran on ``state``: the least free memory is what it planned on."""
-        self.least = {n.name: node_free(n) for n in state.nodes}
-        self._from = {n.name: n for n in state.nodes}
+        least, src, exact = self.least, self._from, self._exact
+        names = set()
+        for n in state.nodes:
+            names.add(n.name)
+            if src.get(n.name) is n and n.name in exact:
+                continue  # already node_free(n): nothing to recompute (issue 12 §5)
+            least[n.name] = node_free(n)
+            src[n.name] = n
+            exact.add(n.name)
+        if len(least) != len(names):  # nodes gone since: forget them
+            self.least = {k: v for k, v in least.items() if k in names}
+            self._from = {k: v for k, v in src.items() if k in names}
+            self._exact &= names
 
     def grew(self, state: ClusterState) -> bool:
         """True when some GPU of ``state`` has more than :data:`FREE_GROWTH_BYTES` above its
         least free memory (nothing is remembered then); otherwise remember the new minima."""
         least, src = self.least, self._from
-        updates: list[tuple[Node, NodeFree]] = []
+        updates: list[tuple[Node, NodeFree, NodeFree]] = []
         for n in state.nodes:
             if src.get(n.name) is n:
                 continue  # the same facts as its minimum was taken from: no growth, no change
@@ -53,10 +66,14 @@ class FreeGrowth:
             for g, v in cur:
                 if v > old.get(g, 0) + FREE_GROWTH_BYTES:
                     return True
-            updates.append((n, tuple((g, min(v, old.get(g, v))) for g, v in cur)))
-        for n, low in updates:
+            updates.append((n, tuple((g, min(v, old.get(g, v))) for g, v in cur), cur))
+        for n, low, cur in updates:
             least[n.name] = low
             src[n.name] = n
+            if low == cur:
+                self._exact.add(n.name)
+            else:
+                self._exact.discard(n.name)
         return False
 
     def as_map(self) -> dict[tuple[str, int], int]:

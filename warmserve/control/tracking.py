@@ -64,6 +64,7 @@ class ModelTracking:
     ended: set[str]
     replan_reasons: set[str]
     stale: set[str]
+    observed: tuple[Observation | None, dict[str, float]]  # the last observe()'s obs, demand
 
     # ------------------------------------------------------------------ models and history
 
@@ -165,6 +166,7 @@ class ModelTracking:
         """Measure every managed model's demand, advance the window clock, note grace clocks
         and lost instances.  Returns the demand measured."""
         loads = observed_demand(obs, self.models)
+        self.observed = (obs, dict(loads))  # decide(obs) reads the same demand
         for model, load in loads.items():
             self.measure(model, obs.now, load)
         index = math.floor(obs.now / self.cfg.window_s + 1e-9)

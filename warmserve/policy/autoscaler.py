@@ -61,6 +61,7 @@ __all__ = [
     "ScaleMemory",
     "decide",
     "desired_instances",
+    "fair_demand_counts",
     "grace_done",
     "lendable_for",
     "lendable_per_gpu",
@@ -131,6 +132,22 @@ def desired_instances(
     n = max(n_up, min(current, n_down))
     n = max(n, lo)
     return n if hi is None else min(n, hi)
+
+
+def fair_demand_counts(
+    load: float, max_batch: int, current: int, config: AutoscalerConfig,
+    min_instances: int | None = None, max_instances: int | None = None,
+) -> tuple[int, int, int]:
+    """What the fair share reads of one model, in one pass: ``(want, need, weight)`` =
+    :func:`desired_instances` with ``current``, the same with no current instance (no
+    hysteresis band), and the instances the load alone asks for (no bounds either)."""
+    want = desired_instances(load, max_batch, current, config, min_instances, max_instances)
+    # with current = 0 the band keeps nothing: desired_instances reduces to n_up and the bounds
+    weight = _ceil_ratio(load, max_batch * config.scale_up_utilization)
+    lo = config.min_instances if min_instances is None else min_instances
+    hi = config.max_instances if max_instances is None else max_instances
+    need = max(weight, lo)
+    return want, (need if hi is None else min(need, hi)), weight
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,17 +36,17 @@ weight S and tensor-parallel degree D:
 
 Existing replicas
 -----------------
-Per model, the replicas already resident (``state.replicas``) are matched to the replicas the
-forecast asks for: the existing ones, in (kind, rank, node, gpus) order, take the identity of the
-highest-priority requests (basic rank 0 first) and are **kept** in place with their new kind,
-rank and score; only the remaining requests are placed.  Resident replicas no longer wanted
-(the model asks for fewer, the degree changed, or a serving instance now holds one of their GPUs)
-are listed in ``evict`` and their memory is counted as free for this plan: the plan describes the
-next window's target (keep + place): the plan counts the memory of ``evict`` as free.  When an
-executor actually evicts is the control layer's rule (:mod:`warmserve.control.controller`): a
-replica in ``evict`` whose GPUs no new replica needs stays resident at the lowest priority until
-a start or a later placement wants them (measured better than evicting at once;
-``docs/policy.md``, "The control loop").
+(:mod:`warmserve.policy.replica_match`, incremental with a ``MatchMemo``.)  Per model, the
+replicas already resident (``state.replicas``) are matched to the replicas the forecast asks for:
+the existing ones, in (kind, rank, node, gpus) order, take the identity of the highest-priority
+requests (basic rank 0 first) and are **kept** in place with their new kind, rank and score;
+only the remaining requests are placed.  Resident replicas no longer wanted (the model asks for
+fewer, the degree changed, or a serving instance now holds one of their GPUs) are listed in
+``evict`` and their memory is counted as free for this plan: the plan describes the next
+window's target (keep + place).  When an executor actually evicts is the control layer's rule
+(:mod:`warmserve.control.controller`): a replica in ``evict`` whose GPUs no new replica needs
+stays resident at the lowest priority until a start or a later placement wants them (measured
+better than evicting at once; ``docs/policy.md``, "The control loop").
 
 Ablation (``evict_aware=False``)
 --------------------------------
@@ -74,7 +74,6 @@ from warmserve.policy.cluster import (
     WorkerState,
 )
 from warmserve.policy.gpu_groups import (
-    KIND_RANK,
     NO_KIND,
     NodeSlots,
     Occupant,
@@ -82,7 +81,8 @@ from warmserve.policy.gpu_groups import (
     positions_mask,
     replica_priority,
 )
-from warmserve.policy.scoring import ReplicaRequest, model_replicas, priority_key
+from warmserve.policy.replica_match import MatchMemo, match_existing
+from warmserve.policy.scoring import ReplicaRequest
 
 __all__ = ["PrewarmPlan", "Unplaced", "apply_plan", "plan_prewarm"]
 
@@ -192,49 +192,6 @@ class _DegreeIndex:
         lower = fits & ((self.hkind > kind) | ((self.hkind == kind) & (self.hscore < score)))
         pool = lower if lower.any() else fits
         return int(np.argmin(np.where(pool, self.total, np.inf)))
-
-
-def _stale(state: ClusterState, r: Replica, busy: dict[str, set[int]]) -> bool:
-    spec = state.models[r.model]
-    b = busy.get(r.node)
-    if len(r.gpus) != spec.tp or (b and not b.isdisjoint(r.gpus)):
-        return True
-    node = state.node(r.node)
-    return any(node.gpu(g).state == WorkerState.DEDICATED for g in r.gpus)
-
-
-def _match_existing(
-    state: ClusterState, busy: dict[str, set[int]], spare: int | Mapping[str, int] = 0
-) -> tuple[list[Replica], list[Replica], list[ReplicaRequest]]:
-    """Split resident replicas into keep/evict and return the requests still to place."""
-    by_model: dict[str, list[Replica]] = defaultdict(list)
-    for r in state.replicas:
-        by_model[r.model].append(r)
-    keep: list[Replica] = []
-    evict: list[Replica] = []
-    todo: list[ReplicaRequest] = []
-    for name in sorted(set(state.models)):
-        spec = state.models[name]
-        fc = state.forecasts.get(name)
-        extra = spare if isinstance(spare, int) else spare.get(name, 0)
-        wanted = model_replicas(spec, fc, state.active_instances(name), extra) if fc else []
-        resident = sorted(
-            by_model.get(name, []),
-            key=lambda r: (KIND_RANK[r.kind], r.rank, r.node, r.gpus),
-        )
-        stale = [_stale(state, r, busy) for r in resident]
-        usable = [r for r, s in zip(resident, stale, strict=True) if not s]
-        evict += [r for r, s in zip(resident, stale, strict=True) if s]
-        for req, r in zip(wanted, usable, strict=False):
-            b = r.bytes_per_gpu or spec.prewarm_bytes_per_gpu
-            if (r.kind, r.rank, r.score, r.bytes_per_gpu) == (req.kind, req.rank, req.score, b):
-                keep.append(r)  # already as the request says (the common case: an equal value)
-            else:
-                keep.append(replace(r, kind=req.kind, rank=req.rank, score=req.score,
-                                    bytes_per_gpu=b))
-        evict += usable[len(wanted) :]
-        todo += wanted[len(usable) :]
-    return keep, evict, sorted(todo, key=priority_key)
 
 
 def _build_nodes(  # busy: busy_gpus(state, include_grace=False), as plan_prewarm has it
@@ -356,17 +313,27 @@ def _place_first_fit(
 
 
 def plan_prewarm(
-    state: ClusterState, *, evict_aware: bool = True, spare_replicas: int | Mapping[str, int] = 0
+    state: ClusterState,
+    *,
+    evict_aware: bool = True,
+    spare_replicas: int | Mapping[str, int] = 0,
+    memo: MatchMemo | None = None,
 ) -> PrewarmPlan:
     """Plan the next window's prewarm replicas (Algorithm 1; see the module docstring).
 
     Deterministic: the same snapshot gives the same plan.  ``evict_aware=False`` is the §7.5
     ablation (first-fit, no nesting rule).  ``spare_replicas``: extra burst replicas per model
     beyond Eq. 6 (:mod:`warmserve.policy.scoring`), the same for every model or per model (a
-    mapping; models not in it get none: :mod:`warmserve.policy.overshoot`).
+    mapping; models not in it get none: :mod:`warmserve.policy.overshoot`).  ``memo``: the
+    planner's :class:`~warmserve.policy.replica_match.MatchMemo` (reuses the match of the models
+    whose inputs did not change since its last plan; the plan is the same with or without one).
     """
     busy = busy_gpus(state, include_grace=False)
-    keep, evict, todo = _match_existing(state, busy, spare_replicas)
+    keep, evict, todo = match_existing(state, busy, spare_replicas, memo)
+    if not todo:
+        # nothing to place (most re-plans: the match kept every request): either placement
+        # places and refuses nothing, so the nodes' working state is not needed
+        return PrewarmPlan(tuple(keep), (), tuple(evict), ())
     slots, _ = _build_nodes(state, keep, evict, busy)
     if evict_aware:
         place, unplaced = _place_evict_aware(state, slots, todo)

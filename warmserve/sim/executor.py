@@ -164,7 +164,8 @@ class ControlExecutor:
             # nothing was left to place (either way places or refuses every request the
             # match left, and the match does not depend on the mode): first fit places none
             return
-        ff = plan_prewarm(state, evict_aware=False, spare_replicas=self.ctl.spares())
+        ff = plan_prewarm(state, evict_aware=False, spare_replicas=self.ctl.spares(),
+                          memo=self.ctl.match_memo)
         ours = {(r.model, r.node, r.gpus) for r in plan.place}  # type: ignore[attr-defined]
         if ours != {(r.model, r.node, r.gpus) for r in ff.place}:
             self.counts["evict_aware_choices"] += 1
