@@ -8,15 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from mypy_extensions import trait
-
 from warmserve.policy.overshoot import near_batch_boundary, peak_exceeded, spares_for
 
 from .config import ControlConfig
 from .tracking import ModelState
 
 
-@trait  # a part of Controller; mypyc (the compiled simulator) compiles such parts as traits
 class SpareTracking:
     """Per-model spare counts; :class:`~.controller.Controller` sets the fields in its
     constructor."""

@@ -11,8 +11,6 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from mypy_extensions import trait
-
 from warmserve.policy.autoscaler import ScaleMemory
 from warmserve.policy.cluster import InstancePhase, LoadForecast, ModelSpec
 from warmserve.policy.load import WindowLoadTracker
@@ -50,7 +48,6 @@ class ModelState:
         return self.entry.spec
 
 
-@trait  # a part of Controller; mypyc (the compiled simulator) compiles such parts as traits
 class ModelTracking:
     """Per-model memory of the control loop; :class:`~.controller.Controller` sets the fields
     in its constructor."""
