@@ -28,6 +28,13 @@ What the controller owns, so no executor re-decides it:
   model can still hit it.  (Measured against evicting at once: ``docs/policy.md``.)
 * **Replica priorities**: the kind, rank and score it gave each replica when it planned it.
 
+**Incremental** (issue 12 §5): between two decisions few models and nodes change, so the
+controller keeps, per executor, what it may reuse — the snapshot's nodes, instances and replicas
+(:class:`~.snapshot.SnapshotMemo`), Algorithm 1's per-model match
+(:class:`~warmserve.policy.replica_match.MatchMemo`), each model's fair-share demand and its last
+autoscaler answer when that read no clock — each reused only for inputs equal to the ones it was
+computed from, so every decision is the one a full rebuild makes (property-tested).
+
 **Fairness**: the autoscaler's bounds are capped by each model's demand-weighted max-min share
 of the GPUs (:mod:`warmserve.policy.fairness`) whenever what the models want does not fit.
 
@@ -233,7 +240,7 @@ class Controller(ModelTracking, SpareTracking):
         did not scale down, the answer reads neither the clock nor the memory, only the spec,
         the load, the count of instances and the bounds."""
         spec = st.entry.spec
-        key = None
+        key: tuple[object, ...] | None = None
         if all(i.phase != InstancePhase.GRACE for i in insts):
             key = (spec, self.cfg.autoscaler, load, len(insts), lo, hi)
             hit = self._scale_memo.get(spec.name)
