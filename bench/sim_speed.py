@@ -7,6 +7,8 @@ saturated, and a 1,024-GPU / 200-model / 24-hour run.
     python bench/sim_speed.py --parts scale --scale-hours 1 --scale-start 19:00 --scale-rps 500
                                               # the busy hour (docs/simulator.md)
     python bench/sim_speed.py --json bench/results/sim_speed.json
+    python bench/sim_speed.py --compiled      # the simulator compiled with mypyc (built once
+                                              # per source change; docs/simulator.md)
 
 Parts:
 
@@ -42,7 +44,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# --compiled runs this script again with the compiled copy of warmserve first on PYTHONPATH
+# (warmserve.sim.compiled): the source tree then goes last, or it would shadow the copy.
+COMPILED = os.environ.get("WARMSERVE_COMPILED")
+sys.path.insert(len(sys.path) if COMPILED else 0, str(ROOT))
 
 from warmserve.sim.runner import prepare, run_system  # noqa: E402
 from warmserve.sim.scenario import load_scenario  # noqa: E402
@@ -113,7 +118,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="total_rps of the scale run (default: the scenario's, 400; the busy "
                     "hour 19:00 runs at about 500)")
     ap.add_argument("--json", default=str(ROOT / "bench/results/sim_speed.json"))
+    ap.add_argument("--compiled", action="store_true",
+                    help="run the simulator compiled with mypyc (warmserve.sim.compiled: built "
+                    "into ~/.cache/warmserve-mypyc once per source change; identical results)")
     args = ap.parse_args(argv)
+    if args.compiled:
+        from warmserve.sim.compiled import CompiledError, run_compiled
+
+        try:  # builds, then runs this script again from the compiled copy (returns there)
+            run_compiled([str(Path(__file__).resolve()), *sys.argv[1:]])
+        except CompiledError as e:
+            ap.exit(2, f"sim_speed.py: error: {e}\n")
+        print(f"compiled simulator: {COMPILED}", flush=True)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     bad = set(parts) - {"unsat", "sat", "scale"}
     if bad:
@@ -121,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = (args.systems.split(",") if args.systems
                else list(load_scenario(TESTBED).systems))
     out: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine(),
-                           "cpus": os.cpu_count(), "parts": {}}
+                           "cpus": os.cpu_count(), "compiled": bool(args.compiled),
+                           "parts": {}}
     if "unsat" in parts:
         out["parts"]["unsat"] = run_part("unsaturated", TESTBED,
                                          {"alpha": 2.0, "total_rps": 10.0}, systems)

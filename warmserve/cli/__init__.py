@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # to run again (simulate --compiled)
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE

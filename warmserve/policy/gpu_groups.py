@@ -162,7 +162,7 @@ class NodeSlots:
             if len(_NODE_FACTS) >= _NODE_FACTS_MAX:
                 _NODE_FACTS.clear()
             gpus = sorted(node.gpus, key=lambda g: g.index)
-            facts = (
+            facts: tuple = (  # _NODE_FACTS's value (typed for mypyc: the simulator compiled)
                 tuple(g.index for g in gpus),
                 {g.index: p for p, g in enumerate(gpus)},
                 tuple(g.memory_bytes for g in gpus),

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import heapq
 
+from mypy_extensions import trait
+
 from warmserve.sim.cluster import GRACE, SERVING, STOPPED, Req, SimInstance
 from warmserve.sim.sharing import dynamic_slowdown
+from warmserve.sim.state import SimState
 
 EV_INST = 0  # an instance's next prefill end or decode finish (the event loop's heap kind)
 
 
-class Batching:
+@trait
+class Batching(SimState):
     """The engines' physics: prefill, decode, completion (module docstring)."""
 
     def _requests_of(self, inst: SimInstance) -> list[Req]:
@@ -51,7 +55,7 @@ class Batching:
         for r in batch:
             tokens += r.inp
             squares += r.inp * r.inp
-        p = inst.timer.prefill(len(batch), tokens, squares)  # type: ignore[attr-defined]
+        p = inst.timer.prefill(len(batch), tokens, squares)
         if inst.slowdown != 1.0 or inst.config_slowdown is not None:
             p *= self._slowdown_now(inst, True)
         layers = self.models[inst.midx].spec.num_layers
@@ -77,7 +81,7 @@ class Batching:
         v = inst.v
         n = len(running)
         kv = inst.sum_in_running + n * v - inst.sum_v0_running  # SimInstance.kv_tokens_now
-        step = inst.timer.decode(n, round(kv if kv > 0.0 else 0.0))  # type: ignore[attr-defined]
+        step = inst.timer.decode(n, round(kv if kv > 0.0 else 0.0))
         if inst.slowdown != 1.0 or inst.config_slowdown is not None:
             step *= self._slowdown_now(inst)
         inst.step_s = step

@@ -21,8 +21,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from warmserve.policy.cluster import InstancePhase, ReplicaKind, WorkerState
+
+if TYPE_CHECKING:
+    from warmserve.control.observation import InstanceObs
 
 STARTING, SERVING, GRACE, STOPPED = "starting", "serving", "grace", "stopped"
 PHASE = {
@@ -106,8 +110,8 @@ class SimInstance:
     midx: int
     node: str
     gpus: tuple[int, ...]
-    engine: object  # H3b's EngineModel
-    timer: object  # its warmserve.sim.perf.StepTimer
+    engine: Any  # H3b's EngineModel
+    timer: Any  # its warmserve.sim.perf.StepTimer
     max_batch: int
     kv_cap_tokens: int
     kv_bytes_per_token: float
@@ -140,7 +144,7 @@ class SimInstance:
     prefill_config_slowdown: float | None = None  # None: config_slowdown
     last_request_s: float = 0.0  # last assignment (Prism's idle rule)
     # its last report to the controller (warmserve.sim.executor.instance_obs), reused while equal
-    last_obs: object | None = field(default=None, repr=False)
+    last_obs: InstanceObs | None = field(default=None, repr=False)
 
     @property
     def busy(self) -> bool:

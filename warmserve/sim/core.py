@@ -39,6 +39,7 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
+from typing import cast
 
 import numpy as np
 
@@ -259,12 +260,13 @@ class Simulation(Gateway, Batching, Lifecycle):
                     break
                 self.t_now = t
                 self.events += 1
-                _, _, kind, obj, ver = pop(heap)
+                _t, _seq, kind, obj, ver = pop(heap)
                 if kind == EV_INST:
-                    if ver == obj.version and obj.phase != STOPPED:  # type: ignore[union-attr]
-                        engine_event(obj, t)
+                    inst = cast(SimInstance, obj)
+                    if ver == inst.version and inst.phase != STOPPED:
+                        engine_event(inst, t)
                 elif kind == EV_READY:
-                    ready(obj, t)
+                    ready(cast(SimInstance, obj), t)
                 elif kind == EV_TICK:
                     self._tick(t)
                 elif kind == EV_WINDOW:
@@ -292,7 +294,7 @@ class Simulation(Gateway, Batching, Lifecycle):
                 self._drop(Req(self.issued, float(chunk.arrival[i]), int(chunk.model[i]),
                                int(chunk.input_tokens[i]), int(chunk.output_tokens[i])),
                            DROP_UNFINISHED, issued=True)
-        self._account(end)
+        self.account(end)
         out = SimOutput(
             system=self.sys.name,
             stats=self.stats,
@@ -334,7 +336,7 @@ class Simulation(Gateway, Batching, Lifecycle):
             self.executor.step(0.0)
             self.push(self.scale_interval, EV_TICK)
         self.push(self.window_s, EV_WINDOW)
-        self._sample(0.0)
+        self.sample(0.0)
 
     # ------------------------------------------------------------------ accounting
 
@@ -354,9 +356,6 @@ class Simulation(Gateway, Batching, Lifecycle):
     def sample(self, t: float) -> None:
         self.timeline.append((t, self.cl.counts()))
 
-    _account = account
-    _sample = sample
-
     # ------------------------------------------------------------------ ticks & windows
 
     def _tick(self, t: float) -> None:
@@ -373,8 +372,8 @@ class Simulation(Gateway, Batching, Lifecycle):
             self.check_invariants(t)
         if self.executor is not None:
             self.executor.step(t)
-        self._account(t)
-        self._sample(t)
+        self.account(t)
+        self.sample(t)
         if self.check:
             self.check_invariants(t)
         if t + self.window_s <= self.duration + self.drain_s and (

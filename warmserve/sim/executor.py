@@ -72,7 +72,7 @@ def instance_obs(inst: SimInstance) -> InstanceObs:
         and o.kv_capacity_bytes == kv_cap
         and o.grace_started_s == grace
     ):
-        return o  # type: ignore[no-any-return]
+        return o
     o = InstanceObs(
         inst.name,
         inst.model,

@@ -12,11 +12,15 @@ writes: queues, instances per model, statistics, the controller).
 
 from __future__ import annotations
 
+from mypy_extensions import trait
+
 from warmserve.sim.cluster import SERVING, Req, SimInstance
 from warmserve.sim.model import DROP_NO_CAPACITY, DROP_QUEUE_TIMEOUT
+from warmserve.sim.state import SimState
 
 
-class Gateway:
+@trait
+class Gateway(SimState):
     """Requests in: arrive, queue, dispatch to an instance, drop (module docstring)."""
 
     def _set_inflight(self, midx: int, t: float, delta: int) -> None:
@@ -53,7 +57,7 @@ class Gateway:
             if self.executor is not None:
                 self.executor.wake(t, m)
             else:
-                self.hooks.on_waiting(self, m, t)
+                self.hooks.on_waiting(self, m, t)  # type: ignore[arg-type]  # a Simulation
 
     def _dispatch(self, midx: int, t: float) -> None:
         """Hand queued requests of a model to serving instances with a free slot, FIFO."""

@@ -11,14 +11,18 @@ A mixin of :class:`warmserve.sim.core.Simulation`.
 
 from __future__ import annotations
 
+from mypy_extensions import trait
+
 from warmserve.policy.cluster import ReplicaKind
 from warmserve.sim.cluster import SERVING, STARTING, STOPPED, SimInstance, SimReplica
 from warmserve.sim.model import DROP_GRACE_CUTOFF, SimModel, StaticInstance
+from warmserve.sim.state import SimState
 
 EV_READY = 1  # an instance finished starting (the event loop's heap kind)
 
 
-class Lifecycle:
+@trait
+class Lifecycle(SimState):
     """Instances: create, ready, cut off, terminate (module docstring)."""
 
     def create_static(self, s: StaticInstance) -> SimInstance:
@@ -73,7 +77,7 @@ class Lifecycle:
         )
         self.instances.append(inst)
         self.by_model[m.idx].append(inst)
-        self._account(t)
+        self.account(t)
         for g in inst.gpus:
             if (node, g) not in self.cl.holder:  # colocated static instances share GPUs
                 self.held += 1
@@ -137,7 +141,7 @@ class Lifecycle:
             self._set_inflight(inst.midx, t, -1)
 
     def terminate(self, inst: SimInstance, t: float) -> None:
-        self._account(t)
+        self.account(t)
         inst.phase = STOPPED
         inst.version += 1
         for g in inst.gpus:
@@ -179,9 +183,8 @@ class Lifecycle:
             self.cl.add_replica(rep)
         self.instances = [i for i in self.instances if i.phase != STOPPED]
         self.by_model[inst.midx] = [i for i in self.by_model[inst.midx] if i.phase != STOPPED]
-        self._sample(t)
+        self.sample(t)
 
-    _terminate = terminate
 
     def _make_room(self, new: SimReplica, t: float) -> None:
         """Cache mode: drop the oldest other replicas on these GPUs until ``new`` fits."""
