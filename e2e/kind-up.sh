@@ -45,7 +45,8 @@ PY
 fi
 MODELS_ABS=$(cd "$MODELS_DIR" && pwd)
 
-if kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
+clusters=$(kind get clusters 2>/dev/null || true)
+if printf '%s\n' "$clusters" | grep -qx -- "$CLUSTER"; then
   [ "${KEEP_CLUSTER:-0}" = 1 ] || { echo "kind-up.sh: cluster '$CLUSTER' exists (KEEP_CLUSTER=1 to reuse, or e2e/kind-down.sh)" >&2; exit 1; }
   step "reusing kind cluster $CLUSTER"
 else

@@ -16,11 +16,15 @@
 # Options: --wheels DIR (default .gpu-wheels)  --results-dir DIR (default bench/results)
 #          --budget-s N (whole run, default 570)  --llama auto|14b|8b|1b|tiny|none (default auto:
 #          8b on >= 40 GB GPUs, else 1b; 14b needs ~28 GB and a larger --budget-s)
-# Environment: PYTHON (default python3: on GPU images, the one that has torch).
+# Environment: PYTHON (default: the project's .venv/bin/python when it exists, else python3; on GPU
+#              images, the one that has torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-PY=${PYTHON:-python3}
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
+else PY=python3
+fi
 MODE=real
 WHEELS=.gpu-wheels
 RESULTS=bench/results
@@ -43,6 +47,8 @@ done
 START=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 say() { echo "== gpu-check: $*"; }
+# The first line of a command's output, read whole (no early-closing reader under pipefail).
+first_line() { local out; out=$("$@" 2>/dev/null || true); printf '%s' "${out%%$'\n'*}"; }
 
 if [ "$MODE" = fetch ]; then
   exec "$PY" hack/gpu_wheels.py check --wheels "$WHEELS" --fetch
@@ -50,6 +56,10 @@ fi
 
 if [ "$MODE" = dry ]; then
   say "dry run (no GPU needed)"
+  if ! "$PY" -c 'import pytest' 2>/dev/null; then
+    echo "gpu-check: $PY has no pytest; run hack/venv.sh dev first (or set PYTHON to a Python with the dev extras)" >&2
+    exit 2
+  fi
   cache=$WHEELS
   [ -d "$cache" ] || cache=${XDG_CACHE_HOME:-$HOME/.cache}/warmserve/gpu-wheels
   "$PY" hack/gpu_wheels.py check --wheels "$cache" --fetch
@@ -82,13 +92,14 @@ if ! command -v nvidia-smi >/dev/null 2>&1 && [ ! -e /dev/nvidiactl ]; then
   echo "gpu-check: no NVIDIA GPU here (no nvidia-smi, no /dev/nvidiactl); use --dry-run" >&2
   exit 2
 fi
-name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true)
+name=${gpus%%$'\n'*}
 [ -n "$name" ] || name=$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo gpu)
 slug=$(echo "$name" | tr 'A-Z' 'a-z' | sed 's/[^a-z0-9]\+/-/g; s/^-//; s/-$//')
 mkdir -p "$RESULTS"
 LOG="$RESULTS/gpu-$slug.log"
 exec > >(tee "$LOG") 2>&1
-say "$name; $("$PY" -V 2>&1); $(nvidia-smi --query-gpu=driver_version,memory.total,memory.used --format=csv,noheader 2>/dev/null | head -1)"
+say "$name; $("$PY" -V 2>&1); $(first_line nvidia-smi --query-gpu=driver_version,memory.total,memory.used --format=csv,noheader)"
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null | sed 's/^/other GPU process: /' || true
 
 SITE=${TMPDIR:-/tmp}/warmserve-gpu-site

@@ -147,12 +147,21 @@ for c in "${COMPONENTS[@]}"; do
   esac
 done
 
-# Smoke checks: the stamped versions must be the pinned ones.
-"$BIN/kube-apiserver" --version | grep -qx "Kubernetes v$K8S_VERSION" \
-  || die "kube-apiserver reports '$("$BIN/kube-apiserver" --version)', expected v$K8S_VERSION"
-"$BIN/etcd" --version | grep -q "etcd Version: $ETCD_VERSION" \
-  || die "etcd reports '$("$BIN/etcd" --version | head -1)', expected $ETCD_VERSION"
-"$BIN/helm" version --short | grep -q "^$HELM_VERSION" \
-  || die "helm reports '$("$BIN/helm" version --short)', expected $HELM_VERSION"
+# Smoke checks: the stamped versions must be the pinned ones. Each output is captured first and
+# matched afterwards: piping into an early-exiting reader (grep -q) under pipefail can kill the
+# writer with SIGPIPE and fail a check whose output was right.
+apiserver_v=$("$BIN/kube-apiserver" --version)
+[ "$apiserver_v" = "Kubernetes v$K8S_VERSION" ] \
+  || die "kube-apiserver reports '$apiserver_v', expected v$K8S_VERSION"
+etcd_v=$("$BIN/etcd" --version)
+case "$etcd_v" in
+  *"etcd Version: $ETCD_VERSION"*) ;;
+  *) die "etcd reports '${etcd_v%%$'\n'*}', expected $ETCD_VERSION" ;;
+esac
+helm_v=$("$BIN/helm" version --short)
+case "$helm_v" in
+  "$HELM_VERSION"*) ;;
+  *) die "helm reports '$helm_v', expected $HELM_VERSION" ;;
+esac
 log "ready in $(( $(date +%s) - START ))s: ${COMPONENTS[*]}"
 link_and_print

@@ -9,7 +9,8 @@ for c in kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
   f="$W/$c.pid"
   [ -f "$f" ] || continue
   pid=$(cat "$f")
-  if [ -n "$pid" ] && tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -q "/$c "; then
+  cmdline=$(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null || true)
+  if [ -n "$pid" ] && [[ "$cmdline" == *"/$c "* ]]; then
     kill -TERM "$pid" 2>/dev/null
     for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -0 "$pid" 2>/dev/null && kill -KILL "$pid" 2>/dev/null
