@@ -28,7 +28,7 @@ fi
 if [ -x hack/docs/site.sh ]; then
   # The documentation site (mkdocs.yml over docs/): the strict build fails on a broken link,
   # anchor or nav entry. MkDocs runs from its own venv (docs/requirements.txt), cached in
-  # ~/.cache/warmserve-docs: ~30 s cold, a few seconds after.
+  # ~/.cache/warmserve-docs: 20-30 s cold (the pip install), 2-6 s after.
   echo "== docs site (hack/docs/site.sh build: mkdocs build --strict)"
   DOCS_OUT=$(mktemp -d)
   hack/docs/site.sh build -d "$DOCS_OUT/site"
