@@ -25,6 +25,15 @@ if [ -x hack/check-generated.sh ]; then
   echo "== generated code matches proto/"
   hack/check-generated.sh
 fi
+if [ -x hack/docs/site.sh ]; then
+  # The documentation site (mkdocs.yml over docs/): the strict build fails on a broken link,
+  # anchor or nav entry. MkDocs runs from its own venv (docs/requirements.txt), cached in
+  # ~/.cache/warmserve-docs: 20-30 s cold (the pip install), 2-6 s after.
+  echo "== docs site (hack/docs/site.sh build: mkdocs build --strict)"
+  DOCS_OUT=$(mktemp -d)
+  hack/docs/site.sh build -d "$DOCS_OUT/site"
+  rm -rf "$DOCS_OUT"
+fi
 if [ -x hack/k8s/build.sh ]; then
   # kube-apiserver, etcd, kubectl, helm (+ controller-manager, scheduler, kwok for the
   # controllers plane) at the versions in hack/k8s/versions.env; cached after the first build
