@@ -52,6 +52,8 @@ MANAGED: dict[str, str] = {
     "kv_cache_memory_bytes": "the KV cache is sized to the slot's pages by the agent",
     "num_gpu_blocks_override": "the KV cache is sized to the slot's pages by the agent",
     "enable_sleep_mode": "the agent owns the memory (prewarm slots), not vLLM's sleep mode",
+    "otlp_traces_endpoint": "traces go where the agent's --otlp-traces-endpoint says "
+    "(the chart's tracing.endpoint)",
 }
 
 

@@ -36,6 +36,7 @@ class InstanceRef:
     instance_id: str
     url: str
     phase: str  # starting | serving | grace
+    prewarm_hit: bool = False  # its start was a prewarm hit (status, for tracing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,7 @@ def parse_deployment(body: Mapping[str, Any]) -> Deployment:
                     str(i.get("id") or ""),
                     str(i.get("endpoint") or "").rstrip("/"),
                     str(i.get("phase") or ""),
+                    i.get("prewarmHit") is True,
                 )
             )
     ready = next(

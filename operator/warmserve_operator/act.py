@@ -16,6 +16,7 @@ from typing import Any
 
 from warmserve.control.decisions import Decision, Drain, EndGrace, Evict, Prewarm, Start
 
+from . import tracing
 from .agents import ActivateResult, AgentPort
 from .identity import gpus_str, request_id
 from .metrics import Metrics
@@ -189,6 +190,7 @@ class Actor:
         fetching = (
             isinstance(d, Start) and bool(src) and (snap is None or d.model not in snap.models)
         )
+        span = tracing.begin(d, verb, request)  # None unless tracing is on
         try:
             if fetching:  # a cold start on a node whose store lacks the model
                 msg = f"node {d.node} is fetching {d.model} from {src} to start it"
@@ -198,6 +200,7 @@ class Actor:
                 msg = f"node {d.node} fetched {d.model} from {src}"
                 await self.event(owner, "Normal", "Fetched", msg)
             if res is not None:
+                tracing.started(span, res.instance.instance_id, res.hit, res.activation_s)
                 self._started(d, res, owner)
                 await self.event(
                     owner,
@@ -214,6 +217,7 @@ class Actor:
                 await self.event(owner, "Normal", EVENT[type(d)], describe(d))
             self.metrics.actions.labels(verb, "ok").inc()
         except AgentCallError as exc:
+            tracing.failed(span, exc.code, exc.message)
             self.metrics.actions.labels(verb, exc.code).inc()
             log.warning(
                 "event=action_failed verb=%s node=%s model=%s code=%s message=%r",
@@ -225,9 +229,11 @@ class Actor:
             )
             await self.event(owner, "Warning", "AgentRefused", f"{describe(d)}: {exc}")
         except (TimeoutError, OSError) as exc:
+            tracing.failed(span, "error", str(exc))
             self.metrics.actions.labels(verb, "error").inc()
             log.warning("event=action_error verb=%s node=%s error=%r", verb, d.node, str(exc))
         finally:
+            tracing.end(span)
             await self.refresh(d.node, client)
             self._forget(d)
 

@@ -29,6 +29,11 @@ operator reads and sums them.  Design (docs/gateway.md, "Demand"):
 Keys are ``spec.model.name`` (the policy's model key; the operator serves one deployment per
 model name).  Only ``held`` enters the demand; ``inflight`` (what the replica forwarded and is
 still streaming) is informational — those requests are already counted by the agents.
+
+With tracing on, a model's entry may also carry ``traces``: the W3C ``traceparent`` of up to
+:data:`MAX_TRACES` of its held (sampled) requests, oldest first, so the operator's start span
+links to the requests that woke it.  Optional both ways: a gateway without tracing omits it and
+an operator that does not know it ignores it.
 """
 
 from __future__ import annotations
@@ -42,11 +47,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from warmserve.tracing import valid_traceparent
+
 log = logging.getLogger("warmserve.operator.gateway_demand")
 
 DEMAND_API_VERSION = "warmserve.io/demand/v1"
 DEMAND_PATH = "/demand"
 HEARTBEAT_S = 2.0
+MAX_TRACES = 8  # held requests' trace contexts per model in one report, and linked per start
 
 
 class DemandError(ValueError):
@@ -59,6 +67,23 @@ class ModelDemand:
 
     held: int = 0
     inflight: int = 0
+    traces: tuple[str, ...] = ()  # traceparents of held requests (tracing on), oldest first
+
+
+def _model_json(d: ModelDemand) -> dict[str, Any]:
+    doc: dict[str, Any] = {"held": d.held, "inflight": d.inflight}
+    if d.traces:
+        doc["traces"] = list(d.traces)
+    return doc
+
+
+def _traces(name: str, v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or len(v) > MAX_TRACES:
+        raise DemandError(f"models[{name!r}].traces must be a list of at most {MAX_TRACES}")
+    for tp in v:
+        if not isinstance(tp, str) or not valid_traceparent(tp):
+            raise DemandError(f"models[{name!r}].traces: {str(tp)[:80]!r} is not a W3C traceparent")
+    return tuple(v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +101,7 @@ class DemandReport:
             "replica": self.replica,
             "startedAt": self.started_unix,
             "seq": self.seq,
-            "models": {
-                m: {"held": d.held, "inflight": d.inflight} for m, d in sorted(self.models.items())
-            },
+            "models": {m: _model_json(d) for m, d in sorted(self.models.items())},
         }
 
     @classmethod
@@ -100,7 +123,7 @@ class DemandReport:
             for key, v in (("held", held), ("inflight", inflight)):
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                     raise DemandError(f"models[{name!r}].{key} must be an integer >= 0, got {v!r}")
-            out[name] = ModelDemand(held, inflight)
+            out[name] = ModelDemand(held, inflight, _traces(name, d.get("traces", [])))
         started, seq = doc.get("startedAt", 0.0), doc.get("seq", 0)
         if isinstance(started, bool) or not isinstance(started, int | float):
             raise DemandError("startedAt must be a number")
@@ -119,6 +142,17 @@ def sum_held(reports: Sequence[DemandReport]) -> dict[str, int]:
             if d.held:
                 total[model] = total.get(model, 0) + d.held
     return total
+
+
+def held_traces(reports: Sequence[DemandReport]) -> dict[str, tuple[str, ...]]:
+    """Per model, the held requests' traceparents over the replicas (at most MAX_TRACES)."""
+    out: dict[str, list[str]] = {}
+    for r in reports:
+        for model, d in r.models.items():
+            if d.traces:
+                got = out.setdefault(model, [])
+                got.extend(d.traces[: MAX_TRACES - len(got)])
+    return {m: tuple(t) for m, t in out.items()}
 
 
 # ----------------------------------------------------------------------------------- discovery
@@ -246,6 +280,7 @@ class GatewayHeld:
     held: Mapping[str, int]  # model -> requests held, summed over the replicas that answered
     replicas: int  # replicas that answered
     failed: tuple[str, ...] = ()  # replicas that did not (name: reason)
+    traces: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # held_traces()
 
 
 class GatewayDemand:
@@ -290,7 +325,7 @@ class GatewayDemand:
             else:
                 failed.append(f"{ep.name}: {res!r}")
                 log.debug("event=gateway_demand_failed gateway=%s error=%r", ep.name, str(res))
-        return GatewayHeld(sum_held(reports), len(reports), tuple(failed))
+        return GatewayHeld(sum_held(reports), len(reports), tuple(failed), held_traces(reports))
 
     # ---- wake-up streams ----------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from warmserve.control.controller import Controller
 from warmserve.control.decisions import Decisions
 from warmserve.policy.cluster import ModelSpec
 
+from . import tracing
 from .act import Actor
 from .agents import ActivateResult, AgentPool, AgentPort
 from .config import OperatorConfig
@@ -344,6 +345,7 @@ class Reconciler:
             log.info("event=gateway_unreachable gateways=%r", list(got.failed))
         self.gateway_replicas = got.replicas
         self.metrics.gateway_replicas.set(got.replicas)
+        tracing.note_held(got.traces)  # a start of a model links to its held requests
         return got.held
 
     def _spec(self, uid: str) -> ModelSpec | None:

@@ -12,6 +12,7 @@ import socket
 import uuid
 from typing import Any
 
+from warmserve import tracing
 from warmserve.cli import DefaultsHelpFormatter
 from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
 
@@ -240,6 +241,7 @@ def register(subparsers: Any) -> None:
         help="log level",
     )
     p.add_argument("--verbose", action="store_true", help="debug logging (= --log-level debug)")
+    tracing.add_arguments(p)  # its decisions as spans, linked to the held requests
     p.set_defaults(func=run)
 
 
@@ -264,6 +266,10 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--gateway-url must be an http(s) URL, got {url!r}")
     if not args.gateway_timeout > 0:
         raise CliError(f"--gateway-timeout must be > 0, got {args.gateway_timeout}")
+    try:
+        traces = tracing.from_args(args, "warmserve-operator")
+    except tracing.TracingConfigError as exc:
+        raise CliError(str(exc)) from None
     try:
         from warmserve_operator.reconciler import OperatorConfig
 
@@ -295,6 +301,10 @@ def run(args: argparse.Namespace) -> int:
     from warmserve_operator.gateway_demand import GatewaySources
     from warmserve_operator.ports import AgentDiscovery
 
+    if traces is not None:
+        from warmserve_operator import tracing as operator_tracing
+
+        operator_tracing.enable(traces)
     identity = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
     priority = args.priority if args.priority is not None else random.randint(1, 2**30)
     peering = None if args.standalone else args.peering
