@@ -250,7 +250,7 @@ class RequestTrace:
             self._upstream.add_event("gateway.first_byte")
 
     def upstream_done(self, status: int | None) -> None:
-        """The attempt ended: the engine's status, or ``None`` (refused/broken: retried)."""
+        """The attempt ended: the engine's status, or ``None`` (refused or broken: retried)."""
         self._upstream_end(status)
 
     def _upstream_end(self, status: int | None) -> None:
@@ -258,7 +258,7 @@ class RequestTrace:
         if span is None:
             return
         if status is None:
-            span.set_status(self.tracing._trace.StatusCode.ERROR, "no answer (retried)")
+            span.set_status(self.tracing._trace.StatusCode.ERROR, "no answer from the engine")
         else:
             span.set_attribute("http.response.status_code", status)
             if status >= 500:
