@@ -8,6 +8,9 @@ refused; the operator's is accepted, an admin's reader certificate may only read
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -120,6 +123,13 @@ def test_a_reader_may_describe_and_watch_but_not_change_or_fence(
 
         a.run(reads())
         assert a.server.fence.highest == 0, "a reader's token never moved the fence"
+        # The admin's CLI, as docs/security.md says to run it.
+        tls = ["--ca-cert", str(pki.admin.ca), "--client-cert", str(pki.admin.crt)]
+        tls += ["--client-key", str(pki.admin.key), "--server-name", SERVER_NAME]
+        cli = [sys.executable, "-m", "warmserve", "agent", "inspect", a.address, "--json"]
+        out = subprocess.run([*cli, *tls], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["node_name"] == "node-a"
 
 
 def test_a_spiffe_allowlist_matches_the_uri_san_not_the_common_name(
