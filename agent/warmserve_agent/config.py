@@ -60,12 +60,19 @@ class AgentConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     client_ca: Path | None = None
+    # Mutual TLS: client certificates allowed to call everything (CN=... or URI SANs; empty:
+    # warmserve_agent.auth.DEFAULT_CALLER_ID, the operator's) and allowed to read only.
+    client_ids: tuple[str, ...] = ()
+    reader_ids: tuple[str, ...] = ()
     token_file: Path | None = None
     # Fencing tokens (warmserve_agent.fencing): where the highest operator leadership term seen
     # is kept across restarts (None: <model_dir>/.warmserve-fencing.json, the node's persistent
     # store), and whether a mutating call without a token is refused.
     fencing_file: Path | None = None
     require_fencing_token: bool = False
+    # How far one call may raise the fence (warmserve_agent.fencing.Bounds).
+    fencing_max_skew_s: float = 300.0
+    fencing_max_term_jump: int = 1024
     # Accept serving the API on a non-loopback address with no authentication (logged loudly).
     allow_insecure_listen: bool = False
     metrics_port: int | None = None

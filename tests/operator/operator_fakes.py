@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from warmserve_agent.fencing import Fence, refusal_message
+from warmserve_agent.fencing import Fence
 from warmserve_operator.agents import ActivateResult, Fencing, Unfenced
 from warmserve_operator.ports import ObjRef
 from warmserve_operator.snapshot import (
@@ -110,7 +110,7 @@ class FakeAgent:
         verdict = self.fence.check(method, token, read=method == "Describe")
         if verdict.refused is not None:
             self.fencing.refused(token)
-            raise AgentCallError("FAILED_PRECONDITION", refusal_message(method, token, verdict))
+            raise AgentCallError("FAILED_PRECONDITION", self.fence.message(method, token, verdict))
 
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self.ids):012x}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 from operator_fakes import FakeAgent
 from warmserve_operator.agents import AgentAuth, GrpcAgent
+from warmserve_operator.lease import fencing_token
 from warmserve_operator.snapshot import AgentCallError
 
 from warmserve.policy.cluster import InstancePhase, WorkerState
@@ -189,8 +191,9 @@ async def test_unknown_and_malformed_ids(agent: Any) -> None:
 
 
 # The real agent is shared by the cases (module scope) and keeps its highest token: every case
-# that raises the fence starts above the last.
-_terms = itertools.count(1000, 1000)
+# that raises the fence starts above the last.  Terms of one real Lease (created an hour ago),
+# close enough that no rise jumps more terms than an agent accepts at once.
+_terms = itertools.count(fencing_token(int(time.time()) - 3600, 100), 100)
 
 
 async def test_a_lower_fencing_token_is_refused_equal_and_higher_accepted(agent: Any) -> None:
