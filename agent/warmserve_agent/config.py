@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from warmserve.units import SizeError, parse_size
+from warmserve_agent.sources.disk_reserve import DEFAULT_RESERVE, DiskReserve
 
 FENCING_FILE = ".warmserve-fencing.json"  # hidden: the store's catalogue skips it
 _GPUS_RE = re.compile(r"^\s*(\d+)\s*x\s*(.+)$")
@@ -95,6 +96,7 @@ class AgentConfig:
     # Filling the store from model sources (warmserve_agent.sources): budget 0 = the disk's free
     # space only; the token and credentials come from files/environment, never from a request.
     store_budget_bytes: int = 0
+    store_reserve: DiskReserve = DEFAULT_RESERVE  # free disk a fetch never takes
     fetch_attempts: int = 3
     fetch_backoff_s: float = 1.0
     hf_endpoint: str = ""

@@ -50,7 +50,7 @@ from warmserve_agent.shm import MemoryDir, MemoryDirBusy, remove_stale
 from warmserve_agent.sources import SourceSettings
 from warmserve_agent.sources.fetch_records import FetchStatus
 from warmserve_agent.sources.fetcher import ModelFetcher
-from warmserve_agent.store import WeightStore
+from warmserve_agent.store import StoreError, WeightStore
 
 log = logging.getLogger("warmserve.agent")
 
@@ -134,6 +134,10 @@ class AgentServer:
 
         backend = make_backend(cfg, self.pool, memdir)
         store = WeightStore(cfg.model_dir, host_cache_bytes=cfg.host_cache_bytes)
+        try:
+            await asyncio.to_thread(store.upgrade_layout)  # before anything reads or fetches
+        except StoreError as exc:
+            raise ConfigError(str(exc)) from None
         t_open = time.perf_counter()
         self.core = NodeCore(
             MemoryManager(backend),
@@ -287,6 +291,7 @@ class AgentServer:
             in_use=in_use,
             on_change=on_change,
             budget_bytes=cfg.store_budget_bytes,
+            reserve=cfg.store_reserve,
             attempts=cfg.fetch_attempts,
             backoff_s=cfg.fetch_backoff_s,
         )

@@ -53,8 +53,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--model-dir",
         default=os.environ.get("WARMSERVE_MODEL_DIR", "models"),
-        help="weight store: <dir>/<model>/config.json + *.safetensors "
-        "(default $WARMSERVE_MODEL_DIR or ./models)",
+        help="weight store: <dir>/<model>/config.json + *.safetensors, ORG/NAME models in "
+        "<dir>/ORG~NAME (default $WARMSERVE_MODEL_DIR or ./models)",
     )
     p.add_argument("--node-name", help="node name reported to the operator (default: hostname)")
     p.add_argument("--page-size", default="2MiB", help="page size of the GPU page pool (2MiB)")
@@ -200,6 +200,14 @@ def register(subparsers: Any) -> None:
         "(least recently used first) to make room (0: no budget, only the disk's free space)",
     )
     src.add_argument(
+        "--store-reserve",
+        default="",
+        metavar="SIZE|N%",
+        help="free space on the store's filesystem a fetch never takes: a size (50GiB), a share "
+        "(20%%) or 0 (none); a fetch that would go below it fails with RESOURCE_EXHAUSTED "
+        "(default: the larger of 15%% of the filesystem and 10GiB)",
+    )
+    src.add_argument(
         "--fetch-attempts",
         type=int,
         default=3,
@@ -260,6 +268,7 @@ def _config(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
     from warmserve_agent.config import AgentConfig, ConfigError, parse_simulated_gpus
+    from warmserve_agent.sources.disk_reserve import parse_reserve
 
     from warmserve.units import SizeError, parse_size
 
@@ -271,6 +280,7 @@ def _config(args: argparse.Namespace) -> Any:
             raise CliError("choose --gpus auto (real GPUs) or --simulate-gpus NxSIZE")
         page = parse_size(args.page_size, "--page-size")
         budget = parse_size(args.store_budget, "--store-budget")
+        store_reserve = parse_reserve(args.store_reserve)
         reserve = parse_size(args.gpu_reserve, "--gpu-reserve")
     except (ConfigError, SizeError) as exc:
         raise CliError(str(exc)) from None
@@ -353,6 +363,7 @@ def _config(args: argparse.Namespace) -> Any:
         engine_host=args.engine_host,
         advertise_host=args.advertise_host,
         store_budget_bytes=budget,
+        store_reserve=store_reserve,
         fetch_attempts=args.fetch_attempts,
         hf_endpoint=args.hf_endpoint,
         hf_token_file=Path(args.hf_token_file) if args.hf_token_file else None,
