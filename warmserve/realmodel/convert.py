@@ -13,7 +13,7 @@ module level.
 
 from __future__ import annotations
 
-import importlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -26,9 +26,10 @@ EXIT_MISSING = 3
 
 
 def versions() -> dict[str, str]:
+    """The installed distributions' versions (not every module has ``__version__``)."""
     out = {"python": sys.version.split()[0]}
     for name in NEEDS:
-        out[name] = importlib.import_module(name).__version__
+        out[name] = importlib.metadata.version(name)
     return out
 
 
