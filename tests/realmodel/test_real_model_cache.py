@@ -275,6 +275,13 @@ def test_missing_converter_modules_fail_before_downloading(
         build(model, tmp_path / "cache", f"http://127.0.0.1:{_closed_port()}/simple")
 
 
+def test_an_unusable_cache_is_one_clear_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(RealModelError) as e:
+        ensure_model("smollm2", cache=tmp_path / "file" / "cache", progress=None)
+    assert str(e.value) == f"cannot use the model cache {tmp_path}/file/cache: Not a directory"
+
+
 def test_unknown_model() -> None:
     with pytest.raises(RealModelError, match="unknown model 'gpt-9'; known: smollm2"):
         ensure_model("gpt-9", progress=None)

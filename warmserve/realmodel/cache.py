@@ -251,7 +251,11 @@ def ensure_model(
     """The verified model directory, built first when missing or failing its manifest."""
     model = lookup(name) if isinstance(name, str) else name
     root = cache or cache_root()
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / f"{model.name}-{model.key}.lock").touch()
+    except OSError as e:
+        raise RealModelError(f"cannot use the model cache {root}: {e.strerror or e}") from e
     final = model_dir(model, root)
     line = _Line(progress, f"[warmserve-models] {model.name}: ")
     with _locked(root / f"{final.name}.lock", line):
