@@ -18,6 +18,8 @@ from pathlib import Path
 from warmserve_agent.config import AgentConfig, parse_simulated_gpus
 from warmserve_agent.server import AgentServer
 
+from warmserve.engine_args import EngineArgPolicy
+
 
 async def main() -> None:
     ap = argparse.ArgumentParser()
@@ -43,6 +45,8 @@ async def main() -> None:
     # call already on its way.
     ap.add_argument("--hold-calls-file", type=Path, default=None)
     ap.add_argument("--release-calls-file", type=Path, default=None)
+    # The admin's engine-argument widening, as the chart passes it (test_engine_args_e2e.py).
+    ap.add_argument("--allow-engine-arg", action="append", default=[])
     args = ap.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s agent=" + args.node + " %(message)s"
@@ -62,6 +66,7 @@ async def main() -> None:
         fetch_attempts=args.fetch_attempts,
         fetch_backoff_s=0.2,
         metrics_port=args.metrics_port,
+        engine_policy=EngineArgPolicy.from_admin(args.allow_engine_arg),
     )
     if args.slow_describe_file is not None:
         _slow_describe(args.slow_describe_file)
