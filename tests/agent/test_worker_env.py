@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from warmserve_agent.worker import WorkerHandle
-from warmserve_agent.worker_env import passes, worker_environ
 
 SECRETS = {
     "HF_TOKEN": "hf_secret",
@@ -61,6 +60,8 @@ def test_worker_process_starts_offline_without_the_agents_secrets(
 
 
 def test_the_allowlist() -> None:
+    from warmserve_agent.worker_env import passes, worker_environ
+
     for name in (
         "PATH",
         "HOME",

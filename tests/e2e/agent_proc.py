@@ -18,8 +18,6 @@ from pathlib import Path
 from warmserve_agent.config import AgentConfig, parse_simulated_gpus
 from warmserve_agent.server import AgentServer
 
-from warmserve.engine_args import EngineArgPolicy
-
 
 async def main() -> None:
     ap = argparse.ArgumentParser()
@@ -66,7 +64,7 @@ async def main() -> None:
         fetch_attempts=args.fetch_attempts,
         fetch_backoff_s=0.2,
         metrics_port=args.metrics_port,
-        engine_policy=EngineArgPolicy.from_admin(args.allow_engine_arg),
+        **_engine_policy(args.allow_engine_arg),
     )
     if args.slow_describe_file is not None:
         _slow_describe(args.slow_describe_file)
@@ -84,6 +82,14 @@ async def main() -> None:
     tmp.rename(args.address_file)
     await stop.wait()
     await server.stop(0.2)
+
+
+def _engine_policy(allowed: list[str]) -> dict[str, object]:
+    if not allowed:
+        return {}
+    from warmserve.engine_args import EngineArgPolicy
+
+    return {"engine_policy": EngineArgPolicy.from_admin(allowed)}
 
 
 def _slow_describe(path: Path) -> None:

@@ -1,7 +1,8 @@
 """End to end on a real kube-apiserver: engine arguments a tenant may not set stop a
 ModelDeployment at the operator's admission, with a clear condition and a Warning Event, and
 never reach the node agent; an argument the admin allowed (``--allow-engine-arg`` on the
-operator and the agent, as the chart passes ``engineArgs.extraAllowed``) starts an instance.
+operator and the agent, as the chart passes ``engineArgs.extraAllowed``) starts an instance, and
+only that one.
 
 The operator runs under the chart's ServiceAccount token (its RBAC) against a real agent
 process (simulated GPUs, tests/e2e/agent_proc.py).
@@ -30,7 +31,7 @@ from e2e_support import (
 )
 
 SETTLE_S = 40.0
-WIDENED = "disable_log_stats"  # not a tenant's by default (it changes the node's metrics)
+WIDENED = "disable_log_stats"  # --disable-log-stats: not a tenant's by default (node metrics)
 
 
 def _md(ns: str, name: str, model: str, args: list[str]) -> dict[str, Any]:
@@ -52,78 +53,70 @@ def _cond(kubectl: Any, ns: str, name: str, kind: str) -> dict[str, Any]:
     return next((c for c in conds if c["type"] == kind), {})
 
 
-def test_disallowed_engine_args_stop_at_admission_and_never_reach_the_agent(
-    k8s_control_plane: Any,
-    k8s_namespace: str,
-    kubectl: Any,
-    helm: Any,
-    sa_kubeconfig: Any,
-    procs: Procs,
-    tmp_path: Path,
-    request: pytest.FixtureRequest,
-) -> None:
-    ns = k8s_namespace
-    op_kubeconfig, env = install_for_operator(kubectl, helm, sa_kubeconfig, ns, f"ea{ns[-8:]}")
-    models = tmp_path / "models"
-    write_models(models)
-    addr_file = tmp_path / "node.addr"
-    agent = [sys.executable, str(REPO / "tests/e2e/agent_proc.py"), "--models", str(models)]
-    agent += ["--gpus", "4x64MiB", "--node", "node-a", "--address-file", str(addr_file)]
-    agent += ["--memory-dir", str(tmp_path / "mem"), "--allow-engine-arg", WIDENED]
-    procs.start("agent", agent, env)
-    addr = wait_for(
-        lambda: addr_file.exists() and addr_file.read_text(),
-        "agent up",
-        60,
-        lambda: procs.log("agent"),
-    )
-    node = f"{ns}-node-a"
-    request.addfinalizer(  # GPUNodes are cluster-scoped: never leave them behind
-        lambda: kubectl("delete", "gpunode", node, "--ignore-not-found", "--wait=false",
-                        check=False)
-    )  # fmt: skip
-    gpunode = {
-        "apiVersion": "warmserve.io/v1alpha1",
-        "kind": "GPUNode",
-        "metadata": {"name": node},
-        "spec": {"agentAddress": addr},
-    }
-    mds = [
-        # the finding: remote code from a repository the tenant names
-        _md(ns, "remote-code", "tiny-chat", ["--trust-remote-code", "--tokenizer", "evil/repo"]),
-        # a network endpoint: widenable, but this admin did not
-        _md(ns, "traces", "tiny-big", ["--otlp-traces-endpoint=http://collector.evil:4317"]),
-        # what the admin allowed, beside an argument every tenant may set
-        _md(ns, "widened", "tiny-code", ["--max-model-len=256", "--" + WIDENED.replace("_", "-")]),
-    ]
-    items = {"apiVersion": "v1", "kind": "List", "items": [gpunode, *mds]}
-    kubectl("apply", "-f", "-", input=json.dumps(items))
-    operator = [sys.executable, "-m", "warmserve", "operator", "--window-seconds", str(W)]
-    operator += ["--poll-seconds", "0.5", "--standalone", "--metrics-port", "0", "--namespace", ns]
-    operator += ["--allow-engine-arg", WIDENED]
-    procs.start("operator", operator, {**env, "KUBECONFIG": str(op_kubeconfig)})
-    t0 = time.monotonic()
+class Stack:
+    """One agent process (simulated GPUs) registered as a GPUNode, and the operator under the
+    chart's ServiceAccount, both with ``allow`` as their --allow-engine-arg flags."""
 
-    def logs() -> str:
-        return procs.log("operator") + "\n" + procs.log("agent")
+    def __init__(self, ctx: dict[str, Any], allow: list[str]) -> None:
+        kubectl, procs, tmp_path = ctx["kubectl"], ctx["procs"], ctx["tmp_path"]
+        self.kubectl, self.procs, self.tmp = kubectl, procs, tmp_path
+        self.ns = ns = ctx["k8s_namespace"]
+        op_kubeconfig, env = install_for_operator(
+            kubectl, ctx["helm"], ctx["sa_kubeconfig"], ns, f"ea{ns[-8:]}"
+        )
+        models = tmp_path / "models"
+        write_models(models)
+        addr_file = tmp_path / "node.addr"
+        flags = [a for d in allow for a in ("--allow-engine-arg", d)]
+        agent = [sys.executable, str(REPO / "tests/e2e/agent_proc.py"), "--models", str(models)]
+        agent += ["--gpus", "4x64MiB", "--node", "node-a", "--address-file", str(addr_file)]
+        procs.start("agent", [*agent, "--memory-dir", str(tmp_path / "mem"), *flags], env)
+        self.addr = wait_for(
+            lambda: addr_file.exists() and addr_file.read_text(), "agent up", 60, self.logs
+        )
+        self.node = f"{ns}-node-a"
+        ctx["request"].addfinalizer(  # GPUNodes are cluster-scoped: never leave them behind
+            lambda: kubectl("delete", "gpunode", self.node, "--ignore-not-found", "--wait=false",
+                            check=False)
+        )  # fmt: skip
+        self.apply(
+            {
+                "apiVersion": "warmserve.io/v1alpha1",
+                "kind": "GPUNode",
+                "metadata": {"name": self.node},
+                "spec": {"agentAddress": self.addr},
+            }
+        )
+        self.operator = [sys.executable, "-m", "warmserve", "operator", "--window-seconds", str(W)]
+        self.operator += ["--poll-seconds", "0.5", "--standalone", "--metrics-port", "0"]
+        self.operator += ["--namespace", ns, *flags]
+        self.op_env = {**env, "KUBECONFIG": str(op_kubeconfig)}
 
-    # The admin-widened deployment is admitted and serves: the operator is acting.
-    wait_for(
-        lambda: get_json(kubectl, "wsmd", "widened", "-n", ns).get("status", {}).get(
-            "instanceCount"
-        ) == 1,
-        "the widened deployment serves an instance", SETTLE_S, logs,
-    )  # fmt: skip
+    def apply(self, *objs: dict[str, Any]) -> None:
+        items = {"apiVersion": "v1", "kind": "List", "items": list(objs)}
+        self.kubectl("apply", "-f", "-", input=json.dumps(items))
 
-    # The refused ones: Degraded/InvalidSpec naming the argument, Ready False, an Event.
-    for name, flag, hint in (
-        ("remote-code", "--trust-remote-code", "it can run code on the GPU node"),
-        ("traces", "--otlp-traces-endpoint", "--allow-engine-arg otlp_traces_endpoint"),
-    ):
+    def start_operator(self) -> None:
+        self.procs.start("operator", self.operator, self.op_env)
+
+    def logs(self) -> str:
+        return self.procs.log("operator") + "\n" + self.procs.log("agent")
+
+    def serves(self, name: str) -> None:
+        wait_for(
+            lambda: get_json(self.kubectl, "wsmd", name, "-n", self.ns).get("status", {}).get(
+                "instanceCount"
+            ) == 1,
+            f"{name} serves an instance", SETTLE_S, self.logs,
+        )  # fmt: skip
+
+    def refused(self, name: str, flag: str, hint: str) -> None:
+        """Degraded/InvalidSpec naming ``flag`` (and ``hint``), Ready False, a Warning Event."""
+        kubectl, ns = self.kubectl, self.ns
         cond = wait_for(
-            lambda n=name: _cond(kubectl, ns, n, "Degraded").get("reason") == "InvalidSpec"
-            and _cond(kubectl, ns, n, "Degraded"),
-            f"{name}: Degraded InvalidSpec", SETTLE_S, logs,
+            lambda: _cond(kubectl, ns, name, "Degraded").get("reason") == "InvalidSpec"
+            and _cond(kubectl, ns, name, "Degraded"),
+            f"{name}: Degraded InvalidSpec", SETTLE_S, self.logs,
         )  # fmt: skip
         assert cond["status"] == "True"
         assert f"spec.engine.args: {flag}: not allowed for tenants" in cond["message"], cond
@@ -137,11 +130,66 @@ def test_disallowed_engine_args_stop_at_admission_and_never_reach_the_agent(
             for e in events
         ), events
 
-    # Several polls later the agent has seen neither model: no slot, no instance, no Activate.
-    time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))
-    snaps = describe_agents({node: addr})
-    for model in ("tiny-chat", "tiny-big"):
-        assert not instances_of(snaps, model) and not slots_of(snaps, model), snaps
-    agent_log = (tmp_path / "agent.log").read_text()
-    assert "model=tiny-code" in agent_log  # the widened one was activated here
-    assert "model=tiny-chat" not in agent_log and "model=tiny-big" not in agent_log
+    def never_reached_the_agent(self, *models: str) -> None:
+        snaps = describe_agents({self.node: self.addr})
+        agent_log = (self.tmp / "agent.log").read_text()
+        for model in models:
+            assert not instances_of(snaps, model) and not slots_of(snaps, model), snaps
+            assert f"model={model}" not in agent_log
+
+
+@pytest.fixture
+def ctx(
+    k8s_control_plane: Any,
+    k8s_namespace: str,
+    kubectl: Any,
+    helm: Any,
+    sa_kubeconfig: Any,
+    procs: Procs,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> dict[str, Any]:
+    return {
+        "kubectl": kubectl,
+        "helm": helm,
+        "sa_kubeconfig": sa_kubeconfig,
+        "k8s_namespace": k8s_namespace,
+        "procs": procs,
+        "tmp_path": tmp_path,
+        "request": request,
+    }
+
+
+def test_disallowed_engine_args_stop_at_admission_and_never_reach_the_agent(
+    ctx: dict[str, Any],
+) -> None:
+    s = Stack(ctx, allow=[])
+    s.apply(
+        # the finding: remote code from a repository the tenant names
+        _md(s.ns, "remote-code", "tiny-chat", ["--trust-remote-code", "--tokenizer", "evil/repo"]),
+        # a network endpoint: widenable, but this admin did not
+        _md(s.ns, "traces", "tiny-big", ["--otlp-traces-endpoint=http://collector.evil:4317"]),
+        # arguments every tenant may set: the operator acts on this one
+        _md(s.ns, "plain", "tiny-code", ["--max-model-len=256", "--enforce-eager"]),
+    )
+    s.start_operator()
+    t0 = time.monotonic()
+    s.serves("plain")
+    s.refused("remote-code", "--trust-remote-code", "it can run code on the GPU node")
+    s.refused("traces", "--otlp-traces-endpoint", "--allow-engine-arg otlp_traces_endpoint")
+    time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))  # several polls after admission
+    s.never_reached_the_agent("tiny-chat", "tiny-big")
+    assert "model=tiny-code" in (s.tmp / "agent.log").read_text()
+
+
+def test_admin_widening_through_the_operator_and_agent_flags(ctx: dict[str, Any]) -> None:
+    s = Stack(ctx, allow=[WIDENED])
+    s.apply(
+        _md(s.ns, "widened", "tiny-code", ["--max-model-len=256", "--disable-log-stats"]),
+        # widening one argument widens nothing else
+        _md(s.ns, "traces", "tiny-big", ["--otlp-traces-endpoint=http://collector.evil:4317"]),
+    )
+    s.start_operator()
+    s.serves("widened")
+    s.refused("traces", "--otlp-traces-endpoint", "--allow-engine-arg otlp_traces_endpoint")
+    s.never_reached_the_agent("tiny-big")

@@ -8,8 +8,6 @@ from dataclasses import replace
 
 from test_reconciler import Harness
 
-from warmserve.engine_args import EngineArgPolicy
-
 
 async def test_engine_name_and_args_reach_the_agent() -> None:
     h = Harness(nodes=1)
@@ -59,6 +57,8 @@ async def test_admin_widening_lets_a_deployment_through() -> None:
     await h.tick(4)
     assert "--allow-engine-arg otlp_traces_endpoint" in h.cond("a", "Degraded")["message"]
     assert not h.instances("llama-a")
+
+    from warmserve.engine_args import EngineArgPolicy
 
     widened = EngineArgPolicy.from_admin(["otlp_traces_endpoint"])
     h = Harness(nodes=1)
