@@ -38,12 +38,13 @@ PASS = frozenset(
         "PYTHONWARNINGS",
         "XDG_CACHE_HOME",
         "CC",  # the native helper's compiler (warmserve_agent.native)
-        "WARMSERVE_NATIVE_CACHE",
-        "WARMSERVE_UP_STACK",  # `warmserve down` finds the local stack's processes by it
     }
 )
-# Passed on by prefix: locale, the GPU stack and the engine's own tuning.
+# Passed on by prefix: warmserve's own settings (WARMSERVE_NATIVE_CACHE; WARMSERVE_UP_STACK, by
+# which `warmserve down` finds the local stack's processes; the tests' fake CUDA driver's size),
+# locale, the GPU stack and the engine's own tuning.
 PASS_PREFIXES = (
+    "WARMSERVE_",
     "LC_",
     "CUDA_",
     "NVIDIA_",
@@ -57,7 +58,7 @@ PASS_PREFIXES = (
     "TRITON_",
     "VLLM_",
 )
-# ... unless the name says it holds a secret (VLLM_API_KEY, a *_TOKEN).
+# ... unless the name says it holds a secret (VLLM_API_KEY, WARMSERVE_AGENT_TOKEN_FILE, a *_TOKEN).
 SECRET_MARKS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "KEY", "AUTH")
 # Set in every worker: no Hub access, no telemetry (the agent fetched the weights already).
 OFFLINE = {

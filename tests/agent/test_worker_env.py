@@ -72,6 +72,7 @@ def test_the_allowlist() -> None:
         "VLLM_ATTENTION_BACKEND",
         "LC_ALL",
         "WARMSERVE_UP_STACK",
+        "WARMSERVE_FAKE_CUDA_MEM",
     ):
         assert passes(name), name
     for name in (
@@ -87,6 +88,7 @@ def test_the_allowlist() -> None:
         "HF_HOME",
         "PYTHONPATH",
         "LD_PRELOAD",
+        "WARMSERVE_AGENT_TOKEN_FILE",
     ):
         assert not passes(name), name
     env = worker_environ({"PATH": "/bin", "HF_HUB_OFFLINE": "0"}, ["", "/a", "/b"])
