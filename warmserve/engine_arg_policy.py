@@ -18,7 +18,8 @@ that node.  So tenants get an **allowlist** of argument *dests* (vLLM's names, e
 
 A dest the schema has but this module does not classify (a newer vLLM) is treated like
 :data:`CODE`.  The operator applies the policy at admission and the agent again before an
-instance starts (``warmserve.engine_args.validate_engine_args``).
+instance starts (``warmserve.engine_args.validate_engine_args``).  Most of this module is the
+classification table, hence its length.
 """
 
 from __future__ import annotations
@@ -416,13 +417,12 @@ class EngineArgPolicy:
                     f"{d}: set by warmserve ({MANAGED[d]}); it cannot be allowed"
                 )
         for d in sorted(ext):
-            if d in TENANT:
+            if TENANT.get(d) is not None:  # naming a plain tenant dest again changes nothing
                 raise EngineArgPolicyError(
-                    f"--allow-engine-arg {d}: tenants may set it already"
-                    + (" (within its rule; lifting the rule can run code: see "
-                       "--unsafe-allow-code-engine-arg)" if TENANT[d] else "")
-                )  # fmt: skip
-            if d not in WIDENABLE:
+                    f"--allow-engine-arg {d}: tenants may set it already, within a rule on its "
+                    "values; lifting the rule can run code (--unsafe-allow-code-engine-arg)"
+                )
+            if d not in WIDENABLE and d not in TENANT:
                 why = CODE.get(d, UNCLASSIFIED)
                 raise EngineArgPolicyError(
                     f"--allow-engine-arg {d}: it can run code on the GPU node ({why}); only "

@@ -173,8 +173,9 @@ def test_admin_widening() -> None:
         EngineArgPolicy.from_admin(["trust_remote_code"])
     with pytest.raises(EngineArgPolicyError, match="set by warmserve"):
         EngineArgPolicy.from_admin([], ["load_format"])
-    with pytest.raises(EngineArgPolicyError, match="tenants may set it already"):
-        EngineArgPolicy.from_admin(["max_model_len"])
+    with pytest.raises(EngineArgPolicyError, match="tenants may set it already, within a rule"):
+        EngineArgPolicy.from_admin(["compilation_config"])
+    validate_engine_args(["--max-model-len", "8"], EngineArgPolicy.from_admin(["max_model_len"]))
     with pytest.raises(EngineArgPolicyError, match="not a vLLM engine argument"):
         EngineArgPolicy.from_admin(["no_such"], known=load_schema().dests)
     unsafe = EngineArgPolicy.from_admin([], ["trust_remote_code", "compilation_config"])
