@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from warmserve.engine_args import DEFAULT_POLICY, EngineArgPolicy
 from warmserve.units import SizeError, parse_size
 from warmserve_agent.sources.disk_reserve import DEFAULT_RESERVE, DiskReserve
 
@@ -107,6 +108,9 @@ class AgentConfig:
     allowed_paths: tuple[Path, ...] = ()
     engines: tuple[str, ...] = ("simulated",)  # what workers preload and may host
     default_engine: str = ""  # for Activate calls naming none (default: engines[0])
+    # What an Activate's engine_args may contain (--allow-engine-arg; docs/security.md): checked
+    # here again although the operator admits deployments with the same allowlist.
+    engine_policy: EngineArgPolicy = DEFAULT_POLICY
 
     @property
     def fencing_path(self) -> Path:

@@ -149,6 +149,7 @@ class AgentServer:
             advertise_host=cfg.advertise_host,
             engines=cfg.engines,
             default_engine=cfg.default_engine,
+            engine_policy=cfg.engine_policy,
         )
         log.info(
             "event=gpus_opened gpus=%d backend=%s seconds=%.2f",

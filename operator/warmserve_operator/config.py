@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from warmserve.control.controller import ControlConfig
+from warmserve.engine_args import DEFAULT_POLICY, EngineArgPolicy
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import PolicyInputError
 from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
@@ -34,6 +35,8 @@ class OperatorConfig:
     # Consecutive polls this replica must hold the Lease before acting (docs/operator.md); the
     # Lease is written atomically, so one poll is enough.
     leader_settle_polls: int = 1
+    # What tenants may put in spec.engine.args (--allow-engine-arg; docs/security.md)
+    engine_policy: EngineArgPolicy = DEFAULT_POLICY
 
     def __post_init__(self) -> None:
         from warmserve.policy.predictor import season_length

@@ -57,7 +57,8 @@ class DeploymentBook:
         for body in await self.kube.list_model_deployments():
             meta = body.get("metadata", {})
             try:
-                md = parse_model_deployment(body)
+                # admission: the tenant allowlist applies before anything starts
+                md = parse_model_deployment(body, self.cfg.engine_policy)
             except SpecError as exc:
                 invalid = True  # do not treat its model's slots as orphans
                 await self.reporter.problem(

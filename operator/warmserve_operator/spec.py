@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from warmserve.engine_args import EngineArgPolicy
 from warmserve.modelref import SourceURIError, parse_source
 from warmserve.policy.cluster import ModelSpec, PolicyInputError
 
@@ -103,8 +104,15 @@ class ModelDeploymentSpec:
         return f"{self.namespace}/{self.name}"
 
 
-def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
-    """Parse a ModelDeployment object (as the API returns it) or raise :class:`SpecError`."""
+def parse_model_deployment(
+    body: Mapping[str, Any], engine_policy: EngineArgPolicy | None = None
+) -> ModelDeploymentSpec:
+    """Parse a ModelDeployment object (as the API returns it) or raise :class:`SpecError`.
+
+    ``engine_policy``: the engine-argument allowlist the operator's admission applies (its
+    ``--allow-engine-arg`` flags).  Readers that start nothing (the gateway, the finalizer) leave
+    it out and check ``spec.engine.args`` against vLLM's schema only, so they never misread a
+    deployment the admin widened; a refused one carries the operator's ``InvalidSpec``."""
     meta = body.get("metadata") or {}
     spec = body.get("spec")
     if not isinstance(spec, Mapping):
@@ -119,7 +127,7 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         raise SpecError(f"spec.minInstances ({min_i}) must be <= spec.maxInstances ({max_i})")
     from .engine import parse_engine  # spec.engine.name/args, checked against vLLM's schema
 
-    engine, args = parse_engine(spec)
+    engine, args = parse_engine(spec, engine_policy)
     source = _get(spec, "model.source", "") or ""
     if source:
         try:

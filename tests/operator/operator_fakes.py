@@ -35,7 +35,7 @@ from warmserve_operator.snapshot import (
 )
 from warmserve_operator.spec import CatalogEntry
 
-from warmserve.engine_args import EngineArgsError, validate_engine_args
+from warmserve.engine_args import DEFAULT_POLICY, EngineArgsError, validate_engine_args
 from warmserve.policy.cluster import GiB, InstancePhase, WorkerState
 
 
@@ -97,6 +97,7 @@ class FakeAgent:
         self.calls: list[tuple[str, str]] = []
         # (model, gpus) -> (engine, engine args) of the last activation
         self.engine_args: dict[tuple[str, tuple[int, ...]], tuple[str, tuple[str, ...]]] = {}
+        self.engine_policy = DEFAULT_POLICY  # the agent's --allow-engine-arg
         self.down = False
 
     # ------------------------------------------------------------------ helpers
@@ -346,8 +347,8 @@ class FakeAgent:
             return prev
         self._check_owner(request_id, key, owner)
         group = self._group(request_id, key, gpus)
-        try:  # the real agent refuses what the engine-args schema refuses, before any change
-            validate_engine_args(engine_args)
+        try:  # the real agent refuses what the schema or its allowlist refuses, before any change
+            validate_engine_args(engine_args, self.engine_policy)
         except EngineArgsError as exc:
             self._refuse(request_id, key, "INVALID_ARGUMENT", str(exc))
         self._fetch(request_id, key, model, source)

@@ -12,7 +12,7 @@ import argparse
 import os
 from typing import Any
 
-from warmserve.cli import CliError
+from warmserve.cli import CliError, engine_arg_flags
 from warmserve.cli.agent_fence import register as register_reset_fence
 from warmserve.cli.agent_inspect import inspect_agent
 
@@ -239,6 +239,7 @@ def register(subparsers: Any) -> None:
         help="a node directory file:// sources may name (repeatable; none by default)",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    engine_arg_flags.add_flags(p)
     p.set_defaults(func=run_agent)
 
     sub = p.add_subparsers(dest="agent_command", metavar="SUBCOMMAND")
@@ -373,6 +374,7 @@ def _config(args: argparse.Namespace) -> Any:
         allowed_paths=tuple(Path(d) for d in args.allow_path),
         engines=engines,
         default_engine=args.engine or engines[0],
+        engine_policy=engine_arg_flags.policy(args),
         **kw,
     )
 
@@ -391,6 +393,7 @@ def run_agent(args: argparse.Namespace) -> int:
         level=args.log_level,
         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
     )
+    engine_arg_flags.log_policy(cfg.engine_policy, logging.getLogger("warmserve.agent"))
 
     async def main() -> None:
         server = AgentServer(cfg)

@@ -12,7 +12,7 @@ import socket
 import uuid
 from typing import Any
 
-from warmserve.cli import DefaultsHelpFormatter
+from warmserve.cli import DefaultsHelpFormatter, engine_arg_flags
 from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
 
 
@@ -240,6 +240,7 @@ def register(subparsers: Any) -> None:
         help="log level",
     )
     p.add_argument("--verbose", action="store_true", help="debug logging (= --log-level debug)")
+    engine_arg_flags.add_flags(p)
     p.set_defaults(func=run)
 
 
@@ -264,6 +265,8 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--gateway-url must be an http(s) URL, got {url!r}")
     if not args.gateway_timeout > 0:
         raise CliError(f"--gateway-timeout must be > 0, got {args.gateway_timeout}")
+    engine_policy = engine_arg_flags.policy(args)
+    engine_arg_flags.log_policy(engine_policy, logging.getLogger("warmserve.operator"))
     try:
         from warmserve_operator.reconciler import OperatorConfig
 
@@ -280,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
             autoscaler=AutoscalerConfig(
                 scale_down_delay_s=args.scale_down_delay, max_grace_s=args.max_grace
             ),
+            engine_policy=engine_policy,
         )
         from warmserve.policy.predictor import make_predictor
 
