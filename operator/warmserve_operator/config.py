@@ -11,6 +11,7 @@ from warmserve.policy.cluster import PolicyInputError
 from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
 
 from .spec import DEFAULT_LOAD_BANDWIDTH
+from .tenancy import SourcePolicy
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class OperatorConfig:
     # Consecutive polls this replica must hold the Lease before acting (docs/operator.md); the
     # Lease is written atomically, so one poll is enough.
     leader_settle_polls: int = 1
+    # Model source prefixes each namespace may fetch from (admission; :mod:`.tenancy`).
+    model_sources: SourcePolicy = field(default_factory=SourcePolicy)
 
     def __post_init__(self) -> None:
         from warmserve.policy.predictor import season_length

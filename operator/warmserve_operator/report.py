@@ -186,6 +186,7 @@ class Reporter:
             "ModelNotFound",
             "ModelNotInStore",
             "SourceUnavailable",
+            "SourceNotAllowed",
             "DuplicateModel",
             "NoAgents",
         ):
