@@ -7,28 +7,42 @@ duplicates are resolved by the same rule
 oldest wins), so the gateway routes to exactly the deployment the operator serves.  Instances
 come from ``status.instances`` (written by the operator from the agents' reports): only those in
 phase ``serving`` get requests; ``starting`` ones are not ready and ``grace`` ones get no new
-requests (WarmServe §4.1).
+requests (WarmServe §4.1).  An instance is kept only when the gateway can tie it to an agent's
+record in a GPUNode's status (:mod:`.records`): a status a tenant wrote never makes the gateway
+contact an address no agent reported.
 
-A request's ``model`` may name (in this order) a ``spec.model.name``, a ``namespace/name`` of a
-deployment, or a deployment's bare name when that is unique among the served deployments.
+A request's ``model`` is resolved per caller: among the deployments of the caller's namespaces,
+then the admin's cluster-wide names (:mod:`.names`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from warmserve_operator.spec import (
+    NODE_PLURAL,
     ModelDeploymentSpec,
     SpecError,
     dedupe_models,
     parse_model_deployment,
 )
 
+from . import names
+from .names import Ambiguous, Named
+from .records import AgentNode, Records, parse_gpunode
+
+__all__ = ["Ambiguous", "Catalog", "Deployment", "InstanceRef", "parse_deployment"]
+
+log = logging.getLogger("warmserve.gateway.catalog")
+
 # Ready-condition reasons after which holding a request is pointless: nothing will start until
 # a person changes something, so the gateway answers 503 at once with the operator's message.
-PERMANENT_REASONS = frozenset({"Unplaceable", "ModelNotFound", "InvalidSpec", "DuplicateModel"})
+PERMANENT_REASONS = frozenset(
+    {"Unplaceable", "ModelNotFound", "InvalidSpec", "DuplicateModel", "SourceNotAllowed"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +50,7 @@ class InstanceRef:
     instance_id: str
     url: str
     phase: str  # starting | serving | grace
+    node: str = ""  # the node the deployment's status names ("" when it names none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +69,10 @@ class Deployment:
     @property
     def model(self) -> str:
         return self.spec.model
+
+    @property
+    def named(self) -> Named:
+        return Named(self.spec.namespace, self.spec.name, self.spec.model)
 
     @property
     def serving(self) -> tuple[InstanceRef, ...]:
@@ -82,6 +101,7 @@ def parse_deployment(body: Mapping[str, Any]) -> Deployment:
                     str(i.get("id") or ""),
                     str(i.get("endpoint") or "").rstrip("/"),
                     str(i.get("phase") or ""),
+                    str(i.get("node") or ""),
                 )
             )
     ready = next(
@@ -97,18 +117,44 @@ def parse_deployment(body: Mapping[str, Any]) -> Deployment:
     )
 
 
-class Ambiguous(LookupError):
-    """A bare deployment name matches deployments in several namespaces."""
+def _named(d: Deployment) -> Named:
+    return d.named
+
+
+_WARNED_MAX = 10_000  # distinct refused endpoints logged before the memory of them is reset
 
 
 class Catalog:
     """The served deployments, by model name; rebuilt from the objects on every change."""
 
-    def __init__(self) -> None:
-        self._objects: dict[str, Deployment] = {}  # by namespace/name
-        self.owners: dict[str, Deployment] = {}  # by spec.model.name
+    def __init__(self, global_models: Mapping[str, str] | None = None) -> None:
+        self.global_models = dict(global_models or {})  # name -> namespace/deployment
+        self._objects: dict[str, Deployment] = {}  # by namespace/name, instances as listed
+        self._nodes: dict[str, AgentNode] = {}
+        self.records = Records.of(())
+        self._raw_owners: dict[str, Deployment] = {}
+        self.owners: dict[str, Deployment] = {}  # by spec.model.name, agent-tied instances only
+        self.served: dict[str, Deployment] = {}  # the owners by namespace/name
         self.duplicates: dict[str, Deployment] = {}  # by namespace/name
         self.invalid: dict[str, str] = {}  # namespace/name -> why
+        self._memo: dict[str, tuple[Deployment, tuple[object, ...], Deployment]] = {}
+        self._warned: set[tuple[str, str, str]] = set()
+
+    # ---- what a Source hands over (discovery.Scope: (plural, namespace)) ----
+
+    def listed(self, scope: tuple[str, str | None], items: Iterable[Mapping[str, Any]]) -> set[str]:
+        """A full list of one scope; returns the model names whose route changed."""
+        if scope[0] == NODE_PLURAL:
+            return self.replace_nodes(items)
+        return self.replace(items, scope[1])
+
+    def event(self, scope: tuple[str, str | None], typ: str, body: Mapping[str, Any]) -> set[str]:
+        """One watch event of one scope; returns the model names whose route changed."""
+        if scope[0] == NODE_PLURAL:
+            return self.delete_node(body) if typ == "DELETED" else self.upsert_node(body)
+        return self.delete(body) if typ == "DELETED" else self.upsert(body)
+
+    # ---- ModelDeployments ----
 
     def replace(
         self, bodies: Iterable[Mapping[str, Any]], namespace: str | None = None
@@ -143,35 +189,95 @@ class Catalog:
             self._objects.pop(key, None)
             self.invalid[key] = str(exc)
 
-    def _rebuild(self) -> set[str]:
-        before = self.owners
-        specs = {d.spec.key: d for d in self._objects.values()}
-        owners, dups = dedupe_models(d.spec for d in self._objects.values())
-        self.owners = {m: specs[s.key] for m, s in owners.items()}
-        self.duplicates = {s.key: specs[s.key] for s in dups}
-        return {
-            m for m in set(before) | set(self.owners) if before.get(m) is not self.owners.get(m)
-        }
+    # ---- GPUNodes: the agents' records ----
 
-    def lookup(self, name: str) -> Deployment | None:
-        """The deployment a request's ``model`` names, ``None`` if none; raises
-        :class:`Ambiguous` for a bare name shared by several namespaces."""
-        dep = self.owners.get(name)
+    def replace_nodes(self, bodies: Iterable[Mapping[str, Any]]) -> set[str]:
+        self._nodes = {}
+        for body in bodies:
+            node = parse_gpunode(body)
+            if node is not None:
+                self._nodes[node.name] = node
+        return self._nodes_changed()
+
+    def upsert_node(self, body: Mapping[str, Any]) -> set[str]:
+        node = parse_gpunode(body)
+        name = str((body.get("metadata") or {}).get("name") or "")
+        if node is None:
+            self._nodes.pop(name, None)
+        else:
+            self._nodes[node.name] = node
+        return self._nodes_changed()
+
+    def delete_node(self, body: Mapping[str, Any]) -> set[str]:
+        self._nodes.pop(str((body.get("metadata") or {}).get("name") or ""), None)
+        return self._nodes_changed()
+
+    def _nodes_changed(self) -> set[str]:
+        self.records = Records.of(self._nodes.values())
+        return self._rebuild(specs_changed=False)
+
+    # ---- derived ----
+
+    def _rebuild(self, specs_changed: bool = True) -> set[str]:
+        if specs_changed:
+            owners, dups = dedupe_models(d.spec for d in self._objects.values())
+            self._raw_owners = {m: self._objects[s.key] for m, s in owners.items()}
+            self.duplicates = {s.key: self._objects[s.key] for s in dups}
+            self._memo = {k: v for k, v in self._memo.items() if k in self._objects}
+        before = self.owners
+        self.owners = {m: self._verified(d) for m, d in self._raw_owners.items()}
+        self.served = {d.key: d for d in self.owners.values()}
+        changed = set()
+        for m in set(before) | set(self.owners):
+            a, b = before.get(m), self.owners.get(m)
+            if a is not b and a != b:
+                changed.add(m)
+        return changed
+
+    def _verified(self, d: Deployment) -> Deployment:
+        """``d`` with only the instances an agent's record backs (:mod:`.records`)."""
+        by_id = self.records.by_instance
+        sig = tuple(
+            (r, self.records.nodes[r.node].host) if r is not None else None
+            for r in (by_id.get(i.instance_id) for i in d.instances)
+        )
+        memo = self._memo.get(d.key)
+        if memo is not None and memo[0] is d and memo[1] == sig:
+            return memo[2]
+        kept = []
+        for i in d.instances:
+            why = self.records.why_not(d.model, i.instance_id, i.url, i.node)
+            if not why:
+                kept.append(i)
+                continue
+            seen = (d.key, i.instance_id, i.url)
+            if seen not in self._warned:
+                if len(self._warned) >= _WARNED_MAX:
+                    self._warned.clear()
+                self._warned.add(seen)
+                log.warning(
+                    "event=instance_not_routed deployment=%s instance=%r endpoint=%r why=%r",
+                    d.key, i.instance_id[:80], i.url[:200], why,
+                )  # fmt: skip
+        out = d if len(kept) == len(d.instances) else replace(d, instances=tuple(kept))
+        self._memo[d.key] = (d, sig, out)
+        return out
+
+    # ---- requests ----
+
+    def resolve(self, name: str, namespaces: frozenset[str]) -> Deployment | None:
+        """The deployment a request's ``model`` names for a caller of ``namespaces``
+        (:mod:`.names`), ``None`` if none; raises :class:`Ambiguous`.  A deployment of the
+        caller's that the operator does not serve (a duplicate model) is returned too: check
+        :meth:`is_served`."""
+        dep = names.resolve(name, namespaces, self.served, _named, self.global_models)
         if dep is not None:
             return dep
-        if "/" in name:
-            d = self._objects.get(name)
-            return (
-                self.owners.get(d.model) if d is not None and d.key not in self.duplicates else None
-            )
-        hits = [d for d in self.owners.values() if d.spec.name == name]
-        if len(hits) > 1:
-            raise Ambiguous(
-                f"model {name!r} names several ModelDeployments ("
-                + ", ".join(sorted(d.key for d in hits))
-                + "); use namespace/name or the spec.model.name"
-            )
-        return hits[0] if hits else None
+        return names.resolve(name, namespaces, self.duplicates, _named, {})
 
-    def all(self) -> list[Deployment]:
-        return sorted(self.owners.values(), key=lambda d: d.model)
+    def is_served(self, dep: Deployment) -> bool:
+        return self.served.get(dep.key) is dep
+
+    def visible(self, namespaces: frozenset[str]) -> list[tuple[str, Deployment]]:
+        """(listed id, deployment) for ``GET /v1/models`` (:func:`.names.visible`)."""
+        return names.visible(namespaces, self.served, _named, self.global_models)
