@@ -31,8 +31,8 @@ from warmserve_operator.spec import (
 )
 
 from . import names
-from .names import Ambiguous, Named
-from .records import AgentNode, Records, parse_gpunode
+from .names import Ambiguous, Named, NameIndex
+from .records import NO_RECORD, AgentNode, Records, parse_gpunode
 
 __all__ = ["Ambiguous", "Catalog", "Deployment", "InstanceRef", "parse_deployment"]
 
@@ -136,9 +136,13 @@ class Catalog:
         self.owners: dict[str, Deployment] = {}  # by spec.model.name, agent-tied instances only
         self.served: dict[str, Deployment] = {}  # the owners by namespace/name
         self.duplicates: dict[str, Deployment] = {}  # by namespace/name
+        self._served_names: NameIndex[Deployment] = NameIndex({}, _named)
+        self._duplicate_names: NameIndex[Deployment] = NameIndex({}, _named)
         self.invalid: dict[str, str] = {}  # namespace/name -> why
         self._memo: dict[str, tuple[Deployment, tuple[object, ...], Deployment]] = {}
         self._warned: set[tuple[str, str, str]] = set()
+        self._by_instance: dict[str, set[str]] = {}  # instance id -> deployments listing it
+        self._nodes_listed = False  # no warning about missing records before the first list
 
     # ---- what a Source hands over (discovery.Scope: (plural, namespace)) ----
 
@@ -169,8 +173,32 @@ class Catalog:
         return self._rebuild()
 
     def upsert(self, body: Mapping[str, Any]) -> set[str]:
+        meta = body.get("metadata") or {}
+        key = f"{meta.get('namespace') or 'default'}/{meta.get('name') or ''}"
+        old = self._objects.get(key)
         self._put(body)
-        return self._rebuild()
+        new = self._objects.get(key)
+        if old is None or new is None or new.spec != old.spec:
+            return self._rebuild()
+        # Only the status changed (the operator's writes; the common event): who serves which
+        # name is unchanged, so re-check this deployment's instances only.
+        for i in old.instances:
+            self._by_instance.get(i.instance_id, set()).discard(key)
+        for i in new.instances:
+            self._by_instance.setdefault(i.instance_id, set()).add(key)
+        if key in self.duplicates:
+            self.duplicates[key] = new
+            self._duplicate_names.rebind(self.duplicates)
+            return set()
+        if self._raw_owners.get(new.model) is not old:
+            return self._rebuild()
+        self._raw_owners[new.model] = new
+        now, before = self._verified(new), self.owners.get(new.model)
+        if now is before or now == before:
+            return set()
+        self.owners[new.model] = self.served[key] = now
+        self._served_names.rebind(self.served)
+        return {new.model}
 
     def delete(self, body: Mapping[str, Any]) -> set[str]:
         meta = body.get("metadata") or {}
@@ -192,41 +220,66 @@ class Catalog:
     # ---- GPUNodes: the agents' records ----
 
     def replace_nodes(self, bodies: Iterable[Mapping[str, Any]]) -> set[str]:
+        before = list(self._nodes.values())
         self._nodes = {}
         for body in bodies:
             node = parse_gpunode(body)
             if node is not None:
                 self._nodes[node.name] = node
-        return self._nodes_changed()
+        self._nodes_listed = True
+        return self._nodes_changed([*before, *self._nodes.values()])
 
     def upsert_node(self, body: Mapping[str, Any]) -> set[str]:
         node = parse_gpunode(body)
         name = str((body.get("metadata") or {}).get("name") or "")
+        old = self._nodes.get(name)
+        if node == old:
+            return set()  # e.g. only the requests in flight changed: the records did not
         if node is None:
             self._nodes.pop(name, None)
         else:
             self._nodes[node.name] = node
-        return self._nodes_changed()
+        return self._nodes_changed([n for n in (old, node) if n is not None])
 
     def delete_node(self, body: Mapping[str, Any]) -> set[str]:
-        self._nodes.pop(str((body.get("metadata") or {}).get("name") or ""), None)
-        return self._nodes_changed()
+        old = self._nodes.pop(str((body.get("metadata") or {}).get("name") or ""), None)
+        return self._nodes_changed([old] if old is not None else [])
 
-    def _nodes_changed(self) -> set[str]:
+    def _nodes_changed(self, touched: Iterable[AgentNode]) -> set[str]:
+        """Re-check the deployments listing an instance of the ``touched`` nodes (before or
+        after the change) only: a GPUNode's status changes at every poll."""
         self.records = Records.of(self._nodes.values())
-        return self._rebuild(specs_changed=False)
+        ids = {r.instance_id for n in touched for r in n.records}
+        keys = {k for i in ids for k in self._by_instance.get(i, ())}
+        changed: set[str] = set()
+        for key in keys:
+            d = self._objects.get(key)
+            if d is None or self._raw_owners.get(d.model) is not d:
+                continue
+            now, old = self._verified(d), self.owners.get(d.model)
+            if now is not old and now != old:
+                self.owners[d.model] = self.served[key] = now
+                changed.add(d.model)
+        if changed:
+            self._served_names.rebind(self.served)
+        return changed
 
     # ---- derived ----
 
-    def _rebuild(self, specs_changed: bool = True) -> set[str]:
-        if specs_changed:
-            owners, dups = dedupe_models(d.spec for d in self._objects.values())
-            self._raw_owners = {m: self._objects[s.key] for m, s in owners.items()}
-            self.duplicates = {s.key: self._objects[s.key] for s in dups}
-            self._memo = {k: v for k, v in self._memo.items() if k in self._objects}
+    def _rebuild(self) -> set[str]:
+        owners, dups = dedupe_models(d.spec for d in self._objects.values())
+        self._raw_owners = {m: self._objects[s.key] for m, s in owners.items()}
+        self.duplicates = {s.key: self._objects[s.key] for s in dups}
+        self._duplicate_names = NameIndex(self.duplicates, _named)
+        self._memo = {k: v for k, v in self._memo.items() if k in self._objects}
+        self._by_instance = {}
+        for key, d in self._objects.items():
+            for i in d.instances:
+                self._by_instance.setdefault(i.instance_id, set()).add(key)
         before = self.owners
         self.owners = {m: self._verified(d) for m, d in self._raw_owners.items()}
         self.served = {d.key: d for d in self.owners.values()}
+        self._served_names = NameIndex(self.served, _named)
         changed = set()
         for m in set(before) | set(self.owners):
             a, b = before.get(m), self.owners.get(m)
@@ -251,11 +304,15 @@ class Catalog:
                 kept.append(i)
                 continue
             seen = (d.key, i.instance_id, i.url)
-            if seen not in self._warned:
+            if self._nodes_listed and seen not in self._warned:
                 if len(self._warned) >= _WARNED_MAX:
                     self._warned.clear()
                 self._warned.add(seen)
-                log.warning(
+                # No record yet is also the moment between two status writes: info; a record
+                # that disagrees, or an address never to contact: warning.
+                level = logging.INFO if why.startswith(NO_RECORD) else logging.WARNING
+                log.log(
+                    level,
                     "event=instance_not_routed deployment=%s instance=%r endpoint=%r why=%r",
                     d.key, i.instance_id[:80], i.url[:200], why,
                 )  # fmt: skip
@@ -270,14 +327,16 @@ class Catalog:
         (:mod:`.names`), ``None`` if none; raises :class:`Ambiguous`.  A deployment of the
         caller's that the operator does not serve (a duplicate model) is returned too: check
         :meth:`is_served`."""
-        dep = names.resolve(name, namespaces, self.served, _named, self.global_models)
+        dep = self._served_names.resolve(name, namespaces, self.global_models)
         if dep is not None:
             return dep
-        return names.resolve(name, namespaces, self.duplicates, _named, {})
+        return self._duplicate_names.resolve(name, namespaces, {})
 
     def is_served(self, dep: Deployment) -> bool:
         return self.served.get(dep.key) is dep
 
     def visible(self, namespaces: frozenset[str]) -> list[tuple[str, Deployment]]:
         """(listed id, deployment) for ``GET /v1/models`` (:func:`.names.visible`)."""
-        return names.visible(namespaces, self.served, _named, self.global_models)
+        return names.visible(
+            namespaces, self.served, _named, self.global_models, self._served_names
+        )

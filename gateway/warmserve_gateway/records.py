@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+NO_RECORD = "no GPUNode's status lists this instance"
 _METADATA_NAMES = frozenset(
     {"metadata", "metadata.google.internal", "metadata.goog", "instance-data"}
 )
@@ -126,7 +127,7 @@ class Records:
         """Why the instance a deployment's status lists may not get requests ("" when it may)."""
         rec = self.by_instance.get(instance_id)
         if rec is None:
-            return "no GPUNode's status lists this instance"
+            return NO_RECORD
         if rec.model != model:
             return f"its agent runs model {rec.model!r} there"
         if rec.endpoint != endpoint:

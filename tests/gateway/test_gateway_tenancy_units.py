@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from warmserve_gateway.auth import ApiKeys, Caller
 from warmserve_gateway.catalog import Catalog, parse_deployment
 from warmserve_gateway.holding import Dispatcher, QueueFull
-from warmserve_gateway.names import Ambiguous, Named, parse_global, resolve, visible
+from warmserve_gateway.names import Ambiguous, Named, NameIndex, parse_global, resolve, visible
 from warmserve_gateway.records import endpoint_problem
 from warmserve_operator.gateway_demand import DemandReport, ModelDemand, sum_held
 
@@ -83,6 +83,22 @@ def test_every_listed_id_resolves_to_its_deployment_and_canonical_ids_work(
             assert got is d or (isinstance(got, Ambiguous) and key in str(got))
         else:  # listed only under a name the admin claimed for it
             assert all(gl.get(i) == key for i, x in listed if x is d)
+
+
+@given(names_st, scope_st, deps_st, globals_st)
+@settings(max_examples=500, deadline=None)
+def test_the_index_the_gateway_uses_answers_like_the_rule(
+    name: str, scope: frozenset[str], deps: dict[str, Named], gl: dict[str, str]
+) -> None:
+    index = NameIndex(deps, _ident)
+    want = _try(name, scope, deps, gl)
+    try:
+        got: Any = index.resolve(name, scope, gl)
+    except Ambiguous as exc:
+        got = exc
+    assert type(got) is type(want)
+    assert str(got) == str(want) if isinstance(want, Ambiguous) else got is want
+    assert visible(scope, deps, _ident, gl, index) == visible(scope, deps, _ident, gl)
 
 
 def test_global_claims_are_parsed_strictly() -> None:
@@ -232,3 +248,107 @@ def test_demand_reports_carry_the_namespace_and_are_capped_per_namespace() -> No
     bad["models"]["a1"]["namespace"] = "Team A"
     with pytest.raises(ValueError, match="namespace"):
         DemandReport.from_json(bad)
+
+
+async def test_a_models_file_carries_the_agent_records_too(tmp_path: Path) -> None:
+    """--models-file: GPUNode objects in the file are the agents' records, as in a cluster."""
+    import json
+
+    from warmserve_gateway.discovery import FileSource
+
+    url = "http://10.0.0.7:41000"
+    f = tmp_path / "models.json"
+    f.write_text(
+        json.dumps(
+            [
+                md("chat", "tiny", [("i1", url), ("i2", "http://10.0.0.7:41001")]),
+                gpunode("n1", "10.0.0.7:50051", [("i1", "tiny", url)]),
+            ]
+        )
+    )
+    c = Catalog()
+    src = FileSource(f)
+    src.start(asyncio.get_running_loop(), lambda scope, items: c.listed(scope, items), print)
+    src.stop()
+    assert [i.instance_id for i in c.owners["tiny"].serving] == ["i1"]
+    assert set(src.scopes) == {("modeldeployments", None), ("gpunodes", None)}
+
+
+# The catalog updates incrementally (a status write re-checks one deployment, a GPUNode write
+# the deployments listing its instances); the result must be a rebuild from scratch's.
+_URLS = ["http://10.0.0.1:8000", "http://10.0.0.1:8001", "http://10.0.0.2:8000"]
+_inst = st.tuples(st.sampled_from(["i0", "i1", "i2", "i3"]), st.sampled_from(_URLS))
+_md_st = st.builds(
+    lambda ns, name, model, insts, created, batch: md(
+        name, model, insts, namespace=ns, created=f"2026-01-0{created}T00:00:00Z", max_batch=batch
+    ),
+    st.sampled_from(["a", "b"]),
+    st.sampled_from(["d0", "d1", "d2"]),
+    st.sampled_from(["m0", "m1"]),
+    st.lists(_inst, max_size=2, unique_by=lambda x: x[0]),
+    st.integers(1, 3),
+    st.sampled_from([4, 8]),
+)
+_node_st = st.builds(
+    lambda name, host, recs: gpunode(name, f"{host}:50051", recs),
+    st.sampled_from(["n0", "n1"]),
+    st.sampled_from(["10.0.0.1", "10.0.0.2"]),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["i0", "i1", "i2", "i3"]),
+            st.sampled_from(["m0", "m1"]),
+            st.sampled_from(_URLS),
+        ),
+        max_size=3,
+        unique_by=lambda x: x[0],
+    ),
+)
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("md"), _md_st),
+        st.tuples(st.just("del"), _md_st),
+        st.tuples(st.just("node"), _node_st),
+        st.tuples(st.just("delnode"), _node_st),
+    ),
+    max_size=25,
+)
+
+
+@given(_ops)
+@settings(max_examples=300, deadline=None)
+def test_incremental_catalog_equals_a_fresh_one(ops: list[tuple[str, Any]]) -> None:
+    c = Catalog()
+    c.replace_nodes([])
+    c.replace([])
+    mds: dict[str, Any] = {}
+    nodes: dict[str, Any] = {}
+    for op, obj in ops:
+        key = f"{obj['metadata'].get('namespace')}/{obj['metadata']['name']}"
+        if op == "md":
+            c.upsert(obj)
+            mds[key] = obj
+        elif op == "del":
+            c.delete(obj)
+            mds.pop(key, None)
+        elif op == "node":
+            c.upsert_node(obj)
+            nodes[obj["metadata"]["name"]] = obj
+        else:
+            c.delete_node(obj)
+            nodes.pop(obj["metadata"]["name"], None)
+    fresh = Catalog()
+    fresh.replace_nodes(list(nodes.values()))
+    fresh.replace(list(mds.values()))
+    assert c.owners == fresh.owners and c.served == fresh.served
+    assert c.duplicates == fresh.duplicates
+    everyone = frozenset({"a", "b"})
+    for name in ("m0", "m1", "d0", "d1", "d2", "a/d0", "b/d1"):
+        try:
+            got: Any = c.resolve(name, everyone)
+        except Ambiguous as exc:
+            got = str(exc)
+        try:
+            want: Any = fresh.resolve(name, everyone)
+        except Ambiguous as exc:
+            want = str(exc)
+        assert got == want, name
