@@ -65,6 +65,7 @@ class Outgoing:
     body: bytes
     headers: Mapping[str, str]
     stream: bool  # the client asked for SSE (label of the TTFT histogram only)
+    key: str = ""  # the caller's API key id (per-key cap on held requests)
 
 
 def request_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -116,7 +117,7 @@ class Proxy:
         mm = self.metrics.model(st.model)
         retried = first = False
         while True:
-            ep = await self.dispatcher.acquire(st, deadline, avoid)
+            ep = await self.dispatcher.acquire(st, deadline, avoid, out.key)
             if not first:
                 first = True
                 mm.queue_wait.observe(self.clock() - t0)

@@ -12,6 +12,7 @@ from warmserve.policy.cluster import PolicyInputError
 from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
 
 from .spec import DEFAULT_LOAD_BANDWIDTH
+from .tenancy import SourcePolicy
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class OperatorConfig:
     leader_settle_polls: int = 1
     # What tenants may put in spec.engine.args (--allow-engine-arg; docs/security.md)
     engine_policy: EngineArgPolicy = DEFAULT_POLICY
+    # Model source prefixes each namespace may fetch from (admission; :mod:`.tenancy`).
+    model_sources: SourcePolicy = field(default_factory=SourcePolicy)
 
     def __post_init__(self) -> None:
         from warmserve.policy.predictor import season_length

@@ -69,6 +69,15 @@ class DeploymentBook:
                     str(exc),
                 )
                 continue
+            refused = self._source_refusal(md)
+            if refused:
+                # Left out as if absent: it owns no model name, nothing is fetched, inspected or
+                # started for it, and what already runs for it ends as an orphan (a source the
+                # admin revoked).  Not `invalid`: that would stop orphan clean-up cluster-wide.
+                await self.reporter.problem(
+                    md.namespace, md.name, md.uid, "SourceNotAllowed", refused, md.generation
+                )
+                continue
             mds.append(md)
             d = self.items.get(md.uid)
             if d is None:
@@ -90,6 +99,9 @@ class DeploymentBook:
             if listed_at > done:
                 self.deleting.pop(uid)
         return mds, invalid
+
+    def _source_refusal(self, md: ModelDeploymentSpec) -> str:
+        return str(self.cfg.model_sources.refusal(md.namespace, md.source))
 
     def _lifecycle_event(self, d: Deployment) -> None:
         """``Accepted`` for a deployment no operator reported on yet (no
@@ -155,8 +167,15 @@ class DeploymentBook:
                     "reachable node agents; copy its weights to the nodes",
                 )
                 continue
+            stored = (s.models[model].source for s in snaps.values() if model in s.models)
+            why = self.cfg.model_sources.store_refusal(md.namespace, model, stored)
+            if why:
+                problems[md.uid] = Condition("Degraded", True, "SourceNotAllowed", why)
+                continue
             if md.uid not in self.deleting:
-                entries[model] = ModelEntry(d.spec, md.min_instances, md.max_instances, md.prewarm)
+                entries[model] = ModelEntry(
+                    d.spec, md.min_instances, md.max_instances, md.prewarm, md.namespace
+                )
         self.controller.set_models(entries, now)
         return problems
 

@@ -393,12 +393,14 @@ class Reconciler:
             for uid, d in self.deployments.items()
             if uid not in self.deleting and not d.md.deleting and uid not in later
         ]
+        # GPUNodes first: the gateways route only to instances a GPUNode's status lists, so a
+        # deployment's status saying "serving" is usable the moment the gateways see it.
+        for name, nrt in self.observer.nodes.items():
+            await self.reporter.node(name, nrt, now, self.cfg.node_status_refresh_s)
         await self.reporter.everything(
             todo, {dup.uid for dup in dups}, problems, snaps, self.controller, self.cfg.window_s
         )
         self.reporter.flush_soon()  # lifecycle Events after the statuses, within the budget
-        for name, nrt in self.observer.nodes.items():
-            await self.reporter.node(name, nrt, now, self.cfg.node_status_refresh_s)
 
     async def teardown(self, md: ModelDeploymentSpec, timeout_s: float = 30.0) -> list[str]:
         from .teardown import teardown

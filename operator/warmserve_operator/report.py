@@ -195,6 +195,7 @@ class Reporter:
             "ModelNotFound",
             "ModelNotInStore",
             "SourceUnavailable",
+            "SourceNotAllowed",
             "DuplicateModel",
             "NoAgents",
         ):

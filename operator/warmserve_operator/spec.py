@@ -32,6 +32,10 @@ NODE_PLURAL = "gpunodes"
 NODE_KIND = "GPUNode"
 
 DEFAULT_LOAD_BANDWIDTH = 2 * 1024**3  # bytes/s host->GPU, for T_c when the spec gives none
+# spec.gateway.maxQueue's ceiling: a gateway replica's default --max-held (the CRD's maximum
+# too), so one deployment cannot claim more held slots than a replica has; the gateway also
+# clamps it to its own --max-held and per-namespace cap.
+MAX_QUEUE_LIMIT = 10_000
 
 
 class SpecError(ValueError):
@@ -157,7 +161,7 @@ def parse_model_deployment(
         engine_args=args,
         deleting=bool(meta.get("deletionTimestamp")),
         source=source,
-        max_queue=_int(spec, "gateway.maxQueue", 100, 0, 100_000) or 0,
+        max_queue=_int(spec, "gateway.maxQueue", 100, 0, MAX_QUEUE_LIMIT) or 0,
         max_hold_s=_num(spec, "gateway.maxHoldSeconds", 120.0, 0.001, 3600.0) or 120.0,
         engine=engine,
     )

@@ -88,6 +88,8 @@ class FakeAgent:
         # Model sources this agent can fetch from: source URI -> (weight bytes, layers).
         self.remote = remote or {}
         self.fetched: list[tuple[str, str]] = []
+        self.inspected: list[tuple[str, str]] = []  # (model, source) of InspectModel calls
+        self.fetched_from: dict[str, str] = {}  # model -> source, reported as the real agent does
         self.slots: dict[str, _Slot] = {}
         self.instances: dict[str, _Inst] = {}
         self.generation = 1
@@ -217,7 +219,10 @@ class FakeAgent:
             )
             for i in self.instances.values()
         )
-        models = {m: CatalogEntry(m, w, n) for m, (w, n) in self.catalog.items()}
+        models = {
+            m: CatalogEntry(m, w, n, self.fetched_from.get(m, ""))
+            for m, (w, n) in self.catalog.items()
+        }
         return NodeSnapshot(
             self.node, self.agent_id, self.generation, gpus, slots, insts, models, "fake", "0"
         )
@@ -237,11 +242,13 @@ class FakeAgent:
             on_fetch(FetchView(model, source, "downloading", 0, weight, attempt=1))
         self.catalog[model] = (weight, layers)
         self.fetched.append((model, source))
+        self.fetched_from[model] = source
         if on_fetch is not None:
             on_fetch(FetchView(model, source, "done", weight, weight, attempt=1))
 
     async def inspect_model(self, model: str, source: str) -> CatalogEntry:
         self._check_up()
+        self.inspected.append((model, source))
         if model in self.catalog:
             w, n = self.catalog[model]
         elif source in self.remote:
