@@ -8,29 +8,36 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import cfg_for
-from test_agent_grpc import code_of, make_pki
+from test_agent_grpc import code_of
+from tls_support import WarmservePki, warmserve_pki
 from warmserve_agent.client import SyncAgentClient, pb
 from warmserve_agent.testing import AgentThread
 
 from warmserve.cli import main
 
 
-def _mtls_agent(tmp_path: Path, model_root: Path, **kw: object) -> tuple[AgentThread, dict]:
-    pki = make_pki(tmp_path / "pki")
+def _mtls_agent(
+    tmp_path: Path, model_root: Path, **kw: object
+) -> tuple[AgentThread, WarmservePki]:
+    pki = warmserve_pki(tmp_path / "pki")
     cfg = cfg_for(
         tmp_path,
         model_root,
-        tls_cert=pki["srv.pem"],
-        tls_key=pki["srv.key"],
-        client_ca=pki["ca.pem"],
+        tls_cert=pki.agent.crt,
+        tls_key=pki.agent.key,
+        client_ca=pki.agent.ca,
         **kw,
     )
     return AgentThread(cfg), pki
 
 
-def _client(a: AgentThread, pki: dict) -> SyncAgentClient:
+def _client(a: AgentThread, pki: WarmservePki) -> SyncAgentClient:
     return SyncAgentClient(
-        a.address, ca_cert=pki["ca.pem"], client_cert=pki["cli.pem"], client_key=pki["cli.key"]
+        a.address,
+        ca_cert=pki.agent.ca,
+        server_name="warmserve-agent",
+        client_cert=pki.operator.crt,
+        client_key=pki.operator.key,
     )
 
 
