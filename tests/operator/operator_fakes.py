@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from warmserve_agent.fencing import Fence
-from warmserve_operator.agents import ActivateResult, Fencing, Unfenced
+from warmserve_operator.agents import Fencing, Unfenced
 from warmserve_operator.ports import ObjRef
 from warmserve_operator.snapshot import (
+    ActivateResult,
     AgentCallError,
     FetchView,
     GpuView,
@@ -228,7 +229,12 @@ class FakeAgent:
         )
 
     def _fetch(
-        self, request_id: str, key: tuple[Any, ...], model: str, source: str, on_fetch: Any = None
+        self,
+        request_id: str,
+        key: tuple[Any, ...],
+        model: str,
+        source: str,
+        on_fetch: Callable[[FetchView], Any] | None = None,
     ) -> None:
         """As the real agent: a model missing from the store is fetched from ``source`` before
         the call's own work; a failed fetch is not remembered for the request id (a replay
@@ -266,7 +272,7 @@ class FakeAgent:
         owner: str = "",
         *,
         source: str = "",
-        on_fetch: Any = None,
+        on_fetch: Callable[[FetchView], Any] | None = None,
     ) -> SlotView:
         self._check_up()
         self._fenced("Prewarm")
