@@ -224,6 +224,17 @@ class DeploymentBook:
             d.held = h if demand is not None else None
             d.gateway_replicas = gateway_replicas
 
+    def count_start(self, uid: str, hit: bool) -> None:
+        """An instance of deployment ``uid`` started (a prewarm hit or a cold start)."""
+        d = self.items.get(uid)
+        if d is None:
+            return
+        if hit:
+            d.hits += 1
+        else:
+            d.misses += 1
+        self.metrics.hit_ratio.labels(d.md.model).set(d.hits / max(d.hits + d.misses, 1))
+
     def record(self, out: Decisions, managed: Mapping[str, ModelDeploymentSpec]) -> None:
         for model, md in managed.items():
             d = self.items[md.uid]

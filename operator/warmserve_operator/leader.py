@@ -74,6 +74,7 @@ __all__ = [
     "Leadership",
     "LeaseRecord",
     "LeaseTarget",
+    "LoopFence",
     "NotLeader",
     "after_round",
     "hold_lease",
@@ -177,6 +178,32 @@ def after_round(
 def leading(state: Leadership, timing: ElectionTiming, now: float) -> bool:
     """The fence: act only while the last successful renewal started < renew deadline ago."""
     return state.holder and now - state.renewed_at < timing.renew_deadline_s
+
+
+class LoopFence:
+    """Whether this replica's loop may act: it held the Lease for ``settle_polls`` polls in a
+    row (:meth:`poll`), and its Lease was renewed within the renew deadline (``leading``:
+    :meth:`Elector.leading`), checked by :meth:`may_act` right before each side effect, not at
+    the poll's start (a poll may outlast the Lease)."""
+
+    def __init__(self, leading: Callable[[], bool], settle_polls: int) -> None:
+        self.leading = leading
+        self.settle_polls = settle_polls
+        self.streak = 0
+        self.leader = False
+
+    def poll(self, holds: bool) -> bool:
+        """A poll saw this replica hold the Lease (or not); returns whether the loop leads."""
+        self.streak = self.streak + 1 if holds else 0
+        self.leader = self.streak >= self.settle_polls
+        return self.leader
+
+    def lost(self) -> None:
+        self.leader = False
+        self.streak = 0
+
+    def may_act(self) -> bool:
+        return self.leader and self.leading()
 
 
 class Elector:
