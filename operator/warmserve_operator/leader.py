@@ -1,4 +1,4 @@
-"""Which replica runs the loop: a ``coordination.k8s.io/v1`` Lease (issue 11, issue 16).
+"""Which replica runs the loop: a ``coordination.k8s.io/v1`` Lease.
 
 The loop used to read kopf's internal ``ClusterKopfPeering`` status; now it holds a standard
 Lease in the operator's namespace (the one ``kubectl get lease`` shows, like every controller
@@ -15,7 +15,7 @@ The rule (:func:`next_lease`, pure, unit-tested):
 * otherwise: wait.
 
 So a replacement with a lower priority than a dead leader waits at most one lease duration
-plus one retry period (defaults 10 s + 2 s), not kopf's peering lifetime (issue 16 measured
+plus one retry period (defaults 10 s + 2 s), not kopf's peering lifetime (measured:
 52.9 s); and two replicas never both hold it: every write carries the read
 ``resourceVersion``, so a conflicting write loses.
 
@@ -86,7 +86,7 @@ __all__ = [
 
 log = logging.getLogger("warmserve.operator")
 
-# client-go's defaults are 15 s / 10 s / 2 s; the Lease stays 10 s (issue 16's handover bound)
+# client-go's defaults are 15 s / 10 s / 2 s; the Lease stays 10 s (the handover bound)
 # with about the same proportions, which also give the defaults for another Lease duration.
 DEFAULT_LEASE_S = 10.0
 RENEW_DEADLINE_SHARE = 0.7

@@ -4,7 +4,7 @@
 (a replay gets the first outcome, a reuse with other arguments ALREADY_EXISTS), ids in the
 agent's formats, memory accounting per GPU, prewarm hits when a slot of the model sits on
 exactly the GPUs, activation evicting other slots on the group, the owner recorded on slots and
-instances, and — what once hid a deletion that never finished (issue 16, H1) — the same
+instances, and — what once hid a deletion that never finished — the same
 refusals as the real agent: EndInstance only for a grace instance, BeginGrace only for a serving
 one, no eviction of a serving slot, no prewarm or activation on a serving GPU, nesting of GPU
 groups; and fencing tokens (the same :class:`warmserve_agent.fencing.Fence` rule: a call
