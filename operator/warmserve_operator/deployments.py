@@ -158,7 +158,7 @@ class DeploymentBook:
                 continue
             if snaps and md.model not in catalog and not md.source:
                 # Sized by its spec but in no reachable agent's weight store: every prewarm or
-                # start would be refused, so the controller does not manage it (issue 16).
+                # start would be refused, so the controller does not manage it.
                 problems[md.uid] = Condition(
                     "Degraded",
                     True,
@@ -224,6 +224,17 @@ class DeploymentBook:
             d.held = h if demand is not None else None
             d.gateway_replicas = gateway_replicas
 
+    def count_start(self, uid: str, hit: bool) -> None:
+        """An instance of deployment ``uid`` started (a prewarm hit or a cold start)."""
+        d = self.items.get(uid)
+        if d is None:
+            return
+        if hit:
+            d.hits += 1
+        else:
+            d.misses += 1
+        self.metrics.hit_ratio.labels(d.md.model).set(d.hits / max(d.hits + d.misses, 1))
+
     def record(self, out: Decisions, managed: Mapping[str, ModelDeploymentSpec]) -> None:
         for model, md in managed.items():
             d = self.items[md.uid]
@@ -265,7 +276,7 @@ class DeploymentBook:
                     log.warning("event=history_write_failed model=%s error=%r", model, str(exc))
 
         # Together, not one after the other: 1,000 histories written in a row held the loop
-        # ~10 s at every window boundary (issue 16, scale).
+        # ~10 s at every window boundary at scale.
         await asyncio.gather(*(write(m, owners[m]) for m in closed if m in owners))
         if closed:
             await self.collect_histories()

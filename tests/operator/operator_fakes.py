@@ -4,7 +4,7 @@
 (a replay gets the first outcome, a reuse with other arguments ALREADY_EXISTS), ids in the
 agent's formats, memory accounting per GPU, prewarm hits when a slot of the model sits on
 exactly the GPUs, activation evicting other slots on the group, the owner recorded on slots and
-instances, and — what once hid a deletion that never finished (issue 16, H1) — the same
+instances, and — what once hid a deletion that never finished — the same
 refusals as the real agent: EndInstance only for a grace instance, BeginGrace only for a serving
 one, no eviction of a serving slot, no prewarm or activation on a serving GPU, nesting of GPU
 groups; and fencing tokens (the same :class:`warmserve_agent.fencing.Fence` rule: a call
@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from warmserve_agent.fencing import Fence
-from warmserve_operator.agents import ActivateResult, Fencing, Unfenced
+from warmserve_operator.agents import Fencing, Unfenced
 from warmserve_operator.ports import ObjRef
 from warmserve_operator.snapshot import (
+    ActivateResult,
     AgentCallError,
     FetchView,
     GpuView,
@@ -228,7 +229,12 @@ class FakeAgent:
         )
 
     def _fetch(
-        self, request_id: str, key: tuple[Any, ...], model: str, source: str, on_fetch: Any = None
+        self,
+        request_id: str,
+        key: tuple[Any, ...],
+        model: str,
+        source: str,
+        on_fetch: Callable[[FetchView], Any] | None = None,
     ) -> None:
         """As the real agent: a model missing from the store is fetched from ``source`` before
         the call's own work; a failed fetch is not remembered for the request id (a replay
@@ -266,7 +272,7 @@ class FakeAgent:
         owner: str = "",
         *,
         source: str = "",
-        on_fetch: Any = None,
+        on_fetch: Callable[[FetchView], Any] | None = None,
     ) -> SlotView:
         self._check_up()
         self._fenced("Prewarm")
