@@ -61,7 +61,9 @@ def test_generated_certificates_are_split_and_only_the_operator_drives_an_agent(
     docs = _render(k8s_bin_dir)
     server = _secret_files(docs, "-agent-server-tls", tmp_path / "server")
     client = _secret_files(docs, "-operator-client-tls", tmp_path / "client")
-    for doc in (d for d in docs if d["kind"] == "Secret"):
+    tls = [d for d in docs if d["kind"] == "Secret" and d.get("type") == "kubernetes.io/tls"]
+    assert len(tls) == 2, [d["metadata"]["name"] for d in tls]
+    for doc in tls:
         assert doc["metadata"]["annotations"]["warmserve.io/pki"] == "split-ca-v1"
     assert server["ca.crt"].read_bytes() != client["ca.crt"].read_bytes()
     # Each secret's ca.crt is the other side's CA.
@@ -143,7 +145,9 @@ def test_existing_secrets_are_one_per_side(k8s_bin_dir: Path) -> None:
         k8s_bin_dir, "--set", "tls.mode=existingSecret",
         "--set", "tls.serverSecret=agents-tls", "--set", "tls.clientSecret=operator-tls",
     )  # fmt: skip
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    # The /demand token (templates/demand-token.yaml) is the only Secret the chart still makes.
+    secrets = [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"]
+    assert secrets == ["ws-warmserve-demand-token"], secrets
     for kind, suffix, secret in (
         ("DaemonSet", "-agent", "agents-tls"),
         ("Deployment", "-operator", "operator-tls"),
