@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import write_model
 
 from warmserve.cli import main
 
@@ -156,7 +157,6 @@ def test_the_agent_refuses_to_start_on_a_store_it_cannot_move(tmp_path: Path) ->
     """A store of the earlier ``<store>/ORG/NAME`` layout is moved to ``<store>/ORG~NAME`` when
     the agent starts (test_model_store_security.py); one it cannot move stops the start with one
     line saying how to move it, and nothing is lost."""
-    from conftest import write_model
 
     store = tmp_path / "store"
     write_model(store / "acme", "chat", layers=2, hidden=16)
