@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API of the gateway (aiohttp handlers).
 
 ``GET /v1/models`` and ``GET /v1/models/{model}`` are answered from the catalog (every served
-deployment, with its readiness); ``POST /v1/completions``, ``POST /v1/chat/completions`` and
-every other ``/v1/*`` route are forwarded to an instance of the model the request names (its
-JSON body's ``model``, or the ``model`` query parameter for requests without a JSON body).
+deployment the caller may use, with its readiness); ``POST /v1/completions``,
+``POST /v1/chat/completions`` and every other ``/v1/*`` route are forwarded to an instance of the
+model the request names (its JSON body's ``model``, or the ``model`` query parameter for requests
+without a JSON body), resolved among the caller's namespaces (:mod:`.names`).
 
 Answers the gateway makes itself (OpenAI error JSON): 400 malformed JSON / missing ``model`` /
 ambiguous name, 401 missing or wrong API key, 404 unknown model or route, 413 body over
@@ -24,7 +25,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from .auth import ApiKeys
+from .auth import ApiKeys, Caller
 from .catalog import Ambiguous, Catalog, Deployment
 from .config import GatewayConfig
 from .errors import openai_error
@@ -37,10 +38,10 @@ log = logging.getLogger("warmserve.gateway.api")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
-def _model_card(dep: Deployment, now: int) -> dict[str, Any]:
+def _model_card(dep: Deployment, now: int, listed: str | None = None) -> dict[str, Any]:
     serving = len(dep.serving)
     return {
-        "id": dep.model,
+        "id": listed or dep.model,
         "object": "model",
         "created": now,
         "owned_by": "warmserve",
@@ -86,10 +87,14 @@ class Api:
             return web.Response(status=503, text="ModelDeployments not listed yet\n")
         return web.Response(text="ok\n")
 
-    def _unauthorized(self, request: web.Request) -> web.Response | None:
+    def _caller(self, request: web.Request) -> Caller | web.Response:
+        """Who calls (their key's namespaces, or the anonymous ones with keys off), or 401."""
         keys = self.gw.keys
-        if keys is None or keys.check(request.headers.get("Authorization")) is not None:
-            return None
+        if keys is None:
+            return Caller("", frozenset(self.gw.config.anonymous_namespaces))
+        caller = keys.check(request.headers.get("Authorization"))
+        if caller is not None:
+            return caller
         self.m.answered(NO_MODEL, 401)
         return openai_error(
             401,
@@ -110,25 +115,34 @@ class Api:
         )
 
     async def models(self, request: web.Request) -> web.Response:
-        err = self._unauthorized(request) or self._not_synced()
+        caller = self._caller(request)
+        if isinstance(caller, web.Response):
+            return caller
+        err = self._not_synced()
         if err is not None:
             return err
         now = int(time.time())
-        data = [_model_card(d, now) for d in self.gw.catalog.all()]
+        data = [
+            _model_card(d, now, listed) for listed, d in self.gw.catalog.visible(caller.namespaces)
+        ]
         return web.json_response({"object": "list", "data": data})
 
     async def model(self, request: web.Request) -> web.Response:
-        err = self._unauthorized(request) or self._not_synced()
+        caller = self._caller(request)
+        if isinstance(caller, web.Response):
+            return caller
+        err = self._not_synced()
         if err is not None:
             return err
         name = request.match_info["model"]
         try:
-            dep = self.gw.catalog.lookup(name)
+            dep = self.gw.catalog.resolve(name, caller.namespaces)
         except Ambiguous as exc:
             return openai_error(400, str(exc), param="model", code="ambiguous_model")
-        if dep is None:
+        if dep is None or not self.gw.catalog.is_served(dep):
             return self._unknown(name)
-        return web.json_response(_model_card(dep, int(time.time())))
+        claimed = self.gw.catalog.global_models.get(name) == dep.key
+        return web.json_response(_model_card(dep, int(time.time()), name if claimed else None))
 
     async def not_found(self, request: web.Request) -> web.Response:
         return openai_error(
@@ -145,6 +159,21 @@ class Api:
             "(GET /v1/models lists them)",
             param="model",
             code="model_not_found",
+        )
+
+    def _not_served(self, dep: Deployment) -> web.Response:
+        """One of the caller's deployments the operator does not serve (a newer deployment of
+        a model name another one serves): 503 at once, as for the operator's other permanent
+        reasons; the other deployment is not named."""
+        self.m.answered(UNKNOWN_MODEL, 503)
+        return openai_error(
+            503,
+            f"ModelDeployment {dep.key} is not served: model {dep.model!r} is already served by "
+            "another ModelDeployment (DuplicateModel); use another spec.model.name",
+            kind="server_error",
+            code="model_unavailable",
+            param="model",
+            retry_after=5,
         )
 
     def _bad(
@@ -169,7 +198,10 @@ class Api:
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         t0 = self.gw.clock()
-        err = self._unauthorized(request) or self._not_synced()
+        caller = self._caller(request)
+        if isinstance(caller, web.Response):
+            return caller
+        err = self._not_synced()
         if err is not None:
             return err
         doc: dict[str, Any] | None = None
@@ -197,12 +229,15 @@ class Api:
                 "model",
             )
         try:
-            dep = self.gw.catalog.lookup(name)
+            dep = self.gw.catalog.resolve(name, caller.namespaces)
         except Ambiguous as exc:
             return self._bad(str(exc), "ambiguous_model", "model")
+        if dep is not None and not self.gw.catalog.is_served(dep):
+            return self._not_served(dep)
         st = self.gw.dispatcher.state(dep.model) if dep is not None else None
         if dep is None or st is None:
             return self._unknown(name)
+        self.m.key_requests.labels(caller.key_id or "_anonymous", dep.spec.namespace).inc()
         if doc is not None and doc.get("model") != dep.model:
             doc["model"] = dep.model  # engines serve the weights' name (spec.model.name)
             body = json.dumps(doc).encode()
@@ -212,6 +247,7 @@ class Api:
             body,
             request_headers(request.headers),
             bool(doc.get("stream")) if doc is not None else False,
+            caller.key_id,
         )
         deadline = t0 + dep.spec.max_hold_s
         status = 499  # the client went away before an answer (nginx's convention)

@@ -66,6 +66,7 @@ class Outgoing:
     body: bytes
     headers: Mapping[str, str]
     stream: bool  # the client asked for SSE (label of the TTFT histogram only)
+    key: str = ""  # the caller's API key id (per-key cap on held requests)
 
 
 def request_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -118,7 +119,7 @@ class Proxy:
         tr = current_trace()  # None unless tracing is on
         retried = first = False
         while True:
-            ep = await self.dispatcher.acquire(st, deadline, avoid)
+            ep = await self.dispatcher.acquire(st, deadline, avoid, out.key)
             if tr is not None:
                 tr.routed(st.model, ep, st.dep)
             if not first:

@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gw_support import REPO, Engines, ListSource, md, write_model
+from gw_support import REPO, Engines, ListSource, demand_headers, md, write_model
 from tracing_support import CLIENT, SERVER, Collector, collector, in_trace, one
 from warmserve_agent.client import SyncAgentClient
 from warmserve_agent.config import AgentConfig, parse_simulated_gpus
@@ -82,14 +82,25 @@ def traced_engines(tmp_path_factory: pytest.TempPathFactory, otel: Collector) ->
 
 
 @pytest.fixture
-async def traced_gateway(otel: Collector) -> AsyncIterator[Callable[..., Any]]:
-    """``await traced_gateway(objects, tracing=True) -> (Gateway, ListSource)``."""
+async def traced_gateway(otel: Collector, tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    """``await traced_gateway(objects, tracing=True, mirrored=True) -> (Gateway, ListSource)``
+    (``mirrored``: as ``gw_support.ListSource``); /demand needs
+    the token of ``gw.config.demand_token_file`` (``gw_support.demand_headers``)."""
     started: list[Gateway] = []
+    token = tmp_path / "demand-token"
+    token.write_text("demand-secret-for-tracing-tests\n")
 
-    async def make(items: list[Any], tracing: bool = True) -> tuple[Gateway, ListSource]:
-        src = ListSource(list(items))
+    async def make(
+        items: list[Any], tracing: bool = True, mirrored: bool = True
+    ) -> tuple[Gateway, ListSource]:
+        src = ListSource(list(items), mirrored=mirrored)
         cfg = GatewayConfig(
-            host="127.0.0.1", port=0, admin_host="127.0.0.1", admin_port=0, replica="traced"
+            host="127.0.0.1",
+            port=0,
+            admin_host="127.0.0.1",
+            admin_port=0,
+            replica="traced",
+            demand_token_file=token,
         )
         traces = TracingConfig(otel.endpoint, 1.0, "warmserve-gateway") if tracing else None
         gw = Gateway(cfg, src, tracing=traces)
@@ -185,8 +196,9 @@ async def test_a_held_request_has_a_hold_span_reported_in_demand(
         st = gw.dispatcher.state("tiny")
         assert st is not None
         await _until(lambda: st.held == 1, "the request held")
-        async with s.get(gw.urls["admin"] + "/demand") as r:
+        async with s.get(gw.urls["admin"] + "/demand", headers=demand_headers(gw)) as r:
             report = await r.json()
+        assert report["models"]["tiny"]["namespace"] == "default"  # the tenancy format
         traces = report["models"]["tiny"]["traces"]
         assert len(traces) == 1
         m = TRACEPARENT_RE.match(traces[0])
@@ -197,7 +209,7 @@ async def test_a_held_request_has_a_hold_span_reported_in_demand(
             obj["status"]["instances"][0]["prewarmHit"] = True
             src.modified(obj)
             assert await asyncio.wait_for(req, 20) == 200
-            async with s.get(gw.urls["admin"] + "/demand") as r:
+            async with s.get(gw.urls["admin"] + "/demand", headers=demand_headers(gw)) as r:
                 assert "traces" not in (await r.json())["models"].get("tiny", {})
             spans = in_trace(
                 otel.wait_for(_complete(tid), "the held request's gateway and engine spans"),
@@ -230,8 +242,16 @@ async def test_the_operators_start_span_links_to_the_held_request(
         kube = fakes.FakeKube()
         kube.add_node("trace-node", agent.address)
         kube.add_md("chat", "tiny", maxBatchSize=4, minInstances=0, maxInstances=1)
-        gw, src = await traced_gateway([md("chat", "tiny", [], max_hold_s=60)])
-        demand = GatewayDemand(StaticEndpoints((gw.urls["admin"],)))
+        # The gateway reads the GPUNode the operator writes (its agent's instance records), as
+        # in a cluster: it routes only to instances an agent reported.
+        node = {"apiVersion": "warmserve.io/v1alpha1", "kind": "GPUNode"}
+        gw, src = await traced_gateway(
+            [md("chat", "tiny", [], max_hold_s=60), {**node, **kube.nodes["trace-node"]}],
+            mirrored=False,
+        )
+        demand = GatewayDemand(
+            StaticEndpoints((gw.urls["admin"],)), token_file=gw.config.demand_token_file
+        )
         rec = Reconciler(
             OperatorConfig(
                 window_s=60.0,
@@ -263,7 +283,8 @@ async def test_the_operators_start_span_links_to_the_held_request(
                 }
                 obj["spec"] = {**obj["spec"], "gateway": {"maxHoldSeconds": 60}}
                 assert [i["phase"] for i in obj["status"]["instances"]] == ["serving"]
-                src.modified(obj)  # what the gateway's watch would deliver
+                src.modified({**node, **kube.nodes["trace-node"]})  # what the watches deliver
+                src.modified(obj)
                 assert await asyncio.wait_for(req, 30) == 200
         finally:
             operator_tracing.disable()

@@ -16,10 +16,17 @@ from warmserve_operator.gateway_demand import (
     DemandReport,
     ModelDemand,
     held_traces,
+    sum_held,
 )
 
 from warmserve.cli import main
-from warmserve.engine_args import EngineArgsError, validate_engine_args
+from warmserve.engine_arg_policy import EngineArgPolicyError
+from warmserve.engine_args import (
+    EngineArgPolicy,
+    EngineArgsError,
+    parse_engine_args,
+    validate_engine_args,
+)
 from warmserve.tracing import TracingConfig, TracingConfigError, traces_url, valid_traceparent
 
 API = "warmserve.io/demand/v1"
@@ -86,6 +93,7 @@ traceparents = st.builds(
             ModelDemand,
             st.integers(0, 100),
             st.integers(0, 100),
+            st.sampled_from(["", "team-a", "warmserve"]),
             st.lists(traceparents, max_size=MAX_TRACES).map(tuple),
         ),
         max_size=4,
@@ -102,7 +110,22 @@ def test_without_traces_the_wire_is_unchanged() -> None:
     doc = DemandReport("gw", 1.0, 1, {"m": ModelDemand(2, 1)}).to_json()
     assert doc["models"] == {"m": {"held": 2, "inflight": 1}}
     old = {"apiVersion": API, "models": {"m": {"held": 2, "inflight": 1}}}
-    assert DemandReport.from_json(old).models["m"] == ModelDemand(2, 1, ())
+    assert DemandReport.from_json(old).models["m"] == ModelDemand(2, 1, "", ())
+
+
+def test_traces_ride_next_to_the_namespace_and_never_add_demand() -> None:
+    """The tenancy format carries ``namespace`` per model; ``traces`` sits beside it, and the
+    per-namespace cap of held demand counts ``held`` only (links are not demand)."""
+    traces = tuple(tp(1, i) for i in range(1, 4))
+    r = DemandReport("gw", 1.0, 1, {"m": ModelDemand(9, 0, "team-a", traces)})
+    doc = json.loads(json.dumps(r.to_json()))
+    assert doc["models"]["m"] == {
+        "held": 9, "inflight": 0, "namespace": "team-a", "traces": list(traces)
+    }  # fmt: skip
+    back = DemandReport.from_json(doc)
+    assert back == r
+    assert sum_held([back], held_per_namespace=4) == {"m": 4}
+    assert held_traces([back]) == {"m": traces}
 
 
 @pytest.mark.parametrize(
@@ -127,8 +150,8 @@ def test_bad_trace_contexts_in_a_report_are_refused(traces: Any, why: str) -> No
 
 
 def test_held_traces_over_replicas_are_bounded_oldest_first() -> None:
-    a = DemandReport("a", 0, 0, {"m": ModelDemand(5, 0, tuple(tp(1, i) for i in range(1, 6)))})
-    b = DemandReport("b", 0, 0, {"m": ModelDemand(6, 0, tuple(tp(2, i) for i in range(1, 7)))})
+    a = DemandReport("a", 0, 0, {"m": ModelDemand(5, traces=tuple(tp(1, i) for i in range(1, 6)))})
+    b = DemandReport("b", 0, 0, {"m": ModelDemand(6, traces=tuple(tp(2, i) for i in range(1, 7)))})
     got = held_traces([a, b])
     assert len(got["m"]) == MAX_TRACES
     assert got["m"][:5] == a.models["m"].traces
@@ -150,3 +173,11 @@ def test_a_tenant_cannot_point_the_engines_traces_anywhere() -> None:
         with pytest.raises(EngineArgsError, match="otlp") as exc:
             validate_engine_args(args)
         assert "--otlp-traces-endpoint" in str(exc.value)
+        assert "set by warmserve" in str(exc.value)
+        # warmserve's own argument (MANAGED): no admin widening lets a tenant set it, and the
+        # agent's check after the policy (policy=None) refuses it too
+        with pytest.raises(EngineArgsError, match="set by warmserve"):
+            parse_engine_args(args, policy=None)
+    for extra, unsafe in ((["otlp_traces_endpoint"], []), ([], ["otlp-traces-endpoint"])):
+        with pytest.raises(EngineArgPolicyError, match="set by warmserve"):
+            EngineArgPolicy.from_admin(extra, unsafe)
