@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from .holding import Dispatcher, ModelState
+from .holding import Dispatcher, ModelState, Rejected
 from .metrics import Metrics
 from .routing import Endpoint
 from .tracing import current as current_trace
@@ -119,7 +119,12 @@ class Proxy:
         tr = current_trace()  # None unless tracing is on
         retried = first = False
         while True:
-            ep = await self.dispatcher.acquire(st, deadline, avoid, out.key)
+            try:
+                ep = await self.dispatcher.acquire(st, deadline, avoid, out.key)
+            except Rejected as exc:
+                if tr is not None:  # a cap (429), the hold deadline, the model gone
+                    tr.rejected(st.model, exc.code)
+                raise
             if tr is not None:
                 tr.routed(st.model, ep, st.dep)
             if not first:

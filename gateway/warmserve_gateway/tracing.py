@@ -12,7 +12,8 @@ a valid one:
   :data:`~warmserve_operator.gateway_demand.MAX_TRACES` per model), so the operator's start span
   links to the requests that woke it;
 * the **routing** decision as an event ``gateway.routed`` (instance id, endpoint) on the server
-  span;
+  span, or, when the gateway answers itself (a hold cap's 429, the hold deadline's 503),
+  ``warmserve.rejected`` (the error code) on it — a request a cap refuses was never held;
 * a child **client span** per attempt at an engine, ``chat <model>`` (GenAI conventions): the
   upstream time, ``warmserve.ttft_s`` (arrival at the gateway to the first byte) and an event at
   the first byte.  Its context is what the engine receives as ``traceparent`` (the client's own
@@ -204,6 +205,13 @@ class RequestTrace:
         if error:
             hold.set_status(self.tracing._trace.StatusCode.ERROR, outcome)
         hold.end()
+
+    def rejected(self, model: str, code: str) -> None:
+        """The gateway answers the request itself (``holding.Rejected``: a hold cap, the hold
+        deadline, the model gone); a request a cap refuses was never held (no hold span)."""
+        self._set_model(model)
+        self.span.set_attribute("warmserve.rejected", code)
+        self._hold_end(code, error=True)
 
     def routed(self, model: str, ep: Endpoint, dep: Deployment) -> None:
         """An instance was acquired for the request (after holding, or at once)."""

@@ -10,6 +10,7 @@ that with tracing off the gateway exports nothing and invents no ``traceparent``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import subprocess
@@ -83,15 +84,15 @@ def traced_engines(tmp_path_factory: pytest.TempPathFactory, otel: Collector) ->
 
 @pytest.fixture
 async def traced_gateway(otel: Collector, tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
-    """``await traced_gateway(objects, tracing=True, mirrored=True) -> (Gateway, ListSource)``
-    (``mirrored``: as ``gw_support.ListSource``); /demand needs
+    """``await traced_gateway(objects, tracing=True, mirrored=True, **config) -> (Gateway,
+    ListSource)`` (``mirrored``: as ``gw_support.ListSource``); /demand needs
     the token of ``gw.config.demand_token_file`` (``gw_support.demand_headers``)."""
     started: list[Gateway] = []
     token = tmp_path / "demand-token"
     token.write_text("demand-secret-for-tracing-tests\n")
 
     async def make(
-        items: list[Any], tracing: bool = True, mirrored: bool = True
+        items: list[Any], tracing: bool = True, mirrored: bool = True, **kw: Any
     ) -> tuple[Gateway, ListSource]:
         src = ListSource(list(items), mirrored=mirrored)
         cfg = GatewayConfig(
@@ -101,6 +102,7 @@ async def traced_gateway(otel: Collector, tmp_path: Path) -> AsyncIterator[Calla
             admin_port=0,
             replica="traced",
             demand_token_file=token,
+            **kw,
         )
         traces = TracingConfig(otel.endpoint, 1.0, "warmserve-gateway") if tracing else None
         gw = Gateway(cfg, src, tracing=traces)
@@ -228,6 +230,61 @@ async def test_a_held_request_has_a_hold_span_reported_in_demand(
     up = one(spans, service="warmserve-gateway", kind=CLIENT)
     assert up.start_ns >= hold.end_ns
     assert one(spans, service="warmserve-engine").parent == up.span_id
+
+
+async def test_hold_spans_follow_the_namespace_caps(
+    otel: Collector, traced_gateway: Any
+) -> None:
+    """Tenancy with tracing on: the held request is in /demand under its model with the
+    model's namespace and its hold span's traceparent; a request of the same namespace that
+    the per-namespace cap refuses (429) was never held: no hold span, nothing in /demand."""
+    objs = [
+        md("a1", "a1", [], namespace="team-a", max_hold_s=30),
+        md("a2", "a2", [], namespace="team-a", max_hold_s=30),
+    ]
+    gw, _ = await traced_gateway(
+        objs, anonymous_namespaces=("team-a",), max_held_per_namespace=1
+    )
+    api = gw.urls["api"] + "/v1/chat/completions"
+    held_tid, _, held_headers = _client_parent()
+    capped_tid, _, capped_headers = _client_parent()
+
+    async def post(s: aiohttp.ClientSession, model: str, headers: dict[str, str]) -> int:
+        async with s.post(api, json={**CHAT, "model": model}, headers=headers) as r:
+            await r.read()
+            return r.status
+
+    async with aiohttp.ClientSession() as s:
+        req = asyncio.create_task(post(s, "a1", held_headers))
+        await _until(lambda: gw.dispatcher.held_by_namespace.get("team-a") == 1, "a1 held")
+        assert await post(s, "a2", capped_headers) == 429
+        async with s.get(gw.urls["admin"] + "/demand", headers=demand_headers(gw)) as r:
+            report = await r.json()
+        req.cancel()  # the client leaves: the hold ends
+        with contextlib.suppress(asyncio.CancelledError):
+            await req
+    assert set(report["models"]) == {"a1"}
+    a1 = report["models"]["a1"]
+    assert a1["namespace"] == "team-a" and a1["held"] == 1
+    (tp,) = a1["traces"]
+    m = TRACEPARENT_RE.match(tp)
+    assert m is not None and m.group(1) == held_tid
+
+    def done(got: list[Any]) -> bool:
+        return any(x.name == "gateway.hold" for x in in_trace(got, held_tid)) and any(
+            x.kind == SERVER for x in in_trace(got, capped_tid)
+        )
+
+    spans = otel.wait_for(done, "the held and the capped request's spans")
+    hold = one(in_trace(spans, held_tid), name="gateway.hold")
+    assert hold.span_id == m.group(2) and hold.attributes["gen_ai.request.model"] == "a1"
+    assert hold.attributes["warmserve.hold.outcome"] == "answered_499"  # the client left
+    capped = in_trace(spans, capped_tid)
+    server = one(capped, service="warmserve-gateway", kind=SERVER)
+    assert server.attributes["http.response.status_code"] == 429
+    assert server.attributes["gen_ai.request.model"] == "a2"
+    assert server.attributes["warmserve.rejected"] == "queue_full"
+    assert not [x for x in capped if x.name == "gateway.hold"]
 
 
 async def test_the_operators_start_span_links_to_the_held_request(
