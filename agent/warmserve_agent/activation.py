@@ -256,6 +256,8 @@ class Activation(PrewarmSlots):
             engine_args=engine_args,
             host=self.engine_host,
             advertise_host=self.advertise_host,
+            traces_endpoint=self.traces[0],
+            trace_sample_ratio=self.traces[1],
         )
 
     def _abort_instance(self, inst: InstanceRec, why: str) -> None:

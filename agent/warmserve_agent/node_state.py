@@ -72,6 +72,7 @@ class NodeState:
         node_name: str = "node",
         engine_host: str = "127.0.0.1",
         advertise_host: str = "",
+        traces: tuple[str, float] = ("", 1.0),
         engines: Sequence[str] = (DEFAULT_ENGINE,),
         default_engine: str = "",
         engine_policy: EngineArgPolicy = DEFAULT_POLICY,
@@ -86,6 +87,7 @@ class NodeState:
         self.engine_policy = engine_policy  # what an Activate's engine_args may contain
         self.engine_host = engine_host  # where engines bind their HTTP endpoint
         self.advertise_host = advertise_host or engine_host  # what Activate returns
+        self.traces = traces  # engines' OTLP endpoint and sample ratio (EngineSpec)
         self.mm = mm
         self.store = store
         self.node_name = node_name

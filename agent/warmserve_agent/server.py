@@ -147,6 +147,7 @@ class AgentServer:
             node_name=cfg.node_name,
             engine_host=cfg.engine_host,
             advertise_host=cfg.advertise_host,
+            traces=(cfg.engine_traces_endpoint, cfg.engine_trace_sample_ratio),
             engines=cfg.engines,
             default_engine=cfg.default_engine,
             engine_policy=cfg.engine_policy,

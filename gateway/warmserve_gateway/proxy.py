@@ -30,9 +30,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from .holding import Dispatcher, ModelState
+from .holding import Dispatcher, ModelState, Rejected
 from .metrics import Metrics
 from .routing import Endpoint
+from .tracing import current as current_trace
 
 log = logging.getLogger("warmserve.gateway.proxy")
 
@@ -115,17 +116,28 @@ class Proxy:
         """Hold until an instance has room, forward, relay; one retry before the first byte."""
         avoid: frozenset[str] = frozenset()
         mm = self.metrics.model(st.model)
+        tr = current_trace()  # None unless tracing is on
         retried = first = False
         while True:
-            ep = await self.dispatcher.acquire(st, deadline, avoid, out.key)
+            try:
+                ep = await self.dispatcher.acquire(st, deadline, avoid, out.key)
+            except Rejected as exc:
+                if tr is not None:  # a cap (429), the hold deadline, the model gone
+                    tr.rejected(st.model, exc.code)
+                raise
+            if tr is not None:
+                tr.routed(st.model, ep, st.dep)
             if not first:
                 first = True
                 mm.queue_wait.observe(self.clock() - t0)
             mm.inflight.inc()
             try:
+                sent = out if tr is None else tr.upstream(ep, out)  # + the engine's traceparent
                 result = await self._attempt(
-                    request, st, ep, out, t0, last=retried, refusable=self.clock() < deadline
+                    request, st, ep, sent, t0, last=retried, refusable=self.clock() < deadline
                 )
+                if tr is not None:
+                    tr.upstream_done(getattr(result, "status", None))
             finally:
                 mm.inflight.dec()
                 self.dispatcher.release(st, ep)
@@ -142,7 +154,11 @@ class Proxy:
 
     def _ttft(self, model: str, stream: bool, t0: float) -> None:
         mm = self.metrics.model(model)
-        (mm.ttft_stream if stream else mm.ttft_unary).observe(self.clock() - t0)
+        ttft = self.clock() - t0
+        (mm.ttft_stream if stream else mm.ttft_unary).observe(ttft)
+        tr = current_trace()
+        if tr is not None:
+            tr.first_byte(ttft)
 
     def _failed(self, st: ModelState, ep: Endpoint, kind: str, exc: BaseException | str) -> None:
         self.metrics.upstream_errors.labels(st.model, kind).inc()

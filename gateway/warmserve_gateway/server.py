@@ -29,6 +29,8 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from warmserve_operator.gateway_demand import ModelDemand
 
+from warmserve.tracing import TracingConfig
+
 from .api import Api
 from .auth import ApiKeys
 from .catalog import Catalog
@@ -38,6 +40,7 @@ from .discovery import Scope, Source
 from .holding import Dispatcher
 from .metrics import Metrics
 from .proxy import Proxy, new_session
+from .tracing import GatewayTracing
 
 log = logging.getLogger("warmserve.gateway")
 
@@ -49,8 +52,10 @@ class Gateway:
         source: Source,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tracing: TracingConfig | None = None,
     ) -> None:
         self.config = config
+        self.tracing = GatewayTracing(tracing) if tracing is not None else None
         self.source = source
         self.metrics = metrics or Metrics()
         self.clock = clock
@@ -112,7 +117,12 @@ class Gateway:
 
     def _counts(self) -> dict[str, ModelDemand]:
         return {
-            m: ModelDemand(st.held, st.inflight, st.dep.spec.namespace)
+            m: ModelDemand(
+                st.held,
+                st.inflight,
+                st.dep.spec.namespace,
+                self.tracing.held_traces(m) if self.tracing else (),
+            )
             for m, st in self.dispatcher.models.items()
             if st.held or st.inflight
         }
@@ -123,6 +133,8 @@ class Gateway:
             # The start of a hold (e.g. a model at zero instances): what scale-from-zero
             # latency is measured from.
             log.info("event=holding model=%s", model)
+        if self.tracing is not None:
+            self.tracing.held_changed(model, held, self._last_held.get(model, 0))
         self._last_held[model] = held
         self.demand.held_changed(model, held)
 
@@ -148,7 +160,10 @@ class Gateway:
         return web.Response(text="ok\n")
 
     def public_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes,
+            middlewares=[self.tracing.middleware] if self.tracing is not None else [],
+        )
         Api(self).routes(app)
         return app
 
@@ -210,3 +225,5 @@ class Gateway:
         self._runners.clear()
         if getattr(self, "proxy", None) is not None:
             await self.proxy.session.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # export the spans still queued

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from warmserve import tracing
+
 
 def _size(text: str) -> int:
     """``4194304``, ``4MiB``, ``16KiB`` -> bytes, by the one size parser (warmserve.units)."""
@@ -164,6 +166,7 @@ def register(subparsers: Any) -> None:
         default="auto",
         help="asyncio event loop: uvloop (faster proxying) when installed with auto",
     )
+    tracing.add_arguments(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -220,12 +223,16 @@ def run(args: argparse.Namespace) -> int:
         )
     except ConfigError as exc:
         raise CliError(str(exc)) from exc
+    try:
+        traces = tracing.from_args(args, "warmserve-gateway")
+    except tracing.TracingConfigError as exc:
+        raise CliError(str(exc)) from None
     if config.api_keys is not None and not config.api_keys.exists():
         raise CliError(f"--api-keys: {config.api_keys} does not exist")
     runner = _loop_runner(args.event_loop)
     try:
         source = _source(config)
-        runner(_serve(config, source, args.address_file))
+        runner(_serve(config, source, args.address_file, traces))
     except ApiKeyError as exc:
         raise CliError(str(exc)) from exc
     return 0
@@ -270,14 +277,14 @@ def _source(config: Any) -> Any:
         ) from exc
 
 
-async def _serve(config: Any, source: Any, address_file: Path | None) -> None:
+async def _serve(config: Any, source: Any, address_file: Path | None, traces: Any = None) -> None:
     import asyncio
     import json
     import signal
 
     from warmserve_gateway.server import Gateway
 
-    gw = Gateway(config, source)
+    gw = Gateway(config, source, tracing=traces)
     await gw.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -42,6 +42,7 @@ import time
 from typing import Any
 
 from warmserve.engine_args import parse_engine_args
+from warmserve.tracing import traces_url, vllm_tracing_env
 from warmserve_agent.engine import EngineError, TtftWindow
 from warmserve_agent.engines.slotmem import SlotMemory
 from warmserve_agent.engines.spec import EngineSpec, EngineStats
@@ -353,6 +354,9 @@ class VllmEngine:
         # --kv-cache-memory-bytes.
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if spec.traces_endpoint:  # the agent's --otlp-traces-endpoint (never a tenant's arg)
+            argv += ["--otlp-traces-endpoint", traces_url(spec.traces_endpoint)]
+            os.environ.update(vllm_tracing_env(spec.trace_sample_ratio))
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
         engine_args = AsyncEngineArgs.from_cli_args(args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
