@@ -28,6 +28,7 @@ from warmserve.engine_args import (
     validate_engine_args,
 )
 from warmserve.policy.cluster import InstancePhase, WorkerState
+from warmserve_agent.engine import WeightsError
 from warmserve_agent.engines import DEFAULT_ENGINE, ENGINES
 from warmserve_agent.engines.spec import EngineProfile, EngineSpec, SlotRegion, TensorPlacement
 from warmserve_agent.memory import pages_for
@@ -212,8 +213,8 @@ class Activator:
                 raise
             except Exception as exc:
                 self.abort_instance(inst, f"engine failed to start: {exc}")
-                if "differ from the store" in str(exc):  # the slot's bytes are bad: keep it
-                    with chosen.lock:  # out of service until evicted
+                if isinstance(exc, WeightsError):  # the slot's bytes are bad: keep it out
+                    with chosen.lock:  # of service until evicted
                         chosen.state = SlotState.FAILED
                         chosen.message = f"weights failed verification: {exc}"
                     state.emit(EventKind.SLOT, chosen.slot_id, chosen.message)
