@@ -4,7 +4,7 @@ The conversions of GPU workers (their Figure 5 state, §4), prewarm slots (§4.1
 (with their lendable grace memory, Eq. 1) to protobuf live here, once, for ``Describe``, the
 ``Watch`` stream's objects and every RPC's answer.  The weight store's catalogue is re-scanned
 only when the store changed (a model added or removed) and at most every ``CATALOG_TTL_S``
-otherwise: with 1,000 models a scan per Describe made every operator poll slow (issue 16).
+otherwise: with 1,000 models a scan per Describe made every operator poll slow.
 
 :class:`Describer` is held by the servicer (:class:`~warmserve_agent.service.AgentService`)
 and handed to the handlers and the Watch hub, which answer with its messages.
@@ -146,7 +146,7 @@ class Describer:
     def _catalog(self) -> list[pb.ModelInfo]:
         """The weight store's models, re-scanned when the store changed (a model added or
         removed: see ``_catalog_stamp``) and at most every ``CATALOG_TTL_S`` otherwise: with
-        1,000 models a scan per Describe made every poll slow (issue 16)."""
+        1,000 models a scan per Describe made every poll slow."""
         store = self.core.store
         stamp = self._catalog_stamp()
         now = time.monotonic()

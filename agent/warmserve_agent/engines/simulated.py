@@ -9,7 +9,7 @@ Simplifications (docs/agent.md): one request's decode is paced independently of 
 admission reserves KV for prompt + max_tokens (so growth never overruns a shrunk cache); prefill
 waits until all layers are resident.
 
-Queue (issue 16): at most ``profile.max_waiting`` requests wait for admission (default 4 x the
+Queue: at most ``profile.max_waiting`` requests wait for admission (default 4 x the
 batch limit); more are refused at once with 429, and a request whose client disconnects while it
 waits or while it decodes is dropped (aiohttp cancels its handler), so abandoned requests never
 count as load.  Engine args: vLLM's (``--max-num-seqs`` caps the batch, ``--max-model-len``
