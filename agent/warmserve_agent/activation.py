@@ -31,7 +31,7 @@ from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent.engine import WeightsError
 from warmserve_agent.engines import DEFAULT_ENGINE, ENGINES
 from warmserve_agent.engines.spec import EngineProfile, EngineSpec, SlotRegion, TensorPlacement
-from warmserve_agent.memory import pages_for
+from warmserve_agent.memory import MemoryManager, pages_for
 from warmserve_agent.node_records import EngineFactory, EventKind, InstanceRec, Refusal, SlotRec
 from warmserve_agent.node_state import NodeState
 from warmserve_agent.prewarm_slots import Prewarmer
@@ -107,8 +107,9 @@ class Activator:
         """Start an instance of ``model`` on ``gpus`` (prewarm hit if a slot holds it) with
         ``engine`` (default: the node's) and vLLM-style ``engine_args``."""
         t0 = time.perf_counter()
-        state, page = self._state, self._state.page
-        mm = state.mm
+        state: NodeState = self._state
+        page = state.page
+        mm: MemoryManager = state.mm
         with state.lock:
             state.check_owner(owner)
             group = state.check_gpus(gpus)
@@ -239,7 +240,8 @@ class Activator:
         self, inst: InstanceRec, slot: SlotRec, engine_args: tuple[str, ...]
     ) -> EngineSpec:
         """What the engine needs to serve from the slot (typed; see engines/spec.py)."""
-        state, page = self._state, self._state.page
+        state: NodeState = self._state
+        page = state.page
         backend = state.mm.backend
         path = getattr(backend, "path", None)
         in_workers = getattr(backend, "in_workers", False)
@@ -307,7 +309,8 @@ class Activator:
     def abort_instance(self, inst: InstanceRec, why: str) -> None:
         """Tear an instance down after its engine failed or died (crash transition); the
         caller holds the state's lock."""
-        state, mm = self._state, self._state.mm
+        state: NodeState = self._state
+        mm: MemoryManager = state.mm
         state.instances.pop(inst.instance_id, None)  # first: loaders stop notifying it
         with contextlib.suppress(Exception):
             inst.engine.stop()

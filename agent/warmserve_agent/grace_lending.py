@@ -21,7 +21,7 @@ from typing import Any
 
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve.policy.proactive import reservation_target
-from warmserve_agent.memory import pages_for
+from warmserve_agent.memory import MemoryManager, pages_for
 from warmserve_agent.node_records import EventKind, InstanceRec, Refusal
 from warmserve_agent.node_state import NodeState
 from warmserve_agent.wire import SlotState
@@ -49,8 +49,9 @@ class GraceLender:
         """
         if inst.phase != InstancePhase.GRACE:
             return
-        state, page = self._state, self._state.page
-        mm = state.mm
+        state: NodeState = self._state
+        page = state.page
+        mm: MemoryManager = state.mm
         st = inst.engine.stats()
         inst.last_stats = st
         tp = len(inst.gpus)
@@ -76,7 +77,7 @@ class GraceLender:
                 state.emit(EventKind.INSTANCE, inst.instance_id, f"took back {grow} KV pages")
 
     def refresh_all(self) -> None:
-        state = self._state
+        state: NodeState = self._state
         with state.lock:
             for inst in list(state.instances.values()):
                 try:
@@ -87,7 +88,8 @@ class GraceLender:
                     )
 
     def lendable(self, instance_ids: Sequence[str] = ()) -> list[dict[str, Any]]:
-        state, page = self._state, self._state.page
+        state: NodeState = self._state
+        page = state.page
         with state.lock:
             ids = list(instance_ids) or [
                 i.instance_id for i in state.instances.values() if i.phase == InstancePhase.GRACE
@@ -123,7 +125,7 @@ class GraceLender:
 
     # ---- grace / end -----------------------------------------------------------------------
     def begin_grace(self, instance_id: str) -> InstanceRec:
-        state = self._state
+        state: NodeState = self._state
         with state.lock:
             inst = state.check_instance_id(instance_id)
             if inst.phase != InstancePhase.SERVING:
@@ -140,8 +142,8 @@ class GraceLender:
             return inst
 
     def end_instance(self, instance_id: str, evict_weights: bool = False) -> InstanceRec:
-        state = self._state
-        mm = state.mm
+        state: NodeState = self._state
+        mm: MemoryManager = state.mm
         with state.lock:
             inst = state.check_instance_id(instance_id)
             if inst.phase != InstancePhase.GRACE:

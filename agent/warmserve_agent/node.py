@@ -186,7 +186,7 @@ class NodeCore:
     # ---- failures --------------------------------------------------------------------------
     def worker_died(self, gpu: int) -> str | None:
         """The worker process of ``gpu`` died: drop the instance it hosted (if any)."""
-        state = self.state
+        state: NodeState = self.state
         with state.lock:
             iid = state.gpus[gpu].instance_id
             inst = state.instances.get(iid)
@@ -199,7 +199,7 @@ class NodeCore:
         """The memory of ``gpu`` died with its worker (memory owned by workers): drop every
         instance and slot touching it.  Returns (instance ids, slot ids) dropped.  The GPU
         refuses requests (UNAVAILABLE) until :meth:`gpu_restored`."""
-        state = self.state
+        state: NodeState = self.state
         with state.lock:
             state.gpus[gpu].available = False
             lost_insts = []
@@ -240,7 +240,7 @@ class NodeCore:
 
     def gpu_restored(self, gpu: int) -> None:
         """A new worker owns ``gpu``: open an empty page pool and accept requests again."""
-        state = self.state
+        state: NodeState = self.state
         with state.lock:
             state.mm.reopen_gpu(gpu)
             state.gpus[gpu].memory_bytes = state.mm.num_pages(gpu) * state.page
@@ -250,8 +250,8 @@ class NodeCore:
     # ---- introspection ---------------------------------------------------------------------
     def check(self) -> None:
         """Invariants beyond the page tables (tests call this after every step)."""
-        state = self.state
-        mm = state.mm
+        state: NodeState = self.state
+        mm: MemoryManager = state.mm
         with state.lock:
             mm.check()
             for g, rec in state.gpus.items():
@@ -273,7 +273,7 @@ class NodeCore:
                     assert mm.mapped_count(slot.slot_id, g) == inst.weight_pages + inst.kv_pages
 
     def shutdown(self) -> None:
-        state = self.state
+        state: NodeState = self.state
         with state.lock:
             for inst in list(state.instances.values()):
                 with contextlib.suppress(Exception):

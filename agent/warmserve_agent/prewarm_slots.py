@@ -24,7 +24,7 @@ from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent.engine import WeightsMismatch
 from warmserve_agent.grace_lending import GraceLender
 from warmserve_agent.loader import LoadCancelled, load_layers
-from warmserve_agent.memory import pages_for
+from warmserve_agent.memory import MemoryManager, pages_for
 from warmserve_agent.node_records import EventKind, Refusal, SlotRec
 from warmserve_agent.node_state import NodeState
 from warmserve_agent.wire import SlotState
@@ -42,8 +42,9 @@ class Prewarmer:
     # ---- prewarm ---------------------------------------------------------------------------
     def prewarm(self, model: str, gpus: Iterable[int], layers: int = 0, owner: str = "") -> SlotRec:
         """Admit a prewarm and start its loader; returns the (loading) slot."""
-        state, page = self._state, self._state.page
-        mm = state.mm
+        state: NodeState = self._state
+        page = state.page
+        mm: MemoryManager = state.mm
         with state.lock:
             state.check_owner(owner)
             group = state.check_gpus(gpus)
@@ -113,7 +114,7 @@ class Prewarmer:
 
     def _load(self, slot: SlotRec) -> None:
         """Loader thread: copy layers until the target is resident (target may grow)."""
-        state = self._state
+        state: NodeState = self._state
         base_bytes = slot.bytes_loaded
         base_s = slot.load_seconds
 
@@ -172,7 +173,7 @@ class Prewarmer:
 
     # ---- evict -----------------------------------------------------------------------------
     def evict(self, slot_id: str) -> tuple[SlotRec, int]:
-        state = self._state
+        state: NodeState = self._state
         with state.lock:
             slot = state.check_slot_id(slot_id)
             inst = state.instance_of_slot(slot_id)
