@@ -86,11 +86,16 @@ class WorkerFault:
     @classmethod
     def from_wire(cls, record: object) -> WorkerFault:
         """The record a worker sent; :class:`WorkerError` when it is not one this agent reads."""
-        if not isinstance(record, dict) or record.get("version") != PIPE_VERSION:
-            got = record.get("version") if isinstance(record, dict) else type(record).__name__
+        if not isinstance(record, dict):  # an earlier worker sent its error as text
             raise WorkerError(
-                f"the worker answered an error record of version {got!r}, this agent reads "
-                f"version {PIPE_VERSION}: it runs another install of warmserve; restart it"
+                f"the worker answered an error this agent cannot read ({str(record)[:500]}): "
+                "it runs another install of warmserve; restart it"
+            )
+        if record.get("version") != PIPE_VERSION:
+            raise WorkerError(
+                f"the worker answered an error record of version {record.get('version')!r}, "
+                f"this agent reads version {PIPE_VERSION}: it runs another install of "
+                "warmserve; restart it"
             )
         try:
             return cls(

@@ -328,7 +328,7 @@ class VllmEngine:
         self._ready = asyncio.Event()
         if self._layers >= spec.layers_total:
             self._ready.set()
-        # the agent applied its allowlist before starting us (Activation.check_engine)
+        # the agent applied its allowlist before starting us (Activator.check_engine)
         user = parse_engine_args(spec.engine_args, policy=None)
         argv = [
             "--model",
