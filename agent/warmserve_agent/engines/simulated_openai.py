@@ -126,7 +126,7 @@ class OpenAIServing:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/metrics", self._metrics_handler)
         # handler_cancellation: a client that disconnects cancels its handler, so a request
-        # abandoned while queued or decoding releases its place and KV at once (issue 16).
+        # abandoned while queued or decoding releases its place and KV at once.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, self.spec.host, self.spec.port)

@@ -11,7 +11,8 @@ another's, and a directory at a model's place that is not a model (no ``config.j
 refused rather than removed.  All of it under the node core's lock, so that installation and
 eviction never race prewarm admission.
 
-A layer of :class:`~warmserve_agent.sources.fetcher.ModelFetcher` (see that module's docstring).
+:class:`StoreInstall` is handed the store, the node core's lock and what the core uses; the
+fetcher holds it and hands it to the budget (which retires what it evicts) and the download.
 """
 
 from __future__ import annotations
@@ -32,20 +33,29 @@ from warmserve_agent.store import WeightStore
 
 class StoreInstall:
     """Where models live in the store and how a new copy replaces the old (see module
-    docstring); the state is set by :class:`~warmserve_agent.sources.fetcher.ModelFetcher`."""
+    docstring)."""
 
-    store: WeightStore
-    root: Path
-    settings: SourceSettings
-    registry: Registry
-    core_lock: threading.RLock
-    in_use: Callable[[], set[str]]
+    def __init__(
+        self,
+        store: WeightStore,
+        settings: SourceSettings,
+        registry: Registry,
+        *,
+        core_lock: threading.RLock,
+        in_use: Callable[[], set[str]],
+    ) -> None:
+        self.store = store
+        self.root = store.root
+        self._settings = settings
+        self._registry = registry
+        self.core_lock = core_lock  # the node core's lock: installation vs. prewarm admission
+        self._in_use = in_use
 
     # ---- store layout -----------------------------------------------------------------------
-    def _path(self, model: str) -> Path:
+    def path(self, model: str) -> Path:
         return self.store.model_path(model)
 
-    def _present_source(self, path: Path) -> str | None:
+    def present_source(self, path: Path) -> str | None:
         """None if absent; the recorded source ("" for a pre-filled model) if present."""
         if path.is_symlink():
             return "link:" + os.readlink(path)
@@ -55,55 +65,55 @@ class StoreInstall:
             return str(json.loads((path / MANIFEST).read_text()).get("source", ""))
         return ""
 
-    def _same_link(self, path: Path, uri: str) -> bool:
+    def same_link(self, path: Path, uri: str) -> bool:
         if not path.is_symlink():
             return False
         try:
-            src = open_source(uri, self.settings, self.registry)
+            src = open_source(uri, self._settings, self._registry)
         except SourceError:
             return False
         return src.in_place and os.path.realpath(path) == str(src.location())
 
     def _check_replaceable(self, model: str) -> None:
         """Caller holds core_lock: a copy in use (slot, instance) is never swapped under it."""
-        path = self._path(model)
-        if (path.exists() or path.is_symlink()) and model in self.in_use():
+        path = self.path(model)
+        if (path.exists() or path.is_symlink()) and model in self._in_use():
             raise FetchFailed(
                 "FAILED_PRECONDITION",
                 f"{model} was prewarmed or started from its previous copy while the new one was "
                 "fetched; evict it and retry",
             )
 
-    def _install_dir(self, model: str, staging: Path) -> None:
-        final = self._path(model)
+    def install_dir(self, model: str, staging: Path) -> None:
+        final = self.path(model)
         final.parent.mkdir(parents=True, exist_ok=True)
         with self.core_lock:
             self._check_replaceable(model)
-            trash = self._retire(model)
+            trash = self.retire(model)
             os.rename(staging, final)
             self.store.forget(model)
-        self._discard(trash)
+        self.discard(trash)
 
-    def _install_link(self, model: str, target: Path) -> None:
-        final = self._path(model)
+    def install_link(self, model: str, target: Path) -> None:
+        final = self.path(model)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}.link"
         os.symlink(target, tmp)
         with self.core_lock:
             try:
                 self._check_replaceable(model)
-                trash = self._retire(model)
+                trash = self.retire(model)
             except FetchFailed:
                 tmp.unlink()
                 raise
             os.rename(tmp, final)
             self.store.forget(model)
-        self._discard(trash)
+        self.discard(trash)
 
-    def _retire(self, model: str) -> Path | None:
+    def retire(self, model: str) -> Path | None:
         """Move the current copy of ``model`` (if any) out of the store; caller holds core_lock.
-        The trash directory to delete (:meth:`_discard`), None when there is none."""
-        path = self._path(model)
+        The trash directory to delete (:meth:`discard`), None when there is none."""
+        path = self.path(model)
         if path.is_symlink():
             path.unlink()
             return None
@@ -121,7 +131,7 @@ class StoreInstall:
         return trash
 
     @staticmethod
-    def _discard(trash: Path | None, *, wait: bool = False) -> None:
+    def discard(trash: Path | None, *, wait: bool = False) -> None:
         """Delete a retired copy: now (``wait``: its space is needed) or in the background."""
         if trash is None:
             return
