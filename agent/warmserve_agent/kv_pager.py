@@ -133,6 +133,12 @@ class KvPager:
             t.join(30)
 
 
+# Engines whose start touches KV memory on a GPU: vLLM's CUDA-graph warm-up runs attention over
+# block 0 of every layer before it serves.  Their KV is mapped before they start on CUDA (on the
+# simulated backend vLLM's CPU warm-up writes no KV: background there).
+KV_AT_START_ON_DEVICE = frozenset({"vllm"})
+
+
 @dataclass
 class KvMapping:
     """How this node maps KV ranges: the pager, whether in the background (default) or before
@@ -158,7 +164,7 @@ class KvMapping:
         kv = KvRange(mm, inst.slot_id, inst.weight_pages, n, len(inst.gpus), inst.engine, on_pages)
         mm.promise(inst.slot_id, n)
         inst.kv, inst.kv_pages_initial = kv, n
-        if self.background:
+        if self._background(inst):
             self.pager.track(kv)
         else:
             kv.run_to_completion()
@@ -180,7 +186,11 @@ class KvMapping:
                     "UNAVAILABLE", f"the engine reported an unusable KV layout: {exc}"
                 ) from None
         kv.ready()
-        if self.background:
+        if self._background(inst):
             self.pager.track(kv)
         else:
             kv.run_to_completion()
+
+    def _background(self, inst: InstanceRec) -> bool:
+        on_device = self.pager.mm.backend.name == "cuda"
+        return self.background and not (on_device and inst.engine_name in KV_AT_START_ON_DEVICE)

@@ -100,6 +100,7 @@ class SimulatedBackend:
         self._mm: dict[int, mmap.mmap] = {}
         self._files: dict[int, Path] = {}
         self._mmu: dict[int, dict[int, int]] = {}  # gpu -> {virtual page number: ppage}
+        self._used: dict[int, set[int]] = {}  # gpu -> physical pages mapped somewhere
         self._next_va: dict[int, int] = {}
         self._res: dict[int, dict[int, _Reservation]] = {}  # gpu -> {va: reservation}
         self._lock = threading.Lock()
@@ -124,6 +125,7 @@ class SimulatedBackend:
             os.close(fd)
         self._files[gpu] = path
         self._mmu[gpu] = {}
+        self._used[gpu] = set()
         self._res[gpu] = {}
         self._next_va[gpu] = _VA_START
         return n
@@ -163,15 +165,17 @@ class SimulatedBackend:
     def map(self, gpu: int, va: int, ppages: Sequence[int]) -> None:
         vfirst = va // self.page_bytes
         with self._lock:
-            mmu = self._mmu[gpu]
-            used = set(mmu.values())
+            mmu, used = self._mmu[gpu], self._used[gpu]
             for i, p in enumerate(ppages):
                 if vfirst + i in mmu:
                     raise RuntimeError(f"gpu {gpu}: virtual page {vfirst + i} already mapped")
                 if p in used:
                     raise RuntimeError(f"gpu {gpu}: physical page {p} already mapped")
+            if len(set(ppages)) != len(ppages):
+                raise RuntimeError(f"gpu {gpu}: a physical page mapped twice in one call")
             for i, p in enumerate(ppages):
                 mmu[vfirst + i] = p
+            used.update(ppages)
             self._note(gpu, vfirst, ppages)
         if self.map_s_per_page:
             time.sleep(self.map_s_per_page * len(ppages))
@@ -183,8 +187,9 @@ class SimulatedBackend:
             for v in range(vfirst, vfirst + npages):
                 if v not in mmu:
                     raise RuntimeError(f"gpu {gpu}: virtual page {v} is not mapped")
+            used = self._used[gpu]
             for v in range(vfirst, vfirst + npages):
-                del mmu[v]
+                used.discard(mmu.pop(v))
             self._note(gpu, vfirst, [None] * npages)
         if self.map_s_per_page:  # the driver's cost per page, as for map
             time.sleep(self.map_s_per_page * npages)
