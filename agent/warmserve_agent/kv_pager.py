@@ -37,6 +37,7 @@ class KvPager:
         self._mm = mm
         self._unmap_chunk = unmap_chunk
         self._threaded = thread  # False: the caller drives it with run_once (property tests)
+        self.yield_s = 0.001  # pause between chunks (see _round)
         self._cv = threading.Condition()
         self._ranges: list[KvRange] = []
         self._thread: threading.Thread | None = None
@@ -98,6 +99,10 @@ class KvPager:
                 with self._cv:
                     if kv in self._ranges:
                         self._ranges.remove(kv)
+            elif self._threaded:
+                # Python's locks are not fair: without a pause the next chunk would take the
+                # page tables' lock again before an activation waiting for it wakes up.
+                time.sleep(self.yield_s)
         try:
             self._mm.flush(limit=self._unmap_chunk)
         except Exception as exc:  # a GPU's memory owner died: gpu_lost drops its tables

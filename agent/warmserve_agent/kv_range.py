@@ -56,6 +56,7 @@ class KvRange:
         self.engine = engine
         self.on_pages = on_pages  # told the number of live KV pages after every change
         self.lock = threading.RLock()
+        self._stepping = threading.Lock()  # one mapper at a time (the pager, or inline)
         self.mapped: set[int] = set()
         self.granted = 0
         self.engine_ready = False  # the engine started: capacity changes may be sent
@@ -131,25 +132,41 @@ class KvRange:
     # ---- growth (the pager's thread, or inline when mapping synchronously) -----------------
     def step(self, max_pages: int | None = None) -> bool:
         """Map the next chunk of what ``target`` needs and grant what is covered; returns True
-        while work remains."""
-        with self.lock:
-            if self.cancelled or self.failed:
-                return False
-            size = max_pages or self._chunk
-            todo = self.missing(self.target, size + 1)
-            chunk = todo[:size]
+        while work remains.  The driver calls run without ``lock`` (one mapper at a time), so
+        the engine's start, a lending shrink or an end never wait for a chunk's maps."""
+        with self._stepping:
+            with self.lock:
+                if self.cancelled or self.failed:
+                    return False
+                size = max_pages or self._chunk
+                todo = self.missing(self.target, size + 1)
+                chunk = todo[:size]
             if chunk:
                 try:
                     self.mm.map_pages(self.slot_id, self.vpages(chunk))
-                except Exception as exc:  # the slot's GPU died meanwhile: stop, logged
-                    self.failed = f"mapping KV pages failed: {exc}"
+                except Exception as exc:  # the slot was dropped or its GPU died: stop, logged
+                    with self.lock:
+                        self.failed = f"mapping KV pages failed: {exc}"
                     log.warning("event=kv_map_failed slot=%s err=%s", self.slot_id, exc)
                     return False
-                self.mapped.update(chunk)
-                self._chunk = min(self._chunk * 2, 512)
-                self.on_pages(len(self.mapped))
-            self.grant()
-            return len(todo) > len(chunk) or (self.engine_ready and self.granted < self.target)
+            with self.lock:
+                if chunk:
+                    # the engine went away, or the target fell, while the chunk was mapped
+                    stale = (
+                        set(chunk)
+                        if self.cancelled
+                        else {p for p in chunk if self._need_of[p] >= self.target}
+                    )
+                    if stale and self.mm.has_slot(self.slot_id):
+                        self.mm.withdraw(self.slot_id, self.vpages(stale))
+                    if self.cancelled:
+                        return False
+                    self.mapped.update(set(chunk) - stale)
+                    self._chunk = min(self._chunk * 2, 256)
+                    self.on_pages(len(self.mapped))
+                self.grant()
+                more = len(todo) > len(chunk)
+                return more or (self.engine_ready and self.granted < self.target)
 
     def run_to_completion(self) -> None:
         """Map everything ``target`` needs now (synchronous mapping, and tests)."""

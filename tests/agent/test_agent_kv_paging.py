@@ -59,8 +59,12 @@ def cores(tmp_path: Path, root: Path) -> Iterator[list[NodeCore]]:
         c.mm.close()
 
 
-def _core(cores: list[NodeCore], tmp_path: Path, root: Path, **kw: object) -> NodeCore:
-    backend = SimulatedBackend(tmp_path / f"gpus{len(cores)}", page_bytes=PAGE)
+def _core(
+    cores: list[NodeCore], tmp_path: Path, root: Path, map_s: float = 0.0, **kw: object
+) -> NodeCore:
+    backend = SimulatedBackend(
+        tmp_path / f"gpus{len(cores)}", page_bytes=PAGE, map_s_per_page=map_s
+    )
     core = NodeCore(
         MemoryManager(backend),
         WeightStore(root),
@@ -121,6 +125,25 @@ def test_activation_returns_before_its_kv_is_mapped_and_capacity_follows_the_chu
     t.join(30)
     assert out and out[0][0] == 200, out
     assert eng.kv_violations() == 0
+
+
+def test_activation_does_not_wait_for_a_slow_driver(
+    cores: list[NodeCore], tmp_path: Path, root: Path
+) -> None:
+    """The pager's thread, a driver that takes 100 ms per page (the KV range: ~5.6 s)."""
+    core = _core(cores, tmp_path, root, map_s=0.1)
+    slot = core.prewarm("alpha", [0])
+    slot.loader.join()
+    t0 = time.monotonic()
+    inst, _ = core.activate("alpha", [0])
+    took = time.monotonic() - t0
+    assert inst.kv_pages < inst.kv_pages_initial, f"waited {took:.2f} s for the whole range"
+    status, _ = post_json(f"{inst.endpoint}/v1/completions", {"prompt": "a", "max_tokens": 4})
+    assert status == 200  # served from the first chunks
+    core.mm.backend.map_s_per_page = 0.0  # type: ignore[attr-defined]  # the rest: quickly
+    assert core.kv_idle(60) and inst.kv_pages == inst.kv_pages_initial
+    assert _engine(inst).stats().kv_capacity_bytes == inst.kv_pages_initial * PAGE
+    core.check()
 
 
 def test_synchronous_mapping_maps_everything_before_the_engine_starts(
