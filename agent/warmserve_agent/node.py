@@ -94,14 +94,18 @@ class NodeCore:
         self.pager = KvPager(mm, thread=kv_pager_thread)  # False: driven by hand (tests)
         self.state.kick_unmap = self.pager.kick
         self.lender = GraceLender(self.state, self.pager)
-        self.events = EventListener(self.lender.on_events)
+        try:
+            self.events: EventListener | None = EventListener(self.lender.on_events)
+        except OSError as exc:  # no writable temp dir: lending falls back to the slow timer
+            log.warning("event=engine_events_unavailable err=%s", exc)
+            self.events = None
         self.prewarmer = Prewarmer(self.state, self.lender)
         self.lender.restart_loader = self.prewarmer.start_loader
         self.activator = Activator(
             self.state,
             self.prewarmer,
             self.engine_settings,
-            KvMapping(self.pager, kv_background, self.events.address),
+            KvMapping(self.pager, kv_background, self.events.address if self.events else ""),
         )
 
     # ---- the records, read by the service, metrics and tests -------------------------------
@@ -303,7 +307,8 @@ class NodeCore:
 
     def shutdown(self) -> None:
         state: NodeState = self.state
-        self.events.close()
+        if self.events is not None:
+            self.events.close()
         with state.lock:
             for inst in list(state.instances.values()):
                 with contextlib.suppress(Exception):
