@@ -109,6 +109,7 @@ class Dispatcher:
         self.clock = clock
         self.retry_after_full_s = retry_after_full_s
         self.retry_after_timeout_s = retry_after_timeout_s
+        self._shed: Callable[[], Rejected] | None = None  # draining: nothing is held any more
 
     # ---- routes ----
 
@@ -156,6 +157,8 @@ class Dispatcher:
         """An endpoint with room for one request (counted as outstanding there), waiting in the
         model's queue until ``deadline`` (monotonic) if none has room now.  Raises
         :class:`Rejected` subclasses; a cancelled caller leaves the queue."""
+        if self._shed is not None:
+            raise self._shed()
         if not st.held:
             ep = pick(st.endpoints.values(), st.dep.spec.max_batch, self.clock(), avoid)
             if ep is not None:
@@ -201,6 +204,21 @@ class Dispatcher:
             elif not got and w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
                 # Dispatched in the same instant as the timeout/cancellation: give it back.
                 self.release(st, w.fut.result())
+
+    def shed(self, rejection: Callable[[], Rejected]) -> int:
+        """Answer every held request with ``rejection()``, and every later request too (the end
+        of a drain); returns how many were held."""
+        self._shed = rejection
+        shed = 0
+        for st in self.models.values():
+            for w in st.queue:
+                if w.queued and not w.fut.done():
+                    w.queued = False
+                    self._held(st, -1)
+                    w.fut.set_exception(rejection())
+                    shed += 1
+            st.queue.clear()
+        return shed
 
     def release(self, st: ModelState, ep: Endpoint) -> None:
         """A request forwarded to ``ep`` finished (or was never sent)."""

@@ -1,26 +1,36 @@
 """Forwarding one request to an engine and the answer back (issue 9 "Routing").
 
 * The request body goes unchanged (except ``model``, rewritten by the server when the client
-  named the deployment rather than ``spec.model.name``); hop-by-hop headers and the client's
-  ``Authorization`` (the gateway's API key, which engines must never see) are dropped.
+  named the deployment rather than ``spec.model.name``) to the canonical path of an allowlisted
+  route; the headers are :func:`.hygiene.request_headers` (hop-by-hop headers, the client's
+  ``Authorization`` and its forwarding headers dropped, the gateway's ``X-Forwarded-For`` set),
+  and the answer's :func:`.hygiene.response_headers` go back.
 * Answers with a ``Content-Length`` up to :data:`BUFFER_MAX` are read whole and sent in one
   piece; everything else — SSE streams in particular — is passed through *chunk by chunk* as the
   engine sends it (``readany``), never buffered.  Bytes are relayed as they are
   (``auto_decompress`` off).
 * **Retry once before the first byte**: when the engine cannot be reached, answers 502/503/504,
   or breaks the connection before the first body byte, the request goes once more to another
-  instance (the same one only if no other has room), and the failing instance is ejected for
-  ``eject_s`` if it refused the connection.  After the first byte reached the client nothing can
-  be retried: a break mid-stream aborts the client's connection, so the client sees an error
-  rather than a silently truncated answer.
+  instance (the same one only if no other has room), and the failing instance is ejected if it
+  refused the connection.  After the first byte reached the client nothing can be retried: a
+  break mid-stream aborts the client's connection, so the client sees an error rather than a
+  silently truncated answer.
+* **Time to first byte**: a streaming request's engine must send its first byte within
+  ``ttfb_s`` (its prefill), a non-streaming one — whose answer comes whole, after the
+  generation — within ``read_timeout_s``.  An engine that does not is ejected like a dead one
+  and the request is retried elsewhere (nothing reached the client yet), or, when that was the
+  retry, answered 504.
 * **A refused connection is not that retry**: the engine never saw the request, so it goes to
   another instance, or, when every instance refused (the operator ended them between two of this
   replica's discovery updates: a model scaled to zero), it is held like any request at a model
   without an instance — its held demand starts one — until the hold deadline.
+* Ejections double per consecutive failure of an instance, up to ``max_eject_s``
+  (:meth:`.routing.Endpoint.ejection_s`); an answer resets the count.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -31,29 +41,25 @@ import aiohttp
 from aiohttp import web
 
 from .holding import Dispatcher, ModelState
+from .hygiene import response_headers
 from .metrics import Metrics
 from .routing import Endpoint
 
 log = logging.getLogger("warmserve.gateway.proxy")
 
 BUFFER_MAX = 1024**2
-# Never forwarded (RFC 9110 §7.6.1 hop-by-hop, plus what the gateway owns).
-_DROP_REQUEST = frozenset(
-    {
-        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-        "trailer", "transfer-encoding", "upgrade", "host", "content-length", "authorization",
-        "expect",
-    }
-)  # fmt: skip
-_DROP_RESPONSE = frozenset(
-    {"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"}
-)
 _RETRY_STATUS = frozenset({502, 503, 504})
 _BROKEN = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
+# Nothing reached the engine: refused, or no connection within --connect-timeout.
+_UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 class UpstreamError(Exception):
     """Both attempts failed; the client gets 502 with this message."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """No first byte within the limit on the last attempt; the client gets 504."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,18 +67,10 @@ class Outgoing:
     """What is sent to the engine."""
 
     method: str
-    path_qs: str
+    path: str  # the canonical path of an allowlisted route (never the client's spelling)
     body: bytes
     headers: Mapping[str, str]
-    stream: bool  # the client asked for SSE (label of the TTFT histogram only)
-
-
-def request_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _DROP_REQUEST}
-
-
-def _response_headers(up: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in up.headers.items() if k.lower() not in _DROP_RESPONSE}
+    stream: bool  # the client asked for SSE: the first byte comes after the prefill
 
 
 def new_session(connect_timeout_s: float, read_timeout_s: float) -> aiohttp.ClientSession:
@@ -101,11 +99,17 @@ class Proxy:
         metrics: Metrics,
         eject_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        ttfb_s: float = 60.0,
+        read_timeout_s: float = 600.0,
+        max_eject_s: float = 60.0,
     ) -> None:
         self.session = session
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.eject_s = eject_s
+        self.max_eject_s = max_eject_s
+        self.ttfb_s = ttfb_s
+        self.read_timeout_s = read_timeout_s
         self.clock = clock
 
     async def forward(
@@ -150,6 +154,33 @@ class Proxy:
             st.model, ep.instance_id, ep.url, kind, str(exc) or type(exc).__name__,
         )  # fmt: skip
 
+    def _eject(self, st: ModelState, ep: Endpoint) -> None:
+        self.dispatcher.eject(st, ep, ep.ejection_s(self.eject_s, self.max_eject_s))
+
+    def _broken(
+        self, st: ModelState, ep: Endpoint, kind: str, exc: Exception, last: bool, refusable: bool
+    ) -> Any:
+        """The engine failed before the first byte: eject when it is unreachable or silent;
+        retry, hold (unreached) or raise."""
+        if isinstance(exc, aiohttp.ServerTimeoutError) and not isinstance(exc, _UNREACHED):
+            return self._late(st, ep, last, f"silent for {self.read_timeout_s:g} s ({exc})")
+        self._failed(st, ep, kind, exc)
+        if isinstance(exc, _UNREACHED):
+            self._eject(st, ep)
+            if refusable:  # before the hold deadline: try elsewhere or hold
+                return _REFUSED
+        if not last:
+            return _RETRY
+        raise UpstreamError(f"engine of {st.model!r} failed: {exc}") from exc
+
+    def _late(self, st: ModelState, ep: Endpoint, last: bool, why: str) -> Any:
+        """No first byte in time: a hung engine is ejected like a dead one."""
+        self._failed(st, ep, "ttfb_timeout", why)
+        self._eject(st, ep)
+        if not last:
+            return _RETRY
+        raise UpstreamTimeout(f"engine of {st.model!r} sent no first byte: {why}")
+
     async def _attempt(
         self,
         request: web.Request,
@@ -160,44 +191,46 @@ class Proxy:
         last: bool,
         refusable: bool = False,
     ) -> Any:
+        limit = self.ttfb_s if out.stream else self.read_timeout_s
+        timer = asyncio.timeout(limit)
+        up: aiohttp.ClientResponse | None = None
+        data: bytes | None = None
+        first = b""
         try:
-            up = await self.session.request(
-                out.method, ep.target(out.path_qs), data=out.body, headers=out.headers
-            )
-        except _BROKEN as exc:
-            self._failed(st, ep, "connect", exc)
-            if isinstance(exc, aiohttp.ClientConnectorError):
-                self.dispatcher.eject(st, ep, self.eject_s)
-                if refusable:  # before the hold deadline: try elsewhere or hold
-                    return _REFUSED
-            if not last:
-                return _RETRY
-            raise UpstreamError(f"engine of {st.model!r} failed: {exc}") from exc
-        try:
-            if up.status in _RETRY_STATUS and not last:
-                self._failed(st, ep, f"status_{up.status}", f"HTTP {up.status}")
-                return _RETRY
-            length = up.content_length
-            if length is not None and length <= BUFFER_MAX:
-                try:
-                    data = await up.read()
-                except _BROKEN as exc:
-                    self._failed(st, ep, "body", exc)
-                    if not last:
-                        return _RETRY
-                    raise UpstreamError(f"engine of {st.model!r} failed: {exc}") from exc
-                self._ttft(st.model, out.stream, t0)
-                return web.Response(status=up.status, body=data, headers=_response_headers(up))
             try:
-                first = await up.content.readany()
-            except _BROKEN as exc:
-                self._failed(st, ep, "body", exc)
-                if not last:
-                    return _RETRY
-                raise UpstreamError(f"engine of {st.model!r} failed: {exc}") from exc
+                async with timer:
+                    try:
+                        up = await self.session.request(
+                            out.method, ep.target(out.path), data=out.body, headers=out.headers
+                        )
+                    except _BROKEN as exc:
+                        return self._broken(st, ep, "connect", exc, last, refusable)
+                    if up.status in _RETRY_STATUS and not last:
+                        self._failed(st, ep, f"status_{up.status}", f"HTTP {up.status}")
+                        return _RETRY
+                    length = up.content_length
+                    try:
+                        if length is not None and length <= BUFFER_MAX:
+                            data = await up.read()
+                        else:
+                            first = await up.content.readany()
+                    except _BROKEN as exc:
+                        return self._broken(st, ep, "body", exc, last, False)
+            except TimeoutError:
+                if not timer.expired():
+                    raise
+                what = "--ttfb-timeout" if out.stream else "--read-timeout"
+                return self._late(st, ep, last, f"none within {limit:g} s ({what})")
+            ep.failures = 0
+            if data is not None:
+                self._ttft(st.model, out.stream, t0)
+                return web.Response(
+                    status=up.status, body=data, headers=response_headers(up.headers.items())
+                )
             return await self._relay(request, st, ep, up, first, out, t0)
         finally:
-            up.release()
+            if up is not None:
+                up.release()
 
     async def _relay(
         self,
@@ -209,7 +242,7 @@ class Proxy:
         out: Outgoing,
         t0: float,
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(status=up.status, headers=_response_headers(up))
+        resp = web.StreamResponse(status=up.status, headers=response_headers(up.headers.items()))
         await resp.prepare(request)
         if first:
             await resp.write(first)
