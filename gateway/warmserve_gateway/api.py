@@ -81,6 +81,8 @@ class Api:
         self.m = gw.metrics
         self.active = 0  # forwarded requests being handled (held, at an engine, or relayed)
         self._forwarded = frozenset(gw.config.forwarded_routes)
+        # Targets that are their own normal form (the common case skips normalisation).
+        self._exact = self._forwarded | {_MODELS, "/healthz"}
 
     def routes(self, app: web.Application) -> None:
         # One aiohttp route: the allowlist is matched on the normalised path (dispatch).
@@ -88,7 +90,8 @@ class Api:
         app.on_response_prepare.append(self._closing)
 
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
-        path = normalise_path(request.raw_path)
+        raw = request.raw_path
+        path = raw if raw in self._exact else normalise_path(raw)
         method = request.method
         if path in self._forwarded:
             if method == "POST":
@@ -208,6 +211,8 @@ class Api:
             return resp
         if request.content_length is None or request.content_length <= limit:
             try:
+                if request.content.is_eof():  # all there already (the common case)
+                    return await request.read()
                 async with asyncio.timeout(cfg.body_timeout_s):
                     return await request.read()
             except web.HTTPRequestEntityTooLarge:
@@ -277,7 +282,7 @@ class Api:
             request.method,
             path,
             body,
-            request_headers(request.headers.items(), request.remote, cfg.trusted_proxy_hops),
+            request_headers(request.headers, request.remote, cfg.trusted_proxy_hops),
             # Only a JSON true streams; anything else gets the non-streaming first-byte limit.
             doc is not None and doc.get("stream") is True,
         )

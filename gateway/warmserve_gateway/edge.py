@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice
 from typing import Any
 
 from aiohttp import web
@@ -109,10 +109,14 @@ def _head_size(msg: Any) -> int:
     """The bytes of a parsed head: ``METHOD target HTTP/1.1\\r\\n``, each ``name: value\\r\\n``
     and the empty line (optional whitespace beyond one space, which the parser drops, is not
     seen: it stays counted until the connection is idle, see :data:`_RESIDUE`)."""
-    size = len(msg.method) + len(msg.path) + 12
-    for name, value in msg.raw_headers:
-        size += len(name) + len(value) + 4
-    return size + 2
+    raw = msg.raw_headers
+    return (
+        len(msg.method)
+        + len(msg.path)
+        + 14
+        + sum(map(len, chain.from_iterable(raw)))
+        + (4 * len(raw))
+    )
 
 
 # What may stay counted once a request is answered without being a partial head: optional
@@ -187,28 +191,29 @@ class EdgeHandler(web.RequestHandler):
         before = _raw_size(body) if body is not None else 0
         queued = len(self._messages)
         super().data_received(data)
-        new = list(islice(self._messages, queued, None))
-        if body is not None and not new and not body.is_eof():
-            return  # the chunk continued a body
-        if any(getattr(m, "raw_headers", None) is None or m.chunked for m, _ in new):
-            # A parse error (aiohttp answers 400) or a chunked body (the API answers 411: a
-            # chunked body's framing is not told from head bytes): the connection ends after
-            # this answer, and nothing more is counted.
-            self._done = True
-            self.close()
-            return
-        head = len(data) - (_raw_size(body) - before if body is not None else 0)
-        for msg, payload in new:
-            head -= _raw_size(payload) + _head_size(msg)
-        self._pending = max(0, self._pending + head)
-        if new:
-            last = new[-1][1]
+        head = len(data)
+        if body is not None:
+            if len(self._messages) == queued and not body.is_eof():
+                return  # the chunk continued a body
+            head -= _raw_size(body) - before
+            self._body = None  # it ended in this chunk
+        if len(self._messages) > queued:
+            last: Any = None
+            for msg, payload in islice(self._messages, queued, None):
+                if getattr(msg, "raw_headers", None) is None or msg.chunked:
+                    # A parse error (aiohttp answers 400) or a chunked body (the API answers
+                    # 411: its framing is not told from head bytes): the connection ends after
+                    # this answer, and nothing more is counted.
+                    self._done = True
+                    self.close()
+                    return
+                head -= _raw_size(payload) + _head_size(msg)
+                last = payload
             self._body = None if last.is_eof() else last
             self._busy = True
             self._first = False
             self._disarm()
-        elif body is not None:
-            self._body = None  # it ended in this chunk
+        self._pending = max(0, self._pending + head)
         if self._pending > self._guard.limits.max_header_block_bytes:
             self._guard.reject("header_budget")
             self._end(

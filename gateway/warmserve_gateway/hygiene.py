@@ -26,7 +26,10 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
+
+# Headers as aiohttp hands them over (case-insensitive, repeatable).
+Headers = CIMultiDict[str] | CIMultiDictProxy[str] | MultiMapping[str]
 
 # A path segment: RFC 3986 pchar (unreserved, pct-encoded, sub-delims, ":" and "@").
 _SEGMENT = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|%[0-9A-Fa-f]{2})*")
@@ -77,47 +80,38 @@ _HOP_BY_HOP = frozenset(
 # What the gateway owns on the way to an engine: its framing (Host, Content-Length; Expect is
 # answered here), the client's API key, and forwarding headers a client could spoof.
 # Content-Encoding too: aiohttp decodes a compressed body, so the engine gets it decoded.
-_REQUEST_OWNED = frozenset(
-    {"host", "content-length", "expect", "authorization", "content-encoding", "forwarded",
-     "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-forwarded-port",
-     "x-forwarded-prefix", "x-real-ip"}
-)  # fmt: skip
-_RESPONSE_OWNED = frozenset({"content-length", "server", "date"})
+_REQUEST_DROP = _HOP_BY_HOP | {
+    "host", "content-length", "expect", "authorization", "content-encoding", "forwarded",
+    "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-forwarded-port",
+    "x-forwarded-prefix", "x-real-ip",
+}  # fmt: skip
+_RESPONSE_DROP = _HOP_BY_HOP | {"content-length", "server", "date"}
 
 
-def _connection_named(pairs: list[tuple[str, str, str]]) -> set[str]:
-    named: set[str] = set()
-    for _, value, low in pairs:
-        if low == "connection":
-            named.update(t.strip().lower() for t in value.split(","))
-    named.discard("")
-    return named
-
-
-def _filtered(headers: Iterable[tuple[str, str]], owned: frozenset[str]) -> tuple[
-    CIMultiDict[str], list[tuple[str, str, str]]
-]:  # fmt: skip
-    pairs = [(k, v, k.lower()) for k, v in headers]
-    named = _connection_named(pairs)
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v, low in pairs:
-        if low in _HOP_BY_HOP or low in owned or low in named or low.startswith("proxy-"):
-            continue
-        out.add(k, v)
-    return out, pairs
+def _kept(headers: Headers, drop: frozenset[str]) -> list[tuple[str, str]]:
+    """``headers`` without ``drop``, ``Proxy-*`` and every header a ``Connection`` names (as
+    pairs: aiohttp builds its own multidict from them)."""
+    named = [t.strip().lower() for v in headers.getall("Connection", ()) for t in v.split(",")]
+    if named:
+        drop = drop.union(named)
+    return [
+        (k, v)
+        for k, v in headers.items()
+        if (low := k.lower()) not in drop and not low.startswith("proxy-")
+    ]
 
 
 def forwarded_for(client_values: Iterable[str], peer: str | None, trusted_hops: int) -> str:
     """The ``X-Forwarded-For`` an engine gets: the last ``trusted_hops`` entries of the client's
     header (what the proxies in front of the gateway appended; anything before them is the
-    client's own, spoofable, and dropped), then the peer address of the connection.  Entries that
-    are not IP addresses become ``unknown``."""
+    client's own, spoofable, and dropped), then the peer address of the connection (from the
+    socket).  Entries that are not IP addresses become ``unknown``."""
     chain: list[str] = []
     if trusted_hops:
         entries = [e.strip() for v in client_values for e in v.split(",")]
         entries = [e for e in entries if e]
         chain = [e if _is_ip(e) else "unknown" for e in entries[-trusted_hops:]]
-    chain.append(peer if peer and _is_ip(peer) else "unknown")
+    chain.append(peer or "unknown")
     return ", ".join(chain)
 
 
@@ -130,19 +124,19 @@ def _is_ip(text: str) -> bool:
 
 
 def request_headers(
-    headers: Iterable[tuple[str, str]], peer: str | None, trusted_hops: int = 0
-) -> CIMultiDict[str]:
+    headers: Headers, peer: str | None, trusted_hops: int = 0
+) -> list[tuple[str, str]]:
     """The headers forwarded to an engine (see the module docstring)."""
-    out, pairs = _filtered(headers, _REQUEST_OWNED)
-    xff = [v for _, v, low in pairs if low == "x-forwarded-for"] if trusted_hops else []
-    out["X-Forwarded-For"] = forwarded_for(xff, peer, trusted_hops)
+    out = _kept(headers, _REQUEST_DROP)
+    xff = headers.getall("X-Forwarded-For", ()) if trusted_hops else ()
+    out.append(("X-Forwarded-For", forwarded_for(xff, peer, trusted_hops)))
     return out
 
 
-def response_headers(headers: Iterable[tuple[str, str]]) -> CIMultiDict[str]:
+def response_headers(headers: Headers) -> list[tuple[str, str]]:
     """The engine's headers sent on to the client: hop-by-hop ones dropped, and what aiohttp
     writes itself (framing, ``Server``, ``Date``)."""
-    return _filtered(headers, _RESPONSE_OWNED)[0]
+    return _kept(headers, _RESPONSE_DROP)
 
 
 # ---- JSON bodies ----

@@ -17,7 +17,9 @@
   silently truncated answer.
 * **Time to first byte**: a streaming request's engine must send its first byte within
   ``ttfb_s`` (its prefill), a non-streaming one — whose answer comes whole, after the
-  generation — within ``read_timeout_s``.  An engine that does not is ejected like a dead one
+  generation — within ``read_timeout_s``.  Both are aiohttp's per-read timeout (the answer's
+  head, then its first body byte, each within the limit; after that ``read_timeout_s`` between
+  chunks), so no timer is added per request.  An engine that does not is ejected like a dead one
   and the request is retried elsewhere (nothing reached the client yet), or, when that was the
   retry, answered 504.
 * **A refused connection is not that retry**: the engine never saw the request, so it goes to
@@ -30,10 +32,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +70,7 @@ class Outgoing:
     method: str
     path: str  # the canonical path of an allowlisted route (never the client's spelling)
     body: bytes
-    headers: Mapping[str, str]
+    headers: Sequence[tuple[str, str]]
     stream: bool  # the client asked for SSE: the first byte comes after the prefill
 
 
@@ -111,6 +112,12 @@ class Proxy:
         self.ttfb_s = ttfb_s
         self.read_timeout_s = read_timeout_s
         self.clock = clock
+        # A streaming request's read timeout is the time-to-first-byte limit until its first
+        # byte, then --read-timeout again (aiohttp's per-read timer: no extra timer per request).
+        base = self._unary_timeout = session.timeout
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=base.total, connect=base.connect, sock_connect=base.sock_connect, sock_read=ttfb_s
+        )
 
     async def forward(
         self, request: web.Request, st: ModelState, out: Outgoing, t0: float, deadline: float
@@ -158,12 +165,22 @@ class Proxy:
         self.dispatcher.eject(st, ep, ep.ejection_s(self.eject_s, self.max_eject_s))
 
     def _broken(
-        self, st: ModelState, ep: Endpoint, kind: str, exc: Exception, last: bool, refusable: bool
+        self,
+        st: ModelState,
+        ep: Endpoint,
+        kind: str,
+        exc: Exception,
+        last: bool,
+        refusable: bool,
+        stream: bool = False,
     ) -> Any:
         """The engine failed before the first byte: eject when it is unreachable or silent;
         retry, hold (unreached) or raise."""
         if isinstance(exc, aiohttp.ServerTimeoutError) and not isinstance(exc, _UNREACHED):
-            return self._late(st, ep, last, f"silent for {self.read_timeout_s:g} s ({exc})")
+            limit = f"{self.ttfb_s:g} s (--ttfb-timeout)" if stream else (
+                f"{self.read_timeout_s:g} s (--read-timeout)"
+            )  # fmt: skip
+            return self._late(st, ep, last, f"none within {limit}")
         self._failed(st, ep, kind, exc)
         if isinstance(exc, _UNREACHED):
             self._eject(st, ep)
@@ -191,42 +208,39 @@ class Proxy:
         last: bool,
         refusable: bool = False,
     ) -> Any:
-        limit = self.ttfb_s if out.stream else self.read_timeout_s
-        timer = asyncio.timeout(limit)
         up: aiohttp.ClientResponse | None = None
-        data: bytes | None = None
-        first = b""
         try:
             try:
-                async with timer:
-                    try:
-                        up = await self.session.request(
-                            out.method, ep.target(out.path), data=out.body, headers=out.headers
-                        )
-                    except _BROKEN as exc:
-                        return self._broken(st, ep, "connect", exc, last, refusable)
-                    if up.status in _RETRY_STATUS and not last:
-                        self._failed(st, ep, f"status_{up.status}", f"HTTP {up.status}")
-                        return _RETRY
-                    length = up.content_length
-                    try:
-                        if length is not None and length <= BUFFER_MAX:
-                            data = await up.read()
-                        else:
-                            first = await up.content.readany()
-                    except _BROKEN as exc:
-                        return self._broken(st, ep, "body", exc, last, False)
-            except TimeoutError:
-                if not timer.expired():
-                    raise
-                what = "--ttfb-timeout" if out.stream else "--read-timeout"
-                return self._late(st, ep, last, f"none within {limit:g} s ({what})")
-            ep.failures = 0
-            if data is not None:
-                self._ttft(st.model, out.stream, t0)
-                return web.Response(
-                    status=up.status, body=data, headers=response_headers(up.headers.items())
+                up = await self.session.request(
+                    out.method,
+                    ep.target(out.path),
+                    data=out.body,
+                    headers=out.headers,
+                    timeout=self._stream_timeout if out.stream else self._unary_timeout,
                 )
+            except _BROKEN as exc:
+                return self._broken(st, ep, "connect", exc, last, refusable, out.stream)
+            if up.status in _RETRY_STATUS and not last:
+                self._failed(st, ep, f"status_{up.status}", f"HTTP {up.status}")
+                return _RETRY
+            length = up.content_length
+            try:
+                if length is not None and length <= BUFFER_MAX:
+                    data = await up.read()
+                    ep.failures = 0
+                    self._ttft(st.model, out.stream, t0)
+                    return web.Response(
+                        status=up.status, body=data, headers=response_headers(up.headers)
+                    )
+                first = await up.content.readany()
+            except _BROKEN as exc:
+                return self._broken(st, ep, "body", exc, last, False, out.stream)
+            ep.failures = 0
+            if out.stream and up.connection is not None:
+                proto = up.connection.protocol
+                if proto is not None:  # the first byte came: silence limit back to normal
+                    proto.read_timeout = self.read_timeout_s
+                    proto.start_timeout()
             return await self._relay(request, st, ep, up, first, out, t0)
         finally:
             if up is not None:
@@ -242,7 +256,7 @@ class Proxy:
         out: Outgoing,
         t0: float,
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(status=up.status, headers=response_headers(up.headers.items()))
+        resp = web.StreamResponse(status=up.status, headers=response_headers(up.headers))
         await resp.prepare(request)
         if first:
             await resp.write(first)
