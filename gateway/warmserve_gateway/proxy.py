@@ -1,4 +1,4 @@
-"""Forwarding one request to an engine and the answer back (issue 9 "Routing").
+"""Forwarding one request to an engine and the answer back (docs/gateway.md "Routing").
 
 * The request body goes unchanged (except ``model``, rewritten by the server when the client
   named the deployment rather than ``spec.model.name``) to the canonical path of an allowlisted
