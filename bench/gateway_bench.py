@@ -196,13 +196,29 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             }
             for k, inst in enumerate(instances)
         ]
+        # the agent's records (what the operator mirrors into its GPUNode): the gateway routes
+        # only to instances a GPUNode lists
+        mds.append(
+            {
+                "apiVersion": "warmserve.io/v1alpha1",
+                "kind": "GPUNode",
+                "metadata": {"name": "bench-node"},
+                "spec": {"agentAddress": agent_addr},
+                "status": {
+                    "instances": [
+                        {"id": inst.instance_id, "model": f"bench-{k}", "endpoint": inst.endpoint}
+                        for k, inst in enumerate(instances)
+                    ]
+                },
+            }
+        )
         (tmp / "models.json").write_text(json.dumps(mds))
         addr = tmp / "gw.json"
         gateway = subprocess.Popen(
             [sys.executable, "-m", "warmserve", "gateway", "--models-file",
              str(tmp / "models.json"), "--host", "127.0.0.1", "--port", "0",
              "--admin-host", "127.0.0.1", "--admin-port", "0", "--address-file", str(addr),
-             "--log-level", "warning"],
+             "--anonymous-namespace", "bench", "--log-level", "warning"],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         procs.append(gateway)

@@ -16,43 +16,41 @@ to vLLM's parser unchanged; the ``simulated`` engine honours ``--max-num-seqs`` 
 
 Forms accepted (as vLLM's ``FlexibleArgumentParser``): ``--flag value``, ``--flag=value``,
 underscores for dashes (``--max_model_len``), boolean flags without a value, ``--no-<flag>`` for
-boolean-optional flags, and ``--<json-arg>.<key> value`` for JSON config arguments.
+boolean-optional flags, and ``--<json-arg>.<key> value`` for JSON config arguments.  A value may
+not start with ``-`` (but for a negative integer): vLLM's parser would read it as an option.
 
-Arguments warmserve sets itself (the model, the weights' loader, parallelism, memory sizing,
-device) are refused with the reason (:data:`MANAGED`).
+Who may set what is :mod:`warmserve.engine_arg_policy`: tenants get an allowlist of dests, the
+admin widens it; arguments warmserve sets itself (the model, the weights' loader, parallelism,
+memory sizing, device) are refused with the reason (:data:`MANAGED`) under any policy.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from warmserve.engine_arg_policy import DEFAULT_POLICY, MANAGED, EngineArgPolicy, KeyKind, Rule
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "ENGINE_NAMES",
+    "MANAGED",
+    "EngineArgPolicy",
+    "EngineArgsError",
+    "load_schema",
+    "parse_engine_args",
+    "validate_engine_args",
+]
+
 SCHEMA_FILE = "vllm_engine_args.json"
 # Engine names of the node agent's registry (warmserve_agent.engines.ENGINES, checked equal by a
 # test): here so the operator and the gateway can validate spec.engine.name without the agent.
 ENGINE_NAMES = ("simulated", "vllm")
-
-# dest -> why warmserve owns it
-MANAGED: dict[str, str] = {
-    "model": "the model is spec.model.name",
-    "served_model_name": "instances are served under spec.model.name",
-    "load_format": "weights are loaded from the prewarm slot by warmserve's loader",
-    "model_loader_extra_config": "weights are loaded from the prewarm slot by warmserve's loader",
-    "download_dir": "weights come from the node's weight store",
-    "tensor_parallel_size": "set spec.tensorParallel instead",
-    "pipeline_parallel_size": "warmserve places one instance on one node's GPU group",
-    "data_parallel_size": "scale with instances (spec.minInstances/maxInstances) instead",
-    "distributed_executor_backend": "the engine runs in warmserve's pooled worker process",
-    "worker_cls": "the engine runs in warmserve's pooled worker process",
-    "gpu_memory_utilization": "the KV cache is sized to the slot's pages by the agent",
-    "kv_cache_memory_bytes": "the KV cache is sized to the slot's pages by the agent",
-    "num_gpu_blocks_override": "the KV cache is sized to the slot's pages by the agent",
-    "enable_sleep_mode": "the agent owns the memory (prewarm slots), not vLLM's sleep mode",
-}
 
 
 class EngineArgsError(ValueError):
@@ -80,6 +78,7 @@ class Option:
 class Schema:
     vllm_version: str
     options: tuple[Option, ...]
+    quantization_methods: tuple[str, ...] = ()  # vLLM's built-in methods
 
     @functools.cached_property
     def by_flag(self) -> dict[str, Option]:
@@ -90,6 +89,10 @@ class Schema:
                 if o.kind == "bool_optional" and f.startswith("--"):
                     out["--no-" + f[2:]] = o
         return out
+
+    @functools.cached_property
+    def dests(self) -> frozenset[str]:
+        return frozenset(o.dest for o in self.options)
 
 
 @functools.cache
@@ -107,15 +110,27 @@ def load_schema() -> Schema:
             )
             for o in raw["options"]
         ),
+        tuple(raw.get("quantization_methods") or ()),
     )
 
 
 _INT_RE = re.compile(r"^[+-]?\d+$")
 # vLLM's human_readable_int: 1k, 25.6k, 2M, 1Ki (binary), ...
 _HUMAN_INT_RE = re.compile(r"^\d+(?:\.\d+)?[kKmMgGtT]i?$")
+# What argparse takes as a value although it starts with "-" (vLLM has no such option).  Not
+# decimals: vLLM's parser reads any "-" token with a "." in it as a --json-arg.key option.
+_NEGATIVE_INT_RE = re.compile(r"^-\d+$")
+
+
+def _option_like(tok: str) -> bool:
+    return tok.startswith("-") and not _NEGATIVE_INT_RE.match(tok)
 
 
 def _convert(opt: Option, flag: str, value: str) -> Any:
+    if _option_like(value):
+        raise EngineArgsError(
+            flag, f"value {value!r} starts with '-' (vLLM would read it as an option)"
+        )
     if opt.choices is not None and value not in opt.choices:
         raise EngineArgsError(
             flag, f"invalid choice {value!r} (choose from {', '.join(opt.choices)})"
@@ -146,10 +161,83 @@ def _lookup(flag: str, schema: Schema) -> tuple[Option | None, str]:
     return opt, norm
 
 
+# ---- the tenant rules on values --------------------------------------------------------------
+def _dotted_value(value: str) -> Any:
+    """A ``--json-arg.key value`` value as vLLM's parser reads it: JSON, else the string."""
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _kind_ok(kind: KeyKind, value: Any) -> bool:
+    if isinstance(kind, frozenset):
+        return isinstance(value, str) and value in kind
+    if kind == "int":
+        if isinstance(value, str):
+            return bool(_INT_RE.match(value) or _HUMAN_INT_RE.match(value))
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return (
+            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        )
+    if kind == "int_list":
+        return isinstance(value, list) and all(_kind_ok("int", v) for v in value)
+    return False
+
+
+def _describe(kind: KeyKind) -> str:
+    if isinstance(kind, frozenset):
+        return "one of " + ", ".join(sorted(kind))
+    return {"int": "an integer", "number": "a number", "int_list": "a list of integers"}[kind]
+
+
+def _check_key(flag: str, rule: Rule, key: str, value: Any) -> None:
+    keys = rule.keys or {}
+    if key not in keys:
+        raise EngineArgsError(
+            flag,
+            f"key {key!r} is not allowed for tenants (allowed keys: {', '.join(sorted(keys))}); "
+            "other keys can name code or paths",
+        )
+    if not _kind_ok(keys[key], value):
+        raise EngineArgsError(flag, f"{key} must be {_describe(keys[key])}, got {value!r}")
+
+
+def _check_rule(flag: str, rule: Rule, value: Any, schema: Schema) -> None:
+    """A whole value (``--flag value``) against a tenant :class:`Rule`."""
+    allowed = rule.values
+    if rule.schema_values:
+        allowed = frozenset(getattr(schema, rule.schema_values))
+    if allowed is not None:
+        if not isinstance(value, str) or value not in allowed:
+            raise EngineArgsError(
+                flag,
+                f"{value!r} is not allowed for tenants (allowed: {', '.join(sorted(allowed))})",
+            )
+        return
+    if rule.keys is not None:
+        obj = value
+        if isinstance(value, str):
+            try:
+                obj = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise EngineArgsError(flag, f"expects a JSON object ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise EngineArgsError(flag, f"expects a JSON object, got {value!r}")
+        for k, v in obj.items():
+            _check_key(flag, rule, k, v)
+
+
+# ---- parsing ---------------------------------------------------------------------------------
 def parse_engine_args(
-    args: list[str] | tuple[str, ...], schema: Schema | None = None
+    args: list[str] | tuple[str, ...],
+    schema: Schema | None = None,
+    policy: EngineArgPolicy | None = DEFAULT_POLICY,
 ) -> dict[str, Any]:
-    """Validate ``args`` against vLLM's schema; return ``{dest: value}`` (typed best-effort).
+    """Validate ``args`` against vLLM's schema and ``policy`` (None: the schema and
+    :data:`MANAGED` only, for code that runs after the policy was applied); return
+    ``{dest: value}`` (typed best-effort).
 
     Raises :class:`EngineArgsError` naming the first bad argument."""
     schema = schema or load_schema()
@@ -158,17 +246,17 @@ def parse_engine_args(
     args = list(args)
     while i < len(args):
         tok = args[i]
-        if not isinstance(tok, str) or not tok.startswith("-") or tok in ("-", "--"):
+        if not isinstance(tok, str) or not _option_like(tok) or tok in ("-", "--"):
             raise EngineArgsError(
                 str(tok), "expected an option such as --max-model-len (values follow their option)"
             )
         flag, eq, inline = tok.partition("=")
         key_suffix = ""
         opt, norm = _lookup(flag, schema)
-        if opt is None and "." in flag:  # --compilation-config.level 0
+        if opt is None and "." in flag:  # --compilation-config.mode 0
             base, _, key_suffix = flag.partition(".")
             opt, norm = _lookup(base, schema)
-            if opt is not None and opt.kind not in ("json", "str"):
+            if opt is not None and (opt.kind not in ("json", "str") or opt.choices is not None):
                 opt = None
         if opt is None:
             raise EngineArgsError(
@@ -178,13 +266,19 @@ def parse_engine_args(
             )
         if opt.dest in MANAGED:
             raise EngineArgsError(flag, f"set by warmserve: {MANAGED[opt.dest]}")
+        rule: Rule | None = None
+        if policy is not None:
+            allowed, rule, why = policy.rule(opt.dest)
+            if not allowed:
+                raise EngineArgsError(flag, why)
         if not opt.takes_value and not key_suffix:
-            if eq:
-                if opt.kind != "bool_optional" or inline.lower() not in ("true", "false"):
-                    raise EngineArgsError(flag, "is a switch and takes no value")
-                out[opt.dest] = inline.lower() == "true"
-            else:
-                out[opt.dest] = not norm.startswith("--no-")
+            if eq:  # vLLM's parser refuses --enforce-eager=true too
+                use = f"{norm} alone"
+                if opt.kind == "bool_optional" and norm.startswith("--"):
+                    base = norm[2:].removeprefix("no-")
+                    use = f"--{base} or --no-{base}"
+                raise EngineArgsError(flag, f"is a switch and takes no value (use {use})")
+            out[opt.dest] = not norm.startswith("--no-")
             i += 1
             continue
         if eq:
@@ -193,7 +287,7 @@ def parse_engine_args(
         else:
             values = []
             i += 1
-            while i < len(args) and not (args[i].startswith("--") and len(args[i]) > 2):
+            while i < len(args) and not _option_like(args[i]):
                 values.append(args[i])
                 i += 1
                 if opt.nargs not in ("+", "*"):
@@ -201,19 +295,30 @@ def parse_engine_args(
             if not values and opt.nargs not in ("*", "?"):
                 raise EngineArgsError(flag, "expects a value")
         if key_suffix:
+            if rule is not None and rule.keys is None:
+                raise EngineArgsError(flag, f"{norm} takes no JSON keys")
             cur = out.setdefault(opt.dest, {})
             if not isinstance(cur, dict):
                 raise EngineArgsError(flag, f"{norm} was already given as a whole")
-            try:
-                cur[key_suffix] = json.loads(values[0])
-            except json.JSONDecodeError:
-                cur[key_suffix] = values[0]
+            value: Any = _dotted_value(values[0])
+            key = key_suffix
+            if key.endswith("+"):  # --json-arg.key+ a,b: vLLM appends the items to a list
+                key, value = key[:-1], values[0].split(",")
+            if rule is not None:
+                _check_key(flag, rule, key, value)
+            cur[key_suffix] = value
             continue
         conv = [_convert(opt, flag, v) for v in values]
+        if rule is not None:
+            for v in conv:
+                _check_rule(flag, rule, v, schema)
         out[opt.dest] = conv if opt.nargs in ("+", "*") else (conv[0] if conv else None)
     return out
 
 
-def validate_engine_args(args: list[str] | tuple[str, ...]) -> None:
-    """Raise :class:`EngineArgsError` (naming the argument) if any argument is unusable."""
-    parse_engine_args(args)
+def validate_engine_args(
+    args: list[str] | tuple[str, ...], policy: EngineArgPolicy = DEFAULT_POLICY
+) -> None:
+    """Raise :class:`EngineArgsError` (naming the argument) if any argument is unusable or not
+    allowed by ``policy`` (default: the tenant allowlist)."""
+    parse_engine_args(args, policy=policy)

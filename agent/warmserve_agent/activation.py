@@ -33,7 +33,9 @@ class Activation(PrewarmSlots):
     # ---- activate --------------------------------------------------------------------------
     def check_engine(self, engine: str, args: Sequence[str]) -> str:
         """The engine an Activate names (default: the node's), refused unless it is hosted here
-        and ``args`` pass the engine-args schema; no state is read or changed."""
+        and ``args`` pass the engine-args schema and this node's allowlist (the same the
+        operator admits deployments with: a call that bypasses the operator, or an operator
+        with a wider list, still cannot start an engine with them); no state is changed."""
         name = engine or self.default_engine
         if name not in ENGINES:
             raise Refusal(
@@ -46,7 +48,7 @@ class Activation(PrewarmSlots):
                 f"{', '.join(self.engines)}; start the agent with --engines including {name})",
             )
         try:
-            validate_engine_args(list(args))
+            validate_engine_args(list(args), self.engine_policy)
         except EngineArgsError as exc:
             raise Refusal("INVALID_ARGUMENT", str(exc)) from None
         return name

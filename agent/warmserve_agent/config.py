@@ -13,7 +13,9 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from warmserve.engine_args import DEFAULT_POLICY, EngineArgPolicy
 from warmserve.units import SizeError, parse_size
+from warmserve_agent.sources.disk_reserve import DEFAULT_RESERVE, DiskReserve
 
 FENCING_FILE = ".warmserve-fencing.json"  # hidden: the store's catalogue skips it
 _GPUS_RE = re.compile(r"^\s*(\d+)\s*x\s*(.+)$")
@@ -60,12 +62,19 @@ class AgentConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     client_ca: Path | None = None
+    # Mutual TLS: client certificates allowed to call everything (CN=... or URI SANs; empty:
+    # warmserve_agent.auth.DEFAULT_CALLER_ID, the operator's) and allowed to read only.
+    client_ids: tuple[str, ...] = ()
+    reader_ids: tuple[str, ...] = ()
     token_file: Path | None = None
     # Fencing tokens (warmserve_agent.fencing): where the highest operator leadership term seen
     # is kept across restarts (None: <model_dir>/.warmserve-fencing.json, the node's persistent
     # store), and whether a mutating call without a token is refused.
     fencing_file: Path | None = None
     require_fencing_token: bool = False
+    # How far one call may raise the fence (warmserve_agent.fencing.Bounds).
+    fencing_max_skew_s: float = 300.0
+    fencing_max_term_jump: int = 1024
     # Accept serving the API on a non-loopback address with no authentication (logged loudly).
     allow_insecure_listen: bool = False
     metrics_port: int | None = None
@@ -88,6 +97,7 @@ class AgentConfig:
     # Filling the store from model sources (warmserve_agent.sources): budget 0 = the disk's free
     # space only; the token and credentials come from files/environment, never from a request.
     store_budget_bytes: int = 0
+    store_reserve: DiskReserve = DEFAULT_RESERVE  # free disk a fetch never takes
     fetch_attempts: int = 3
     fetch_backoff_s: float = 1.0
     hf_endpoint: str = ""
@@ -98,6 +108,9 @@ class AgentConfig:
     allowed_paths: tuple[Path, ...] = ()
     engines: tuple[str, ...] = ("simulated",)  # what workers preload and may host
     default_engine: str = ""  # for Activate calls naming none (default: engines[0])
+    # What an Activate's engine_args may contain (--allow-engine-arg; docs/security.md): checked
+    # here again although the operator admits deployments with the same allowlist.
+    engine_policy: EngineArgPolicy = DEFAULT_POLICY
 
     @property
     def fencing_path(self) -> Path:

@@ -98,7 +98,8 @@ class AgentCollector(Collector):
     def _fencing(self, node: str) -> Iterator[object]:
         fenced = CounterMetricFamily(
             "warmserve_agent_fenced_calls",
-            "Calls refused for a stale fencing token (a deposed operator leader) or none",
+            "Calls refused for a stale fencing token (a deposed operator leader), none, or an "
+            "implausible one (reason future/jump)",
             labels=["node", "method", "reason"],
         )
         for (method, reason), n in sorted(self.fence.refused.items()):
@@ -111,3 +112,10 @@ class AgentCollector(Collector):
         )
         token.add_metric([node], self.fence.highest)
         yield token
+        resets = CounterMetricFamily(
+            "warmserve_agent_fence_resets",
+            "Fences an admin reset (warmserve agent reset-fence) while this agent ran",
+            labels=["node"],
+        )
+        resets.add_metric([node], self.fence.resets)
+        yield resets

@@ -22,6 +22,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
+from warmserve.engine_args import DEFAULT_POLICY, EngineArgPolicy
 from warmserve.policy.cluster import WorkerState
 from warmserve_agent.engines import DEFAULT_ENGINE, ENGINES
 from warmserve_agent.memory import MemoryManager
@@ -73,6 +74,7 @@ class NodeState:
         advertise_host: str = "",
         engines: Sequence[str] = (DEFAULT_ENGINE,),
         default_engine: str = "",
+        engine_policy: EngineArgPolicy = DEFAULT_POLICY,
     ) -> None:
         unknown = [e for e in engines if e not in ENGINES]
         if unknown or not engines:
@@ -81,6 +83,7 @@ class NodeState:
         self.default_engine = default_engine or self.engines[0]
         if self.default_engine not in self.engines:
             raise ValueError(f"default engine {self.default_engine!r} is not in {self.engines}")
+        self.engine_policy = engine_policy  # what an Activate's engine_args may contain
         self.engine_host = engine_host  # where engines bind their HTTP endpoint
         self.advertise_host = advertise_host or engine_host  # what Activate returns
         self.mm = mm

@@ -2,10 +2,11 @@
 
 :class:`AgentServer` is what ``warmserve agent`` runs and what the tests start on loopback.
 Security: with ``tls_cert``/``tls_key`` the server speaks TLS; with ``client_ca`` it requires
-client certificates signed by that CA (mutual TLS) — the TLS handshake itself refuses clients
-without one.  With a token file every call except the standard health service must carry
-``authorization: Bearer <token>`` or is refused with UNAUTHENTICATED (health stays open for
-kubelet probes).
+client certificates signed by that CA with the clientAuth usage (mutual TLS) — the TLS handshake
+itself refuses clients without one — and naming an allowed identity (``client_ids``,
+``reader_ids``; :class:`~warmserve_agent.auth.IdentityInterceptor`).  With a token file every
+call except the standard health service must carry ``authorization: Bearer <token>`` or is
+refused with UNAUTHENTICATED (health stays open for kubelet probes).
 
 Its parts: the settings (:mod:`~warmserve_agent.config`), who may call the API
 (:mod:`~warmserve_agent.auth`), which memory backend serves the page pools
@@ -27,9 +28,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
-from warmserve_agent.auth import TokenInterceptor, check_exposure
+from warmserve_agent.auth import (
+    ClientIdentities,
+    IdentityInterceptor,
+    TokenInterceptor,
+    check_exposure,
+)
 from warmserve_agent.config import AgentConfig, ConfigError
-from warmserve_agent.fencing import Fence, FenceError
+from warmserve_agent.fencing import Bounds, Fence, FenceError
 from warmserve_agent.memory import MemoryManager
 from warmserve_agent.memory_setup import (
     cuda_gpu_sizes,
@@ -44,7 +50,7 @@ from warmserve_agent.shm import MemoryDir, MemoryDirBusy, remove_stale
 from warmserve_agent.sources import SourceSettings
 from warmserve_agent.sources.fetch_records import FetchStatus
 from warmserve_agent.sources.fetcher import ModelFetcher
-from warmserve_agent.store import WeightStore
+from warmserve_agent.store import StoreError, WeightStore
 
 log = logging.getLogger("warmserve.agent")
 
@@ -83,9 +89,11 @@ class AgentServer:
     async def _start(self) -> AgentServer:
         cfg = self.cfg
         exposure_warning = check_exposure(cfg)  # before anything is started
+        identities = self._identities()
         try:  # a fence it cannot read: refuse to start rather than forget it
-            self.fence = Fence(cfg.fencing_path, cfg.require_fencing_token)
-        except FenceError as exc:
+            bounds = Bounds(cfg.fencing_max_skew_s, cfg.fencing_max_term_jump)
+            self.fence = Fence(cfg.fencing_path, cfg.require_fencing_token, bounds)
+        except (FenceError, ValueError) as exc:
             raise ConfigError(str(exc)) from None
         in_workers = memory_in_workers(cfg)
         if in_workers and not cfg.use_workers:
@@ -126,6 +134,10 @@ class AgentServer:
 
         backend = make_backend(cfg, self.pool, memdir)
         store = WeightStore(cfg.model_dir, host_cache_bytes=cfg.host_cache_bytes)
+        try:
+            await asyncio.to_thread(store.upgrade_layout)  # before anything reads or fetches
+        except StoreError as exc:
+            raise ConfigError(str(exc)) from None
         t_open = time.perf_counter()
         self.core = NodeCore(
             MemoryManager(backend),
@@ -137,6 +149,7 @@ class AgentServer:
             advertise_host=cfg.advertise_host,
             engines=cfg.engines,
             default_engine=cfg.default_engine,
+            engine_policy=cfg.engine_policy,
         )
         log.info(
             "event=gpus_opened gpus=%d backend=%s seconds=%.2f",
@@ -170,7 +183,14 @@ class AgentServer:
         )
         self.service.bind_loop(asyncio.get_running_loop())
 
-        interceptors = []
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if identities is not None:
+            interceptors.append(IdentityInterceptor(identities))
+            log.info(
+                "event=client_identities callers=%s readers=%s",
+                ",".join(sorted(identities.callers)),
+                ",".join(sorted(identities.readers)) or "-",
+            )
         if cfg.token_file is not None:
             token = Path(cfg.token_file).read_text().strip()
             if not token:
@@ -225,6 +245,21 @@ class AgentServer:
         )
         return self
 
+    def _identities(self) -> ClientIdentities | None:
+        """Who may call (mutual TLS only): the allowlist of client certificate identities."""
+        cfg = self.cfg
+        if cfg.client_ca is None:
+            if cfg.client_ids or cfg.reader_ids:
+                raise ConfigError(
+                    "--allow-client-id/--allow-reader-id check client certificates: they need "
+                    "mutual TLS (--tls-cert, --tls-key, --client-ca)"
+                )
+            return None
+        try:
+            return ClientIdentities.parse(cfg.client_ids, cfg.reader_ids)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
     def _make_fetcher(self, store: WeightStore) -> ModelFetcher:
         cfg = self.cfg
         core = self.core
@@ -257,6 +292,7 @@ class AgentServer:
             in_use=in_use,
             on_change=on_change,
             budget_bytes=cfg.store_budget_bytes,
+            reserve=cfg.store_reserve,
             attempts=cfg.fetch_attempts,
             backoff_s=cfg.fetch_backoff_s,
         )

@@ -77,7 +77,6 @@ class AgentService(PrewarmRPCs, InstanceRPCs, WatchStreams, pb_grpc.NodeAgentSer
         self.watch_write_timeout_s = watch_write_timeout_s
         self._idem: OrderedDict[str, IdemEntry] = OrderedDict()
         self._catalog_cache: tuple[tuple[int, ...], float, list[pb.ModelInfo]] | None = None
-        self._catalog_orgs: tuple[str, ...] = ()  # ORG directories seen by the last scan
         self._watchers: set[Watcher] = set()
         self._wakers: set[asyncio.Event] = set()  # Prewarm streams: "something changed"
         self._pb_cache: OrderedDict[int, pb.WatchEvent] = OrderedDict()

@@ -56,7 +56,6 @@ class Description:
     fence: Fence
     _usage: tuple[int, float, pb.StoreInfo] | None
     _catalog_cache: tuple[tuple[int, ...], float, list[pb.ModelInfo]] | None
-    _catalog_orgs: tuple[str, ...]
 
     # ---- conversions -----------------------------------------------------------------------
     def gpu_pb(self, g: int) -> pb.GpuInfo:
@@ -138,17 +137,14 @@ class Description:
                 log.debug("event=stats_failed instance=%s err=%s", i.instance_id, exc)
 
     def _catalog_stamp(self) -> tuple[int, ...]:
-        """What changes when a model is added or removed: the mtimes of the store's root and of
-        its ``ORG`` directories (``ORG/NAME`` models change only their org's mtime), and the
-        fetcher's generation (fetch end, eviction)."""
-        root = self.core.store.root
-        stamp = [self.fetcher.generation if self.fetcher else 0]
-        for d in (root, *(root / org for org in self._catalog_orgs)):
-            try:
-                stamp.append(d.stat().st_mtime_ns)
-            except OSError:
-                stamp.append(0)
-        return tuple(stamp)
+        """What changes when a model is added or removed: the mtime of the store's root (every
+        model, ``ORG/NAME`` too, is one entry there: ``warmserve.modelref.store_dirname``) and
+        the fetcher's generation (fetch end, eviction)."""
+        try:
+            mtime = self.core.store.root.stat().st_mtime_ns
+        except OSError:
+            mtime = 0
+        return (self.fetcher.generation if self.fetcher else 0, mtime)
 
     def _catalog(self) -> list[pb.ModelInfo]:
         """The weight store's models, re-scanned when the store changed (a model added or
@@ -180,10 +176,6 @@ class Description:
                     last_used_unix=used,
                 )
             )
-        orgs = tuple(sorted({n.split("/", 1)[0] for n in names if "/" in n}))
-        if orgs != self._catalog_orgs:  # their mtimes were not in the stamp: scan once more
-            self._catalog_orgs = orgs
-            stamp = ()
         self._catalog_cache = (stamp, now, models)
         return models
 

@@ -1,13 +1,22 @@
 """Node-local weight store and the layout of a model's weights inside a prewarm slot.
 
-Store layout (HF-style)::
+Store layout (HF-style files, one flat directory per model)::
 
-    <root>/<model>/config.json          # num_hidden_layers (or n_layer / num_layers)
-    <root>/<model>/*.safetensors        # tensors named model.layers.<i>.<...> etc.
+    <root>/<dir>/config.json            # num_hidden_layers (or n_layer / num_layers)
+    <root>/<dir>/*.safetensors          # tensors named model.layers.<i>.<...> etc.
 
-``<model>`` is the model's name, ``NAME`` or ``ORG/NAME`` (:mod:`warmserve.modelref`; up to 200
-characters), so ``meta-llama/Llama-3.1-8B`` lives in ``<root>/meta-llama/Llama-3.1-8B/``.  The
-store only reads; :mod:`warmserve_agent.sources` fills it on demand from a model's source.
+``<dir>`` is :func:`warmserve.modelref.store_dirname` of the model's name (``NAME`` or
+``ORG/NAME``, up to 200 characters) and nothing else computes it: ``llama-3-8b`` lives in
+``<root>/llama-3-8b/``, ``meta-llama/Llama-3.1-8B`` in ``<root>/meta-llama~Llama-3.1-8B/``.  No
+model's directory is the parent of another's, so removing one model can only remove its own
+files.  Stores written in the earlier nested layout (``<root>/ORG/NAME``) are moved to this one
+when the agent starts (:mod:`warmserve_agent.store_layout`).  The store only reads;
+:mod:`warmserve_agent.sources` fills it on demand from a model's source.
+
+Links: a file the store reads (``config.json``, ``*.safetensors``) must resolve inside its
+model's directory (resolved too: a linked ``pvc://``/``file://`` model is its target).  A link
+within the model's directory is followed; one that leaves it (to ``/etc``, the agent's keys,
+another model) is refused when the model is scanned and again before its bytes are read.
 
 ``config.json`` may carry a ``"warmserve"`` object with engine profile fields (``max_batch``,
 ``prefill_tok_s``, ``decode_tok_s``, ``kv_bytes_per_token``); defaults apply otherwise.
@@ -37,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import struct
 import threading
@@ -44,7 +54,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from warmserve.modelref import SourceURIError, check_model_name
+from warmserve.modelref import SourceURIError, model_of_store_entry, store_dirname
 from warmserve_agent.safe_text import shown, shown_names
 
 ALIGN = 256
@@ -176,6 +186,19 @@ def _layer_of(name: str, num_layers: int) -> int:
     return 0 if _EMBED_RE.search(name) else num_layers - 1
 
 
+def confined(model_dir: Path, f: Path) -> Path:
+    """The real path of model file ``f`` when it lies inside ``model_dir`` (resolved), else
+    :class:`StoreError`: links may point within a model, never out of it (module docstring)."""
+    base = os.path.realpath(model_dir)
+    real = os.path.realpath(f)
+    if real == base or os.path.commonpath([base, real]) != base:
+        raise StoreError(
+            f"{f} resolves to {real}, outside its model's directory {base}: a model's files may "
+            "not link out of it"
+        )
+    return Path(real)
+
+
 def read_safetensors_header(path: Path) -> tuple[int, dict[str, dict]]:
     """(data start offset, header) of a .safetensors file, parsed without loading tensors."""
     with open(path, "rb") as f:
@@ -212,47 +235,47 @@ class WeightStore:
         self.stats: dict[str, int] = {"host_hits": 0}
 
     def list_models(self) -> list[str]:
-        """Model names in the store: ``<root>/NAME`` and ``<root>/ORG/NAME`` holding config.json
-        (hidden entries, e.g. the fetcher's staging area, are skipped)."""
+        """Model names in the store: entries of the root named as :func:`store_dirname` makes
+        them, holding a config.json (hidden entries, e.g. the fetcher's staging area, and
+        anything else are skipped)."""
         if not self.root.is_dir():
             return []
         out = []
         for p in self.root.iterdir():
-            if p.name.startswith(".") or not p.is_dir():
-                continue
-            if (p / "config.json").is_file():
-                out.append(p.name)
-                continue
-            out += [
-                f"{p.name}/{q.name}"
-                for q in p.iterdir()
-                if not q.name.startswith(".") and (q / "config.json").is_file()
-            ]
+            name = model_of_store_entry(p.name)
+            if name is not None and (p / "config.json").is_file():
+                out.append(name)
         return sorted(out)
 
     def model_path(self, name: str) -> Path:
-        """Where model ``name`` lives in the store (checked name; may not exist)."""
+        """Where model ``name`` lives in the store (checked name; may not exist).  The one
+        place a store path is computed (module docstring)."""
         try:
-            check_model_name(name)
+            return self.root / store_dirname(name)
         except SourceURIError:
             raise StoreError(
                 f"malformed model name {shown(name)}: use NAME or ORG/NAME (1-200 characters), "
                 "each part of [A-Za-z0-9._-] starting with a letter or digit"
             ) from None
-        return self.root / name
 
     def has(self, name: str) -> bool:
         return (self.model_path(name) / "config.json").is_file()
 
     def forget(self, name: str) -> None:
         """Drop cached scans, host copies and digests of ``name`` (its files went away)."""
+        prefix = str(self.model_path(name)) + "/"
         with self._lock:
             self._models.pop(name, None)
             for key in [k for k, _ in self._digests.items() if k[0].name == name]:
                 del self._digests[key]
-            prefix = str(self.root / name) + "/"
             for key in [k for k in self._host if k.startswith(prefix)]:
                 self._host_bytes -= len(self._host.pop(key))
+
+    def upgrade_layout(self) -> list[str]:
+        """Move models of the earlier nested layout to this one (:mod:`.store_layout`)."""
+        from warmserve_agent.store_layout import upgrade_layout
+
+        return upgrade_layout(self)
 
     def model(self, name: str) -> ModelEntry:
         path = self.model_path(name)
@@ -275,7 +298,7 @@ class WeightStore:
 
     def _scan(self, name: str, path: Path, cfg_path: Path) -> ModelEntry:
         try:
-            cfg = json.loads(cfg_path.read_text())
+            cfg = json.loads(confined(path, cfg_path).read_text())
         except json.JSONDecodeError as exc:
             raise StoreError(f"{cfg_path}: invalid JSON: {exc}") from None
         num_layers = config_num_layers(cfg)
@@ -286,7 +309,7 @@ class WeightStore:
             raise StoreError(f"model {name!r}: no *.safetensors files in {path}")
         tensors = []
         for f in files:
-            start, header = read_safetensors_header(f)
+            start, header = read_safetensors_header(confined(path, f))
             for tname, meta in header.items():
                 b, e = meta["data_offsets"]
                 layer = _layer_of(tname, num_layers)
@@ -321,7 +344,8 @@ class WeightStore:
                 self._host.move_to_end(key)
                 self.stats["host_hits"] += 1
                 return buf[t.offset : t.offset + t.nbytes]
-        buf = memoryview(t.file.read_bytes())
+        # Checked again at the read: a link swapped after the scan cannot leave the model.
+        buf = memoryview(confined(t.file.parent, t.file).read_bytes())
         with self._lock:
             self._host[key] = buf
             self._host_bytes += len(buf)

@@ -17,14 +17,22 @@ and a new spare starts in the background.  ``bench/agent_bench.py`` measures the
 
 A worker exits on its own when the agent's end of the pipe closes (agent crash or restart), so
 no orphan engines keep serving after the agent is gone (see docs/agent.md, "Agent restart").
+
+A worker is a fresh interpreter (``subprocess``, not ``multiprocessing``'s spawn, which would
+hand it the agent's whole environment and command line) with an environment built from an
+allowlist (:mod:`~warmserve_agent.worker_env`): offline, without the Hub token, cloud
+credentials or the Kubernetes variables, so an engine never holds the agent's secrets.  The pipe
+is one end of a socket pair passed as a file descriptor.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing as mp
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -32,9 +40,12 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from warmserve_agent.worker_env import worker_environ
+
 log = logging.getLogger("warmserve.agent.worker")
 
-_CTX = mp.get_context("spawn")
+# What a worker process runs: ``_child_main`` with the pipe's descriptor and the engines.
+_CHILD = "from warmserve_agent.worker import _child_main; _child_main()"
 
 
 class WorkerError(RuntimeError):
@@ -167,6 +178,13 @@ def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> 
         state["mem"].close()
 
 
+def _child_main() -> None:
+    """A worker process's entry (``python -c``): ``argv[1]`` the pipe's descriptor, ``argv[2]``
+    the engines, comma-separated."""
+    fd, engines = int(sys.argv[1]), tuple(e for e in sys.argv[2].split(",") if e)
+    worker_main(Connection(fd), engines)
+
+
 _MEM_OPS = frozenset(
     {
         "open_gpu",
@@ -192,22 +210,31 @@ class WorkerHandle:
     """The agent's handle on one worker process (thread-safe, blocking calls)."""
 
     def __init__(self, engines: tuple[str, ...] = ("simulated",)) -> None:
-        parent, child = _CTX.Pipe()
         self.engines = tuple(engines)
-        self.proc = _CTX.Process(target=worker_main, args=(child, self.engines), daemon=True)
+        ours, theirs = socket.socketpair()
         self.started = time.perf_counter()
-        self.proc.start()
-        child.close()
-        self.conn = parent
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD, str(theirs.fileno()), ",".join(self.engines)],
+                env=worker_environ(os.environ, sys.path),
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
         self.gpu: int | None = None
         self._lock = threading.Lock()
 
     @property
     def pid(self) -> int:
-        return self.proc.pid or 0
+        return self.proc.pid
 
     def alive(self) -> bool:
-        return self.proc.is_alive()
+        return self.proc.poll() is None
 
     def call(self, cmd: str, timeout_s: float = 30.0, **kwargs: Any) -> Any:
         with self._lock:
@@ -232,10 +259,14 @@ class WorkerHandle:
         if self.alive():
             with contextlib.suppress(WorkerError):
                 self.call("exit", timeout_s=timeout_s)
-            self.proc.join(timeout_s)
-            if self.proc.is_alive():
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.join(timeout_s)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout_s)
+        else:
+            self.proc.poll()  # reap it
         self.conn.close()
 
 

@@ -2,10 +2,11 @@
 
 Routes are matched on the request target's normalised path (:func:`.hygiene.normalise_path`),
 exactly, against an allowlist: ``GET /v1/models`` and ``GET /v1/models/{model}`` are answered
-from the catalog (every served deployment, with its readiness); ``POST`` to a forwarded route
-(``/v1/chat/completions`` and ``/v1/completions``, more with ``--route``) goes to an instance of
-the model the JSON body's ``model`` names, at the route's canonical path; everything else is 404
-(405 for a known route with another method).
+from the catalog (every served deployment the caller may use, with its readiness); ``POST`` to a
+forwarded route (``/v1/chat/completions`` and ``/v1/completions``, more with ``--route``) goes to
+an instance of the model the JSON body's ``model`` names, resolved among the caller's namespaces
+(:mod:`.names`), at the route's canonical path; everything else is 404 (405 for a known route
+with another method).
 
 Answers the gateway makes itself (OpenAI error JSON): 400 malformed or too deeply nested JSON /
 missing ``model`` / ambiguous name, 401 missing or wrong API key, 404 unknown model or route, 405
@@ -28,7 +29,7 @@ from urllib.parse import unquote
 
 from aiohttp import web
 
-from .auth import ApiKeys
+from .auth import ApiKeys, Caller
 from .catalog import Ambiguous, Catalog, Deployment
 from .config import GatewayConfig
 from .errors import openai_error
@@ -44,10 +45,10 @@ _READ = frozenset({"GET", "HEAD"})
 _MODELS = "/v1/models"
 
 
-def _model_card(dep: Deployment, now: int) -> dict[str, Any]:
+def _model_card(dep: Deployment, now: int, listed: str | None = None) -> dict[str, Any]:
     serving = len(dep.serving)
     return {
-        "id": dep.model,
+        "id": listed or dep.model,
         "object": "model",
         "created": now,
         "owned_by": "warmserve",
@@ -119,10 +120,14 @@ class Api:
             return web.Response(status=503, text="ModelDeployments not listed yet\n")
         return web.Response(text="ok\n")
 
-    def _unauthorized(self, request: web.Request) -> web.Response | None:
+    def _caller(self, request: web.Request) -> Caller | web.Response:
+        """Who calls (their key's namespaces, or the anonymous ones with keys off), or 401."""
         keys = self.gw.keys
-        if keys is None or keys.check(request.headers.get("Authorization")) is not None:
-            return None
+        if keys is None:
+            return Caller("", frozenset(self.gw.config.anonymous_namespaces))
+        caller = keys.check(request.headers.get("Authorization"))
+        if caller is not None:
+            return caller
         self.m.answered(NO_MODEL, 401)
         return openai_error(
             401,
@@ -143,24 +148,33 @@ class Api:
         )
 
     async def models(self, request: web.Request) -> web.Response:
-        err = self._unauthorized(request) or self._not_synced()
+        caller = self._caller(request)
+        if isinstance(caller, web.Response):
+            return caller
+        err = self._not_synced()
         if err is not None:
             return err
         now = int(time.time())
-        data = [_model_card(d, now) for d in self.gw.catalog.all()]
+        data = [
+            _model_card(d, now, listed) for listed, d in self.gw.catalog.visible(caller.namespaces)
+        ]
         return web.json_response({"object": "list", "data": data})
 
     async def model(self, request: web.Request, name: str) -> web.Response:
-        err = self._unauthorized(request) or self._not_synced()
+        caller = self._caller(request)
+        if isinstance(caller, web.Response):
+            return caller
+        err = self._not_synced()
         if err is not None:
             return err
         try:
-            dep = self.gw.catalog.lookup(name)
+            dep = self.gw.catalog.resolve(name, caller.namespaces)
         except Ambiguous as exc:
             return openai_error(400, str(exc), param="model", code="ambiguous_model")
-        if dep is None:
+        if dep is None or not self.gw.catalog.is_served(dep):
             return self._unknown(name)
-        return web.json_response(_model_card(dep, int(time.time())))
+        claimed = self.gw.catalog.global_models.get(name) == dep.key
+        return web.json_response(_model_card(dep, int(time.time()), name if claimed else None))
 
     async def not_found(self, request: web.Request) -> web.Response:
         self.m.answered(NO_MODEL, 404)
@@ -189,6 +203,21 @@ class Api:
             "(GET /v1/models lists them)",
             param="model",
             code="model_not_found",
+        )
+
+    def _not_served(self, dep: Deployment) -> web.Response:
+        """One of the caller's deployments the operator does not serve (a newer deployment of
+        a model name another one serves): 503 at once, as for the operator's other permanent
+        reasons; the other deployment is not named."""
+        self.m.answered(UNKNOWN_MODEL, 503)
+        return openai_error(
+            503,
+            f"ModelDeployment {dep.key} is not served: model {dep.model!r} is already served by "
+            "another ModelDeployment (DuplicateModel); use another spec.model.name",
+            kind="server_error",
+            code="model_unavailable",
+            param="model",
+            retry_after=5,
         )
 
     def _bad(
@@ -243,7 +272,10 @@ class Api:
 
     async def _forward(self, request: web.Request, path: str) -> web.StreamResponse:
         t0 = self.gw.clock()
-        err = self._unauthorized(request) or self._not_synced()
+        caller = self._caller(request)
+        if isinstance(caller, web.Response):
+            return caller
+        err = self._not_synced()
         if err is not None:
             return err
         cfg = self.gw.config
@@ -269,12 +301,15 @@ class Api:
                 "model",
             )
         try:
-            dep = self.gw.catalog.lookup(name)
+            dep = self.gw.catalog.resolve(name, caller.namespaces)
         except Ambiguous as exc:
             return self._bad(str(exc), "ambiguous_model", "model")
+        if dep is not None and not self.gw.catalog.is_served(dep):
+            return self._not_served(dep)
         st = self.gw.dispatcher.state(dep.model) if dep is not None else None
         if dep is None or st is None:
             return self._unknown(name)
+        self.m.key_requests.labels(caller.key_id or "_anonymous", dep.spec.namespace).inc()
         if doc is not None and doc.get("model") != dep.model:
             doc["model"] = dep.model  # engines serve the weights' name (spec.model.name)
             body = json.dumps(doc).encode()
@@ -285,6 +320,7 @@ class Api:
             request_headers(request.headers, request.remote, cfg.trusted_proxy_hops),
             # Only a JSON true streams; anything else gets the non-streaming first-byte limit.
             doc is not None and doc.get("stream") is True,
+            caller.key_id,
         )
         deadline = t0 + dep.spec.max_hold_s
         status = 499  # the client went away before an answer (nginx's convention)

@@ -50,6 +50,17 @@ class GatewayConfig:
     max_eject_s: float = 60.0  # consecutive failures double an ejection up to this (or eject_s)
     drain_delay_s: float = 5.0  # on SIGTERM: not ready, serving as usual, for endpoint removal
 
+    # Tenancy (docs/security.md): the namespaces a caller without an API key may use (keys off)
+    # and an unscoped (old-format) key opens; names the admin claims cluster-wide.
+    anonymous_namespaces: tuple[str, ...] = ("default",)
+    global_models: tuple[tuple[str, str], ...] = ()  # (name, namespace/deployment)
+    max_held_per_namespace: int | None = 2_000
+    max_held_per_key: int | None = 1_000
+    # /demand: the operator's bearer token (None: refused, unless insecure_demand)
+    demand_token_file: Path | None = None
+    insecure_demand: bool = False
+    max_demand_streams: int = 8
+
     def __post_init__(self) -> None:
         for flag, port in (("--port", self.port), ("--admin-port", self.admin_port)):
             if not 0 <= port <= 65535:
@@ -82,6 +93,24 @@ class GatewayConfig:
                 raise ConfigError(
                     f"--route {route!r}: a normalised path under /v1/ (segments of letters, "
                     "digits, '-' and '_'; not /v1/models), e.g. /v1/embeddings"
+                )
+        for flag, cap in (
+            ("--max-held-per-namespace", self.max_held_per_namespace),
+            ("--max-held-per-key", self.max_held_per_key),
+        ):
+            if cap is not None and cap < 0:
+                raise ConfigError(f"{flag} must be >= 0, got {cap}")
+        if self.max_demand_streams < 1:
+            raise ConfigError(f"--max-demand-streams must be >= 1, got {self.max_demand_streams}")
+        from .names import NAMESPACE_RE
+
+        for ns in self.anonymous_namespaces:
+            if not NAMESPACE_RE.match(ns):
+                raise ConfigError(f"--anonymous-namespace: {ns!r} is not a namespace name")
+        for name, target in self.global_models:
+            if not name or target.count("/") != 1 or not NAMESPACE_RE.match(target.split("/")[0]):
+                raise ConfigError(
+                    f"--global-model must be NAME=NAMESPACE/DEPLOYMENT, got {name}={target}"
                 )
         for flag, v in (
             ("--connect-timeout", self.connect_timeout_s),

@@ -5,8 +5,14 @@ queued for that model; otherwise it waits at the end of the model's queue.  When
 appears (a request finished, an instance started serving, an ejection ran out) the head of the
 queue is dispatched first, so requests leave in arrival order.  Caps:
 
-* per model and replica: ``spec.gateway.maxQueue`` held requests — one more gets
+* per model and replica: ``spec.gateway.maxQueue`` held requests, never more than the caps
+  below (a deployment cannot claim more than its namespace or the replica has) — one more gets
   :class:`QueueFull` (429);
+* per namespace (the deployment's; a tenant) and replica: ``max_held_per_namespace``
+  (``--max-held-per-namespace``) over all its models — :class:`QueueFull` (429);
+* per API key and replica: ``max_held_per_key`` (``--max-held-per-key``) over every model the
+  key's requests wait for — :class:`QueueFull` (429); requests without a key are not counted
+  per key (the namespace cap still holds them);
 * per replica: ``max_held`` over all models (``--max-held``) — :class:`QueueFull` (429);
 * per request: ``spec.gateway.maxHoldSeconds`` from its arrival — :class:`HoldTimeout` (503).
 
@@ -71,6 +77,7 @@ class ModelGone(Rejected):
 class _Waiter:
     fut: asyncio.Future[Endpoint]
     avoid: frozenset[str]
+    key: str = ""  # the API key's id ("": no key)
     queued: bool = True
 
 
@@ -98,11 +105,22 @@ class Dispatcher:
         clock: Callable[[], float] = time.monotonic,
         retry_after_full_s: int = 1,
         retry_after_timeout_s: int = 5,
+        max_held_per_namespace: int | None = None,
+        max_held_per_key: int | None = None,
     ) -> None:
-        if max_held < 0:
-            raise ValueError(f"max_held must be >= 0, got {max_held}")
+        for name, v in (
+            ("max_held", max_held),
+            ("max_held_per_namespace", max_held_per_namespace),
+            ("max_held_per_key", max_held_per_key),
+        ):
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
         self.max_held = max_held
+        self.max_held_per_namespace = max_held_per_namespace
+        self.max_held_per_key = max_held_per_key
         self.held_total = 0
+        self.held_by_namespace: dict[str, int] = {}
+        self.held_by_key: dict[str, int] = {}
         self.models: dict[str, ModelState] = {}
         self._on_held = on_held or (lambda m, n: None)
         self._on_left = on_left or (lambda m: None)
@@ -114,8 +132,14 @@ class Dispatcher:
     # ---- routes ----
 
     def update(self, model: str, dep: Deployment | None) -> None:
-        """The deployment serving ``model`` changed (instances, caps) or went away."""
+        """The deployment serving ``model`` changed (instances, caps) or went away.  Another
+        deployment taking the model over (the old one deleted, a newer duplicate now served)
+        is the old one going away: its held requests were sent to *it* (maybe by another
+        tenant's callers) and fail with 404; they never go to the new one."""
         st = self.models.get(model)
+        if st is not None and dep is not None and st.dep.key != dep.key:
+            self.update(model, None)
+            st = None
         if dep is None:
             if st is None:
                 return
@@ -128,7 +152,7 @@ class Dispatcher:
             for w in st.queue:
                 if w.queued and not w.fut.done():
                     w.queued = False
-                    self._held(st, -1)
+                    self._held(st, -1, w.key)
                     w.fut.set_exception(gone)
             st.queue.clear()
             return
@@ -151,12 +175,57 @@ class Dispatcher:
 
     # ---- requests ----
 
+    def queue_cap(self, st: ModelState) -> int:
+        """``spec.gateway.maxQueue``, clamped to the replica's and the namespace's caps."""
+        cap = min(st.dep.spec.max_queue, self.max_held)
+        if self.max_held_per_namespace is not None:
+            cap = min(cap, self.max_held_per_namespace)
+        return cap
+
+    def _full(self, st: ModelState, key: str) -> QueueFull | None:
+        """The cap one more held request would exceed, if any (module docstring)."""
+        ns = st.dep.spec.namespace
+        cap = self.queue_cap(st)
+        if st.held >= cap:
+            why = (
+                f"the deployment's spec.gateway.maxQueue is {st.dep.spec.max_queue}"
+                if cap == st.dep.spec.max_queue
+                else f"the gateway caps this model's queue at {cap}"
+            )
+            return QueueFull(f"model {st.model!r}: {st.held} requests already held, {why}",
+                             self.retry_after_full_s)  # fmt: skip
+        per_ns = self.max_held_per_namespace
+        if per_ns is not None and self.held_by_namespace.get(ns, 0) >= per_ns:
+            return QueueFull(
+                f"namespace {ns!r} already holds {per_ns} requests at this gateway replica, its "
+                "limit (--max-held-per-namespace)",
+                self.retry_after_full_s,
+            )
+        per_key = self.max_held_per_key
+        if key and per_key is not None and self.held_by_key.get(key, 0) >= per_key:
+            return QueueFull(
+                f"your API key already has {per_key} requests held at this gateway replica, its "
+                "limit (--max-held-per-key)",
+                self.retry_after_full_s,
+            )
+        if self.held_total >= self.max_held:
+            return QueueFull(
+                f"the gateway holds {self.held_total} requests, its limit (--max-held)",
+                self.retry_after_full_s,
+            )
+        return None
+
     async def acquire(
-        self, st: ModelState, deadline: float, avoid: frozenset[str] = frozenset()
+        self,
+        st: ModelState,
+        deadline: float,
+        avoid: frozenset[str] = frozenset(),
+        key: str = "",
     ) -> Endpoint:
         """An endpoint with room for one request (counted as outstanding there), waiting in the
-        model's queue until ``deadline`` (monotonic) if none has room now.  Raises
-        :class:`Rejected` subclasses; a cancelled caller leaves the queue."""
+        model's queue until ``deadline`` (monotonic) if none has room now.  ``key``: the id of
+        the caller's API key (per-key cap).  Raises :class:`Rejected` subclasses; a cancelled
+        caller leaves the queue."""
         if self._shed is not None:
             raise self._shed()
         if not st.held:
@@ -167,20 +236,12 @@ class Dispatcher:
         why = st.dep.unservable()
         if why:
             raise NotServable(why, self.retry_after_timeout_s)
-        if st.held >= st.dep.spec.max_queue:
-            raise QueueFull(
-                f"model {st.model!r}: {st.held} requests already held, the deployment's "
-                f"spec.gateway.maxQueue is {st.dep.spec.max_queue}",
-                self.retry_after_full_s,
-            )
-        if self.held_total >= self.max_held:
-            raise QueueFull(
-                f"the gateway holds {self.held_total} requests, its limit (--max-held)",
-                self.retry_after_full_s,
-            )
-        w = _Waiter(asyncio.get_running_loop().create_future(), avoid)
+        full = self._full(st, key)
+        if full is not None:
+            raise full
+        w = _Waiter(asyncio.get_running_loop().create_future(), avoid, key)
         st.queue.append(w)
-        self._held(st, +1)
+        self._held(st, +1, key)
         got = False
         try:
             async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
@@ -200,7 +261,7 @@ class Dispatcher:
         finally:
             if w.queued:
                 w.queued = False
-                self._held(st, -1)
+                self._held(st, -1, key)
             elif not got and w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
                 # Dispatched in the same instant as the timeout/cancellation: give it back.
                 self.release(st, w.fut.result())
@@ -214,7 +275,7 @@ class Dispatcher:
             for w in st.queue:
                 if w.queued and not w.fut.done():
                     w.queued = False
-                    self._held(st, -1)
+                    self._held(st, -1, w.key)
                     w.fut.set_exception(rejection())
                     shed += 1
             st.queue.clear()
@@ -244,9 +305,21 @@ class Dispatcher:
         ep.outstanding += 1
         st.inflight += 1
 
-    def _held(self, st: ModelState, delta: int) -> None:
+    def _held(self, st: ModelState, delta: int, key: str) -> None:
         st.held += delta
         self.held_total += delta
+        ns = st.dep.spec.namespace
+        n = self.held_by_namespace.get(ns, 0) + delta
+        if n:
+            self.held_by_namespace[ns] = n
+        else:
+            self.held_by_namespace.pop(ns, None)
+        if key:
+            k = self.held_by_key.get(key, 0) + delta
+            if k:
+                self.held_by_key[key] = k
+            else:
+                self.held_by_key.pop(key, None)
         self._on_held(st.model, st.held)
 
     def _pump(self, st: ModelState) -> None:
@@ -265,7 +338,7 @@ class Dispatcher:
             w.queued = False
             self._take(st, ep)
             w.fut.set_result(ep)
-            self._held(st, -1)
+            self._held(st, -1, w.key)
 
     def check_invariant(self, st: ModelState) -> bool:
         """Queue empty, or no endpoint has room (tests)."""

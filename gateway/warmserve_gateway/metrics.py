@@ -118,6 +118,13 @@ class Metrics:
             "1 once the ModelDeployments were listed (the replica is ready)",
             registry=r,
         )
+        self.key_requests = Counter(
+            f"{PREFIX}_key_requests_total",
+            "Requests forwarded or held per API key id (the Secret's data key name, never the "
+            "key; _anonymous without keys) and the model's namespace",
+            ["key", "namespace"],
+            registry=r,
+        )
 
     def model(self, model: str) -> ModelMetrics:
         m = self._models.get(model)

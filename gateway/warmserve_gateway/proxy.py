@@ -72,6 +72,7 @@ class Outgoing:
     body: bytes
     headers: Sequence[tuple[str, str]]
     stream: bool  # the client asked for SSE: the first byte comes after the prefill
+    key: str = ""  # the caller's API key id (per-key cap on held requests)
 
 
 def new_session(connect_timeout_s: float, read_timeout_s: float) -> aiohttp.ClientSession:
@@ -127,7 +128,7 @@ class Proxy:
         mm = self.metrics.model(st.model)
         retried = first = False
         while True:
-            ep = await self.dispatcher.acquire(st, deadline, avoid)
+            ep = await self.dispatcher.acquire(st, deadline, avoid, out.key)
             if not first:
                 first = True
                 mm.queue_wait.observe(self.clock() - t0)

@@ -42,8 +42,8 @@ from .api import Api
 from .auth import ApiKeys
 from .catalog import Catalog
 from .config import GatewayConfig
-from .demand import DemandTracker
-from .discovery import Source
+from .demand import DemandAccess, DemandEndpoint, DemandTracker
+from .discovery import Scope, Source
 from .edge import EdgeGuard, EdgeLimits
 from .holding import Dispatcher, Rejected
 from .metrics import Metrics
@@ -77,15 +77,21 @@ class Gateway:
         self.replica = (
             config.replica or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         )
-        self.catalog = Catalog()
-        self.keys = ApiKeys(config.api_keys) if config.api_keys else None
+        self.catalog = Catalog(dict(config.global_models))
+        self.keys = (
+            ApiKeys(config.api_keys, default_namespaces=config.anonymous_namespaces)
+            if config.api_keys
+            else None
+        )
         self.demand = DemandTracker(self.replica, self._counts)
         self.dispatcher = Dispatcher(
-            config.max_held, on_held=self._held_changed, on_left=self._held_left, clock=clock
-        )
-        self.synced = False  # every watched namespace (or the cluster, or the file) listed once
-        self._listed: set[str | None] = set()
-        self._needed: set[str | None] = set(source.scopes)
+            config.max_held, on_held=self._held_changed, on_left=self._held_left, clock=clock,
+            max_held_per_namespace=config.max_held_per_namespace,
+            max_held_per_key=config.max_held_per_key,
+        )  # fmt: skip
+        self.synced = False  # every watched scope (namespaces or cluster, GPUNodes) listed once
+        self._listed: set[Scope] = set()
+        self._needed: set[Scope] = set(source.scopes)
         self.draining = False  # SIGTERM received: not ready
         self.closing = False  # the drain delay is over: every answer closes its connection
         self._last_held: dict[str, int] = {}
@@ -95,21 +101,26 @@ class Gateway:
         self._runners: list[web.AppRunner] = []
         self._servers: list[asyncio.AbstractServer] = []
         self._stop_streams = asyncio.Event()
+        self._demand = DemandEndpoint(
+            self.demand,
+            DemandAccess(config.demand_token_file, config.insecure_demand),
+            config.max_demand_streams,
+            self._stop_streams,
+        )
         self.urls: dict[str, str] = {}
 
     # ---- catalog -> dispatcher ----
 
-    def _on_list(self, namespace: str | None, items: list[Mapping[str, Any]]) -> None:
-        self._apply(self.catalog.replace(items, namespace))
-        self._listed.add(namespace)
+    def _on_list(self, scope: Scope, items: list[Mapping[str, Any]]) -> None:
+        self._apply(self.catalog.listed(scope, items))
+        self._listed.add(scope)
         if not self.synced and self._needed <= self._listed:
             self.synced = True
             self.metrics.catalog_synced.set(1)
             log.info("event=catalog_synced deployments=%d", len(self.catalog.owners))
 
-    def _on_event(self, typ: str, body: Mapping[str, Any]) -> None:
-        changed = self.catalog.delete(body) if typ == "DELETED" else self.catalog.upsert(body)
-        self._apply(changed)
+    def _on_event(self, scope: Scope, typ: str, body: Mapping[str, Any]) -> None:
+        self._apply(self.catalog.event(scope, typ, body))
 
     def _apply(self, models: set[str]) -> None:
         for model in models:
@@ -125,7 +136,7 @@ class Gateway:
 
     def _counts(self) -> dict[str, ModelDemand]:
         return {
-            m: ModelDemand(st.held, st.inflight)
+            m: ModelDemand(st.held, st.inflight, st.dep.spec.namespace)
             for m, st in self.dispatcher.models.items()
             if st.held or st.inflight
         }
@@ -149,18 +160,10 @@ class Gateway:
         body = await asyncio.to_thread(generate_latest, self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
-    async def _demand(self, request: web.Request) -> web.StreamResponse:
-        if request.query.get("watch") not in ("1", "true"):
-            return web.json_response(self.demand.report().to_json())
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await resp.prepare(request)
-        await self.demand.stream(resp.write, self._stop_streams)
-        return resp
-
     def admin_app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/demand", self._demand)
+        app.router.add_get("/demand", self._demand.handle)
         app.router.add_get("/healthz", self.api.healthz)
         app.router.add_get("/livez", self._livez)  # the event loop answers: alive
         return app

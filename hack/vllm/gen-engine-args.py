@@ -1,4 +1,5 @@
-"""Write warmserve/vllm_engine_args.json from vLLM's own argument parser.
+"""Write warmserve/vllm_engine_args.json from vLLM's own argument parser (and its list of
+built-in quantization methods).
 
 Run with the vLLM venv's python (hack/vllm/setup.sh prints it):
     $(hack/vllm/setup.sh) hack/vllm/gen-engine-args.py [--check]
@@ -76,10 +77,15 @@ def schema() -> dict:
             }
         )
     options.sort(key=lambda o: o["dest"])
+    # --quantization takes any string; tenants may name only these built-in methods
+    # (warmserve/engine_arg_policy.py).  No plugin is loaded here, so none adds its own.
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
     return {
         "generated_by": "hack/vllm/gen-engine-args.py",
         "vllm_version": vllm.__version__,
         "options": options,
+        "quantization_methods": sorted(QUANTIZATION_METHODS),
     }
 
 

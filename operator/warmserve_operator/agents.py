@@ -21,16 +21,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .snapshot import (
+    ActivateResult,
     AgentCallError,
     FetchView,
-    InstanceView,
     NodeSnapshot,
     SlotView,
+    activation_from_pb,
     fetch_from_pb,
+    slot_from_pb,
     snapshot_from_pb,
 )
 from .spec import CatalogEntry
@@ -38,16 +40,11 @@ from .spec import CatalogEntry
 log = logging.getLogger("warmserve.operator.agents")
 
 
-@dataclass(frozen=True, slots=True)
-class ActivateResult:
-    instance: InstanceView
-    hit: bool
-    activation_s: float
-    evicted_slot_ids: tuple[str, ...] = ()
-
-
 class AgentPort(Protocol):
-    """The calls the reconciler makes on one agent (asyncio)."""
+    """The calls the loop makes on one agent (asyncio).  ``source``: where the node fetches the
+    model from first if its store lacks it; ``on_fetch``: called with each :class:`FetchView`
+    of that fetch.  :class:`GrpcAgent` and the unit tests' fake take exactly these parameters
+    (``tests/operator/test_agent_contract.py``)."""
 
     async def describe(self) -> NodeSnapshot: ...
 
@@ -58,9 +55,10 @@ class AgentPort(Protocol):
         layers: int,
         request_id: str,
         owner: str = "",
-    ) -> SlotView:
-        """Also takes ``source=`` (fetch the model first if the node lacks it) and
-        ``on_fetch=`` (called with each :class:`FetchView` while it is fetched)."""
+        *,
+        source: str = "",
+        on_fetch: Callable[[FetchView], Any] | None = None,
+    ) -> SlotView: ...
 
     async def evict(self, slot_id: str, request_id: str) -> None: ...
 
@@ -73,8 +71,9 @@ class AgentPort(Protocol):
         owner: str = "",
         engine: str = "",
         engine_args: tuple[str, ...] = (),
-    ) -> ActivateResult:
-        """Also takes ``source=`` (fetch the model first if the node lacks it)."""
+        *,
+        source: str = "",
+    ) -> ActivateResult: ...
 
     async def inspect_model(self, model: str, source: str) -> CatalogEntry:
         """A model's size and layers, from the node's store or its source (no download)."""
@@ -188,8 +187,7 @@ class GrpcAgent:
                 fencing_token=t,
             )
         )
-        snap = snapshot_from_pb(self.node, _FakeDesc(slots=[last.slot]))
-        return snap.slots[0]
+        return slot_from_pb(last.slot)
 
     async def inspect_model(self, model: str, source: str) -> CatalogEntry:
         m = await self._call(lambda t: self._client.inspect_model(model, source))
@@ -226,13 +224,7 @@ class GrpcAgent:
                 fencing_token=t,
             )
         )
-        inst = snapshot_from_pb(self.node, _FakeDesc(instances=[resp.instance])).instances[0]
-        return ActivateResult(
-            inst,
-            bool(resp.prewarm_hit),
-            float(resp.activation_seconds),
-            tuple(resp.evicted_slot_ids),
-        )
+        return activation_from_pb(resp)
 
     async def begin_grace(self, instance_id: str, request_id: str) -> None:
         await self._call(
@@ -255,20 +247,6 @@ class GrpcAgent:
 
     async def close(self) -> None:
         await self._client.close()
-
-
-@dataclass
-class _FakeDesc:
-    """A NodeDescription-shaped holder, to reuse :func:`snapshot_from_pb` for single messages."""
-
-    slots: list[Any] = field(default_factory=list)
-    instances: list[Any] = field(default_factory=list)
-    gpus: list[Any] = field(default_factory=list)
-    models: list[Any] = field(default_factory=list)
-    agent_id: str = ""
-    generation: int = 0
-    backend: str = ""
-    agent_version: str = ""
 
 
 class AgentPool:

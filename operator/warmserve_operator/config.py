@@ -6,11 +6,13 @@ import math
 from dataclasses import dataclass, field
 
 from warmserve.control.controller import ControlConfig
+from warmserve.engine_args import DEFAULT_POLICY, EngineArgPolicy
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import PolicyInputError
 from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
 
 from .spec import DEFAULT_LOAD_BANDWIDTH
+from .tenancy import SourcePolicy
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,10 @@ class OperatorConfig:
     # Consecutive polls this replica must hold the Lease before acting (docs/operator.md); the
     # Lease is written atomically, so one poll is enough.
     leader_settle_polls: int = 1
+    # What tenants may put in spec.engine.args (--allow-engine-arg; docs/security.md)
+    engine_policy: EngineArgPolicy = DEFAULT_POLICY
+    # Model source prefixes each namespace may fetch from (admission; :mod:`.tenancy`).
+    model_sources: SourcePolicy = field(default_factory=SourcePolicy)
 
     def __post_init__(self) -> None:
         from warmserve.policy.predictor import season_length

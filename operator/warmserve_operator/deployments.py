@@ -57,7 +57,8 @@ class DeploymentBook:
         for body in await self.kube.list_model_deployments():
             meta = body.get("metadata", {})
             try:
-                md = parse_model_deployment(body)
+                # admission: the tenant allowlist applies before anything starts
+                md = parse_model_deployment(body, self.cfg.engine_policy)
             except SpecError as exc:
                 invalid = True  # do not treat its model's slots as orphans
                 await self.reporter.problem(
@@ -66,6 +67,15 @@ class DeploymentBook:
                     meta.get("uid", ""),
                     "InvalidSpec",
                     str(exc),
+                )
+                continue
+            refused = self._source_refusal(md)
+            if refused:
+                # Left out as if absent: it owns no model name, nothing is fetched, inspected or
+                # started for it, and what already runs for it ends as an orphan (a source the
+                # admin revoked).  Not `invalid`: that would stop orphan clean-up cluster-wide.
+                await self.reporter.problem(
+                    md.namespace, md.name, md.uid, "SourceNotAllowed", refused, md.generation
                 )
                 continue
             mds.append(md)
@@ -89,6 +99,9 @@ class DeploymentBook:
             if listed_at > done:
                 self.deleting.pop(uid)
         return mds, invalid
+
+    def _source_refusal(self, md: ModelDeploymentSpec) -> str:
+        return str(self.cfg.model_sources.refusal(md.namespace, md.source))
 
     def _lifecycle_event(self, d: Deployment) -> None:
         """``Accepted`` for a deployment no operator reported on yet (no
@@ -145,7 +158,7 @@ class DeploymentBook:
                 continue
             if snaps and md.model not in catalog and not md.source:
                 # Sized by its spec but in no reachable agent's weight store: every prewarm or
-                # start would be refused, so the controller does not manage it (issue 16).
+                # start would be refused, so the controller does not manage it.
                 problems[md.uid] = Condition(
                     "Degraded",
                     True,
@@ -154,8 +167,15 @@ class DeploymentBook:
                     "reachable node agents; copy its weights to the nodes",
                 )
                 continue
+            stored = (s.models[model].source for s in snaps.values() if model in s.models)
+            why = self.cfg.model_sources.store_refusal(md.namespace, model, stored)
+            if why:
+                problems[md.uid] = Condition("Degraded", True, "SourceNotAllowed", why)
+                continue
             if md.uid not in self.deleting:
-                entries[model] = ModelEntry(d.spec, md.min_instances, md.max_instances, md.prewarm)
+                entries[model] = ModelEntry(
+                    d.spec, md.min_instances, md.max_instances, md.prewarm, md.namespace
+                )
         self.controller.set_models(entries, now)
         return problems
 
@@ -204,6 +224,17 @@ class DeploymentBook:
             d.held = h if demand is not None else None
             d.gateway_replicas = gateway_replicas
 
+    def count_start(self, uid: str, hit: bool) -> None:
+        """An instance of deployment ``uid`` started (a prewarm hit or a cold start)."""
+        d = self.items.get(uid)
+        if d is None:
+            return
+        if hit:
+            d.hits += 1
+        else:
+            d.misses += 1
+        self.metrics.hit_ratio.labels(d.md.model).set(d.hits / max(d.hits + d.misses, 1))
+
     def record(self, out: Decisions, managed: Mapping[str, ModelDeploymentSpec]) -> None:
         for model, md in managed.items():
             d = self.items[md.uid]
@@ -245,7 +276,7 @@ class DeploymentBook:
                     log.warning("event=history_write_failed model=%s error=%r", model, str(exc))
 
         # Together, not one after the other: 1,000 histories written in a row held the loop
-        # ~10 s at every window boundary (issue 16, scale).
+        # ~10 s at every window boundary at scale.
         await asyncio.gather(*(write(m, owners[m]) for m in closed if m in owners))
         if closed:
             await self.collect_histories()

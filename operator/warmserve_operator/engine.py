@@ -2,9 +2,11 @@
 
 * :func:`parse_engine` validates ``spec.engine.name`` against the agent's engine registry and
   ``spec.engine.args`` against the schema of vLLM's engine arguments that warmserve ships
-  (``warmserve.engine_args``; the operator does not install vLLM).  A bad argument raises
-  :class:`SpecError` naming it, so the deployment is refused when it is admitted (``Degraded``
-  with reason ``InvalidSpec``, and a Warning Event) and no instance ever starts with it.
+  (``warmserve.engine_args``; the operator does not install vLLM) and, at admission, against the
+  tenant allowlist as the admin widened it (``warmserve.engine_arg_policy``).  A bad or
+  disallowed argument raises :class:`SpecError` naming it, so the deployment is refused when it
+  is admitted (``Degraded`` with reason ``InvalidSpec``, and a Warning Event) and no instance
+  ever starts with it.
 * :func:`ttft_report` compares the engines' observed time to first token with
   ``spec.ttftObjectiveSeconds`` for ``status.ttft`` and the ``TTFTObjectiveMet`` condition.
   The observation is each instance's p95 over the agent's TTFT window (engines measure it; a
@@ -17,15 +19,24 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from warmserve.engine_args import ENGINE_NAMES, EngineArgsError, validate_engine_args
+from warmserve.engine_args import (
+    ENGINE_NAMES,
+    EngineArgPolicy,
+    EngineArgsError,
+    parse_engine_args,
+)
 
 from .spec import SpecError
 
 TTFT_CONDITION = "TTFTObjectiveMet"
 
 
-def parse_engine(spec: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
-    """(engine name or "" for the agent's default, engine args) of a ModelDeployment spec."""
+def parse_engine(
+    spec: Mapping[str, Any], policy: EngineArgPolicy | None = None
+) -> tuple[str, tuple[str, ...]]:
+    """(engine name or "" for the agent's default, engine args) of a ModelDeployment spec;
+    ``policy``: the tenant allowlist to apply (None: vLLM's schema and the arguments warmserve
+    sets itself only)."""
     eng = spec.get("engine") or {}
     if not isinstance(eng, Mapping):
         raise SpecError("spec.engine must be an object")
@@ -38,7 +49,7 @@ def parse_engine(spec: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         raise SpecError("spec.engine.args must be a list of strings")
     try:
-        validate_engine_args(args)
+        parse_engine_args(args, policy=policy)
     except EngineArgsError as exc:
         raise SpecError(str(exc)) from None
     return name, tuple(args)

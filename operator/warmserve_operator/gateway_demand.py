@@ -27,8 +27,16 @@ operator reads and sums them.  Design (docs/gateway.md, "Demand"):
   0.25 s).  A heartbeat (an empty line) every few seconds lets a dead stream be noticed.
 
 Keys are ``spec.model.name`` (the policy's model key; the operator serves one deployment per
-model name).  Only ``held`` enters the demand; ``inflight`` (what the replica forwarded and is
-still streaming) is informational — those requests are already counted by the agents.
+model name); each entry also names the deployment's ``namespace`` (the tenant).  Only ``held``
+enters the demand; ``inflight`` (what the replica forwarded and is still streaming) is
+informational — those requests are already counted by the agents.
+
+**Tenancy.**  A namespace's held requests count as its demand only up to
+``held_per_namespace`` in all (summed over replicas, spread over its models in proportion:
+:func:`warmserve.policy.fairness.cap_per_group`), so flooding a gateway cannot buy GPUs beyond
+that; the fair share then divides scarce GPUs between namespaces first.  ``/demand`` needs the
+bearer token of ``--demand-token-file`` (the operator's ``--gateway-token-file``; the chart's
+``<release>-demand-token`` Secret), compared in constant time.
 """
 
 from __future__ import annotations
@@ -38,15 +46,20 @@ import contextlib
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
+
+from warmserve.policy.fairness import cap_per_group
 
 log = logging.getLogger("warmserve.operator.gateway_demand")
 
 DEMAND_API_VERSION = "warmserve.io/demand/v1"
 DEMAND_PATH = "/demand"
 HEARTBEAT_S = 2.0
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 class DemandError(ValueError):
@@ -59,6 +72,7 @@ class ModelDemand:
 
     held: int = 0
     inflight: int = 0
+    namespace: str = ""  # the deployment's namespace ("" from a gateway before tenancy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +91,12 @@ class DemandReport:
             "startedAt": self.started_unix,
             "seq": self.seq,
             "models": {
-                m: {"held": d.held, "inflight": d.inflight} for m, d in sorted(self.models.items())
+                m: {
+                    "held": d.held,
+                    "inflight": d.inflight,
+                    **({"namespace": d.namespace} if d.namespace else {}),
+                }
+                for m, d in sorted(self.models.items())
             },
         }
 
@@ -100,7 +119,10 @@ class DemandReport:
             for key, v in (("held", held), ("inflight", inflight)):
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                     raise DemandError(f"models[{name!r}].{key} must be an integer >= 0, got {v!r}")
-            out[name] = ModelDemand(held, inflight)
+            ns = d.get("namespace", "")
+            if not isinstance(ns, str) or (ns and not _NAMESPACE.match(ns)):
+                raise DemandError(f"models[{name!r}].namespace must be a namespace name")
+            out[name] = ModelDemand(held, inflight, ns)
         started, seq = doc.get("startedAt", 0.0), doc.get("seq", 0)
         if isinstance(started, bool) or not isinstance(started, int | float):
             raise DemandError("startedAt must be a number")
@@ -111,14 +133,20 @@ class DemandReport:
         return cls(str(doc.get("replica", "")), float(started), seq, out)
 
 
-def sum_held(reports: Sequence[DemandReport]) -> dict[str, int]:
-    """Held requests per model, summed over gateway replicas (models with none left out)."""
+def sum_held(
+    reports: Sequence[DemandReport], held_per_namespace: int | None = None
+) -> dict[str, int]:
+    """Held requests per model, summed over gateway replicas (models with none left out), each
+    namespace's total cut to ``held_per_namespace`` (module docstring; ``None``: no cap)."""
     total: dict[str, int] = {}
+    namespace: dict[str, str] = {}
     for r in reports:
         for model, d in r.models.items():
             if d.held:
                 total[model] = total.get(model, 0) + d.held
-    return total
+                if d.namespace:
+                    namespace.setdefault(model, d.namespace)
+    return cap_per_group(total, namespace, held_per_namespace)
 
 
 # ----------------------------------------------------------------------------------- discovery
@@ -209,6 +237,8 @@ class GatewaySources:
     port_name: str = "admin"
     urls: tuple[str, ...] = ()
     timeout_s: float = 1.0
+    token_file: str | None = None  # bearer token for /demand (the gateways' --demand-token-file)
+    held_per_namespace: int | None = None  # demand cap per namespace (None: none)
 
     def build(self) -> GatewayDemand | None:
         """The reader, or ``None`` when no gateway is configured."""
@@ -219,7 +249,12 @@ class GatewaySources:
             sources.append(StaticEndpoints(self.urls))
         if not sources:
             return None
-        return GatewayDemand(Combined(tuple(sources)), self.timeout_s)
+        return GatewayDemand(
+            Combined(tuple(sources)),
+            self.timeout_s,
+            token_file=self.token_file,
+            held_per_namespace=self.held_per_namespace,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,9 +286,18 @@ class GatewayHeld:
 class GatewayDemand:
     """Reads and sums the gateways' held requests; keeps wake-up streams (see the module doc)."""
 
-    def __init__(self, source: EndpointSource, timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        source: EndpointSource,
+        timeout_s: float = 1.0,
+        *,
+        token_file: str | Path | None = None,
+        held_per_namespace: int | None = None,
+    ) -> None:
         self.source = source
         self.timeout_s = timeout_s
+        self.token_file = Path(token_file) if token_file else None
+        self.held_per_namespace = held_per_namespace
         self._session: Any = None
         self._streams: dict[str, asyncio.Task[None]] = {}
         self._wake: Callable[[], None] | None = None
@@ -267,11 +311,20 @@ class GatewayDemand:
             )
         return self._session
 
+    def _headers(self) -> dict[str, str]:
+        """The bearer token, read afresh (a mounted Secret is updated in place on rotation)."""
+        if self.token_file is None:
+            return {}
+        token = self.token_file.read_text().strip()
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
     async def _fetch(self, ep: GatewayEndpoint) -> DemandReport:
         import aiohttp
 
         async with self._client().get(
-            ep.url + DEMAND_PATH, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            ep.url + DEMAND_PATH,
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            headers=self._headers(),
         ) as resp:
             if resp.status != 200:
                 raise DemandError(f"HTTP {resp.status}")
@@ -290,7 +343,7 @@ class GatewayDemand:
             else:
                 failed.append(f"{ep.name}: {res!r}")
                 log.debug("event=gateway_demand_failed gateway=%s error=%r", ep.name, str(res))
-        return GatewayHeld(sum_held(reports), len(reports), tuple(failed))
+        return GatewayHeld(sum_held(reports, self.held_per_namespace), len(reports), tuple(failed))
 
     # ---- wake-up streams ----------------------------------------------------------------------
 
@@ -318,7 +371,10 @@ class GatewayDemand:
         while True:
             try:
                 async with self._client().get(
-                    url + DEMAND_PATH, params={"watch": "1"}, timeout=timeout
+                    url + DEMAND_PATH,
+                    params={"watch": "1"},
+                    timeout=timeout,
+                    headers=self._headers(),
                 ) as resp:
                     if resp.status != 200:
                         raise DemandError(f"HTTP {resp.status}")

@@ -1,4 +1,4 @@
-"""Which replica runs the loop: a ``coordination.k8s.io/v1`` Lease (issue 11, issue 16).
+"""Which replica runs the loop: a ``coordination.k8s.io/v1`` Lease.
 
 The loop used to read kopf's internal ``ClusterKopfPeering`` status; now it holds a standard
 Lease in the operator's namespace (the one ``kubectl get lease`` shows, like every controller
@@ -15,7 +15,7 @@ The rule (:func:`next_lease`, pure, unit-tested):
 * otherwise: wait.
 
 So a replacement with a lower priority than a dead leader waits at most one lease duration
-plus one retry period (defaults 10 s + 2 s), not kopf's peering lifetime (issue 16 measured
+plus one retry period (defaults 10 s + 2 s), not kopf's peering lifetime (measured:
 52.9 s); and two replicas never both hold it: every write carries the read
 ``resourceVersion``, so a conflicting write loses.
 
@@ -74,6 +74,7 @@ __all__ = [
     "Leadership",
     "LeaseRecord",
     "LeaseTarget",
+    "LoopFence",
     "NotLeader",
     "after_round",
     "hold_lease",
@@ -85,7 +86,7 @@ __all__ = [
 
 log = logging.getLogger("warmserve.operator")
 
-# client-go's defaults are 15 s / 10 s / 2 s; the Lease stays 10 s (issue 16's handover bound)
+# client-go's defaults are 15 s / 10 s / 2 s; the Lease stays 10 s (the handover bound)
 # with about the same proportions, which also give the defaults for another Lease duration.
 DEFAULT_LEASE_S = 10.0
 RENEW_DEADLINE_SHARE = 0.7
@@ -177,6 +178,32 @@ def after_round(
 def leading(state: Leadership, timing: ElectionTiming, now: float) -> bool:
     """The fence: act only while the last successful renewal started < renew deadline ago."""
     return state.holder and now - state.renewed_at < timing.renew_deadline_s
+
+
+class LoopFence:
+    """Whether this replica's loop may act: it held the Lease for ``settle_polls`` polls in a
+    row (:meth:`poll`), and its Lease was renewed within the renew deadline (``leading``:
+    :meth:`Elector.leading`), checked by :meth:`may_act` right before each side effect, not at
+    the poll's start (a poll may outlast the Lease)."""
+
+    def __init__(self, leading: Callable[[], bool], settle_polls: int) -> None:
+        self.leading = leading
+        self.settle_polls = settle_polls
+        self.streak = 0
+        self.leader = False
+
+    def poll(self, holds: bool) -> bool:
+        """A poll saw this replica hold the Lease (or not); returns whether the loop leads."""
+        self.streak = self.streak + 1 if holds else 0
+        self.leader = self.streak >= self.settle_polls
+        return self.leader
+
+    def lost(self) -> None:
+        self.leader = False
+        self.streak = 0
+
+    def may_act(self) -> bool:
+        return self.leader and self.leading()
 
 
 class Elector:

@@ -25,6 +25,7 @@ from warmserve.control.observation import GpuObs, InstanceObs, Observation, Slot
 from warmserve.policy.cluster import InstancePhase
 
 from .agents import AgentPool
+from .context import NodePort
 from .identity import Ownership, gpus_str, ownership
 from .ports import KubePort, ObjRef, node_ref
 from .snapshot import AgentCallError, NodeSnapshot
@@ -137,10 +138,11 @@ class Observer:
         await asyncio.gather(*(self._describe_one(rt, now) for rt in self.nodes.values()))
         return sum(1 for rt in self.nodes.values() if rt.failures == 0 and rt.snap)
 
-    def live_snaps(self) -> dict[str, NodeSnapshot]:
-        """Snapshots the controller sees: reachable (or not yet declared lost), not cordoned."""
+    def live_ports(self) -> dict[str, NodePort]:
+        """The nodes the controller sees (reachable, or not yet declared lost; not cordoned):
+        each agent's port and its snapshot of this poll."""
         return {
-            name: rt.snap
+            name: NodePort(self.agents.get(name, rt.spec.address), rt.snap)
             for name, rt in self.nodes.items()
             if rt.snap is not None and not rt.lost and not rt.spec.cordoned
         }

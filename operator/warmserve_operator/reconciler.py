@@ -1,4 +1,4 @@
-"""The operator's loop: observe → controller → act → report (WarmServe §5; issue 11).
+"""The operator's loop: observe → controller → act → report (WarmServe §5).
 
 Every poll (default 5 s), or earlier when an agent reports a change, the leading replica:
 
@@ -8,8 +8,10 @@ Every poll (default 5 s), or earlier when an agent reports a change, the leading
 2. asks the **controller** (:class:`warmserve.control.Controller`, the same one the simulator
    runs): it measures each model's demand, closes windows and forecasts, ends grace periods,
    and decides starts, drains, grace ends, prewarms and evictions;
-3. **acts**: one dispatch turns each decision into an agent call (:mod:`.act`), plus the removal
-   of what no deployment owns (:mod:`.identity`);
+3. **acts**: the decisions, plus the removal of what no deployment owns (:mod:`.identity`),
+   become actions (:mod:`.actions`: request id, owner, engine, engine arguments, model source)
+   that the actor (:mod:`.act`) carries out as agent calls with the poll's one immutable context
+   (:mod:`.context`: the owners' specs, the nodes' agent ports and snapshots, the leader fence);
 4. **reports**: statuses, conditions and Events (:mod:`.report`), and persists the windows the
    controller closed (:mod:`.history`).
 
@@ -30,12 +32,14 @@ from warmserve.control.decisions import Decisions
 from warmserve.policy.cluster import ModelSpec
 
 from .act import Actor
-from .agents import ActivateResult, AgentPool, AgentPort
+from .actions import actions
+from .agents import AgentPool
 from .config import OperatorConfig
+from .context import PollContext
 from .deployments import DeploymentBook
 from .gateway_demand import GatewayDemand, GatewayHeld
 from .identity import orphans
-from .leader import NotLeader
+from .leader import LoopFence, NotLeader
 from .metrics import Metrics, Phases
 from .observe import Observer, note_grace, observation
 from .ports import KubePort, ObjRef, md_ref
@@ -48,7 +52,6 @@ from .watchers import AgentWatchers
 log = logging.getLogger("warmserve.operator")
 
 MIN_TICK_S = 0.25
-REPEAT_EVENT_S = 300.0
 
 
 class Reconciler:
@@ -81,22 +84,13 @@ class Reconciler:
             agent_lost_after=config.agent_lost_after,
             on_nodes=self._sync_watchers,
         )
-        self.actor = Actor(
-            self._client,
-            self._snap,
-            self._refresh,
-            self._owner_event,
-            self.metrics,
-            self._count_start,
-            self._md_of,
-            self.may_act,
-        )
         self.book = DeploymentBook(
             kube, self.reporter, self.controller, self.metrics, config, clock
         )
-        self.leader = False
-        self._leader_streak = 0
+        self.fence = LoopFence(kube.leading, config.leader_settle_polls)
         self._wake = asyncio.Event()
+        # A landed call wakes the next poll (it describes every agent once).
+        self.actor = Actor(self.metrics, self.reporter.event, self.book.count_start, self._wake.set)
         self._watching = False  # only inside run(): unit tests drive tick() directly
         self.watchers = AgentWatchers(agents, self._wake.set, config.poll_s)
         self.grace_started: dict[str, float] = {}
@@ -135,47 +129,17 @@ class Reconciler:
     def tasks(self) -> set[asyncio.Task[Any]]:
         return self.actor.tasks
 
-    def _client(self, node: str) -> AgentPort | None:
-        rt = self.observer.nodes.get(node)
-        return self.agents.get(node, rt.spec.address) if rt else None
-
-    def _snap(self, node: str) -> NodeSnapshot | None:
-        rt = self.observer.nodes.get(node)
-        return rt.snap if rt else None
-
-    async def _refresh(self, node: str, client: AgentPort) -> None:
-        """A call landed: the next poll (now) describes the agents again.  Not a Describe per
-        call: 1,000 prewarms made 1,000 Describes of one agent (issue 16's agent timeouts)."""
-        self._wake.set()
-
-    def _md_of(self, uid: str) -> ModelDeploymentSpec | None:
-        d = self.deployments.get(uid)
-        return d.md if d else None
+    @property
+    def leader(self) -> bool:
+        return self.fence.leader
 
     def _ref(self, uid: str) -> ObjRef | None:
         d = self.deployments.get(uid)
         return md_ref(d.md.namespace, d.md.name, uid) if d else None
 
-    async def _owner_event(self, uid: str, type_: str, reason: str, message: str) -> None:
-        # A refusal repeats while its cause lasts: one Event per REPEAT_EVENT_S, not per poll.
-        dedupe = REPEAT_EVENT_S if type_ == "Warning" else 0.0
-        await self.reporter.event(self._ref(uid), type_, reason, message, dedupe)
-
-    def _count_start(self, uid: str, res: ActivateResult) -> None:
-        d = self.deployments.get(uid)
-        if d is None:
-            return
-        if res.hit:
-            d.hits += 1
-        else:
-            d.misses += 1
-        self.metrics.hit_ratio.labels(d.md.model).set(d.hits / max(d.hits + d.misses, 1))
-
     def may_act(self) -> bool:
-        """The fence before every leader-only side effect (:mod:`.leader`): this replica leads
-        and its Lease was renewed within the renew deadline, checked now, not at the poll's
-        start (a poll may outlast the Lease)."""
-        return self.leader and self.kube.leading()
+        """The fence before every leader-only side effect (:class:`.leader.LoopFence`)."""
+        return self.fence.may_act()
 
     def _fence(self) -> None:
         if not self.may_act():
@@ -187,8 +151,7 @@ class Reconciler:
         self.metrics.leader.set(1 if leading else 0)
         if not leading:
             self.metrics.leadership_lost.labels(reason).inc()
-            self.leader = False
-            self._leader_streak = 0
+            self.fence.lost()
         self._wake.set()
 
     def wake(self) -> None:
@@ -247,8 +210,7 @@ class Reconciler:
     async def tick(self) -> None:
         """One poll: observe, decide, act, report."""
         now = self.clock()
-        self._leader_streak = self._leader_streak + 1 if await self.kube.is_leader() else 0
-        self.leader = self._leader_streak >= self.cfg.leader_settle_polls
+        self.fence.poll(await self.kube.is_leader())
         self.metrics.leader.set(1 if self.leader else 0)
         if not self.leader:
             self._sync_watchers()
@@ -266,12 +228,13 @@ class Reconciler:
             log.warning("event=agent_discovery_failed error=%r", str(exc))
         self.metrics.agents_up.set(await self.observer.describe_all(now))
         phases.done("observe")
-        snaps = self.observer.live_snaps()
+        ports = self.observer.live_ports()
+        snaps = {name: port.snap for name, port in ports.items()}
         owners, dups = dedupe_models(mds)
         await self.book.sources.refresh(
             owners,
             {m: e for snap in snaps.values() for m, e in snap.models.items()},
-            [self.agents.get(n, self.observer.nodes[n].spec.address) for n in snaps],
+            [port.client for port in ports.values()],
         )
         problems = await self.book.resolve(owners, dups, snaps, now)
         managed = {
@@ -313,13 +276,14 @@ class Reconciler:
                 self.grace_started,
                 self.cfg.autoscaler.max_grace_s,
             )
+        ctx = PollContext(managed, ports, self.fence, frozenset(self.deleting))
         self._fence()  # the poll may have outlasted the Lease: act only while still leading
-        busy = self.actor.launch(decisions, owner_uid, set(self.deleting))
+        busy = self.actor.launch(actions(decisions, ctx), ctx)
         await self.book.persist()
         self._track_lost(snaps)
         phases.done("act")
         # A deployment whose prewarm/start was just launched is reported once the call lands
-        # (the agent's event wakes the loop): one status write instead of two (issue 16, scale).
+        # (the agent's event wakes the loop): one status write instead of two.
         writes, posted = self.reporter.writes, self.reporter.posted
         self._fence()
         await self._report(snaps, dups, problems, now, busy if self._watching else set())
@@ -366,17 +330,15 @@ class Reconciler:
         current = {i.instance_id: (n, i) for n, s in snaps.items() for i in s.instances}
         for iid, (node, inst) in self._known.items():
             if iid not in current and iid not in self.actor.ended:
-                task = asyncio.get_running_loop().create_task(
-                    self._owner_event(
-                        inst.owner,
+                self.actor.spawn(
+                    self.actor.post(
+                        self._ref(inst.owner),
                         "Warning",
                         "InstanceLost",
                         f"instance {iid} of {inst.model} on {node} is gone (agent lost or "
                         "instance crashed)",
                     )
                 )
-                self.actor.tasks.add(task)
-                task.add_done_callback(self.actor.tasks.discard)
         self.actor.ended &= set(current)
         self._known = current
 
@@ -393,12 +355,14 @@ class Reconciler:
             for uid, d in self.deployments.items()
             if uid not in self.deleting and not d.md.deleting and uid not in later
         ]
+        # GPUNodes first: the gateways route only to instances a GPUNode's status lists, so a
+        # deployment's status saying "serving" is usable the moment the gateways see it.
+        for name, nrt in self.observer.nodes.items():
+            await self.reporter.node(name, nrt, now, self.cfg.node_status_refresh_s)
         await self.reporter.everything(
             todo, {dup.uid for dup in dups}, problems, snaps, self.controller, self.cfg.window_s
         )
         self.reporter.flush_soon()  # lifecycle Events after the statuses, within the budget
-        for name, nrt in self.observer.nodes.items():
-            await self.reporter.node(name, nrt, now, self.cfg.node_status_refresh_s)
 
     async def teardown(self, md: ModelDeploymentSpec, timeout_s: float = 30.0) -> list[str]:
         from .teardown import teardown

@@ -24,7 +24,15 @@ from .observe import NodeRuntime
 from .ports import KubePort, ObjRef, md_ref
 from .snapshot import NodeSnapshot
 from .spec import ModelDeploymentSpec
-from .status import Condition, ModelView, model_status, node_status, now_iso, strip_volatile
+from .status import (
+    Condition,
+    ModelView,
+    model_status,
+    node_status,
+    now_iso,
+    scale_selector,
+    strip_volatile,
+)
 
 log = logging.getLogger("warmserve.operator")
 
@@ -144,6 +152,7 @@ class Reporter:
             md_name,
             {
                 **extra,
+                "selector": scale_selector(uid),
                 "conditions": [
                     {
                         "type": t,
@@ -186,6 +195,7 @@ class Reporter:
             "ModelNotFound",
             "ModelNotInStore",
             "SourceUnavailable",
+            "SourceNotAllowed",
             "DuplicateModel",
             "NoAgents",
         ):
@@ -281,6 +291,7 @@ class Reporter:
             held=d.held,
             gateway_replicas=d.gateway_replicas,
             ttft_objective_s=md.ttft_s,
+            selector=scale_selector(md.uid),
         )
         view.conditions = self.conditions(d, mine, problem)
         status = model_status(model, view, mine, slot_of, d.raw_status, now_iso(self.clock()))

@@ -103,6 +103,16 @@ class InstanceView:
 
 
 @dataclass(frozen=True, slots=True)
+class ActivateResult:
+    """What an ``Activate`` answered: the instance it started, and how."""
+
+    instance: InstanceView
+    hit: bool
+    activation_s: float
+    evicted_slot_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class FetchView:
     """A model being fetched into a node's store from its source (agent's FetchInfo)."""
 
@@ -156,85 +166,90 @@ class NodeSnapshot:
         return next((s for s in self.slots if s.slot_id == slot_id), None)
 
 
+def gpu_from_pb(g: Any) -> GpuView:
+    """A ``GpuInfo`` (free memory capped at the GPU's size)."""
+    return GpuView(
+        index=int(g.index),
+        memory_bytes=int(g.memory_bytes),
+        free_bytes=min(int(g.free_bytes), int(g.memory_bytes)),
+        state=worker_state(int(g.state)),
+        slot_ids=tuple(g.slot_ids),
+        instance_id=g.instance_id,
+    )
+
+
+def slot_from_pb(s: Any) -> SlotView:
+    """A ``SlotInfo``: in ``Describe`` and in the last message of a ``Prewarm`` stream."""
+    return SlotView(
+        slot_id=s.slot_id,
+        model=s.model,
+        gpus=tuple(sorted(int(x) for x in s.gpus)),
+        layers_resident=int(s.layers_resident),
+        layers_total=int(s.layers_total),
+        layers_target=int(s.layers_target),
+        resident_bytes_per_gpu=int(s.resident_bytes_per_gpu),
+        weight_bytes_per_gpu=int(s.weight_bytes_per_gpu),
+        state=slot_state(int(s.state)),
+        owner=s.owner,
+    )
+
+
+def instance_from_pb(i: Any) -> InstanceView:
+    """An ``InstanceInfo``: in ``Describe`` and in an ``Activate`` answer."""
+    return InstanceView(
+        instance_id=i.instance_id,
+        model=i.model,
+        gpus=tuple(sorted(int(x) for x in i.gpus)),
+        endpoint=i.endpoint,
+        phase=instance_phase(int(i.phase)),
+        running=int(i.running),
+        waiting=int(i.waiting),
+        max_batch=int(i.max_batch),
+        kv_capacity_bytes=int(i.kv_capacity_bytes),
+        kv_used_bytes=int(i.kv_used_bytes),
+        lendable_bytes=int(i.lendable_bytes),
+        lent_bytes=int(i.lent_bytes),
+        prewarm_hit=bool(i.prewarm_hit),
+        slot_id=i.slot_id,
+        started_unix=float(i.started_unix),
+        engine=i.engine,
+        ttft_p95_s=float(i.ttft_p95_seconds),
+        ttft_samples=int(i.ttft_samples),
+        ttft_window_s=float(i.ttft_window_seconds),
+        owner=i.owner,
+        grace_started_unix=float(i.grace_started_unix),
+    )
+
+
+def activation_from_pb(resp: Any) -> ActivateResult:
+    """An ``ActivateResponse``."""
+    return ActivateResult(
+        instance_from_pb(resp.instance),
+        bool(resp.prewarm_hit),
+        float(resp.activation_seconds),
+        tuple(resp.evicted_slot_ids),
+    )
+
+
 def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
     """Convert a ``warmserve.agent.v1.NodeDescription`` into a :class:`NodeSnapshot`."""
-    gpus = tuple(
-        GpuView(
-            index=int(g.index),
-            memory_bytes=int(g.memory_bytes),
-            free_bytes=min(int(g.free_bytes), int(g.memory_bytes)),
-            state=worker_state(int(g.state)),
-            slot_ids=tuple(g.slot_ids),
-            instance_id=g.instance_id,
-        )
-        for g in desc.gpus
-    )
-    slots = tuple(
-        SlotView(
-            slot_id=s.slot_id,
-            model=s.model,
-            gpus=tuple(sorted(int(x) for x in s.gpus)),
-            layers_resident=int(s.layers_resident),
-            layers_total=int(s.layers_total),
-            layers_target=int(s.layers_target),
-            resident_bytes_per_gpu=int(s.resident_bytes_per_gpu),
-            weight_bytes_per_gpu=int(s.weight_bytes_per_gpu),
-            state=slot_state(int(s.state)),
-            owner=s.owner,
-        )
-        for s in desc.slots
-    )
-    instances = tuple(
-        InstanceView(
-            instance_id=i.instance_id,
-            model=i.model,
-            gpus=tuple(sorted(int(x) for x in i.gpus)),
-            endpoint=i.endpoint,
-            phase=instance_phase(int(i.phase)),
-            running=int(i.running),
-            waiting=int(i.waiting),
-            max_batch=int(i.max_batch),
-            kv_capacity_bytes=int(i.kv_capacity_bytes),
-            kv_used_bytes=int(i.kv_used_bytes),
-            lendable_bytes=int(i.lendable_bytes),
-            lent_bytes=int(i.lent_bytes),
-            prewarm_hit=bool(i.prewarm_hit),
-            slot_id=i.slot_id,
-            started_unix=float(i.started_unix),
-            engine=getattr(i, "engine", ""),
-            ttft_p95_s=float(getattr(i, "ttft_p95_seconds", 0.0)),
-            ttft_samples=int(getattr(i, "ttft_samples", 0)),
-            ttft_window_s=float(getattr(i, "ttft_window_seconds", 0.0)),
-            owner=i.owner,
-            grace_started_unix=float(i.grace_started_unix),
-        )
-        for i in desc.instances
-    )
     models = {
         m.name: CatalogEntry(
-            m.name,
-            int(m.weight_bytes),
-            int(m.num_layers),
-            getattr(m, "source", ""),
-            int(getattr(m, "disk_bytes", 0)),
+            m.name, int(m.weight_bytes), int(m.num_layers), m.source, int(m.disk_bytes)
         )
         for m in desc.models
     }
-    store = getattr(desc, "store", None)
+    store = desc.store
     return NodeSnapshot(
         node=node,
         agent_id=desc.agent_id,
         generation=int(desc.generation),
-        gpus=gpus,
-        slots=slots,
-        instances=instances,
+        gpus=tuple(gpu_from_pb(g) for g in desc.gpus),
+        slots=tuple(slot_from_pb(s) for s in desc.slots),
+        instances=tuple(instance_from_pb(i) for i in desc.instances),
         models=models,
         backend=desc.backend,
         version=desc.agent_version,
-        fetches=tuple(fetch_from_pb(f) for f in getattr(desc, "fetches", ())),
-        store=(
-            (int(store.used_bytes), int(store.budget_bytes), int(store.evictions))
-            if store is not None
-            else (0, 0, 0)
-        ),
+        fetches=tuple(fetch_from_pb(f) for f in desc.fetches),
+        store=(int(store.used_bytes), int(store.budget_bytes), int(store.evictions)),
     )

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from warmserve.engine_args import EngineArgPolicy
 from warmserve.modelref import SourceURIError, parse_source
 from warmserve.policy.cluster import ModelSpec, PolicyInputError
 
@@ -31,6 +32,10 @@ NODE_PLURAL = "gpunodes"
 NODE_KIND = "GPUNode"
 
 DEFAULT_LOAD_BANDWIDTH = 2 * 1024**3  # bytes/s host->GPU, for T_c when the spec gives none
+# spec.gateway.maxQueue's ceiling: a gateway replica's default --max-held (the CRD's maximum
+# too), so one deployment cannot claim more held slots than a replica has; the gateway also
+# clamps it to its own --max-held and per-namespace cap.
+MAX_QUEUE_LIMIT = 10_000
 
 
 class SpecError(ValueError):
@@ -103,8 +108,15 @@ class ModelDeploymentSpec:
         return f"{self.namespace}/{self.name}"
 
 
-def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
-    """Parse a ModelDeployment object (as the API returns it) or raise :class:`SpecError`."""
+def parse_model_deployment(
+    body: Mapping[str, Any], engine_policy: EngineArgPolicy | None = None
+) -> ModelDeploymentSpec:
+    """Parse a ModelDeployment object (as the API returns it) or raise :class:`SpecError`.
+
+    ``engine_policy``: the engine-argument allowlist the operator's admission applies (its
+    ``--allow-engine-arg`` flags).  Readers that start nothing (the gateway, the finalizer) leave
+    it out and check ``spec.engine.args`` against vLLM's schema only, so they never misread a
+    deployment the admin widened; a refused one carries the operator's ``InvalidSpec``."""
     meta = body.get("metadata") or {}
     spec = body.get("spec")
     if not isinstance(spec, Mapping):
@@ -119,7 +131,7 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         raise SpecError(f"spec.minInstances ({min_i}) must be <= spec.maxInstances ({max_i})")
     from .engine import parse_engine  # spec.engine.name/args, checked against vLLM's schema
 
-    engine, args = parse_engine(spec)
+    engine, args = parse_engine(spec, engine_policy)
     source = _get(spec, "model.source", "") or ""
     if source:
         try:
@@ -149,7 +161,7 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         engine_args=args,
         deleting=bool(meta.get("deletionTimestamp")),
         source=source,
-        max_queue=_int(spec, "gateway.maxQueue", 100, 0, 100_000) or 0,
+        max_queue=_int(spec, "gateway.maxQueue", 100, 0, MAX_QUEUE_LIMIT) or 0,
         max_hold_s=_num(spec, "gateway.maxHoldSeconds", 120.0, 0.001, 3600.0) or 120.0,
         engine=engine,
     )

@@ -20,7 +20,19 @@ from typing import Any
 from warmserve.policy.cluster import Replica, WorkerState
 
 from .engine import ttft_report
+from .history import OWNER_LABEL
 from .snapshot import NodeSnapshot
+
+# The scale subresource's selector (labelSelectorPath .status.selector): the owner the agents
+# record for a deployment's instances, under the label key its load-history ConfigMap carries.
+# The UID rather than the name: a label value has at most 63 characters, a name up to 253, and a
+# deployment recreated under the same name owns none of the old one's instances.
+SELECTOR_KEY = OWNER_LABEL
+
+
+def scale_selector(uid: str) -> str:
+    """``status.selector`` of the deployment with ``uid`` (a valid label selector string)."""
+    return f"{SELECTOR_KEY}={uid}"
 
 
 def now_iso(t: float | None = None) -> str:
@@ -92,6 +104,7 @@ class ModelView:
     gateway_replicas: int | None = None
     conditions: list[Condition] = field(default_factory=list)
     ttft_objective_s: float | None = None  # spec.ttftObjectiveSeconds
+    selector: str = ""  # status.selector (scale_selector); "" leaves it out
 
 
 def _round(x: float | None) -> float | None:
@@ -178,6 +191,7 @@ def model_status(
         **extra,
         "observedGeneration": view.generation,
         "instanceCount": sum(1 for i in instances if i["phase"] != "grace"),
+        **({"selector": view.selector} if view.selector else {}),
         **({"desiredInstances": view.desired} if view.desired is not None else {}),
         "prewarmedCount": sum(1 for r in replicas if r["state"] in ("ready", "loading")),
         "instances": instances,

@@ -1,4 +1,4 @@
-"""Deleting a ModelDeployment: the finalizer's work (issue 16, H1 and H2).
+"""Deleting a ModelDeployment: the finalizer's work.
 
 Called from the kopf delete handler; the handler retries while anything is left, so the object
 goes only once nothing of it remains on any agent.  Only what the agents recorded with the
@@ -19,7 +19,8 @@ from typing import Any, Protocol
 
 from warmserve.control.decisions import EndGrace
 
-from .act import Actor, call, describe, rid
+from .act import Actor, call
+from .actions import action, describe
 from .agents import AgentPool, AgentPort
 from .identity import teardown as teardown_decisions
 from .observe import NodeRuntime, Observer
@@ -101,7 +102,7 @@ async def _node(
             try:
                 if isinstance(d, EndGrace):
                     rec.actor.ended.add(d.instance_id)
-                await call(client, d, rid(d, snap))
+                await call(client, action(d, snap))
                 log.info("event=teardown_action detail=%r", describe(d))
             except AgentCallError as exc:
                 if exc.code != "NOT_FOUND":

@@ -12,6 +12,8 @@ from warmserve_agent.node import NodeCore
 from warmserve_agent.service import AgentService
 from warmserve_agent.service_describe import ServiceInfo
 
+from warmserve.modelref import store_dirname
+
 
 def test_catalog_is_cached_and_follows_added_and_removed_models(
     make_core: Callable[..., NodeCore], model_root: Path
@@ -37,20 +39,21 @@ def test_catalog_is_cached_and_follows_added_and_removed_models(
     assert [m.name for m in svc.describe_pb().models] == ["alpha", "delta", "gamma"]
 
 
-def test_catalog_follows_models_added_inside_an_existing_org_directory(
+def test_catalog_follows_org_name_models_in_the_flat_store(
     make_core: Callable[..., NodeCore], model_root: Path
 ) -> None:
-    """``ORG/NAME`` models live one level down: adding one changes the org directory's mtime,
-    not the store root's (an e2e test saw a freshly fetched ``acme/chat`` missing from Describe
-    for the cache's whole TTL)."""
-    write_model(model_root, "acme/one", layers=2, hidden=32, seed=5)
+    """``ORG/NAME`` models are one entry directly under the store's root like any other
+    (``<root>/ORG~NAME``), so adding or removing one changes the root's mtime, which the
+    catalogue's stamp watches (an e2e test once saw a freshly fetched ``acme/chat`` missing from
+    Describe for the cache's whole TTL, when such models lived one level down)."""
+    write_model(model_root, store_dirname("acme/one"), layers=2, hidden=32, seed=5)
     svc = AgentService(make_core(), ServiceInfo("a"))
     assert "acme/one" in [m.name for m in svc.describe_pb().models]
-    svc.describe_pb()  # the org is known now: the cache holds
+    svc.describe_pb()
     root_mtime = model_root.stat().st_mtime_ns
-    write_model(model_root, "acme/two", layers=2, hidden=32, seed=6)
-    assert model_root.stat().st_mtime_ns == root_mtime  # the case the root's mtime cannot see
+    write_model(model_root, store_dirname("acme/two"), layers=2, hidden=32, seed=6)
+    assert model_root.stat().st_mtime_ns != root_mtime
     names = [m.name for m in svc.describe_pb().models]
     assert {"acme/one", "acme/two"} <= set(names), names
-    shutil.rmtree(model_root / "acme" / "one")
+    shutil.rmtree(svc.core.store.model_path("acme/one"))
     assert "acme/one" not in [m.name for m in svc.describe_pb().models]

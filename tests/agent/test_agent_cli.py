@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import write_model
 
 from warmserve.cli import main
 
@@ -86,6 +87,11 @@ def test_agent_cli_runs_and_inspects(model_root: Path, tmp_path: Path, capsys) -
         ),
         (["agent", "inspect", "127.0.0.1:9", "--timeout", "5"], "agent at 127.0.0.1:9: "),
         (["agent", "--gpus", "auto", "--model-dir", ".", "--gpu-reserve", "lots"], "bad size"),
+        (
+            ["agent", "--gpus", "auto", "--model-dir", ".", "--store-reserve", "most"],
+            "or a share such as 15%",
+        ),
+        (["agent", "--gpus", "auto", "--model-dir", ".", "--store-reserve", "120%"], "0-99%"),
     ],
 )
 def test_agent_cli_errors(argv: list[str], needle: str, capsys) -> None:
@@ -128,3 +134,39 @@ def test_gpu_reserve_reaches_the_config() -> None:
     register(ap.add_subparsers())
     args = ap.parse_args(["agent", "--gpus", "auto", "--model-dir", ".", "--gpu-reserve", "6GiB"])
     assert _config(args).gpu_reserve_bytes == 6 * 1024**3
+
+
+def test_store_reserve_reaches_the_config() -> None:
+    import argparse
+
+    from warmserve_agent.sources.disk_reserve import DEFAULT_RESERVE, DiskReserve
+
+    from warmserve.cli.agent import _config, register
+
+    ap = argparse.ArgumentParser()
+    register(ap.add_subparsers())
+    base = ["agent", "--gpus", "auto", "--model-dir", "."]
+    assert _config(ap.parse_args(base)).store_reserve == DEFAULT_RESERVE
+    got = _config(ap.parse_args([*base, "--store-reserve", "20%"])).store_reserve
+    assert got == DiskReserve(0.2, 0)
+    got = _config(ap.parse_args([*base, "--store-reserve", "50GiB"])).store_reserve
+    assert got == DiskReserve(0.0, 50 * 1024**3)
+
+
+def test_the_agent_refuses_to_start_on_a_store_it_cannot_move(tmp_path: Path) -> None:
+    """A store of the earlier ``<store>/ORG/NAME`` layout is moved to ``<store>/ORG~NAME`` when
+    the agent starts (test_model_store_security.py); one it cannot move stops the start with one
+    line saying how to move it, and nothing is lost."""
+
+    store = tmp_path / "store"
+    write_model(store / "acme", "chat", layers=2, hidden=16)
+    write_model(store, "acme~chat", layers=2, hidden=16, seed=2)  # the same name, both layouts
+    argv = [sys.executable, "-m", "warmserve", "agent", "--simulate-gpus", "1x4MiB"]
+    argv += ["--page-size", "64KiB", "--model-dir", str(store), "--listen", "127.0.0.1:0"]
+    argv += ["--memory-dir", str(tmp_path / "mem"), "--spare-workers", "0"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr
+    assert "old ORG/NAME layout" in err and "mv ORG/NAME ORG~NAME" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert (store / "acme" / "chat" / "config.json").is_file()

@@ -18,40 +18,114 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from warmserve_agent.client import AgentClient, AgentError
 from warmserve_agent.config import ConfigError
-from warmserve_agent.fencing import MAX_TOKEN, Fence, FenceError, Refused, admit
+from warmserve_agent.fencing import MAX_TOKEN, Bounds, Fence, FenceError, Refused, admit, split
 from warmserve_agent.testing import AgentThread
 
-tokens = st.one_of(st.just(0), st.integers(1, 20), st.integers(0, MAX_TOKEN))
+NOW = 1_750_000_000  # the agent's clock in the pure rule's tests (unix seconds)
+BOUNDS = Bounds()
+J = BOUNDS.max_term_jump
+
+
+def token_of(created_s: int, term: int) -> int:
+    """What the operator sends (warmserve_operator.lease.fencing_token)."""
+    from warmserve_operator.lease import fencing_token
+
+    return fencing_token(created_s, term)
+
+
+# Tokens of a few Leases around NOW (the agent's clock), some far in the future, terms small and
+# huge, and any uint64 at all.
+created = st.sampled_from([0, NOW - 86_400, NOW - 5, NOW + 299, NOW + 301, 2**32 - 1])
+terms = st.one_of(st.integers(0, 3 * J), st.sampled_from([2**32 - 1, 2**31]))
+tokens = st.one_of(
+    st.just(0),
+    st.builds(token_of, created, terms),
+    st.integers(1, 20),
+    st.integers(0, MAX_TOKEN),
+)
+
+
+def plausible(highest: int, token: int, now: float = NOW) -> bool:
+    """The bounds, restated: not from a Lease created in the future, no jump of more than J
+    terms within one Lease."""
+    c, t = split(token)
+    hc, ht = split(highest)
+    return c <= now + BOUNDS.max_skew_s and not (c == hc and t - ht > J)
 
 
 @given(st.lists(st.tuples(tokens, st.booleans()), max_size=60))
-@settings(max_examples=300, deadline=None)
-def test_the_rule_is_monotonic_refuses_lower_and_accepts_equal(
+@settings(max_examples=400, deadline=None)
+def test_the_rule_is_monotonic_refuses_lower_accepts_equal_and_bounds_a_rise(
     calls: list[tuple[int, bool]],
 ) -> None:
     highest = 0
     accepted: list[int] = []
     for token, require in calls:
-        v = admit(highest, token, require)
+        v = admit(highest, token, NOW, require)
         assert v.highest >= highest, "the fence never goes down"
         if token == 0:
             assert v.highest == highest, "an unfenced call never moves the fence"
             assert v.refused is (Refused.UNFENCED if require else None)
         elif token < highest:
             assert v.refused is Refused.STALE and v.highest == highest
-        else:  # equal or higher: accepted, the fence at the token
+        elif token == highest:
+            assert v.accepted and v.highest == token
+        elif plausible(highest, token):
             assert v.accepted and v.highest == token
             accepted.append(token)
+        else:  # a rise no real Lease can make: refused, the fence stays
+            assert v.refused in (Refused.FUTURE, Refused.JUMP) and v.highest == highest
         highest = v.highest
+        # Whatever was sent, the fence is a term a Lease created by now could carry.
+        assert split(highest)[0] <= NOW + BOUNDS.max_skew_s
     assert highest == max(accepted, default=0)
     assert accepted == sorted(accepted), "accepted tokens never go down"
 
 
-def test_the_rule_refuses_what_is_not_a_uint64() -> None:
+@given(
+    st.integers(NOW - 10 * 86_400, NOW),  # the real Lease's creation time
+    st.lists(st.integers(0, J), max_size=40),  # leader changes between calls an agent sees
+    st.lists(st.builds(token_of, created, terms), max_size=5),  # forced tokens, in between
+)
+@settings(max_examples=300, deadline=None)
+def test_the_operators_real_terms_pass_unless_a_plausible_term_overtook_them(
+    lease_created: int, gaps: list[int], forced: list[int]
+) -> None:
+    """A real Lease's terms rise by at most J between the calls an agent sees: all accepted
+    while only real terms raised the fence.  Forced tokens in between can only raise it to a
+    plausible term; a real term refused after one is ``stale`` or ``jump`` (a reset-fence
+    case), and the fence is never a term no Lease created by now can carry."""
+    highest, term, last_real = 0, 1, 0
+    for i, gap in enumerate(gaps):
+        term = min(term + gap, 2**32 - 1)
+        real = token_of(lease_created, term)
+        if i < len(forced):
+            highest = admit(highest, forced[i], NOW).highest
+        v = admit(highest, real, NOW)
+        if highest in (0, last_real):  # no forced token moved the fence
+            assert v.accepted, (highest, real)
+        else:
+            assert v.accepted or v.refused in (Refused.STALE, Refused.JUMP)
+        assert split(v.highest)[0] <= NOW + BOUNDS.max_skew_s
+        if v.accepted:
+            last_real = real
+        highest = v.highest
+
+
+def test_the_rule_refuses_what_is_not_a_uint64_and_the_maximum() -> None:
     for bad in (-1, MAX_TOKEN + 1):
         with pytest.raises(ValueError, match="uint64"):
-            admit(0, bad)
-    assert admit(5, 5).accepted and not admit(5, 4).accepted and admit(5, 6).highest == 6
+            admit(0, bad, NOW)
+    assert admit(5, 5, NOW).accepted and not admit(5, 4, NOW).accepted
+    assert admit(5, 6, NOW).highest == 6
+    real = token_of(NOW - 3600, 7)
+    for forced in (MAX_TOKEN, token_of(NOW + 86_400, 1), token_of(2**32 - 1, 0)):
+        assert admit(real, forced, NOW).refused is Refused.FUTURE
+    assert admit(real, token_of(NOW - 3600, 7 + J + 1), NOW).refused is Refused.JUMP
+    assert admit(real, token_of(NOW - 3600, 7 + J), NOW).accepted
+    assert admit(real, token_of(NOW + 300, 2**32 - 1), NOW).accepted  # a newer Lease, in skew
+    with pytest.raises(ValueError, match="max_term_jump"):
+        Bounds(max_term_jump=0)
 
 
 def test_the_fence_survives_a_restart_and_a_bad_file_is_a_clear_error(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import MiB, cfg_for, wait_for, write_model
+from tls_support import warmserve_pki
 from warmserve_agent.client import AgentError, SyncAgentClient, pb
 from warmserve_agent.testing import AgentThread
 
@@ -272,84 +272,25 @@ def test_token_auth(tmp_path: Path, model_root: Path) -> None:
             assert good.describe().node_name == "node-a"
 
 
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
-def make_pki(d: Path) -> dict[str, Path]:
-    d.mkdir()
-    p = {k: d / k for k in ("ca.key", "ca.pem", "srv.key", "srv.pem", "cli.key", "cli.pem")}
-    _openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        str(p["ca.key"]),
-        "-out",
-        str(p["ca.pem"]),
-        "-days",
-        "1",
-        "-subj",
-        "/CN=warmserve-test-ca",
-    )
-    ext = d / "san.cnf"
-    ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for who in ("srv", "cli"):
-        csr = d / f"{who}.csr"
-        _openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(p[f"{who}.key"]),
-            "-out",
-            str(csr),
-            "-subj",
-            f"/CN={who}",
-        )
-        _openssl(
-            "x509",
-            "-req",
-            "-in",
-            str(csr),
-            "-CA",
-            str(p["ca.pem"]),
-            "-CAkey",
-            str(p["ca.key"]),
-            "-CAcreateserial",
-            "-out",
-            str(p[f"{who}.pem"]),
-            "-days",
-            "1",
-            "-extfile",
-            str(ext),
-        )
-    return p
-
-
 def test_mutual_tls(tmp_path: Path, model_root: Path) -> None:
-    pki = make_pki(tmp_path / "pki")
+    # Who may call beyond the chain (identities, usages): tests/agent/test_agent_identity.py.
+    pki = warmserve_pki(tmp_path / "pki")
     cfg = cfg_for(
         tmp_path,
         model_root,
-        tls_cert=pki["srv.pem"],
-        tls_key=pki["srv.key"],
-        client_ca=pki["ca.pem"],
+        tls_cert=pki.agent.crt,
+        tls_key=pki.agent.key,
+        client_ca=pki.agent.ca,
     )
     with AgentThread(cfg) as a:
         refused = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-        with SyncAgentClient(a.address, ca_cert=pki["ca.pem"], timeout_s=5) as nocert:
+        tls = dict(ca_cert=pki.agent.ca, server_name="warmserve-agent", timeout_s=5)
+        with SyncAgentClient(a.address, **tls) as nocert:
             assert code_of(nocert.describe)[0] in refused  # handshake fails: no client cert
         with SyncAgentClient(a.address, timeout_s=5) as plain:
             assert code_of(plain.describe)[0] in refused
         with SyncAgentClient(
-            a.address,
-            ca_cert=pki["ca.pem"],
-            client_cert=pki["cli.pem"],
-            client_key=pki["cli.key"],
+            a.address, client_cert=pki.operator.crt, client_key=pki.operator.key, **tls
         ) as ok:
             assert ok.describe().gpus[0].index == 0
 

@@ -5,7 +5,9 @@ Objects are uploaded with boto3 the usual ways (a plain PUT, so the ETag is the 
 with a SHA-256 checksum; a multipart upload, whose ETag is not an MD5), then fetched by the
 agent's fetcher.  A corrupted object (its bytes changed behind the gateway, in the backend
 directory, so the listing still carries the original size and MD5) is refused after every
-attempt; a missing prefix and bad credentials fail with clear messages."""
+attempt; a missing prefix and bad credentials fail with clear messages.  A key that would write
+outside the staging directory (``//``) or holds a backslash is refused, naming the key; a
+download cut off midway is resumed by the next fetch with a ranged GET."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from warmserve_agent.sources.fetch_records import FetchFailed
 from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.store import WeightStore
 
-from tests.model_sources_support import built_server
+from tests.model_sources_support import S3Relay, built_server
 
 boto3 = pytest.importorskip("boto3", reason="boto3 is part of the dev extra")
 
@@ -165,7 +167,7 @@ def test_s3_fetch_from_a_real_s3_server(s3, tmp_path: Path) -> None:
     got = f.store.model("meta/llama")
     assert (got.num_layers, got.weight_bytes) == (2, ref.weight_bytes)
     for t in ref.tensors:
-        assert (tmp_path / "store/meta/llama" / t.file.name).read_bytes() == t.file.read_bytes()
+        assert (f.store.model_path("meta/llama") / t.file.name).read_bytes() == t.file.read_bytes()
     f.close()
 
 
@@ -205,3 +207,96 @@ def test_s3_missing_prefix_and_bad_credentials(s3, tmp_path: Path, monkeypatch) 
         run(g, "z", "s3://models/meta/llama")
     f.close()
     g.close()
+
+
+# ---- keys that would leave the staging directory; resume -------------------------------------
+def _encodings(key: str) -> list[str]:
+    from urllib.parse import quote
+
+    return [key, quote(key, safe="/"), quote(key, safe="")]
+
+
+def test_a_key_with_a_double_slash_cannot_write_outside_staging(s3, tmp_path: Path) -> None:
+    """``PREFIX//abs/path``: the part below ``PREFIX/`` is an absolute path, and joining it to
+    the staging directory used to write there: over another model's files in the store.
+
+    versitygw's posix backend stores keys as file paths (``m//x`` is kept as ``m/x``), so a relay
+    in front of it lists the object under the key AWS S3 would keep: ``evil/m//<victim path>``;
+    the object itself (and every GET) is the real server's."""
+    url, _ = s3
+    src = write_model(tmp_path / "up", "llama", layers=2, hidden=32, files=1)
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    upload(url, "models", "team-a/llama", src)
+    f = fetcher(tmp_path / "store", url)
+    run(f, "team-a/llama", "s3://models/team-a/llama")
+    victim = f.store.model_path("team-a/llama") / "chat_template.jinja"
+    assert victim.read_text() == "{{ messages }}"
+    f.close()
+    evil = write_model(tmp_path / "up2", "m", layers=2, hidden=32, files=1)
+    upload(url, "models", "evil/m", evil)
+    stored = "evil/m/" + str(victim).lstrip("/")  # how versitygw holds "evil/m/" + str(victim)
+    client(url).put_object(Bucket="models", Key=stored, Body=b"{{ pwned }}")
+    with S3Relay(url) as relay:
+
+        def as_aws_lists_it(xml: bytes) -> bytes:
+            text = xml.decode()
+            for a, b in zip(_encodings(stored), _encodings("evil/m/" + str(victim)), strict=True):
+                text = text.replace(f"<Key>{a}</Key>", f"<Key>{b}</Key>")
+            return text.encode()
+
+        relay.list_rewrite = as_aws_lists_it
+        g = fetcher(tmp_path / "store", relay.url)
+        with pytest.raises(FetchFailed) as exc:
+            run(g, "evil", "s3://models/evil/m")
+        g.close()
+    msg = exc.value.message
+    assert exc.value.code == "FAILED_PRECONDITION"
+    assert f"object key 'evil/m/{victim}'" in msg, msg  # the key, '//' and all
+    assert "its path is absolute" in msg
+    assert victim.read_text() == "{{ messages }}"
+    assert not any(k.startswith("evil/") for k, _ in relay.gets)  # refused before any GET
+
+
+def test_a_key_with_a_backslash_is_refused(s3, tmp_path: Path) -> None:
+    url, _ = s3
+    src = write_model(tmp_path / "up", "m", layers=2, hidden=32, files=1)
+    upload(url, "models", "bs/m", src)
+    client(url).put_object(Bucket="models", Key="bs/m/tok\\..\\x.json", Body=b"{}")
+    f = fetcher(tmp_path / "store", url)
+    with pytest.raises(FetchFailed, match=r"object key 'bs/m/tok.*contains a backslash"):
+        run(f, "bs", "s3://models/bs/m")
+    f.close()
+
+
+def test_an_s3_download_cut_midway_is_resumed_by_the_next_fetch(s3, tmp_path: Path) -> None:
+    url, _ = s3
+    src = write_model(tmp_path / "up", "m", layers=2, hidden=700, files=1)
+    shard = "model-00001-of-00001.safetensors"
+    data = (src / shard).read_bytes()
+    c = client(url)
+    with contextlib.suppress(c.exceptions.BucketAlreadyOwnedByYou):
+        c.create_bucket(Bucket="models")
+    for p in src.iterdir():
+        c.put_object(Bucket="models", Key=f"res/m/{p.name}", Body=p.read_bytes())
+    key = f"res/m/{shard}"
+    half = len(data) // 2
+    store = tmp_path / "store"
+    with S3Relay(url) as relay:
+        relay.cut_after[key] = half  # the connection drops at half the object
+        relay.unavailable[key] = 10  # and the server is busy for a while after
+        first = fetcher(store, relay.url, attempts=1)
+        with pytest.raises(FetchFailed) as exc:
+            run(first, "res", "s3://models/res/m")
+        assert exc.value.code == "UNAVAILABLE", exc.value.message
+        first.close()
+        kept = (store / ".warmserve-staging" / "res" / shard).stat().st_size
+        assert 0 < kept <= half
+        relay.unavailable.clear()
+        relay.served.clear()
+        relay.gets.clear()
+        second = fetcher(store, relay.url)  # as after an agent restart
+        run(second, "res", "s3://models/res/m")
+        assert relay.gets == [(key, f"bytes={kept}-")]
+        assert relay.served[key] == len(data) - kept
+        assert (second.store.model_path("res") / shard).read_bytes() == data
+        second.close()

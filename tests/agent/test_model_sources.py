@@ -20,7 +20,13 @@ from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.store import StoreError, WeightStore
 
 from tests.model_sources_support import HubServer, Repo, repo_from_dir
-from warmserve.modelref import MODEL_NAME_MAX, MODEL_NAME_PATTERN, SourceURIError, parse_source
+from warmserve.modelref import (
+    MODEL_NAME_MAX,
+    MODEL_NAME_PATTERN,
+    SourceURIError,
+    parse_source,
+    store_dirname,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG = "o" * 100 + "/" + "m" * 99  # 200 characters, the CRD's maximum
@@ -41,7 +47,10 @@ def test_model_name_rule_is_the_crds() -> None:
 GOOD = [
     "hf://meta-llama/Llama-3.1-8B-Instruct",
     "hf://org/name@main",
-    "hf://org/name@refs/pr/12",
+    "hf://org/name@v1.0",
+    "hf://org/name@release/2024-06",
+    "hf://org/name@refs/heads/main",
+    "hf://org/name@refs/tags/v1.0",
     "hf://org/name@0123456789abcdef0123456789abcdef01234567",
     "s3://models-bucket/llama/8b",
     "s3://my.bucket/x",
@@ -55,6 +64,20 @@ BAD = [
     "http://example/x",
     "hf://name-only",
     "hf://org/name@",
+    "hf://org/name@refs/pr/12",  # pull-request refs: unmerged code anyone may push
+    "hf://org/name@refs/convert/parquet",
+    "hf://org/name@refs",
+    "hf://org/name@refs/heads/",
+    "hf://org/name@a..b",
+    "hf://org/name@v1.lock",
+    "hf://org/name@v1.",
+    "hf://org/name@a//b",
+    "hf://org/name@-x",
+    "hf://org/name@.hidden",
+    "hf://org/name@main\n",
+    "hf://org/name@ma in",
+    "hf://org/name@x~1",
+    "hf://org/name@" + "a" * 256,
     "hf://org/name/extra",
     "hf://org/../x",
     "s3://bucket",
@@ -88,10 +111,11 @@ def test_bad_source_uris_are_refused(uri: str) -> None:
 
 def test_store_lists_and_reads_names_with_a_slash_up_to_the_crd_length(tmp_path: Path) -> None:
     root = tmp_path / "models"
-    write_model(root, "meta-llama/Llama-3-8B", layers=2, hidden=16)
-    write_model(root, LONG, layers=2, hidden=16, seed=3)
+    write_model(root, store_dirname("meta-llama/Llama-3-8B"), layers=2, hidden=16)
+    write_model(root, store_dirname(LONG), layers=2, hidden=16, seed=3)
     write_model(root, "plain", layers=2, hidden=16, seed=4)
     store = WeightStore(root)
+    assert store.model_path("meta-llama/Llama-3-8B") == root / "meta-llama~Llama-3-8B"
     assert store.list_models() == sorted(["meta-llama/Llama-3-8B", LONG, "plain"])
     assert store.model("meta-llama/Llama-3-8B").num_layers == 2
     assert store.model(LONG).name == LONG
@@ -147,9 +171,10 @@ def test_hf_fetch_fills_the_store_and_checks_every_file(tmp_path: Path, upstream
         ref = WeightStore(tmp_path / "upstream").model("alpha")
         assert m.weight_bytes == ref.weight_bytes
         for t in ref.tensors:  # the bytes are the upstream bytes
-            assert (tmp_path / "store/org/alpha" / t.file.name).read_bytes() == t.file.read_bytes()
-        manifest = json.loads((tmp_path / "store/org/alpha" / MANIFEST).read_text())
+            assert (store.model_path("org/alpha") / t.file.name).read_bytes() == t.file.read_bytes()
+        manifest = json.loads((store.model_path("org/alpha") / MANIFEST).read_text())
         assert manifest["source"] == "hf://org/alpha"
+        assert manifest["model"] == "org/alpha"
         assert manifest["revision"] == upstream["org/alpha"].commit
         assert all(x["sha256"] for x in manifest["files"] if x["path"].endswith(".safetensors"))
         assert all(x["git_sha1"] for x in manifest["files"] if x["path"] == "config.json")
@@ -169,7 +194,7 @@ def test_a_corrupted_download_is_refused_and_fetched_again(tmp_path: Path, upstr
         assert hub.downloads[shard] == 2
         assert f.stats["retries:checksum"] == 1
         good = (tmp_path / "upstream/alpha" / shard).read_bytes()
-        assert (tmp_path / "store/org/alpha" / shard).read_bytes() == good
+        assert (f.store.model_path("org/alpha") / shard).read_bytes() == good
         f.close()
 
 
@@ -187,7 +212,9 @@ def test_a_download_corrupted_every_time_fails_and_leaves_nothing(tmp_path: Path
         assert exc.value.code == "UNAVAILABLE"
         assert hub.downloads[shard] == 2
         assert not f.store.has("org/alpha")
-        assert not any((tmp_path / "store/.warmserve-staging").glob("*"))
+        # The good files stay staged for the next fetch to resume; the bad one was deleted.
+        staged = tmp_path / "store/.warmserve-staging/org~alpha"
+        assert (staged / "config.json").is_file() and not (staged / shard).exists()
         assert f.statuses()[0].state == FetchState.FAILED
         f.close()
 
@@ -316,14 +343,24 @@ def test_a_pinned_model_is_not_evicted(tmp_path: Path, upstream) -> None:
         f.close()
 
 
-def test_leftovers_of_a_crashed_agent_are_cleaned(tmp_path: Path) -> None:
+def test_leftovers_of_a_crashed_agent(tmp_path: Path, upstream) -> None:
+    """Retired copies in the trash are removed at start; partial downloads stay until a fetch
+    resumes them or needs their room."""
     store = tmp_path / "store"
+    (store / ".warmserve-trash" / "old").mkdir(parents=True)
+    (store / ".warmserve-trash" / "old" / "x.safetensors").write_bytes(b"x" * 100)
     (store / ".warmserve-staging" / "dead").mkdir(parents=True)
     (store / ".warmserve-staging" / "dead" / "x.safetensors").write_bytes(b"x" * 100)
-    f = fetcher_for(store)
-    assert not (store / ".warmserve-staging").exists()
-    assert f.store.list_models() == []
-    f.close()
+    with HubServer(upstream) as hub:
+        f = fetcher_for(store, hub)
+        assert not (store / ".warmserve-trash").exists()
+        assert (store / ".warmserve-staging" / "dead").exists()
+        assert f.store.list_models() == []
+        assert f.usage().used_bytes == 100  # partial downloads count against the budget
+        f.budget_bytes = model_bytes(upstream["org/alpha"]) + 50
+        fetch(f, "org/alpha", "hf://org/alpha")  # needs the room: the stale partial goes
+        assert not (store / ".warmserve-staging" / "dead").exists()
+        f.close()
 
 
 # ---- in-place sources -------------------------------------------------------------------------
@@ -336,7 +373,8 @@ def test_pvc_and_file_sources_are_linked_in_place(tmp_path: Path) -> None:
     f = fetcher_for(tmp_path / "store", settings=settings)
     fetch(f, "org/llama", "pvc://models-claim/llama/8b")
     fetch(f, "mistral", f"file://{node}/mistral")
-    link = tmp_path / "store/org/llama"
+    link = f.store.model_path("org/llama")
+    assert link == tmp_path / "store/org~llama"
     assert link.is_symlink() and Path(os.path.realpath(link)) == pvc_root / "models-claim/llama/8b"
     assert f.store.model("org/llama").num_layers == 2
     assert f.usage().used_bytes == 0  # links use no budget

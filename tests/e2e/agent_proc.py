@@ -43,6 +43,8 @@ async def main() -> None:
     # call already on its way.
     ap.add_argument("--hold-calls-file", type=Path, default=None)
     ap.add_argument("--release-calls-file", type=Path, default=None)
+    # The admin's engine-argument widening, as the chart passes it (test_engine_args_e2e.py).
+    ap.add_argument("--allow-engine-arg", action="append", default=[])
     args = ap.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s agent=" + args.node + " %(message)s"
@@ -62,6 +64,7 @@ async def main() -> None:
         fetch_attempts=args.fetch_attempts,
         fetch_backoff_s=0.2,
         metrics_port=args.metrics_port,
+        **_engine_policy(args.allow_engine_arg),
     )
     if args.slow_describe_file is not None:
         _slow_describe(args.slow_describe_file)
@@ -79,6 +82,14 @@ async def main() -> None:
     tmp.rename(args.address_file)
     await stop.wait()
     await server.stop(0.2)
+
+
+def _engine_policy(allowed: list[str]) -> dict[str, object]:
+    if not allowed:
+        return {}
+    from warmserve.engine_args import EngineArgPolicy
+
+    return {"engine_policy": EngineArgPolicy.from_admin(allowed)}
 
 
 def _slow_describe(path: Path) -> None:

@@ -69,6 +69,9 @@ class Stack:
         self.ip = host_ip()
         self.op_kubeconfig: Path | None = None
         self.gw_kubeconfig: Path | None = None
+        # the chart's <release>-demand-token: the gateways' /demand needs it from the operator
+        self.demand_token = tmp / "demand-token"
+        self.demand_token.write_text(os.urandom(24).hex())
 
     def kubectl(self, *args: str, **kw: Any) -> Any:
         return self.plane.kubectl(*args, **kw)
@@ -172,7 +175,8 @@ class Stack:
                 "--predictor", "seasonal", "--peering", f"{self.ns}-peering",
                 "--priority", str(priority), "--metrics-port", "0",
                 "--scale-down-delay", "600", "--namespace", self.ns,
-                "--gateway-service", f"{self.ns}/{DEMAND_SERVICE}", *extra,
+                "--gateway-service", f"{self.ns}/{DEMAND_SERVICE}",
+                "--gateway-token-file", str(self.demand_token), *extra,
             ],
             {**self.env, "KUBECONFIG": str(self.op_kubeconfig)},
         )  # fmt: skip
@@ -189,6 +193,7 @@ class Stack:
             [
                 sys.executable, "-m", "warmserve", "gateway",
                 "--port", "0", "--admin-port", "0", "--namespace", self.ns,
+                "--anonymous-namespace", self.ns, "--demand-token-file", str(self.demand_token),
                 "--replica", name, "--address-file", str(addr), "--drain-seconds", "1",
                 *extra,
             ],
@@ -256,10 +261,15 @@ def _get_status(url: str) -> int:
         return 0
 
 
-def demand_of(admin_url: str) -> dict[str, Any]:
+def demand_of(admin_url: str, token_file: Path) -> dict[str, Any]:
+    """A replica's /demand, read with the operator's token."""
     import urllib.request
 
-    with urllib.request.urlopen(admin_url + "/demand", timeout=5) as r:
+    token = token_file.read_text().strip()
+    req = urllib.request.Request(
+        admin_url + "/demand", headers={"Authorization": f"Bearer {token}"}
+    )
+    with urllib.request.urlopen(req, timeout=5) as r:
         return json.loads(r.read())
 
 

@@ -247,8 +247,8 @@ def _phase_c_two_replicas_summed_and_one_killed(st: Stack, results: dict[str, An
             at_a += [asyncio.create_task(_call(s, a.api, short)) for _ in range(2)]
             at_b += [asyncio.create_task(_call(s, b.api, short)) for _ in range(3)]
             await asyncio.sleep(0.5)
-            assert demand_of(a.admin)["models"]["tiny-slow"]["held"] == 2
-            assert demand_of(b.admin)["models"]["tiny-slow"]["held"] == 3
+            assert demand_of(a.admin, st.demand_token)["models"]["tiny-slow"]["held"] == 2
+            assert demand_of(b.admin, st.demand_token)["models"]["tiny-slow"]["held"] == 3
             load = await asyncio.to_thread(
                 wait_for,
                 lambda: (x := _status(st, "slow").get("load", {})).get("held") == 5 and x,
@@ -314,10 +314,10 @@ def _phase_d_operator_down_caps_and_restart(st: Stack, results: dict[str, Any]) 
             # A held client that disconnects leaves the queue (and the demand).
             gone = asyncio.create_task(_call(s, a.api, {"model": "wait", "messages": msg}))
             await asyncio.sleep(0.5)
-            assert demand_of(a.admin)["models"]["tiny-wait"]["held"] == 1
+            assert demand_of(a.admin, st.demand_token)["models"]["tiny-wait"]["held"] == 1
             gone.cancel()
             await asyncio.sleep(0.5)
-            assert "tiny-wait" not in demand_of(a.admin)["models"]
+            assert "tiny-wait" not in demand_of(a.admin, st.demand_token)["models"]
             left = metric(a.admin, "warmserve_gateway_held_disconnects_total", model="tiny-wait")
             assert left == 1
             # The operator comes back: the held requests are served within their hold time.

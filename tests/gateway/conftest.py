@@ -53,13 +53,20 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
 
 
 @pytest.fixture
-async def make_gateway() -> AsyncIterator[Callable[..., Any]]:
-    """``await make_gateway(objects, **config) -> (Gateway, ListSource)``; stopped afterwards."""
+async def make_gateway(tmp_path: Any) -> AsyncIterator[Callable[..., Any]]:
+    """``await make_gateway(objects, mirrored=True, **config) -> (Gateway, ListSource)``;
+    stopped afterwards.  /demand needs the token in ``gw.config.demand_token_file``
+    (``gw_support.demand_headers``) unless the config says otherwise."""
     started: list[Gateway] = []
+    token = tmp_path / "demand-token"
+    token.write_text("demand-secret-for-tests\n")
 
-    async def make(items: list[Mapping[str, Any]], **kw: Any) -> tuple[Gateway, ListSource]:
-        src = ListSource(list(items))
+    async def make(
+        items: list[Mapping[str, Any]], mirrored: bool = True, **kw: Any
+    ) -> tuple[Gateway, ListSource]:
+        src = ListSource(list(items), mirrored=mirrored)
         base: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "admin_host": "127.0.0.1"}
+        base["demand_token_file"] = token
         cfg = GatewayConfig(**{**base, "admin_port": 0, "replica": "test", **kw})
         gw = Gateway(cfg, src)
         await gw.start()

@@ -53,6 +53,7 @@ def md(
     created: str = "2026-01-01T00:00:00Z",
     ready_reason: str = "",
     max_instances: int = 8,
+    node: str = "",
 ) -> dict[str, Any]:
     """A ModelDeployment object as the API server returns it (status as the operator writes)."""
     gw: dict[str, Any] = {}
@@ -66,6 +67,9 @@ def md(
             for i in instances
         ]
     }
+    if node:
+        for i in status["instances"]:
+            i["node"] = node
     if ready_reason:
         status["conditions"] = [{"type": "Ready", "status": "False", "reason": ready_reason}]
     return {
@@ -87,29 +91,97 @@ def md(
     }
 
 
+NODE = "gw-test"  # the GPUNode the mirrored records are on
+AGENT_ADDRESS = "127.0.0.1:50051"  # its agentAddress: the engines of the tests listen on 127.0.0.1
+
+
+def gpunode(
+    name: str,
+    address: str,
+    instances: list[tuple[str, str, str]] = (),  # type: ignore[assignment]
+) -> dict[str, Any]:
+    """A GPUNode object as the operator writes it: (id, model, endpoint) per instance its agent
+    reported."""
+    return {
+        "apiVersion": "warmserve.io/v1alpha1",
+        "kind": "GPUNode",
+        "metadata": {"name": name},
+        "spec": {"agentAddress": address},
+        "status": {
+            "instances": [
+                {"id": i, "model": m, "endpoint": e, "phase": "serving"} for i, m, e in instances
+            ]
+        },
+    }
+
+
+def mirror(objs: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The GPUNode record the operator would write for these deployments' instances (what the
+    real operator does: it writes both from the same agent reports)."""
+    recs = [
+        (i["id"], o["spec"]["model"]["name"], i["endpoint"])
+        for o in objs
+        for i in (o.get("status") or {}).get("instances") or []
+    ]
+    return gpunode(NODE, AGENT_ADDRESS, recs)
+
+
+MDS = ("modeldeployments", None)
+NODES = ("gpunodes", None)
+
+
 @dataclass
 class ListSource:
-    """Hands objects to the gateway through the watch's callbacks."""
+    """Hands objects to the gateway through the watch's callbacks: ModelDeployments, and the
+    GPUNode records — with ``mirrored`` (the default) one GPUNode listing every instance of the
+    deployments, updated with each change as the operator's status writes do; otherwise the
+    GPUNodes among ``items``."""
 
     items: list[Mapping[str, Any]] = field(default_factory=list)
-    scopes: tuple[str | None, ...] = (None,)
+    scopes: tuple[Any, ...] = (MDS, NODES)
+    mirrored: bool = True
     on_list: Callable[..., None] | None = None
     on_event: Callable[..., None] | None = None
+    _mds: dict[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def start(self, loop: Any, on_list: Callable[..., None], on_event: Callable[..., None]) -> None:
         self.on_list, self.on_event = on_list, on_event
-        on_list(None, list(self.items))
+        mds = [o for o in self.items if o.get("kind") != "GPUNode"]
+        self._mds = {_key(o): o for o in mds}
+        nodes = [o for o in self.items if o.get("kind") == "GPUNode"]
+        if self.mirrored:
+            nodes.append(mirror(mds))
+        on_list(NODES, nodes)  # records first: the operator writes them with the instances
+        on_list(MDS, mds)
 
     def stop(self) -> None:
         pass
 
     def modified(self, obj: Mapping[str, Any]) -> None:
         assert self.on_event is not None
-        self.on_event("MODIFIED", obj)
+        if obj.get("kind") == "GPUNode":
+            self.on_event(NODES, "MODIFIED", obj)
+            return
+        self._mds[_key(obj)] = obj
+        if self.mirrored:
+            self.on_event(NODES, "MODIFIED", mirror(list(self._mds.values())))
+        self.on_event(MDS, "MODIFIED", obj)
 
     def deleted(self, obj: Mapping[str, Any]) -> None:
         assert self.on_event is not None
-        self.on_event("DELETED", obj)
+        self._mds.pop(_key(obj), None)
+        self.on_event(MDS, "DELETED", obj)
+
+
+def _key(o: Mapping[str, Any]) -> str:
+    m = o.get("metadata") or {}
+    return f"{m.get('namespace')}/{m.get('name')}"
+
+
+def demand_headers(gw: Any) -> dict[str, str]:
+    """What the operator sends to /demand (the gateway's --demand-token-file)."""
+    path = gw.config.demand_token_file
+    return {"Authorization": f"Bearer {path.read_text().strip()}"} if path else {}
 
 
 # ---- real sockets and a gateway process -------------------------------------------------------

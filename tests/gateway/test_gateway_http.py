@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gw_support import Engines, md
+from gw_support import MDS, NODES, Engines, demand_headers, md
 
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
 
@@ -48,7 +48,9 @@ def slow(engines: Engines) -> tuple[str, str]:
 
 
 async def test_openai_routes_and_model_names(make_gateway: Any, tiny: Any) -> None:
-    gw, _ = await make_gateway([md("chat", "tiny", tiny, namespace="team-a")])
+    gw, _ = await make_gateway(
+        [md("chat", "tiny", tiny, namespace="team-a")], anonymous_namespaces=("team-a",)
+    )
     api = gw.urls["api"]
     async with aiohttp.ClientSession() as s:
         async with s.get(f"{api}/v1/models") as r:
@@ -135,7 +137,7 @@ async def test_ambiguous_and_duplicate_deployments(make_gateway: Any, tiny: Any)
         md("chat", "other", [], namespace="b", created="2026-01-02T00:00:00Z"),
         md("dup", "tiny", [], namespace="c", created="2026-01-03T00:00:00Z"),
     ]
-    gw, _ = await make_gateway(objs)
+    gw, _ = await make_gateway(objs, anonymous_namespaces=("a", "b", "c"))
     api = gw.urls["api"]
     async with aiohttp.ClientSession() as s:
         st, _, doc = await post(s, f"{api}/v1/chat/completions", {"model": "chat", **CHAT})
@@ -144,9 +146,13 @@ async def test_ambiguous_and_duplicate_deployments(make_gateway: Any, tiny: Any)
         assert "a/chat" in doc["error"]["message"] and "b/chat" in doc["error"]["message"]
         st, _, doc = await post(s, f"{api}/v1/chat/completions", {"model": "a/chat", **CHAT})
         assert st == 200
-        # The newer deployment of the same weights is the operator's DuplicateModel: not served.
-        st, _, doc = await post(s, f"{api}/v1/chat/completions", {"model": "c/dup", **CHAT})
-        assert st == 404
+        # The newer deployment of the same weights is the operator's DuplicateModel: not served,
+        # answered at once without naming the deployment that serves the model.
+        st, headers, doc = await post(s, f"{api}/v1/chat/completions", {"model": "c/dup", **CHAT})
+        assert st == 503 and "Retry-After" in headers
+        assert_openai_error(doc, "model_unavailable")
+        msg = doc["error"]["message"]
+        assert "DuplicateModel" in msg and "a/chat" not in msg
 
 
 async def test_api_keys_from_a_mounted_secret(make_gateway: Any, tiny: Any, tmp_path: Any) -> None:
@@ -192,8 +198,9 @@ async def test_holding_fifo_until_room(make_gateway: Any, slow: Any) -> None:
         await asyncio.sleep(0.1)
         st = gw.dispatcher.state("slow")
         assert st is not None and st.held == 3 and st.inflight == 1
-        demand = await (await s.get(f"{gw.urls['admin']}/demand")).json()
-        assert demand["models"]["slow"] == {"held": 3, "inflight": 1}
+        r = await s.get(f"{gw.urls['admin']}/demand", headers=demand_headers(gw))
+        demand = await r.json()
+        assert demand["models"]["slow"] == {"held": 3, "inflight": 1, "namespace": "default"}
         assert await asyncio.gather(*tasks) == [200] * 4
     assert order == [0, 1, 2, 3]
     assert gw.dispatcher.check_invariant(st)
@@ -399,7 +406,7 @@ async def test_demand_watch_stream_reports_held_edges(make_gateway: Any) -> None
 
     async with (
         aiohttp.ClientSession() as s,
-        s.get(f"{admin}/demand", params={"watch": "1"}) as r,
+        s.get(f"{admin}/demand", params={"watch": "1"}, headers=demand_headers(gw)) as r,
     ):
         await drain(r, 0.3)  # the current report comes at once
         assert seen == [0]
@@ -418,12 +425,15 @@ async def test_ready_only_once_every_watched_namespace_is_listed() -> None:
     from warmserve_gateway.config import GatewayConfig
     from warmserve_gateway.server import Gateway
 
+    a, b = ("modeldeployments", "a"), ("modeldeployments", "b")
+
     class TwoNamespaces(ListSource):
         def start(self, loop: Any, on_list: Any, on_event: Any) -> None:
             self.on_list, self.on_event = on_list, on_event
-            on_list("a", [md("x", "x", [], namespace="a")])  # "b" not listed yet
+            on_list(NODES, [])
+            on_list(a, [md("x", "x", [], namespace="a")])  # "b" not listed yet
 
-    src = TwoNamespaces(scopes=("a", "b"))
+    src = TwoNamespaces(scopes=(a, b, NODES))
     gw = Gateway(GatewayConfig(host="127.0.0.1", port=0, admin_port=0, namespaces=("a", "b")), src)
     await gw.start()
     try:
@@ -435,7 +445,7 @@ async def test_ready_only_once_every_watched_namespace_is_listed() -> None:
             )
             assert st == 503 and doc["error"]["code"] == "not_ready" and headers["Retry-After"]
             assert src.on_list is not None
-            src.on_list("b", [])
+            src.on_list(b, [])
             async with s.get(f"{gw.urls['api']}/healthz") as r:
                 assert r.status == 200
     finally:
@@ -504,7 +514,8 @@ async def test_per_model_series_exist_at_zero_once_the_model_is_known() -> None:
 
     class OneModel(ListSource):
         def start(self, loop: Any, on_list: Any, on_event: Any) -> None:
-            on_list(None, [md("known", "known", [])])
+            on_list(NODES, [])
+            on_list(MDS, [md("known", "known", [])])
 
     gw = Gateway(GatewayConfig(host="127.0.0.1", port=0, admin_port=0), OneModel())
     await gw.start()

@@ -1,6 +1,7 @@
 """The gateway's Kubernetes parts on the real kube-apiserver (tests/k8s_support.py):
 
-* the chart's gateway RBAC grants exactly what it uses (watch ModelDeployments), nothing else;
+* the chart's gateway RBAC grants exactly what it uses (watch ModelDeployments and GPUNodes),
+  nothing else;
 * the ModelDeployment watch under that ServiceAccount's token: a held request goes out the moment
   the operator's status shows a serving instance, a deleted deployment fails its held requests;
 * the operator finds gateway replicas through a Service's EndpointSlices under the chart's
@@ -16,7 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gw_support import REPO, Engines
+from gw_support import REPO, Engines, gpunode
 from k8s_support import apply_chart_gateway_rbac, apply_chart_operator_rbac, host_ip
 from warmserve_gateway.config import GatewayConfig
 from warmserve_gateway.server import Gateway
@@ -29,7 +30,7 @@ def crds(kubectl: Any) -> None:
     kubectl("apply", "-f", str(REPO / "crds"))
     kubectl(
         "wait", "--for=condition=Established", "--timeout=60s",
-        "crd/modeldeployments.warmserve.io",
+        "crd/modeldeployments.warmserve.io", "crd/gpunodes.warmserve.io",
     )  # fmt: skip
 
 
@@ -63,10 +64,14 @@ def test_gateway_rbac_is_least_privilege(
         ("list", "pods", ns),
         ("list", "endpointslices.discovery.k8s.io", ns),
         ("create", "events", ns),
-        ("list", "gpunodes.warmserve.io", None),
+        ("patch", "gpunodes.warmserve.io", None),
+        ("patch", "gpunodes.warmserve.io/status", None),
         ("*", "*", None),
     ]:
         assert not _can(kubectl, who, verb, res, where), (verb, res, where)
+    # The agents' records (GPUNode status) an instance endpoint must match: read only.
+    for verb in ("get", "list", "watch"):
+        assert _can(kubectl, who, verb, "gpunodes.warmserve.io", None), verb
     # With operator.watchNamespaces the gateway may watch those namespaces only.
     other = f"{ns}-w"
     kubectl("create", "namespace", other)
@@ -79,6 +84,7 @@ def test_gateway_rbac_is_least_privilege(
         _wait_rbac(kubectl, who2, other)
         assert not _can(kubectl, who2, "watch", "modeldeployments.warmserve.io", None)
         assert not _can(kubectl, who2, "watch", "modeldeployments.warmserve.io", ns)
+        assert _can(kubectl, who2, "watch", "gpunodes.warmserve.io", None)
     finally:
         kubectl("delete", "namespace", other, "--wait=false", check=False)
 
@@ -108,15 +114,22 @@ async def test_watch_under_chart_rbac_routes_held_requests_when_status_says_serv
     from warmserve_gateway.discovery import KubeSource
 
     kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(_md("w", "tiny")))
-    cfg = GatewayConfig(host="127.0.0.1", port=0, admin_host="127.0.0.1", admin_port=0)
+    node = f"{ns}-node"
+    kubectl("apply", "-f", "-", input=json.dumps(gpunode(node, engines.agent.address)))
+    cfg = GatewayConfig(
+        host="127.0.0.1", port=0, admin_host="127.0.0.1", admin_port=0, anonymous_namespaces=(ns,)
+    )
     gw = Gateway(cfg, KubeSource((ns,)))
     await gw.start()
     iid = ""
+    mine = frozenset({ns})
     try:
         deadline = time.monotonic() + 20
-        while not (gw.synced and gw.catalog.lookup(f"{ns}/w")) and time.monotonic() < deadline:
+        while (
+            not (gw.synced and gw.catalog.resolve(f"{ns}/w", mine)) and time.monotonic() < deadline
+        ):
             await asyncio.sleep(0.05)
-        dep = gw.catalog.lookup(f"{ns}/w")
+        dep = gw.catalog.resolve(f"{ns}/w", mine)
         assert dep is not None and dep.serving == ()
         async with aiohttp.ClientSession() as s:
 
@@ -132,6 +145,13 @@ async def test_watch_under_chart_rbac_routes_held_requests_when_status_says_serv
             iid, url = await asyncio.to_thread(engines.start, "tiny", 3)
             status = {"status": {"instances": [{"id": iid, "endpoint": url, "phase": "serving"}]}}
             t0 = time.monotonic()
+            # What the operator writes from the agent's report: the GPUNode first, then the
+            # deployment (the gateway routes only to an instance a GPUNode lists).
+            rec = gpunode(node, engines.agent.address, [(iid, "tiny", url)])
+            kubectl(
+                "patch", "gpunode", node, "--subresource=status", "--type=merge",
+                "-p", json.dumps({"status": rec["status"]}),
+            )  # fmt: skip
             kubectl(
                 "patch", "wsmd", "w", "-n", ns, "--subresource=status", "--type=merge",
                 "-p", json.dumps(status),
@@ -149,6 +169,7 @@ async def test_watch_under_chart_rbac_routes_held_requests_when_status_says_serv
             assert await asyncio.wait_for(late, 20) == 404
     finally:
         await gw.stop()
+        kubectl("delete", "gpunode", node, "--wait=false", check=False)
         if iid:
             await asyncio.to_thread(engines.end, iid)
 
@@ -192,7 +213,8 @@ async def test_operator_reads_gateway_replicas_from_endpointslices_under_chart_r
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     from warmserve_operator.gateway_demand import GatewaySources
 
-    demand = GatewaySources(service=(ns, "gw-demand")).build()
+    token = gws[0][0].config.demand_token_file
+    demand = GatewaySources(service=(ns, "gw-demand"), token_file=str(token)).build()
     assert demand is not None
     async with aiohttp.ClientSession() as s:
         tasks = []

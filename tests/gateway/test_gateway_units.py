@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_support import md
+from gw_support import gpunode, md
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from warmserve_gateway.auth import ApiKeyError, ApiKeys
+from warmserve_gateway.auth import ApiKeyError, ApiKeys, Caller
 from warmserve_gateway.catalog import Ambiguous, Catalog, parse_deployment
 from warmserve_gateway.demand import DemandTracker
 from warmserve_gateway.holding import Dispatcher, HoldTimeout, QueueFull
@@ -145,13 +145,17 @@ async def test_dispatch_racing_a_cancel_gives_the_endpoint_back() -> None:
 
 def test_catalog_follows_the_operator_on_duplicates_and_parses_status() -> None:
     objs = [
-        md("new", "w", [("x", "http://x")], namespace="a", created="2026-03-01T00:00Z"),
-        md("old", "w", [("y", "http://y/", "grace")], namespace="b", created="2026-01-01T00:00Z"),
+        md("new", "w", [("x", "http://10.0.0.1:80")], namespace="a", created="2026-03-01T00:00Z"),
+        md(
+            "old", "w", [("y", "http://10.0.0.2:80/", "grace")], namespace="b",
+            created="2026-01-01T00:00Z",
+        ),
         md("bad", "v", []),
-    ]
+    ]  # fmt: skip
     objs[2]["spec"]["minInstances"] = 5
     objs[2]["spec"]["maxInstances"] = 1
     c = Catalog()
+    c.replace_nodes([gpunode("n", "10.0.0.2:50051", [("y", "w", "http://10.0.0.2:80")])])
     changed = c.replace(objs)
     owners, dups = dedupe_models(
         parse_model_deployment(o) for o in objs[:2]
@@ -159,10 +163,13 @@ def test_catalog_follows_the_operator_on_duplicates_and_parses_status() -> None:
     assert c.owners["w"].key == owners["w"].key == "b/old" and changed == {"w"}
     assert [d.key for d in dups] == list(c.duplicates) == ["a/new"]
     assert "default/bad" in c.invalid and "minInstances" in c.invalid["default/bad"]
-    dep = c.lookup("w")
-    assert dep is not None and dep.instances[0].url == "http://y" and dep.serving == ()
-    assert c.lookup("b/old") is dep and c.lookup("old") is dep
-    assert c.lookup("a/new") is None and c.lookup("new") is None  # a duplicate is not served
+    everyone = frozenset({"a", "b", "default"})
+    dep = c.resolve("w", everyone)
+    assert dep is not None and dep.instances[0].url == "http://10.0.0.2:80" and dep.serving == ()
+    assert c.resolve("b/old", everyone) is dep and c.resolve("old", everyone) is dep
+    for name in ("a/new", "new"):  # a duplicate is found (to say why) but is not served
+        dup = c.resolve(name, everyone)
+        assert dup is not None and dup.key == "a/new" and not c.is_served(dup)
     changed = c.delete(objs[1])
     assert changed == {"w"} and c.owners["w"].key == "a/new"  # the next one takes over
 
@@ -170,9 +177,10 @@ def test_catalog_follows_the_operator_on_duplicates_and_parses_status() -> None:
 def test_catalog_ambiguous_bare_name() -> None:
     c = Catalog()
     c.replace([md("chat", "m1", [], namespace="a"), md("chat", "m2", [], namespace="b")])
-    with pytest.raises(Ambiguous):
-        c.lookup("chat")
-    assert c.lookup("a/chat").model == "m1"  # type: ignore[union-attr]
+    with pytest.raises(Ambiguous, match="a/chat, b/chat"):
+        c.resolve("chat", frozenset({"a", "b"}))
+    assert c.resolve("a/chat", frozenset({"a", "b"})).model == "m1"  # type: ignore[union-attr]
+    assert c.resolve("chat", frozenset({"b"})).model == "m2"  # type: ignore[union-attr]
     changed = c.replace([md("chat", "m3", [], namespace="c")], namespace="b")
     assert changed == {"m2", "m3"} and set(c.owners) == {"m1", "m3"}
 
@@ -182,11 +190,11 @@ def test_catalog_ambiguous_bare_name() -> None:
 
 def test_api_keys_file_and_directory(tmp_path: Path) -> None:
     f = tmp_path / "keys.txt"
-    f.write_text("# team keys\nsk-one\n\n  sk-two  \n")
-    keys = ApiKeys(f)
+    f.write_text("# team keys\nsk-one\n\n  team-a,team-b sk-two  \n")
+    keys = ApiKeys(f, default_namespaces=("warmserve",))
     assert len(keys) == 2
-    assert keys.check("Bearer sk-one") == "keys.txt:2"
-    assert keys.check("bearer sk-two") == "keys.txt:4"
+    assert keys.check("Bearer sk-one") == Caller("keys.txt:2", frozenset({"warmserve"}))
+    assert keys.check("bearer sk-two") == Caller("keys.txt:4", frozenset({"team-a", "team-b"}))
     for bad in (None, "", "Bearer", "Bearer sk-on", "Basic sk-one", "sk-one"):
         assert keys.check(bad) is None
     empty = tmp_path / "empty"
@@ -195,6 +203,9 @@ def test_api_keys_file_and_directory(tmp_path: Path) -> None:
         ApiKeys(empty)
     with pytest.raises(ApiKeyError):
         ApiKeys(tmp_path / "missing")
+    f.write_text("Team_A sk-x\n")
+    with pytest.raises(ApiKeyError, match="not a namespace"):
+        ApiKeys(f)
 
 
 def test_api_keys_compare_every_key_in_constant_time(
@@ -213,7 +224,7 @@ def test_api_keys_compare_every_key_in_constant_time(
         return real(a, b)
 
     monkeypatch.setattr(hmac, "compare_digest", counting)
-    assert keys.check("Bearer sk-0") == "k0"  # the first key matches ...
+    assert keys.check("Bearer sk-0").key_id == "k0"  # type: ignore[union-attr]  # the first ...
     assert len(calls) == 5  # ... and every key is still compared (no early exit)
 
 
@@ -222,17 +233,18 @@ def test_api_keys_reload_when_the_secret_changes(tmp_path: Path) -> None:
     d.mkdir()
     (d / "a").write_text("sk-old")
     keys = ApiKeys(d, reload_s=0.0)
-    assert keys.check("Bearer sk-old") == "a"
+    assert keys.check("Bearer sk-old").key_id == "a"  # type: ignore[union-attr]
     import os
     import time
 
     (d / "a").write_text("sk-new")
     os.utime(d / "a", (time.time() + 5, time.time() + 5))
-    assert keys.check("Bearer sk-new") == "a" and keys.check("Bearer sk-old") is None
+    assert keys.check("Bearer sk-new").key_id == "a"  # type: ignore[union-attr]
+    assert keys.check("Bearer sk-old") is None
     for f in d.iterdir():
         f.unlink()
     os.utime(d, (time.time() + 10, time.time() + 10))
-    assert keys.check("Bearer sk-new") == "a"  # an empty Secret never opens the gateway
+    assert keys.check("Bearer sk-new").key_id == "a"  # type: ignore[union-attr]  # kept
 
 
 # ------------------------------------------------------------------------------------ demand

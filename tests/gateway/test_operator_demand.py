@@ -158,7 +158,10 @@ def _harness(poll_s: float, demand: GatewayDemand) -> tuple[Any, Any, Reconciler
 async def test_held_demand_is_summed_starts_from_zero_and_recovers(make_gateway: Any) -> None:
     gw1, _ = await make_gateway([md("chat", "llama-a", [], max_hold_s=30)])
     gw2, _ = await make_gateway([md("chat", "llama-a", [], max_hold_s=30)])
-    demand = GatewayDemand(StaticEndpoints((gw1.urls["admin"], gw2.urls["admin"])))
+    demand = GatewayDemand(
+        StaticEndpoints((gw1.urls["admin"], gw2.urls["admin"])),
+        token_file=gw1.config.demand_token_file,
+    )
     kube, agent, rec = _harness(5.0, demand)
     async with aiohttp.ClientSession() as s:
         held = await _hold(s, gw1.urls["api"], 2) + await _hold(s, gw2.urls["api"], 3)
@@ -186,7 +189,9 @@ async def test_held_demand_is_summed_starts_from_zero_and_recovers(make_gateway:
 
 async def test_a_held_request_wakes_the_loop_long_before_its_poll(make_gateway: Any) -> None:
     gw, _ = await make_gateway([md("chat", "llama-a", [], max_hold_s=30)])
-    demand = GatewayDemand(StaticEndpoints((gw.urls["admin"],)))
+    demand = GatewayDemand(
+        StaticEndpoints((gw.urls["admin"],)), token_file=gw.config.demand_token_file
+    )
     _, agent, rec = _harness(30.0, demand)  # the next poll would come in 30 s
     stop = asyncio.Event()
     loop_task = asyncio.create_task(rec.run(stop))

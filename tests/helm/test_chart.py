@@ -87,10 +87,10 @@ def test_defaults_render_the_documented_objects(k8s_bin_dir: Path) -> None:
     assert "initialDelaySeconds" not in agent["containers"][0]["livenessProbe"]
     assert agent["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert agent["hostIPC"] is False
-    # Both TLS secrets come from one generated CA.
+    # Each side's certificate from its own generated CA (test_chart_security.py).
     server = _find(docs, "Secret", "-agent-server-tls")["data"]
     client = _find(docs, "Secret", "-operator-client-tls")["data"]
-    assert server["ca.crt"] == client["ca.crt"] and server["tls.crt"] != client["tls.crt"]
+    assert server["ca.crt"] != client["ca.crt"] and server["tls.crt"] != client["tls.crt"]
 
 
 def test_values_change_gpu_requests_node_selector_and_tls(k8s_bin_dir: Path) -> None:
@@ -117,7 +117,7 @@ def test_values_change_gpu_requests_node_selector_and_tls(k8s_bin_dir: Path) -> 
     assert "--simulate-gpus=2x16GiB" in args and not any(a.startswith("--gpus") for a in args)
     assert not any(a.startswith("--tls") for a in args)
     assert "--allow-insecure-listen" in args  # the agent refuses plaintext 0.0.0.0 otherwise
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert not [d for d in docs if d["kind"] == "Secret" and not _demand_token(d)]
     none = _render(k8s_bin_dir, "--set", "agent.gpuResource.count=0")
     limits = _find(none, "DaemonSet", "-agent")["spec"]["template"]["spec"]["containers"][0][
         "resources"
@@ -127,12 +127,21 @@ def test_values_change_gpu_requests_node_selector_and_tls(k8s_bin_dir: Path) -> 
 
 def test_existing_secret_and_cert_manager_modes(k8s_bin_dir: Path) -> None:
     docs = _render(
-        k8s_bin_dir, "--set", "tls.mode=existingSecret", "--set", "tls.existingSecret=my-tls"
+        k8s_bin_dir,
+        "--set",
+        "tls.mode=existingSecret",
+        "--set",
+        "tls.serverSecret=my-tls",
+        "--set",
+        "tls.clientSecret=my-client-tls",
     )
-    assert not [d for d in docs if d["kind"] == "Secret"]
-    for kind, suffix in (("Deployment", "-operator"), ("DaemonSet", "-agent")):
+    assert not [d for d in docs if d["kind"] == "Secret" and not _demand_token(d)]
+    for kind, suffix, name in (
+        ("Deployment", "-operator", "my-client-tls"),
+        ("DaemonSet", "-agent", "my-tls"),
+    ):
         volumes = _find(docs, kind, suffix)["spec"]["template"]["spec"]["volumes"]
-        assert {"secretName": "my-tls", "defaultMode": 0o440} in [v.get("secret") for v in volumes]
+        assert {"secretName": name, "defaultMode": 0o440} in [v.get("secret") for v in volumes]
     cm = _render(
         k8s_bin_dir, "--set", "tls.mode=certManager", "--set", "tls.certManager.issuerRef.name=ca"
     )
@@ -163,7 +172,7 @@ def test_existing_secret_and_cert_manager_modes(k8s_bin_dir: Path) -> None:
         (["--set", "tls.mode=certManager"], "tls.certManager.issuerRef.name is required"),
         (
             ["--set", "tls.mode=existingSecret"],
-            "tls.mode=existingSecret needs tls.existingSecret",
+            "tls.mode=existingSecret needs tls.serverSecret and tls.clientSecret",
         ),
         (
             ["--set", "operator.serviceAccount.create=false"],
@@ -322,11 +331,12 @@ def test_agents_require_a_fencing_token_unless_told_otherwise(k8s_bin_dir: Path)
 
 def test_agent_engines_and_metrics_are_reachable_from_other_pods(k8s_bin_dir: Path) -> None:
     # The CLI binds engines and metrics to 127.0.0.1: in a pod the endpoints Activate returns
-    # would be unreachable from the operator/gateway, and Prometheus could not scrape.
+    # would be unreachable from the gateway, and Prometheus could not scrape. Engines bind the
+    # pod IP only (NetworkPolicy: test_chart_security.py).
     pod = _pod(_render(k8s_bin_dir), "DaemonSet", "-agent")
     container = pod["spec"]["containers"][0]
     ns = _parse_cli(container["args"])
-    assert ns.engine_host == "0.0.0.0"
+    assert ns.engine_host == "$(POD_IP)"
     assert ns.advertise_host == "$(POD_IP)"  # kubelet substitutes the env var below
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
@@ -341,11 +351,13 @@ def test_agent_engines_and_metrics_are_reachable_from_other_pods(k8s_bin_dir: Pa
     from warmserve.cli.agent import _config
 
     ns.advertise_host = ns.advertise_host.replace("$(POD_IP)", "10.1.2.3")
+    ns.engine_host = ns.engine_host.replace("$(POD_IP)", "10.1.2.3")
     ns.model_dir = str(REPO_ROOT)  # any directory: _config checks it exists
     ns.tls_cert = ns.tls_key = ns.client_ca = None  # the secret is not mounted here
+    ns.allow_client_id = []  # (checked with the certificates: test_chart_security.py)
     cfg = _config(ns)
     assert (cfg.engine_host, cfg.advertise_host, cfg.metrics_host) == (
-        "0.0.0.0",
+        "10.1.2.3",
         "10.1.2.3",
         "0.0.0.0",
     )
@@ -375,7 +387,7 @@ def test_metrics_off_declares_no_port_and_no_scrape_annotations(k8s_bin_dir: Pat
     assert "annotations" not in op["metadata"] and "annotations" not in ag["metadata"]
     assert _parse_cli(op["spec"]["containers"][0]["args"]).metrics_port == 0
     agent_ns = _parse_cli(ag["spec"]["containers"][0]["args"])
-    assert agent_ns.metrics_port is None and agent_ns.engine_host == "0.0.0.0"
+    assert agent_ns.metrics_port is None and agent_ns.engine_host == "$(POD_IP)"
     # The gateway's admin port also serves /demand to the operator, so it is always there.
     pms = [d["metadata"]["name"] for d in docs if d["kind"] == "PodMonitor"]
     assert pms == ["ws-warmserve-gateway"]
@@ -490,7 +502,9 @@ def crds_installed(k8s_control_plane: ControlPlane) -> None:
             "--set",
             "tls.mode=existingSecret",
             "--set",
-            "tls.existingSecret=mine",
+            "tls.serverSecret=mine",
+            "--set",
+            "tls.clientSecret=mine-client",
             "--set",
             "operator.replicas=2",
             "--set",
@@ -766,3 +780,8 @@ def test_gateway_values_are_checked(k8s_bin_dir: Path) -> None:
     ):
         proc = _helm(k8s_bin_dir, "template", "ws", str(CHART), *set_args, check=False)
         assert proc.returncode != 0 and message in proc.stderr, (set_args, proc.stderr)
+
+
+def _demand_token(doc: dict) -> bool:
+    """The /demand token Secret (templates/demand-token.yaml), rendered in every TLS mode."""
+    return str(doc["metadata"]["name"]).endswith("-demand-token")

@@ -14,6 +14,7 @@ from test_chart import CHART, _env_refs_are_defined, _find, _helm, _parse_cli, _
 
 SOURCES = [
     "--set", "agent.modelCache.budget=500GiB",
+    "--set", "agent.modelCache.reserve=20%",
     "--set", "agent.modelSources.huggingface.secretName=hf-token",
     "--set", "agent.modelSources.huggingface.endpoint=https://hf-mirror.example",
     "--set", "agent.modelSources.s3.secretName=s3-creds",
@@ -35,6 +36,7 @@ def test_model_sources_reach_the_agent_as_files_mounts_and_flags(k8s_bin_dir: Pa
     args = c["args"]
     for flag in (
         "--store-budget=500GiB",
+        "--store-reserve=20%",
         "--hf-token-file=/etc/warmserve/hf/token",
         "--hf-endpoint=https://hf-mirror.example",
         "--s3-endpoint-url=https://minio.example:9000",
@@ -132,6 +134,7 @@ def test_images_default_to_the_dockerfiles_images(k8s_bin_dir: Path) -> None:
         (["--set", "tls.certManager.issuerRef.nmae=x"], "additional properties 'nmae'"),
         (["--set", "dashboards.enable=true"], "additional properties 'enable'"),
         (["--set", "agent.modelCache.budget=lots"], "/agent/modelCache/budget"),
+        (["--set", "agent.modelCache.reserve=most"], "/agent/modelCache/reserve"),
         (["--set", "agent.simulateGpus=8x80"], "/agent/simulateGpus"),
         (["--set", "agent.modelSources.pvcs={Bad_Claim}"], "/agent/modelSources/pvcs/0"),
         (["--set", "agent.modelSources.hostPaths={relative}"], "/agent/modelSources/hostPaths/0"),

@@ -16,6 +16,22 @@ SOURCES = [
     "hf://meta-llama/Llama-3.1-8B-Instruct",
     "hf://org/name@main",
     "hf://org/name@refs/pr/12",
+    "hf://org/name@refs/convert/parquet",
+    "hf://org/name@refs/heads/main",
+    "hf://org/name@refs/tags/v1.0",
+    "hf://org/name@refs",
+    "hf://org/name@release/2024-06",
+    "hf://org/name@0123456789abcdef0123456789abcdef01234567",
+    "hf://org/name@a..b",
+    "hf://org/name@v1.lock",
+    "hf://org/name@v1.lock/x",
+    "hf://org/name@v1.",
+    "hf://org/name@a//b",
+    "hf://org/name@-x",
+    "hf://org/name@x~1",
+    "hf://org/name@" + "a" * 255,
+    "hf://org/name@" + "a" * 256,
+    "hf://org..x/name@main",
     "hf://org/name@v1.0",
     "hf://name-only",
     "hf://org/name@",
@@ -132,3 +148,5 @@ def test_a_refused_source_says_which_form_to_use(crds: None, kube_client: Any, k
     assert "hf:// sources look like hf://ORG/NAME" in msg
     msg = _dry_run(kube_client, k8s_namespace, {"name": "m", "source": "pvc://claim/../x"})
     assert "'..' path segments" in msg
+    msg = _dry_run(kube_client, k8s_namespace, {"name": "m", "source": "hf://o/n@refs/pr/1"})
+    assert "must be a branch, tag or commit: refs/pr/N" in msg

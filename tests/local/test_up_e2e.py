@@ -109,6 +109,17 @@ def test_up_replays_through_the_gateway_and_down_leaves_nothing(
             else:
                 assert status["numberReady"] == status["desiredNumberScheduled"] > 0, status
 
+        # The agents ran as the chart runs them: no API token, only the operator's certificate
+        # identity may call them (and it did: the replay above needed it).
+        pods = {d.name: d for d in (state / "pods").iterdir() if (d / "argv").exists()}
+        agents = [n for n in pods if "-agent-" in n]
+        assert agents and len(agents) < len(pods), sorted(pods)
+        for name, d in pods.items():
+            has_token = (d / "serviceaccount" / "kubeconfig").exists()
+            assert has_token == (name not in agents), name
+        for name in agents:
+            argv = (pods[name] / "argv").read_text().splitlines()
+            assert [a for a in argv if a.startswith("--allow-client-id=CN=")], argv
         # `warmserve status` and kubectl work against it from another terminal.
         st = warmserve("status", env={**env, "KUBECONFIG": kubeconfig}, timeout=60)
         assert st.returncode == 0, st.stderr

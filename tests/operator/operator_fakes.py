@@ -4,7 +4,7 @@
 (a replay gets the first outcome, a reuse with other arguments ALREADY_EXISTS), ids in the
 agent's formats, memory accounting per GPU, prewarm hits when a slot of the model sits on
 exactly the GPUs, activation evicting other slots on the group, the owner recorded on slots and
-instances, and — what once hid a deletion that never finished (issue 16, H1) — the same
+instances, and — what once hid a deletion that never finished — the same
 refusals as the real agent: EndInstance only for a grace instance, BeginGrace only for a serving
 one, no eviction of a serving slot, no prewarm or activation on a serving GPU, nesting of GPU
 groups; and fencing tokens (the same :class:`warmserve_agent.fencing.Fence` rule: a call
@@ -22,10 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from warmserve_agent.fencing import Fence, refusal_message
-from warmserve_operator.agents import ActivateResult, Fencing, Unfenced
+from warmserve_agent.fencing import Fence
+from warmserve_operator.agents import Fencing, Unfenced
 from warmserve_operator.ports import ObjRef
 from warmserve_operator.snapshot import (
+    ActivateResult,
     AgentCallError,
     FetchView,
     GpuView,
@@ -35,7 +36,7 @@ from warmserve_operator.snapshot import (
 )
 from warmserve_operator.spec import CatalogEntry
 
-from warmserve.engine_args import EngineArgsError, validate_engine_args
+from warmserve.engine_args import DEFAULT_POLICY, EngineArgsError, validate_engine_args
 from warmserve.policy.cluster import GiB, InstancePhase, WorkerState
 
 
@@ -88,6 +89,8 @@ class FakeAgent:
         # Model sources this agent can fetch from: source URI -> (weight bytes, layers).
         self.remote = remote or {}
         self.fetched: list[tuple[str, str]] = []
+        self.inspected: list[tuple[str, str]] = []  # (model, source) of InspectModel calls
+        self.fetched_from: dict[str, str] = {}  # model -> source, reported as the real agent does
         self.slots: dict[str, _Slot] = {}
         self.instances: dict[str, _Inst] = {}
         self.generation = 1
@@ -97,6 +100,7 @@ class FakeAgent:
         self.calls: list[tuple[str, str]] = []
         # (model, gpus) -> (engine, engine args) of the last activation
         self.engine_args: dict[tuple[str, tuple[int, ...]], tuple[str, tuple[str, ...]]] = {}
+        self.engine_policy = DEFAULT_POLICY  # the agent's --allow-engine-arg
         self.down = False
 
     # ------------------------------------------------------------------ helpers
@@ -110,7 +114,7 @@ class FakeAgent:
         verdict = self.fence.check(method, token, read=method == "Describe")
         if verdict.refused is not None:
             self.fencing.refused(token)
-            raise AgentCallError("FAILED_PRECONDITION", refusal_message(method, token, verdict))
+            raise AgentCallError("FAILED_PRECONDITION", self.fence.message(method, token, verdict))
 
     def _new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self.ids):012x}"
@@ -216,13 +220,21 @@ class FakeAgent:
             )
             for i in self.instances.values()
         )
-        models = {m: CatalogEntry(m, w, n) for m, (w, n) in self.catalog.items()}
+        models = {
+            m: CatalogEntry(m, w, n, self.fetched_from.get(m, ""))
+            for m, (w, n) in self.catalog.items()
+        }
         return NodeSnapshot(
             self.node, self.agent_id, self.generation, gpus, slots, insts, models, "fake", "0"
         )
 
     def _fetch(
-        self, request_id: str, key: tuple[Any, ...], model: str, source: str, on_fetch: Any = None
+        self,
+        request_id: str,
+        key: tuple[Any, ...],
+        model: str,
+        source: str,
+        on_fetch: Callable[[FetchView], Any] | None = None,
     ) -> None:
         """As the real agent: a model missing from the store is fetched from ``source`` before
         the call's own work; a failed fetch is not remembered for the request id (a replay
@@ -236,11 +248,13 @@ class FakeAgent:
             on_fetch(FetchView(model, source, "downloading", 0, weight, attempt=1))
         self.catalog[model] = (weight, layers)
         self.fetched.append((model, source))
+        self.fetched_from[model] = source
         if on_fetch is not None:
             on_fetch(FetchView(model, source, "done", weight, weight, attempt=1))
 
     async def inspect_model(self, model: str, source: str) -> CatalogEntry:
         self._check_up()
+        self.inspected.append((model, source))
         if model in self.catalog:
             w, n = self.catalog[model]
         elif source in self.remote:
@@ -258,7 +272,7 @@ class FakeAgent:
         owner: str = "",
         *,
         source: str = "",
-        on_fetch: Any = None,
+        on_fetch: Callable[[FetchView], Any] | None = None,
     ) -> SlotView:
         self._check_up()
         self._fenced("Prewarm")
@@ -346,8 +360,8 @@ class FakeAgent:
             return prev
         self._check_owner(request_id, key, owner)
         group = self._group(request_id, key, gpus)
-        try:  # the real agent refuses what the engine-args schema refuses, before any change
-            validate_engine_args(engine_args)
+        try:  # the real agent refuses what the schema or its allowlist refuses, before any change
+            validate_engine_args(engine_args, self.engine_policy)
         except EngineArgsError as exc:
             self._refuse(request_id, key, "INVALID_ARGUMENT", str(exc))
         self._fetch(request_id, key, model, source)

@@ -1,25 +1,30 @@
 """One set of contract cases, run against the unit tests' ``FakeAgent`` AND the real agent.
 
 A fake that accepted what the real agent refuses (``EndInstance`` for a serving instance) once
-hid a deletion that never finished (issue 16, H1).  Every case here drives the operator's
+hid a deletion that never finished.  Every case here drives the operator's
 :class:`~warmserve_operator.agents.AgentPort` — the fake directly, the real agent
 (``warmserve_agent`` in-process on loopback, simulated GPUs) through
 :class:`~warmserve_operator.agents.GrpcAgent` — and asserts the same outcome, so the fake
-cannot drift from the agent without a failing test.
+cannot drift from the agent without a failing test; and both take exactly the parameters the
+port declares.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import itertools
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from operator_fakes import FakeAgent
-from warmserve_operator.agents import AgentAuth, GrpcAgent
-from warmserve_operator.snapshot import AgentCallError
+from warmserve_operator.agents import AgentAuth, AgentPort, GrpcAgent
+from warmserve_operator.lease import fencing_token
+from warmserve_operator.snapshot import AgentCallError, FetchView, InstanceView
 
 from warmserve.policy.cluster import InstancePhase, WorkerState
 
@@ -37,15 +42,27 @@ def _write_models(root: Path) -> dict[str, tuple[int, int]]:
     prof = {"decode_tok_s": 50.0, "max_batch": 4, "kv_bytes_per_token": 256}
     mod.write_model(root, A, layers=4, hidden=64, seed=1, profile=prof)
     mod.write_model(root, B, layers=4, hidden=64, seed=2, profile=prof)
+    mod.write_model(root.parent / "remote", "model-c", layers=4, hidden=64, seed=3, profile=prof)
     return {A: (200_000, 4), B: (200_000, 4)}
 
 
+def _source(root: Path) -> str:
+    """The ``file://`` source of a model no store holds (beside the store, :func:`_write_models`),
+    which a node links into its store on first use."""
+    return f"file://{root.parent / 'remote' / 'model-c'}"
+
+
 @pytest.fixture(scope="module")
-def real_agent(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def contract_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("contract")
+
+
+@pytest.fixture(scope="module")
+def real_agent(contract_dir: Path) -> Any:
     from warmserve_agent.config import AgentConfig, parse_simulated_gpus
     from warmserve_agent.testing import AgentThread
 
-    tmp = tmp_path_factory.mktemp("contract")
+    tmp = contract_dir
     _write_models(tmp / "models")
     cfg = AgentConfig(
         model_dir=tmp / "models",
@@ -56,6 +73,7 @@ def real_agent(tmp_path_factory: pytest.TempPathFactory) -> Any:
         use_workers=False,
         spare_workers=0,
         host_cache_bytes=16 * 1024**2,
+        allowed_paths=(tmp / "remote",),
     )
     with AgentThread(cfg) as a:
         yield a
@@ -79,8 +97,15 @@ class Term:
 @pytest.fixture(params=["fake", "real"])
 async def agent(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
     if request.param == "fake":
-        catalog = _write_models(tmp_path)
-        yield FakeAgent("n1", gpus=2, memory=32 * 1024**2, catalog=catalog, fencing=Term())
+        catalog = _write_models(tmp_path / "models")
+        yield FakeAgent(
+            "n1",
+            gpus=2,
+            memory=32 * 1024**2,
+            catalog=catalog,
+            remote={_source(tmp_path / "models"): (200_000, 4)},
+            fencing=Term(),
+        )
         return
     real = request.getfixturevalue("real_agent")
     client = GrpcAgent("n1", real.address, AgentAuth(), Term())
@@ -90,6 +115,13 @@ async def agent(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         client.fencing.term = 0  # unfenced: always accepted by default
         await _reset(client)
         await client.close()
+
+
+@pytest.fixture
+def source(agent: Any, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The source of a model the ``agent`` under test does not hold yet but can read."""
+    fake = isinstance(agent, FakeAgent)
+    return _source((tmp_path if fake else request.getfixturevalue("contract_dir")) / "models")
 
 
 _ids = iter(range(10**9))
@@ -189,8 +221,9 @@ async def test_unknown_and_malformed_ids(agent: Any) -> None:
 
 
 # The real agent is shared by the cases (module scope) and keeps its highest token: every case
-# that raises the fence starts above the last.
-_terms = itertools.count(1000, 1000)
+# that raises the fence starts above the last.  Terms of one real Lease (created an hour ago),
+# close enough that no rise jumps more terms than an agent accepts at once.
+_terms = itertools.count(fencing_token(int(time.time()) - 3600, 100), 100)
 
 
 async def test_a_lower_fencing_token_is_refused_equal_and_higher_accepted(agent: Any) -> None:
@@ -238,3 +271,71 @@ async def test_a_deposed_leader_cannot_replay_its_own_request_id(agent: Any) -> 
     term.term = base + 1
     await refused("FAILED_PRECONDITION", lambda: agent.prewarm(A, (0,), 0, r, "uid-1"))
     assert term.refused_tokens == [base + 1]
+
+
+def _signature(cls: type, name: str) -> inspect.Signature:
+    sig = inspect.signature(getattr(cls, name), eval_str=True)
+    return sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "self"])
+
+
+@pytest.mark.parametrize("impl", [FakeAgent, GrpcAgent])
+@pytest.mark.parametrize(
+    "name", sorted(n for n, v in vars(AgentPort).items() if inspect.iscoroutinefunction(v))
+)
+def test_the_fake_and_the_grpc_port_take_exactly_the_ports_parameters(
+    impl: type, name: str
+) -> None:
+    """Every parameter an implementation accepts (``source``, ``on_fetch``...) is declared by
+    the port, with the same kind, default and type, so the loop can pass it through the port."""
+    assert _signature(impl, name) == _signature(AgentPort, name)
+
+
+async def test_a_model_missing_from_the_store_is_fetched_from_its_source(
+    agent: Any, source: str
+) -> None:
+    model = f"fetched-{next(_ids)}"  # a new name each time: the real agent's store is shared
+    seen: list[FetchView] = []
+    slot = await agent.prewarm(
+        model, (0,), 0, rid("pre"), "uid-1", source=source, on_fetch=seen.append
+    )
+    assert slot.model == model and slot.owner == "uid-1" and slot.gpus == (0,)
+    assert seen and all(isinstance(f, FetchView) for f in seen)
+    assert {(f.model, f.source) for f in seen} == {(model, source)}
+    assert seen[-1].state == "done"
+    assert model in (await agent.describe()).models
+    seen.clear()  # in the store now: nothing to fetch
+    await agent.prewarm(model, (1,), 0, rid("pre"), "uid-1", source=source, on_fetch=seen.append)
+    assert not seen
+    (second,) = [s for s in (await agent.describe()).slots if s.gpus == (1,)]
+    await agent.evict(second.slot_id, rid("ev"))
+    other = f"fetched-{next(_ids)}"
+    res = await agent.activate(other, (1,), "", rid("act"), "uid-2", source=source)
+    assert not res.hit and res.instance.model == other and res.instance.owner == "uid-2"
+    assert other in (await agent.describe()).models
+    missing = source + "-missing"
+    msg = await refused(
+        "FAILED_PRECONDITION",
+        lambda: agent.prewarm("never", (0,), 0, rid("pre"), source=missing, on_fetch=seen.append),
+    )
+    assert msg.startswith(missing), msg
+    assert "never" not in (await agent.describe()).models
+
+
+def _record(i: InstanceView) -> InstanceView:
+    # The engine's TTFT window is a live measurement: the Activate answer is taken before the
+    # engine's first report, a later Describe after it.
+    return replace(i, ttft_p95_s=0.0, ttft_samples=0, ttft_window_s=0.0)
+
+
+async def test_replies_are_the_records_describe_reports(agent: Any) -> None:
+    """Prewarm answers the slot and Activate the instance as Describe reports them (one
+    converter per message), with the activation's facts beside the instance."""
+    slot = await agent.prewarm(A, (0,), 2, rid("pre"), "uid-1")
+    assert slot == (await agent.describe()).slot(slot.slot_id)
+    res = await agent.activate(A, (0,), slot.slot_id, rid("act"), "uid-1")
+    snap = await agent.describe()
+    (inst,) = snap.instances
+    assert _record(res.instance) == _record(inst)
+    assert res.hit and res.instance.prewarm_hit and res.instance.slot_id == slot.slot_id
+    assert isinstance(res.activation_s, float) and res.activation_s > 0
+    assert res.evicted_slot_ids == ()

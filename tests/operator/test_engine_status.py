@@ -4,6 +4,8 @@ status reports TTFT against spec.ttftObjectiveSeconds."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from test_reconciler import Harness
 
 
@@ -31,6 +33,43 @@ async def test_bad_engine_arg_is_refused_at_admission_naming_it() -> None:
     assert h.cond("a", "Ready")["status"] == "False"
     assert not h.instances("llama-a"), "no instance ever starts with a refused argument"
     assert not [c for c in h.agents["node-0"].calls if c[0] == "activate"]
+
+
+async def test_disallowed_engine_arg_is_refused_at_admission_and_reaches_no_agent() -> None:
+    h = Harness(nodes=1)
+    args = ["--max-model-len=256", "--trust-remote-code", "--tokenizer", "attacker/repo"]
+    h.kube.add_md("a", "llama-a", minInstances=1, engine={"args": args})
+    await h.tick(4)
+    cond = h.cond("a", "Degraded")
+    assert cond["reason"] == "InvalidSpec"
+    assert "--trust-remote-code: not allowed for tenants" in cond["message"], cond
+    assert h.cond("a", "Ready")["status"] == "False"
+    warnings = [e for e in h.kube.events if e[1] == "Warning" and e[2] == "InvalidSpec"]
+    assert warnings and "--trust-remote-code" in warnings[0][3]
+    assert not h.instances("llama-a") and not h.slots("llama-a")
+    assert not [c for c in h.agents["node-0"].calls if c[0] == "activate"]
+
+
+async def test_admin_widening_lets_a_deployment_through() -> None:
+    args = ["--otlp-traces-endpoint", "http://collector:4317"]
+    h = Harness(nodes=1)
+    h.kube.add_md("a", "llama-a", minInstances=1, engine={"args": args})
+    await h.tick(4)
+    assert "--allow-engine-arg otlp_traces_endpoint" in h.cond("a", "Degraded")["message"]
+    assert not h.instances("llama-a")
+
+    from warmserve.engine_args import EngineArgPolicy
+
+    widened = EngineArgPolicy.from_admin(["otlp_traces_endpoint"])
+    h = Harness(nodes=1)
+    h.cfg = replace(h.cfg, engine_policy=widened)
+    h.rec = h.new_reconciler()
+    h.agents["node-0"].engine_policy = widened  # the chart gives the agents the same list
+    h.kube.add_md("a", "llama-a", minInstances=1, engine={"args": args})
+    await h.tick(4)
+    assert h.instances("llama-a"), "the widened argument is admitted and the instance starts"
+    ((_, got),) = set(h.agents["node-0"].engine_args.values())
+    assert got == tuple(args)
 
 
 async def test_status_reports_ttft_against_the_objective() -> None:

@@ -165,6 +165,8 @@ FORBIDDEN = [
     ("update", "leases.coordination.k8s.io", "kube-system"),
     ("list", "secrets", "other"),
     ("delete", "modeldeployments.warmserve.io", "other"),
+    ("update", "modeldeployments.warmserve.io/scale", "other"),  # the floor is not the operator's
+    ("patch", "modeldeployments.warmserve.io/scale", "other"),
     ("list", "pods", "other"),
     ("list", "endpointslices.discovery.k8s.io", "other"),
     ("create", "pods", "self"),
@@ -183,7 +185,12 @@ def test_chart_rbac_grants_exactly_what_the_operator_uses(
     def can(verb: str, resource: str, where: str | None) -> bool:
         named = {"self": ns, "other": "default"}
         scope = ["-A"] if where is None else ["-n", named.get(where, where)]
-        proc = kubectl("auth", "can-i", verb, resource, "--as", who, *scope, check=False)
+        # "R/S" is subresource S of R (can-i reads "R/S" as the object named S)
+        resource, _, sub = resource.partition("/")
+        subresource = [f"--subresource={sub}"] if sub else []
+        proc = kubectl(
+            "auth", "can-i", verb, resource, *subresource, "--as", who, *scope, check=False
+        )
         return proc.stdout.strip() == "yes"
 
     missing = [r for r in ALLOWED if not can(*r)]

@@ -17,7 +17,8 @@ from dataclasses import replace
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from operator_fakes import FakeAgent
-from warmserve_operator.act import call, rid
+from warmserve_operator.act import call
+from warmserve_operator.actions import action, rid
 from warmserve_operator.observe import observation
 from warmserve_operator.snapshot import AgentCallError
 
@@ -158,6 +159,6 @@ async def _check(sc: dict) -> None:
         if isinstance(a, Evict) and a.slot_id not in agent.slots:
             continue
         try:
-            await call(agent, a, rid(a, snaps[a.node]))
+            await call(agent, action(a, snaps[a.node]))
         except AgentCallError as exc:
             raise AssertionError(f"agent refused {a}: {exc}") from None

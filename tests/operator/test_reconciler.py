@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -338,11 +339,15 @@ async def test_a_call_decided_before_the_loss_is_not_sent() -> None:
     h = Harness()
     h.kube.add_md("a", "llama-a", minInstances=1)
     closed = [False]
-    h.rec.actor.may_act = lambda: not closed[0]
+
+    class Fence:  # the poll's fence, as the actor sees it
+        def may_act(self) -> bool:
+            return not closed[0]
+
     launch = h.rec.actor.launch
 
-    def launch_then_lose(*a: Any) -> set[str]:
-        busy = launch(*a)  # the tasks exist; none has run yet
+    def launch_then_lose(actions: Any, ctx: Any) -> set[str]:
+        busy = launch(actions, replace(ctx, fence=Fence()))  # the tasks exist; none has run yet
         closed[0] = True
         return busy
 

@@ -32,6 +32,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "status",
     "agent",
     "gateway",
+    "models",
 )
 
 

@@ -1,4 +1,5 @@
-"""``warmserve agent``: run the node agent; ``warmserve agent inspect ADDR``: show what it holds.
+"""``warmserve agent``: run the node agent; ``warmserve agent inspect ADDR``: show what it holds;
+``warmserve agent reset-fence``: an admin's recovery of a fenced agent (:mod:`.agent_fence`).
 
 The agent owns one node's GPUs (a worker process per GPU, prewarm slots, engines) and serves the
 gRPC API ``warmserve.agent.v1`` that the operator drives.  ``inspect`` is in
@@ -11,7 +12,8 @@ import argparse
 import os
 from typing import Any
 
-from warmserve.cli import CliError
+from warmserve.cli import CliError, engine_arg_flags
+from warmserve.cli.agent_fence import register as register_reset_fence
 from warmserve.cli.agent_inspect import inspect_agent
 
 DEFAULT_LISTEN = "127.0.0.1:50051"
@@ -31,8 +33,9 @@ def register(subparsers: Any) -> None:
             "examples:\n"
             "  warmserve agent --simulate-gpus 8x80GiB --model-dir ./models\n"
             "  warmserve agent --gpus auto --listen 0.0.0.0:50051 --tls-cert tls.crt \\\n"
-            "      --tls-key tls.key --client-ca ca.crt --token-file /etc/warmserve/token\n"
-            "  warmserve agent inspect 127.0.0.1:50051 --json"
+            "      --tls-key tls.key --client-ca ca.crt --allow-client-id CN=warmserve-operator\n"
+            "  warmserve agent inspect 127.0.0.1:50051 --json\n"
+            "  warmserve agent reset-fence --model-dir /models --reason 'Lease was recreated'"
         ),
     )
     gpus = p.add_mutually_exclusive_group()
@@ -50,8 +53,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--model-dir",
         default=os.environ.get("WARMSERVE_MODEL_DIR", "models"),
-        help="weight store: <dir>/<model>/config.json + *.safetensors "
-        "(default $WARMSERVE_MODEL_DIR or ./models)",
+        help="weight store: <dir>/<model>/config.json + *.safetensors, ORG/NAME models in "
+        "<dir>/ORG~NAME (default $WARMSERVE_MODEL_DIR or ./models)",
     )
     p.add_argument("--node-name", help="node name reported to the operator (default: hostname)")
     p.add_argument("--page-size", default="2MiB", help="page size of the GPU page pool (2MiB)")
@@ -103,6 +106,22 @@ def register(subparsers: Any) -> None:
     p.add_argument("--tls-cert", help="server certificate (PEM); enables TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--client-ca", help="CA (PEM) that client certificates must chain to (mTLS)")
+    p.add_argument(
+        "--allow-client-id",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="mTLS: a client certificate identity allowed to call everything, CN=<name> or a URI "
+        "SAN (spiffe://...); repeatable (default CN=warmserve-operator, the operator's)",
+    )
+    p.add_argument(
+        "--allow-reader-id",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="mTLS: an identity allowed only Describe and Watch without a fencing token "
+        "(an admin's `warmserve agent inspect`); repeatable (default none)",
+    )
     p.add_argument("--token-file", help="file holding the bearer token every call must carry")
     p.add_argument(
         "--fencing-file",
@@ -115,6 +134,22 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="refuse mutating calls that carry no fencing token (the warmserve CLI, other "
         "tools); calls with a lower token than the highest seen are always refused",
+    )
+    p.add_argument(
+        "--fencing-max-skew",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="refuse a fencing token whose Lease creation time lies more than this past the "
+        "node's clock (300)",
+    )
+    p.add_argument(
+        "--fencing-max-term-jump",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="refuse a fencing token more than N leadership terms past the fence within one "
+        "Lease (1024)",
     )
     p.add_argument(
         "--allow-insecure-listen",
@@ -165,6 +200,14 @@ def register(subparsers: Any) -> None:
         "(least recently used first) to make room (0: no budget, only the disk's free space)",
     )
     src.add_argument(
+        "--store-reserve",
+        default="",
+        metavar="SIZE|N%",
+        help="free space on the store's filesystem a fetch never takes: a size (50GiB), a share "
+        "(20%%) or 0 (none); a fetch that would go below it fails with RESOURCE_EXHAUSTED "
+        "(default: the larger of 15%% of the filesystem and 10GiB)",
+    )
+    src.add_argument(
         "--fetch-attempts",
         type=int,
         default=3,
@@ -196,6 +239,7 @@ def register(subparsers: Any) -> None:
         help="a node directory file:// sources may name (repeatable; none by default)",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    engine_arg_flags.add_flags(p)
     p.set_defaults(func=run_agent)
 
     sub = p.add_subparsers(dest="agent_command", metavar="SUBCOMMAND")
@@ -211,14 +255,21 @@ def register(subparsers: Any) -> None:
     i.add_argument("--ca-cert", help="CA (PEM) of the agent's TLS certificate; enables TLS")
     i.add_argument("--client-cert", help="client certificate (PEM) for mTLS")
     i.add_argument("--client-key", help="client key (PEM) for mTLS")
+    i.add_argument(
+        "--server-name",
+        help="name to verify in the agent's certificate (the chart's tls.serverName, "
+        "warmserve-agent) when dialling it by IP",
+    )
     i.add_argument("--timeout", type=float, default=10.0, help="seconds (10)")
     i.set_defaults(func=inspect_agent)
+    register_reset_fence(sub)
 
 
 def _config(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
     from warmserve_agent.config import AgentConfig, ConfigError, parse_simulated_gpus
+    from warmserve_agent.sources.disk_reserve import parse_reserve
 
     from warmserve.units import SizeError, parse_size
 
@@ -230,6 +281,7 @@ def _config(args: argparse.Namespace) -> Any:
             raise CliError("choose --gpus auto (real GPUs) or --simulate-gpus NxSIZE")
         page = parse_size(args.page_size, "--page-size")
         budget = parse_size(args.store_budget, "--store-budget")
+        store_reserve = parse_reserve(args.store_reserve)
         reserve = parse_size(args.gpu_reserve, "--gpu-reserve")
     except (ConfigError, SizeError) as exc:
         raise CliError(str(exc)) from None
@@ -256,6 +308,20 @@ def _config(args: argparse.Namespace) -> Any:
     for d in args.allow_path:
         if not Path(d).is_absolute():
             raise CliError(f"--allow-path {d}: give an absolute directory")
+    if args.fencing_max_skew < 0 or args.fencing_max_term_jump < 1:
+        raise CliError("--fencing-max-skew must be >= 0 and --fencing-max-term-jump >= 1")
+    if (args.allow_client_id or args.allow_reader_id) and not args.client_ca:
+        raise CliError(
+            "--allow-client-id/--allow-reader-id check client certificates: they need mutual "
+            "TLS (--tls-cert, --tls-key, --client-ca)"
+        )
+    from warmserve_agent.auth import parse_identity
+
+    try:
+        for ident in (*args.allow_client_id, *args.allow_reader_id):
+            parse_identity(ident)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     if args.sim_copy_gbps < 0 or args.sim_map_us < 0:
         raise CliError("--sim-copy-gbps and --sim-map-us must be >= 0")
     from warmserve_agent.engines import ENGINES
@@ -283,9 +349,13 @@ def _config(args: argparse.Namespace) -> Any:
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
         client_ca=Path(args.client_ca) if args.client_ca else None,
+        client_ids=tuple(args.allow_client_id),
+        reader_ids=tuple(args.allow_reader_id),
         token_file=Path(args.token_file) if args.token_file else None,
         fencing_file=Path(args.fencing_file) if args.fencing_file else None,
         require_fencing_token=args.require_fencing_token,
+        fencing_max_skew_s=args.fencing_max_skew,
+        fencing_max_term_jump=args.fencing_max_term_jump,
         allow_insecure_listen=args.allow_insecure_listen,
         metrics_port=args.metrics_port,
         sim_copy_bytes_per_s=args.sim_copy_gbps * 1e9,
@@ -294,6 +364,7 @@ def _config(args: argparse.Namespace) -> Any:
         engine_host=args.engine_host,
         advertise_host=args.advertise_host,
         store_budget_bytes=budget,
+        store_reserve=store_reserve,
         fetch_attempts=args.fetch_attempts,
         hf_endpoint=args.hf_endpoint,
         hf_token_file=Path(args.hf_token_file) if args.hf_token_file else None,
@@ -303,6 +374,7 @@ def _config(args: argparse.Namespace) -> Any:
         allowed_paths=tuple(Path(d) for d in args.allow_path),
         engines=engines,
         default_engine=args.engine or engines[0],
+        engine_policy=engine_arg_flags.policy(args),
         **kw,
     )
 
@@ -321,6 +393,7 @@ def run_agent(args: argparse.Namespace) -> int:
         level=args.log_level,
         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
     )
+    engine_arg_flags.log_policy(cfg.engine_policy, logging.getLogger("warmserve.agent"))
 
     async def main() -> None:
         server = AgentServer(cfg)

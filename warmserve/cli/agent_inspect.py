@@ -125,6 +125,7 @@ def inspect_agent(args: argparse.Namespace) -> int:
             ca_cert=args.ca_cert,
             client_cert=args.client_cert,
             client_key=args.client_key,
+            server_name=args.server_name,
             timeout_s=args.timeout,
         ) as c:
             d = c.describe()

@@ -66,6 +66,56 @@ def register(subparsers: Any) -> None:
         "mounted Secret) or a file with one key per line; re-read when it changes "
         "(env WARMSERVE_GATEWAY_API_KEYS; default: no keys, anyone may call)",
     )
+    p.add_argument(
+        "--anonymous-namespace",
+        action="append",
+        default=[],
+        dest="anonymous_namespaces",
+        metavar="NS",
+        help="namespace whose models callers may use when API keys are off, and that a key "
+        "without a <namespace>. prefix opens (repeatable; default: $POD_NAMESPACE, else "
+        "'default'; the chart passes its release namespace)",
+    )
+    p.add_argument(
+        "--global-model",
+        action="append",
+        default=[],
+        dest="global_models",
+        metavar="NAME=NAMESPACE/DEPLOYMENT",
+        help="claim NAME for every caller: it means that ModelDeployment (repeatable; Helm "
+        "gateway.globalModels); a tenant's deployment never claims a name outside its namespace",
+    )
+    p.add_argument(
+        "--max-held-per-namespace",
+        type=int,
+        default=2_000,
+        help="requests held at this replica for the models of one namespace; more get 429",
+    )
+    p.add_argument(
+        "--max-held-per-key",
+        type=int,
+        default=1_000,
+        help="requests held at this replica for one API key; more get 429",
+    )
+    p.add_argument(
+        "--demand-token-file",
+        type=Path,
+        default=os.environ.get("WARMSERVE_DEMAND_TOKEN_FILE") or None,
+        help="bearer token /demand requires (the operator's --gateway-token-file; re-read when "
+        "it changes); without it /demand refuses every request unless --insecure-demand",
+    )
+    p.add_argument(
+        "--insecure-demand",
+        action="store_true",
+        help="serve /demand without a token (development only: anyone reaching the admin port "
+        "reads the held demand and may open streams)",
+    )
+    p.add_argument(
+        "--max-demand-streams",
+        type=int,
+        default=8,
+        help="open /demand?watch=1 streams at once (one per operator replica is needed)",
+    )
     p.add_argument("--max-body-bytes", type=_size, default="4MiB", help="larger bodies get 413")
     p.add_argument(
         "--max-header-bytes", type=_size, default="16KiB", help="longest request line / header"
@@ -203,7 +253,17 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     from warmserve_gateway.auth import ApiKeyError
     from warmserve_gateway.config import FORWARDED_ROUTES, ConfigError, GatewayConfig
+    from warmserve_gateway.names import parse_global
 
+    anonymous = tuple(args.anonymous_namespaces) or (os.environ.get("POD_NAMESPACE") or "default",)
+    try:
+        global_models = tuple(parse_global(args.global_models).items())
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    if args.demand_token_file is not None and not (
+        args.demand_token_file.is_file() and args.demand_token_file.read_text().strip()
+    ):
+        raise CliError(f"--demand-token-file: {args.demand_token_file} is not a file with a token")
     try:
         config = GatewayConfig(
             host=args.host,
@@ -234,6 +294,13 @@ def run(args: argparse.Namespace) -> int:
             max_eject_s=args.max_eject_seconds,
             replica=args.replica,
             access_log=args.access_log,
+            anonymous_namespaces=anonymous,
+            global_models=global_models,
+            max_held_per_namespace=args.max_held_per_namespace,
+            max_held_per_key=args.max_held_per_key,
+            demand_token_file=args.demand_token_file,
+            insecure_demand=args.insecure_demand,
+            max_demand_streams=args.max_demand_streams,
         )
     except ConfigError as exc:
         raise CliError(str(exc)) from exc

@@ -12,7 +12,7 @@ import socket
 import uuid
 from typing import Any
 
-from warmserve.cli import DefaultsHelpFormatter
+from warmserve.cli import DefaultsHelpFormatter, engine_arg_flags
 from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
 
 
@@ -228,6 +228,31 @@ def register(subparsers: Any) -> None:
         help="seconds a gateway replica may take to report its held requests",
     )
     p.add_argument(
+        "--gateway-token-file",
+        default=os.environ.get("WARMSERVE_GATEWAY_TOKEN_FILE") or None,
+        metavar="PATH",
+        help="bearer token the gateways' /demand requires (their --demand-token-file; re-read "
+        "at every poll; the chart mounts <release>-demand-token)",
+    )
+    p.add_argument(
+        "--held-demand-per-namespace",
+        type=int,
+        default=None,
+        metavar="N",
+        help="count at most N requests held at the gateways as one namespace's demand (summed "
+        "over replicas, spread over its models), so flooding cannot buy GPUs (default: no cap)",
+    )
+    p.add_argument(
+        "--model-source",
+        action="append",
+        default=[],
+        dest="model_sources",
+        metavar="NAMESPACE=PREFIX",
+        help="a spec.model.source prefix NAMESPACE may fetch from ('*': every namespace; "
+        "repeatable; default when none is given: *=hf://, any Hugging Face repo, no s3/pvc/"
+        "file); other sources are refused with a SourceNotAllowed condition",
+    )
+    p.add_argument(
         "--history-namespace",
         default=None,
         help="namespace of the per-model load history ConfigMaps (the operator's own; default: "
@@ -240,6 +265,7 @@ def register(subparsers: Any) -> None:
         help="log level",
     )
     p.add_argument("--verbose", action="store_true", help="debug logging (= --log-level debug)")
+    engine_arg_flags.add_flags(p)
     p.set_defaults(func=run)
 
 
@@ -255,7 +281,10 @@ def run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else getattr(logging, args.log_level.upper()),
         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
     )
-    for path in (args.agent_token_file, args.agent_ca, args.agent_cert, args.agent_key):
+    for path in (
+        args.agent_token_file, args.agent_ca, args.agent_cert, args.agent_key,
+        args.gateway_token_file,
+    ):
         if path and not os.path.isfile(path):
             raise CliError(f"file not found: {path}")
     gateway_service = _gateway_service(args.gateway_service)
@@ -264,6 +293,18 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--gateway-url must be an http(s) URL, got {url!r}")
     if not args.gateway_timeout > 0:
         raise CliError(f"--gateway-timeout must be > 0, got {args.gateway_timeout}")
+    engine_policy = engine_arg_flags.policy(args)
+    engine_arg_flags.log_policy(engine_policy, logging.getLogger("warmserve.operator"))
+    if args.held_demand_per_namespace is not None and args.held_demand_per_namespace < 0:
+        raise CliError(
+            f"--held-demand-per-namespace must be >= 0, got {args.held_demand_per_namespace}"
+        )
+    from warmserve_operator.tenancy import SourcePolicy, TenancyError
+
+    try:
+        sources = SourcePolicy.parse(args.model_sources)
+    except TenancyError as exc:
+        raise CliError(str(exc)) from exc
     try:
         from warmserve_operator.reconciler import OperatorConfig
 
@@ -280,6 +321,8 @@ def run(args: argparse.Namespace) -> int:
             autoscaler=AutoscalerConfig(
                 scale_down_delay_s=args.scale_down_delay, max_grace_s=args.max_grace
             ),
+            engine_policy=engine_policy,
+            model_sources=sources,
         )
         from warmserve.policy.predictor import make_predictor
 
@@ -322,7 +365,9 @@ def run(args: argparse.Namespace) -> int:
             else None
         ),
         gateways=GatewaySources(
-            gateway_service, args.gateway_port_name, tuple(args.gateway_urls), args.gateway_timeout
+            gateway_service, args.gateway_port_name, tuple(args.gateway_urls), args.gateway_timeout,
+            token_file=args.gateway_token_file,
+            held_per_namespace=args.held_demand_per_namespace,
         ),
     )
     asyncio.run(

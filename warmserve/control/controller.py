@@ -36,7 +36,8 @@ autoscaler answer when that read no clock — each reused only for inputs equal 
 computed from, so every decision is the one a full rebuild makes (property-tested).
 
 **Fairness**: the autoscaler's bounds are capped by each model's demand-weighted max-min share
-of the GPUs (:mod:`warmserve.policy.fairness`) whenever what the models want does not fit.
+of the GPUs (:mod:`warmserve.policy.fairness`) whenever what the models want does not fit; the
+GPUs are divided between tenants (``ModelEntry.namespace``) first, then between a tenant's models.
 
 **Reclaim** (issue 12): a model with requests held at the gateway whose start found no GPU group
 may take one from instances other models can spare (:mod:`warmserve.policy.reclaim`): they are
@@ -318,8 +319,8 @@ class Controller(ModelTracking, SpareTracking):
                 load, e.spec.max_batch, current, self.cfg.autoscaler, e.min_instances,
                 e.max_instances,
             )
-            wants[model] = FairDemand(e.spec.tp, want, weight)
-            needs[model] = FairDemand(e.spec.tp, need, weight)
+            wants[model] = FairDemand(e.spec.tp, want, weight, e.namespace)
+            needs[model] = FairDemand(e.spec.tp, need, weight, e.namespace)
             memo[model] = (key, (wants[model], needs[model]))
         if sum(d.want * d.tp for d in wants.values()) <= capacity:
             return {m: d.want for m, d in wants.items()}

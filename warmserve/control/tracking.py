@@ -24,12 +24,14 @@ from .observation import Observation
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """A managed model: its policy spec, instance bounds and whether it is prewarmed."""
+    """A managed model: its policy spec, instance bounds, whether it is prewarmed, and its
+    tenant (the operator: the deployment's namespace; fair shares go to tenants first)."""
 
     spec: ModelSpec
     min_instances: int = 0
     max_instances: int | None = None
     prewarm: bool = True
+    namespace: str = ""
 
 
 @dataclass

@@ -15,7 +15,8 @@ templates back from the API and, per pod:
   ``hostPath`` is used as is (the model cache), ``emptyDir`` is a fresh directory, except
   ``/dev/shm``, which stays the host's (the agents' simulated GPU memory lives there);
 * gives the process its ServiceAccount's identity: a TokenRequest token in a kubeconfig
-  (``KUBECONFIG``), so it has exactly the chart's RBAC, no more.
+  (``KUBECONFIG``), so it has exactly the chart's RBAC, no more; none where the pod sets
+  ``automountServiceAccountToken: false`` (the agents).
 
 Networking, the one translation: pods have no network namespace here, so each gets an
 address of its own.  Agents and the operator get a loopback address of their own
@@ -176,11 +177,13 @@ class Kubelet:
         )
         for arg in c.get("args") or []:
             argv.append(translate_arg(_expand(str(arg), env), pod.ip, mounts, remap))
-        sa = spec.get("serviceAccountName", "default")
-        kcfg = self.plane.kubeconfig_for(
-            self.plane.token(self.ns, sa), self.ns, pdir / "serviceaccount" / "kubeconfig"
-        )
-        proc_env = {**self.env, **env, "KUBECONFIG": str(kcfg)}
+        proc_env = {**self.env, **env}
+        if spec.get("automountServiceAccountToken", True):  # as the kubelet: no token if off
+            sa = spec.get("serviceAccountName", "default")
+            kcfg = self.plane.kubeconfig_for(
+                self.plane.token(self.ns, sa), self.ns, pdir / "serviceaccount" / "kubeconfig"
+            )
+            proc_env["KUBECONFIG"] = str(kcfg)
         (pdir / "argv").write_text("\n".join(argv) + "\n")
         _, rec = spawn(pod.name, argv, env=proc_env, cwd=pdir, log=pdir / "log")
         self.stack.add(rec)

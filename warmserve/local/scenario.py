@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from warmserve.modelref import store_dirname
+
 GIB = 1024**3
 MIB = 1024**2
 
@@ -156,7 +158,7 @@ def write_weights(sc: Scenario, root: Path) -> Path:
 
     root.mkdir(parents=True, exist_ok=True)
     for idx, m in enumerate(sc.models):
-        d = root / m.name
+        d = root / store_dirname(m.name)  # the agent's store layout (warmserve.modelref)
         profile = {
             "max_batch": m.max_batch,
             "prefill_tok_s": m.prefill_tok_s,

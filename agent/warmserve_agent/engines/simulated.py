@@ -75,7 +75,8 @@ class SimulatedEngine(OpenAIServing):
     # ---- Engine protocol -------------------------------------------------------------------
     def start(self, spec: EngineSpec) -> str:
         self.spec = spec
-        args = parse_engine_args(spec.engine_args)
+        # the agent applied its allowlist before starting us (Activation.check_engine)
+        args = parse_engine_args(spec.engine_args, policy=None)
         self.max_batch = min(spec.profile.max_batch, args.get("max_num_seqs") or 1 << 30)
         self.max_model_len = int(args.get("max_model_len") or 0)
         self.max_waiting = spec.profile.max_waiting or 4 * self.max_batch

@@ -1,11 +1,18 @@
 """What a model source is: one protocol every scheme implements, and the facts they exchange.
 
 A source knows how to list a model's files (with sizes and, where the remote publishes them,
-checksums), download one file, and read a byte range (to learn a model's size and layers from
-its ``config.json`` and safetensors headers without downloading it).  *In-place* sources
-(``pvc://``, ``file://``) are directories the agent can read directly: the store links them
-instead of copying.  Everything else — coalescing, budget, retries, checksum checks, progress —
-is the fetcher's job (:mod:`warmserve_agent.sources.fetcher`), the same for every scheme.
+checksums), stream one file from an offset (so an interrupted download resumes), and read a byte
+range (to learn a model's size and layers from its ``config.json`` and safetensors headers
+without downloading it).  *In-place* sources (``pvc://``, ``file://``) are directories the agent
+can read directly: the store links them instead of copying.  Everything else — coalescing,
+budget, retries, checksum checks, progress — is the fetcher's job
+(:mod:`warmserve_agent.sources.fetcher`), the same for every scheme.
+
+A listing is the remote's word, so every listed path is checked (:func:`check_remote_path`)
+before anything is filtered or written: a relative path of ``/``-separated parts, none empty,
+``.``, ``..`` or holding a backslash or NUL.  Sources never see a local path: they write into a
+file object the fetcher opened inside its staging directory
+(:mod:`~warmserve_agent.sources.fetch_staging`).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from warmserve_agent.store import config_num_layers
 
@@ -44,6 +51,9 @@ class RemoteFile:
     sha256: str = ""  # Hugging Face LFS files, S3 x-amz-checksum-sha256 (full object)
     git_sha1: str = ""  # Hugging Face non-LFS files: the git blob id
     md5: str = ""  # S3 single-part ETag
+    # The remote's version of the file (S3 ETag; hf:// files are pinned by the listing's
+    # commit): a partial download is resumed only from the same version.
+    etag: str = ""
 
     def checks(self) -> str:
         """Which checks a downloaded copy gets, for logs and errors."""
@@ -85,8 +95,10 @@ class ModelSource(Protocol):
 
     def list_files(self) -> Listing: ...
 
-    def download(self, f: RemoteFile, dest: Path, listing: Listing) -> None:
-        """Write the whole file ``f`` to ``dest`` (parent exists); raise SourceError."""
+    def download(self, f: RemoteFile, out: BinaryIO, start: int, listing: Listing) -> None:
+        """Write bytes ``start`` to the end of ``f`` to ``out`` (an HTTP/S3 ranged read when
+        ``start`` > 0); raise SourceError (``retryable`` for a dropped connection: the bytes
+        already written are kept and the next attempt resumes after them)."""
 
     def read_range(self, path: str, start: int, length: int, listing: Listing) -> bytes: ...
 
@@ -121,6 +133,37 @@ WANTED = (
 SKIPPED_DIRS = ("original/", ".")  # consolidated checkpoints of other formats; hidden files
 
 
+REMOTE_PATH_MAX = 1024
+
+
+def check_remote_path(path: str, what: str) -> str:
+    """``path`` if it is a safe relative path for a listed file, else SourceError naming it
+    (``what``: the source and, for S3, the key).  Refused, never normalised: a listing holding
+    such a path is not trusted at all."""
+    why = ""
+    if not isinstance(path, str) or not path:
+        why = "empty"
+    elif len(path) > REMOTE_PATH_MAX:
+        why = f"longer than {REMOTE_PATH_MAX} characters"
+    elif "\0" in path:
+        why = "contains NUL"
+    elif "\\" in path:
+        why = "contains a backslash"
+    elif path.startswith("/"):
+        why = "absolute (a '//' in an S3 key makes one)"
+    elif any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+        why = "contains a control character"
+    else:
+        parts = path.split("/")
+        if "" in parts:
+            why = "has an empty segment ('//' or a trailing '/')"
+        elif "." in parts or ".." in parts:
+            why = "has a '.' or '..' segment"
+    if why:
+        raise SourceError(f"{what}: listed file {path[:200]!r} is refused: its path is {why}")
+    return path
+
+
 def wanted(path: str) -> bool:
     """Whether a model file is fetched (WANTED names, not under SKIPPED_DIRS)."""
     if any(path.startswith(d) or f"/{d}" in f"/{path}" for d in SKIPPED_DIRS):
@@ -130,7 +173,13 @@ def wanted(path: str) -> bool:
 
 
 def select(files: Iterable[RemoteFile], uri: str) -> tuple[RemoteFile, ...]:
-    """The files to fetch, or SourceError when the source does not look like a model."""
+    """The files to fetch, or SourceError when the source does not look like a model or lists
+    a path that is not safe (:func:`check_remote_path`: every listed path, fetched or not)."""
+    files = list(files)
+    for f in files:
+        check_remote_path(f.path, uri)
+        if f.size < 0:
+            raise SourceError(f"{uri}: listed file {f.path!r} has a negative size")
     chosen = tuple(sorted((f for f in files if wanted(f.path)), key=lambda f: f.path))
     names = {f.path for f in chosen}
     if "config.json" not in names:

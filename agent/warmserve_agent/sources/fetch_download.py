@@ -2,11 +2,14 @@
 
 :meth:`FetchDownload._run` is the body of a fetch's thread.  It lists the source (retrying a
 transient error with exponential backoff), then either links an in-place source (``pvc://``,
-``file://``) into the store or downloads every file in parallel into a staging directory, makes
-room first under the store's budget (:mod:`~warmserve_agent.sources.store_budget`), fetches again
-the files that failed their checks (:mod:`~warmserve_agent.sources.fetch_verify`) up to
-``attempts`` times, writes the manifest and installs the model in one step
-(:mod:`~warmserve_agent.sources.store_install`).  Every failure finishes the fetch with a
+``file://``) into the store or downloads every file in parallel into the model's staging
+directory (:mod:`~warmserve_agent.sources.fetch_staging`: what an earlier attempt left there is
+resumed), makes room first under the store's budget and disk reserve
+(:mod:`~warmserve_agent.sources.store_budget`, :mod:`~warmserve_agent.sources.disk_reserve`),
+fetches again the files that failed their checks or were cut off
+(:mod:`~warmserve_agent.sources.fetch_verify`) up to ``attempts`` times, writes the manifest and
+installs the model in one step (:mod:`~warmserve_agent.sources.store_install`).  A failed
+fetch leaves its staging directory for the next one.  Every failure finishes the fetch with a
 :class:`~warmserve_agent.sources.fetch_records.FetchFailed` (a gRPC status name and a message),
 or callers would wait forever.
 
@@ -17,17 +20,17 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from warmserve_agent.sources import SourceError, open_source
 from warmserve_agent.sources.base import Listing
+from warmserve_agent.sources.disk_reserve import DiskGuard
 from warmserve_agent.sources.fetch_progress import FetchProgress
-from warmserve_agent.sources.fetch_records import MANIFEST, STAGING, Fetch, FetchFailed, FetchState
+from warmserve_agent.sources.fetch_records import MANIFEST, Fetch, FetchFailed, FetchState
+from warmserve_agent.sources.fetch_staging import finish, prepare, staging_dir
 from warmserve_agent.sources.fetch_verify import FileChecks
 from warmserve_agent.sources.store_budget import StoreBudget
 from warmserve_agent.store import StoreError
@@ -68,9 +71,7 @@ class FetchDownload(StoreBudget, FetchProgress, FileChecks):
                 log.exception("event=model_fetch_bug model=%s", model)
                 err = FetchFailed("INTERNAL", f"fetching {model} failed: {exc!r}")
         finally:
-            if fetch.staging is not None:
-                shutil.rmtree(fetch.staging, ignore_errors=True)
-                fetch.staging = None
+            fetch.staging = None  # a failed fetch's files stay: the next one resumes them
         if err is None:
             self.stats["ok"] += 1
             log.info(
@@ -103,18 +104,26 @@ class FetchDownload(StoreBudget, FetchProgress, FileChecks):
 
     def _download(self, fetch: Fetch, src: object, listing: Listing) -> None:
         model = fetch.status.model
-        self._update(fetch, state=FetchState.DOWNLOADING, bytes_total=listing.total_bytes)
-        self._make_room(model, listing.total_bytes)
-        staging = self.root / STAGING / uuid.uuid4().hex
-        staging.mkdir(parents=True)
+        total = listing.total_bytes
+        self._update(fetch, state=FetchState.DOWNLOADING, bytes_total=total)
+        staging = staging_dir(self.root, model)
+        have = prepare(staging, fetch.status.source, listing)
+        need = max(total - have, 0)
+        self._make_room(model, total, need)
+        guard = DiskGuard(self.root, self.reserve, model, need, stat=self.disk_space)
         fetch.download_started = time.time()
+        fetch.resumed_bytes = have
         fetch.staging = staging
+        if have:
+            log.info("event=model_fetch_resumed model=%s bytes=%d of=%d", model, have, total)
         pending = list(listing.files)
         problems: list[str] = []
         for attempt in range(1, self.attempts + 1):
             self._update(fetch, attempt=attempt, state=FetchState.DOWNLOADING)
             with ThreadPoolExecutor(min(self.parallel, len(pending))) as ex:
-                results = list(ex.map(lambda f: self._get_one(src, f, staging, listing), pending))
+                results = list(
+                    ex.map(lambda f: self._get_one(src, f, staging, listing, guard), pending)
+                )
             problems = [p for p in results if p]
             pending = [f for f, p in zip(pending, results, strict=True) if p]
             if not pending:
@@ -136,9 +145,11 @@ class FetchDownload(StoreBudget, FetchProgress, FileChecks):
             )
         self._update(fetch, state=FetchState.VERIFYING)
         self._check_model_dir(staging, listing, fetch.status.source)
+        finish(staging)
         (staging / MANIFEST).write_text(
             json.dumps(
                 {
+                    "model": model,
                     "source": fetch.status.source,
                     "revision": listing.revision,
                     "bytes": listing.total_bytes,

@@ -69,7 +69,8 @@ class FetchProgress:
         Progress never goes back within one staging directory: a walk racing the hub client's
         rename of a finished file out of its temporary name (or a rejected file being deleted)
         can see fewer bytes than the last walk did; progress then holds until the disk catches
-        up, as a progress bar should.  A new attempt (new staging directory) starts from 0."""
+        up, as a progress bar should.  Bytes resumed from an earlier attempt count as done, not
+        towards the rate."""
         samples: dict[int, tuple[Path, deque[tuple[float, int]]]] = {}
         while not self._stop.wait(self.sample_s):
             with self._lock:
@@ -83,7 +84,10 @@ class FetchProgress:
                 now, done = time.time(), min(du(staging), f.status.bytes_total)
                 seen = samples.get(id(f))
                 if seen is None or seen[0] != staging:
-                    seen = samples[id(f)] = (staging, deque([(f.download_started, 0)]))
+                    seen = samples[id(f)] = (
+                        staging,
+                        deque([(f.download_started, min(f.resumed_bytes, done))]),
+                    )
                 win = seen[1]
                 done = max(done, win[-1][1])
                 win.append((now, done))

@@ -3,7 +3,8 @@
 What the fetcher (:mod:`~warmserve_agent.sources.fetcher`) shares with its parts and with the
 agent's wire conversions (:mod:`~warmserve_agent.sources.wire`) and metrics; no behaviour beyond
 a directory's size on disk.  A fetched model carries :data:`MANIFEST` (its source, revision and
-file list); files land in :data:`STAGING` and replaced copies leave through :data:`TRASH`.
+file list); files land in :data:`STAGING` (one directory per model, kept after a failure so the
+next fetch resumes) and replaced copies leave through :data:`TRASH`.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Fetch:
     status: FetchStatus
     staging: Path | None = None
     download_started: float = 0.0
+    resumed_bytes: int = 0  # bytes a previous attempt left in the staging directory
     error: FetchFailed | None = None
     done: threading.Event = field(default_factory=threading.Event)
 

@@ -2,7 +2,11 @@
 
 Every file is checked against the listing (size, and the sha256 / git blob id / MD5 the source
 publishes, :func:`~warmserve_agent.sources.base.verify_file`); a file that fails is deleted so
-that the download loop (:mod:`~warmserve_agent.sources.fetch_download`) fetches it again.  Before
+that the download loop (:mod:`~warmserve_agent.sources.fetch_download`) fetches it again, while a
+transfer that was cut off keeps its bytes and is resumed.  Files are written through
+:func:`~warmserve_agent.sources.fetch_staging.open_staged` (no link followed) and
+:class:`~warmserve_agent.sources.disk_reserve.GuardedFile` (no more than listed; the disk
+reserve watched).  Before
 a model is installed, its ``config.json`` must declare its layers (the unit of prewarming, §4.1)
 and every safetensors header must parse and fit its file.
 
@@ -18,7 +22,9 @@ from pathlib import Path
 
 from warmserve_agent.sources import SourceError
 from warmserve_agent.sources.base import Listing, RemoteFile, verify_file
+from warmserve_agent.sources.disk_reserve import DiskGuard, GuardedFile
 from warmserve_agent.sources.fetch_records import FetchFailed
+from warmserve_agent.sources.fetch_staging import open_staged
 from warmserve_agent.store import config_num_layers, read_safetensors_header
 
 log = logging.getLogger("warmserve.agent.fetch")  # one logger for the whole fetcher
@@ -30,19 +36,38 @@ class FileChecks:
 
     stats: Counter[str]
 
-    def _get_one(self, src: object, f: RemoteFile, staging: Path, listing: Listing) -> str:
-        """Download and check one file: "" when good, else what was wrong (file removed)."""
+    def _get_one(
+        self,
+        src: object,
+        f: RemoteFile,
+        staging: Path,
+        listing: Listing,
+        guard: DiskGuard | None = None,
+    ) -> str:
+        """Download (the rest of) one file and check it: "" when good, else what was wrong.
+
+        A transfer cut off keeps what reached the disk, and the next attempt resumes after it;
+        a file that fails its checks (or that the client library found corrupt) is deleted."""
         dest = staging / f.path
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            src.download(f, dest, listing)  # type: ignore[attr-defined]
-        except SourceError as exc:
-            if not exc.retryable:
-                raise
-            self.stats["retries:checksum" if exc.checksum else "retries:error"] += 1
-            dest.unlink(missing_ok=True)
-            return str(exc)
-        self.stats["bytes"] += dest.stat().st_size if dest.exists() else 0
+        out, have = open_staged(staging, f.path)
+        with out:
+            if have < f.size:
+                if guard is not None:
+                    guard.check()  # the disk may have filled since the fetch began
+                sink = GuardedFile(out, have, f.size, guard, f.path)
+                try:
+                    src.download(f, sink, have, listing)  # type: ignore[attr-defined]
+                except SourceError as exc:
+                    if not exc.retryable:
+                        raise
+                    self.stats["retries:checksum" if exc.checksum else "retries:error"] += 1
+                    out.close()
+                    if exc.checksum:
+                        dest.unlink(missing_ok=True)
+                    else:
+                        self.stats["bytes"] += max(dest.stat().st_size - have, 0)
+                    return str(exc)
+        self.stats["bytes"] += max(dest.stat().st_size - have, 0)
         problem = verify_file(dest, f)
         if problem:
             kind = problem.removeprefix(f"{f.path}: ").split(" ", 1)[0]

@@ -5,18 +5,24 @@
 
 * **Coalescing.** One fetch per model at a time; a second caller for the same model and source
   joins it (another source while one runs is refused: FAILED_PRECONDITION).
-* **Staging.** Files land in ``<store>/.warmserve-staging/<id>/`` and the finished directory is
-  renamed into ``<store>/<model>`` in one step, so the store never shows a half-fetched model;
-  leftovers of a crashed agent are removed at start.
+* **Staging.** Files land in ``<store>/.warmserve-staging/<dir>/`` and the finished directory is
+  renamed into ``<store>/<dir>`` in one step (``<dir>``: the model's one store directory,
+  :func:`warmserve.modelref.store_dirname`), so the store never shows a half-fetched model.  A
+  listed path is never trusted: checked, then written without following links.
+* **Resume.** A download cut off keeps what reached the disk: the next attempt, the next fetch
+  of the same model, source and revision, or the first after an agent restart continues each
+  file from there (HTTP/S3 ranged reads), and the file is checked whole at the end.
 * **Checks.** Every file is checked against the listing (size, and the sha256 / git blob id /
   MD5 the source publishes); a file that fails is deleted and fetched again, up to ``attempts``
   times with exponential backoff; then the fetch fails naming the file and both checksums.  The
   safetensors headers must parse and fit their files before the model is installed.
-* **Budget (LRU).** Before downloading, room is made under ``budget_bytes`` (the whole store:
-  fetched and pre-filled models) and the disk's free space: the least recently used *fetched*
-  models are evicted first.  A model with a slot or an instance, being fetched or pinned by a
-  call in progress is never evicted; pre-filled models (no manifest) and linked ones are never
-  evicted.  If that is not enough the fetch fails with RESOURCE_EXHAUSTED, saying what is in use.
+* **Budget (LRU) and reserve.** Before downloading, room is made under ``budget_bytes`` (the
+  whole store: fetched and pre-filled models) and above the disk ``reserve`` (free space a fetch
+  never takes, watched during the download too): stale partial downloads go first, then the
+  least recently used *fetched* models.  A model with a slot or an instance, being fetched or
+  pinned by a call in progress is never evicted; pre-filled models (no manifest) and linked ones
+  are never evicted.  If that is not enough the fetch fails with RESOURCE_EXHAUSTED, naming the
+  numbers and what is in use.
 * **Progress.** Bytes on disk are sampled every ``sample_s``; the rate (EWMA) gives an ETA.  Each
   change is published through ``on_change`` (the agent's Watch stream and Describe) and metrics.
 
@@ -27,6 +33,8 @@ The fetcher is built in layers, one module per concept (lower modules never impo
 ``[tool.importlinter]`` in pyproject.toml enforces it):
 
 * :mod:`~warmserve_agent.sources.fetch_records`: fetch states, statuses, the failure, file names.
+* :mod:`~warmserve_agent.sources.fetch_staging`: safe file creation, partial downloads kept.
+* :mod:`~warmserve_agent.sources.disk_reserve`: the disk reserve, checked while writing.
 * :mod:`~warmserve_agent.sources.store_install`: staging and the atomic install, retiring copies.
 * :mod:`~warmserve_agent.sources.fetch_progress`: status updates, the rate sampler and ETA.
 * :mod:`~warmserve_agent.sources.fetch_verify`: per-file checks and the model's check.
@@ -49,9 +57,9 @@ from collections.abc import Callable
 
 from warmserve_agent.sources import REGISTRY, Registry, SourceError, SourceSettings, open_source
 from warmserve_agent.sources.base import ModelFacts, inspect
+from warmserve_agent.sources.disk_reserve import DEFAULT_RESERVE, DiskReserve, StatFn, disk_space
 from warmserve_agent.sources.fetch_download import FetchDownload
 from warmserve_agent.sources.fetch_records import (
-    STAGING,
     TRASH,
     Fetch,
     FetchFailed,
@@ -74,6 +82,8 @@ class ModelFetcher(FetchDownload):
         in_use: Callable[[], set[str]],
         on_change: Callable[[FetchStatus], None] = lambda s: None,
         budget_bytes: int = 0,
+        reserve: DiskReserve = DEFAULT_RESERVE,
+        disk_space: StatFn = disk_space,
         attempts: int = 3,
         backoff_s: float = 1.0,
         parallel: int = 4,
@@ -87,6 +97,8 @@ class ModelFetcher(FetchDownload):
         self.in_use = in_use
         self.on_change = on_change
         self.budget_bytes = budget_bytes
+        self.reserve = reserve
+        self.disk_space = disk_space  # os.statvfs of the store (a test may pass its own)
         self.attempts = max(1, attempts)
         self.backoff_s = backoff_s
         self.parallel = max(1, parallel)
@@ -100,8 +112,9 @@ class ModelFetcher(FetchDownload):
         self._stop = threading.Event()
         self.stats: Counter[str] = Counter()  # bytes, ok, failed, retries:<reason>, evictions
         self.generation = 0  # changes when the store's content changes (fetch end, eviction)
-        for d in (STAGING, TRASH):
-            shutil.rmtree(self.root / d, ignore_errors=True)  # a crashed agent's leftovers
+        store.upgrade_layout()  # no nested ORG/NAME directory a model's retirement could take
+        # A crashed agent's retired copies go; its partial downloads stay for the next fetch.
+        shutil.rmtree(self.root / TRASH, ignore_errors=True)
         self._sampler = threading.Thread(
             target=self._sample_loop, daemon=True, name="fetch-progress"
         )

@@ -1,7 +1,13 @@
 """``hf://ORG/NAME[@REVISION]``: a model repo on the Hugging Face Hub, through ``huggingface_hub``.
 
-* The branch or tag is resolved to a commit once (``model_info(..., files_metadata=True)``); every
-  file is then downloaded at that commit, so a push during a download cannot mix revisions.
+* The revision is a branch, tag or commit (:func:`warmserve.modelref.check_revision`: never a
+  pull-request ref).  It is resolved to a commit once (``model_info(..., files_metadata=True)``;
+  the answer must be a 40-hex commit id); every file is then downloaded at that commit, so a push
+  during a download cannot mix revisions.
+* Downloads go through ``huggingface_hub``'s own streaming GET (``file_download.http_get``: LFS
+  redirects, a ``Range`` from the bytes already there, resuming itself after a dropped
+  connection) into the file the fetcher opened; a download cut off for longer is resumed by the
+  fetcher's next attempt or next fetch from what reached the disk.
 * Checksums come from the same listing: LFS files carry their sha256, other files their git blob
   id; the fetcher checks both after each download (``huggingface_hub`` itself checks sizes only).
 * The endpoint is ``--hf-endpoint`` or ``HF_ENDPOINT`` (a mirror, or the tests' local server);
@@ -10,12 +16,11 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from warmserve.modelref import HfRef
+from warmserve.modelref import HfRef, SourceURIError, check_revision
 from warmserve_agent.sources.base import (
     Listing,
     RemoteFile,
@@ -24,6 +29,9 @@ from warmserve_agent.sources.base import (
     exact_range,
     select,
 )
+from warmserve_agent.sources.fetch_records import FetchFailed
+
+_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
 def _hub() -> Any:
@@ -31,6 +39,7 @@ def _hub() -> Any:
         import huggingface_hub
         import huggingface_hub.constants
         import huggingface_hub.errors
+        import huggingface_hub.file_download
         import huggingface_hub.utils
     except ImportError as exc:  # pragma: no cover - a core dependency
         raise SourceError("hf:// sources need the huggingface_hub package") from exc
@@ -68,6 +77,10 @@ class HfSource:
     in_place = False
 
     def __init__(self, ref: HfRef, settings: SourceSettings, uri: str) -> None:
+        try:
+            check_revision(ref.revision)  # the URI was parsed, but a ref may be built elsewhere
+        except SourceURIError as exc:
+            raise SourceError(f"{uri}: {exc}") from None
         self.ref = ref
         self.uri = uri
         self.endpoint = settings.hf_endpoint or None
@@ -87,9 +100,10 @@ class HfSource:
             )
         except Exception as exc:
             raise _translate(exc, self.uri) from None
-        if not info.sha:
+        if not info.sha or not _COMMIT_RE.match(info.sha):
             raise SourceError(
-                f"{self.uri}: the hub did not say which commit {self.ref.revision} is"
+                f"{self.uri}: the hub did not say which commit {self.ref.revision} is "
+                f"(answered {str(info.sha)[:80]!r})"
             )
         files = []
         for s in info.siblings or []:
@@ -105,23 +119,27 @@ class HfSource:
             )
         return Listing(select(files, self.uri), revision=info.sha)
 
-    def download(self, f: RemoteFile, dest: Path, listing: Listing) -> None:
-        # hf_hub_download into a private folder (it keeps its own metadata in .cache/ there),
-        # then move the file into place: the fetcher owns the final layout.
-        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".hf-") as tmp:
-            try:
-                got = _hub().hf_hub_download(
-                    self.ref.repo_id,
-                    f.path,
-                    revision=listing.revision,
-                    local_dir=tmp,
-                    endpoint=self.endpoint,
-                    token=self.token,
-                    force_download=True,
-                )
-            except Exception as exc:
-                raise _translate(exc, f"{self.uri} {f.path}") from None
-            shutil.move(got, dest)
+    def download(self, f: RemoteFile, out: BinaryIO, start: int, listing: Listing) -> None:
+        hub = _hub()
+        url = hub.hf_hub_url(
+            self.ref.repo_id, f.path, revision=listing.revision, endpoint=self.endpoint
+        )
+        headers = hub.utils.build_hf_headers(token=self.token)
+        try:
+            hub.file_download.http_get(
+                url,
+                out,
+                resume_size=start,
+                headers=headers,
+                expected_size=f.size,
+                displayed_filename=f.path,
+            )
+        except (SourceError, FetchFailed):  # ours, from writing (size cap, disk reserve)
+            raise
+        except ValueError as exc:  # the client refuses the file (e.g. too large without Xet)
+            raise SourceError(f"{self.uri} {f.path}: {exc}") from None
+        except Exception as exc:
+            raise _translate(exc, f"{self.uri} {f.path}") from None
 
     def read_range(self, path: str, start: int, length: int, listing: Listing) -> bytes:
         hub = _hub()

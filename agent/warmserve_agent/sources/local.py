@@ -11,6 +11,13 @@ config.json, safetensors whose headers parse and fit the files).
 * ``file:///PATH`` must lie under an ``--allow-path`` root (the chart's
   ``agent.modelSources.hostPaths``, mounted read-only at the same path); anything else is
   refused, so a ModelDeployment cannot make the agent read arbitrary files (its token, keys).
+* **Links inside the model** are confined to the model's directory (resolved): a link whose
+  target resolves outside it (``/etc``, the agent's keys, another model, elsewhere on the claim)
+  makes the source refused, naming the link and where it points.  Links that stay inside are
+  allowed (a shard shared by two names costs nothing and reads nothing new); a linked directory
+  is checked but not walked (no loops).  The store checks again whenever it reads a model's
+  files (:func:`warmserve_agent.store.confined`), since a tenant who can write the volume could
+  swap a file for a link after the fetch.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from pathlib import Path
 
 from warmserve.modelref import FileRef, PvcRef
 from warmserve_agent.sources.base import Listing, RemoteFile, SourceError, SourceSettings, select
+from warmserve_agent.store import StoreError, confined
 
 
 class DirectorySource:
@@ -39,7 +47,15 @@ class DirectorySource:
             raise SourceError(f"{self.uri}: {self.root} is not a directory on this node")
         files = []
         for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in dirnames + filenames:  # every link, hidden ones too, stays inside
+                p = Path(dirpath) / name
+                if p.is_symlink():
+                    self._inside(p)
+            dirnames[:] = [
+                d
+                for d in dirnames
+                if not d.startswith(".") and not (Path(dirpath) / d).is_symlink()
+            ]
             for name in filenames:
                 p = Path(dirpath) / name
                 try:
@@ -48,12 +64,21 @@ class DirectorySource:
                     raise SourceError(f"{self.uri}: cannot read {p}: {exc}") from None
         return Listing(select(files, self.uri))
 
+    def _inside(self, p: Path) -> Path:
+        try:
+            return confined(self.root, p)
+        except StoreError:
+            raise SourceError(
+                f"{self.uri}: {p.relative_to(self.root)} links to {os.path.realpath(p)}, "
+                f"outside the model's directory {self.root}: links may only point inside it"
+            ) from None
+
     def download(self, f: RemoteFile, dest: Path, listing: Listing) -> None:
         raise NotImplementedError("in-place sources are linked, not copied")
 
     def read_range(self, path: str, start: int, length: int, listing: Listing) -> bytes:
         try:
-            with open(self.root / path, "rb") as fh:
+            with open(self._inside(self.root / path), "rb") as fh:
                 fh.seek(start)
                 return fh.read(length)
         except OSError as exc:

@@ -1,10 +1,17 @@
 """``s3://BUCKET/PREFIX``: a model's files under a prefix of an S3(-compatible) bucket, via boto3.
 
-* Listing: ``ListObjectsV2`` under ``PREFIX/``; the model's files are the keys below it.
+* Listing: ``ListObjectsV2`` under ``PREFIX/``; the model's files are the keys below it.  Every
+  key's path below the prefix is checked (:func:`~warmserve_agent.sources.base.check_remote_path`):
+  a key with ``//`` (``PREFIX//abs/path``), ``.``/``..`` segments, a backslash or NUL makes the
+  whole listing refused, naming the key.
+* Downloads: ``GetObject`` streamed into the file the fetcher opened, with ``If-Match`` the
+  listed ETag (bytes of another version of the object are never mixed in) and, for a resumed
+  file, ``Range: bytes=N-`` from the bytes already on disk.
 * Checks: the size from the listing always; the object's MD5 when its ETag is one (single-part
   uploads: a plain 32-hex ETag); the object's full SHA-256 when it was stored with one
-  (``x-amz-checksum-sha256``, asked for with ``ChecksumMode=ENABLED``).  A multipart ETag
-  (``…-N``) is not an MD5 and is not checked.
+  (``x-amz-checksum-sha256``, asked for with ``ChecksumMode=ENABLED``; botocore also checks a
+  stored checksum itself while a whole object streams).  A multipart ETag (``…-N``) is not an MD5
+  and is not checked.
 * Credentials: boto3's standard chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, a shared
   credentials file, IRSA/web identity); ``--s3-endpoint-url`` for S3-compatible stores.
 * boto3 is the optional extra ``warmserve[s3]`` (in the agent image); without it an ``s3://``
@@ -15,8 +22,9 @@ from __future__ import annotations
 
 import base64
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from warmserve.modelref import S3Ref
 from warmserve_agent.sources.base import (
@@ -24,9 +32,11 @@ from warmserve_agent.sources.base import (
     RemoteFile,
     SourceError,
     SourceSettings,
+    check_remote_path,
     exact_range,
     select,
 )
+from warmserve_agent.sources.fetch_records import FetchFailed
 
 _MD5_ETAG = re.compile(r'^"?([0-9a-fA-F]{32})"?$')
 
@@ -90,6 +100,10 @@ class S3Source:
         if isinstance(exc, ClientError):
             code = exc.response.get("Error", {}).get("Code", "")
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if code == "PreconditionFailed" or status == 412:
+                return SourceError(
+                    f"{what}: the object changed since it was listed; the next fetch lists it again"
+                )
             if code in ("NoSuchBucket", "NoSuchKey", "404") or status == 404:
                 return SourceError(f"{what}: not found ({code or status})")
             if status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId"):
@@ -113,13 +127,29 @@ class S3Source:
             )
             for page in pages:
                 for obj in page.get("Contents", []):
-                    rel = obj["Key"][len(prefix) :]
-                    if not rel or rel.endswith("/"):
-                        continue
-                    m = _MD5_ETAG.match(obj.get("ETag", ""))
-                    files.append(
-                        RemoteFile(rel, int(obj["Size"]), md5=m.group(1).lower() if m else "")
+                    key = str(obj["Key"])
+                    if not key.startswith(prefix):
+                        raise SourceError(f"{self.uri}: listed key {key[:200]!r} is not under it")
+                    rel = key[len(prefix) :]
+                    if not rel:
+                        continue  # the prefix's own folder marker
+                    check_remote_path(
+                        rel.removesuffix("/"), f"{self.uri}: object key {key[:200]!r}"
                     )
+                    if rel.endswith("/"):
+                        continue  # a folder marker: no file
+                    etag = str(obj.get("ETag", ""))
+                    m = _MD5_ETAG.match(etag)
+                    files.append(
+                        RemoteFile(
+                            rel,
+                            int(obj["Size"]),
+                            md5=m.group(1).lower() if m else "",
+                            etag=etag,
+                        )
+                    )
+        except SourceError:
+            raise
         except Exception as exc:
             raise self._error(exc, self.uri) from None
         if not files:
@@ -136,15 +166,43 @@ class S3Source:
                 raise self._error(exc, f"{self.uri} {f.path}") from None
             sha = head.get("ChecksumSHA256", "")
             if sha and head.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT" and "-" not in sha:
-                f = RemoteFile(f.path, f.size, sha256=base64.b64decode(sha).hex(), md5=f.md5)
+                f = RemoteFile(
+                    f.path, f.size, sha256=base64.b64decode(sha).hex(), md5=f.md5, etag=f.etag
+                )
             out.append(f)
         return Listing(tuple(out), revision="")
 
-    def download(self, f: RemoteFile, dest: Path, listing: Listing) -> None:
+    def download(self, f: RemoteFile, out: BinaryIO, start: int, listing: Listing) -> None:
+        what = f"{self.uri} {f.path}"
+        kw: dict[str, Any] = {"Bucket": self.ref.bucket, "Key": self._key(f.path)}
+        if f.etag:
+            kw["IfMatch"] = f.etag
+        if start:
+            kw["Range"] = f"bytes={start}-"
+        else:  # the whole object: botocore checks its stored checksum as it streams
+            kw["ChecksumMode"] = "ENABLED"
         try:
-            self._s3().download_file(self.ref.bucket, self._key(f.path), str(dest))
+            obj = self._s3().get_object(**kw)
         except Exception as exc:
-            raise self._error(exc, f"{self.uri} {f.path}") from None
+            raise self._error(exc, what) from None
+        if start and not obj.get("ContentRange"):  # the range was ignored: the whole object
+            out.seek(0)
+            out.truncate()
+        for chunk in self._chunks(obj["Body"], what):
+            out.write(chunk)  # outside the try: the disk guard's refusal is not an S3 error
+
+    def _chunks(self, body: Any, what: str) -> Iterator[bytes]:
+        it = body.iter_chunks(1024 * 1024)
+        while True:
+            try:
+                chunk = next(it)
+            except StopIteration:
+                return
+            except (SourceError, FetchFailed):
+                raise
+            except Exception as exc:  # a dropped connection, a short body, a bad checksum
+                raise self._error(exc, what) from None
+            yield chunk
 
     def read_range(self, path: str, start: int, length: int, listing: Listing) -> bytes:
         try:

@@ -1,10 +1,12 @@
 """The store's disk budget: least-recently-used eviction of fetched models, pins, usage.
 
 Before downloading, room is made under ``budget_bytes`` (the whole store: fetched and pre-filled
-models) and the disk's free space: the least recently used *fetched* models are evicted first.  A
-model with a slot or an instance, being fetched or pinned by a call in progress is never evicted;
-pre-filled models (no manifest) and linked ones are never evicted.  If that is not enough the
-fetch fails with RESOURCE_EXHAUSTED, saying what is in use.  A fetched model's last use is the
+models, partial downloads) and above the disk reserve (the free space a fetch never takes,
+:mod:`~warmserve_agent.sources.disk_reserve`): partial downloads of models not being fetched go
+first, then the least recently used *fetched* models.  A model with a slot or an instance, being
+fetched or pinned by a call in progress is never evicted; pre-filled models (no manifest) and
+linked ones are never evicted.  If that is not enough the fetch fails with RESOURCE_EXHAUSTED,
+naming the numbers and what is in use.  A fetched model's last use is the
 modification time of its manifest (:meth:`StoreBudget.touch`), which survives agent restarts.
 
 A layer of :class:`~warmserve_agent.sources.fetcher.ModelFetcher` (see that module's docstring).
@@ -16,13 +18,14 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import threading
 from collections import Counter
 from collections.abc import Iterator
 
 from warmserve.units import format_size
+from warmserve_agent.sources.disk_reserve import DiskReserve, StatFn
 from warmserve_agent.sources.fetch_records import MANIFEST, Fetch, FetchFailed, StoreUsage, du
+from warmserve_agent.sources.fetch_staging import remove, stale_partials
 from warmserve_agent.sources.store_install import StoreInstall
 from warmserve_agent.store import StoreError
 
@@ -34,6 +37,8 @@ class StoreBudget(StoreInstall):
     :class:`~warmserve_agent.sources.fetcher.ModelFetcher`."""
 
     budget_bytes: int
+    reserve: DiskReserve
+    disk_space: StatFn
     generation: int
     stats: Counter[str]
     _lock: threading.RLock
@@ -90,41 +95,63 @@ class StoreBudget(StoreInstall):
 
     def _used_bytes(self) -> int:
         reserved = sum(f.status.bytes_total for f in self._active.values())
-        return sum(m[1] for m in self._models_on_disk()) + reserved
+        partial = sum(n for _, n in stale_partials(self.root, set(self._active)))
+        return sum(m[1] for m in self._models_on_disk()) + reserved + partial
 
-    def _make_room(self, model: str, need: int) -> None:
+    def _make_room(self, model: str, total: int, need: int | None = None) -> None:
+        """Room for ``model``: its ``total`` bytes under the budget, and the ``need`` bytes it
+        has yet to write (``total`` less what an earlier attempt left) above the disk reserve."""
+        need = total if need is None else need
         with self._lock:
             while True:
                 models = self._models_on_disk()
                 reserved = sum(f.status.bytes_total for m, f in self._active.items() if m != model)
-                used = sum(m[1] for m in models) + reserved
-                free = shutil.disk_usage(self.root).free - reserved
-                over_budget = self.budget_bytes and used + need > self.budget_bytes
-                if not over_budget and need <= free:
+                partials = stale_partials(self.root, set(self._active))
+                used = sum(m[1] for m in models) + reserved + sum(n for _, n in partials)
+                space = self.disk_space(self.root)
+                usable = space.free - reserved - self.reserve.bytes_for(space.total)
+                over_budget = self.budget_bytes and used + total > self.budget_bytes
+                if not over_budget and need <= usable:
                     return
+                if partials:  # the cheapest room: downloads nobody is resuming now
+                    path, nbytes = partials[0]
+                    remove(path)
+                    log.info(
+                        "event=store_partial_removed dir=%s bytes=%d for=%s", path, nbytes, model
+                    )
+                    continue
                 busy = self.in_use() | set(self._pins) | set(self._active)
                 cold = sorted((m for m in models if m[3] and m[0] not in busy), key=lambda m: m[2])
                 if not cold:
                     held = sorted(m[0] for m in models if m[0] in busy) or ["none"]
-                    limit = (
-                        f"the store budget {format_size(self.budget_bytes)} "
-                        f"({format_size(used)} used)"
-                        if over_budget
-                        else f"the disk's free space ({format_size(max(free, 0))})"
-                    )
+                    if over_budget:
+                        limit = (
+                            f"the store budget {format_size(self.budget_bytes)} "
+                            f"({format_size(used)} used) allows"
+                        )
+                        fix = "raise --store-budget (agent.modelCache.budget) or free disk"
+                    else:
+                        limit = (
+                            f"the disk allows: {format_size(space.free)} free of "
+                            f"{format_size(space.total)}, keeping a "
+                            f"{self.reserve.describe(space.total)} (--store-reserve), "
+                            f"{format_size(max(usable, 0))} usable"
+                        )
+                        fix = "free disk or lower --store-reserve (agent.modelCache.reserve)"
                     raise FetchFailed(
                         "RESOURCE_EXHAUSTED",
-                        f"{model} needs {format_size(need)}, more than {limit} allows, and no "
-                        "cold model can be evicted (in use, pinned or fetching: "
-                        f"{', '.join(held)}; pre-filled models are never evicted); raise "
-                        "--store-budget or free disk",
+                        f"{model} needs {format_size(need if not over_budget else total)}, more "
+                        f"than {limit}, and no cold model can be evicted (in use, pinned or "
+                        f"fetching: {', '.join(held)}; pre-filled models are never evicted); "
+                        f"{fix}",
                     )
                 victim = cold[0]
                 with self.core_lock:
                     if victim[0] in self.in_use():  # became busy meanwhile: look again
                         continue
-                    self._retire(victim[0])
+                    trash = self._retire(victim[0])
                     self.store.forget(victim[0])
+                self._discard(trash, wait=True)  # its space counts only once it is gone
                 self.stats["evictions"] += 1
                 self.generation += 1
                 log.info(

@@ -1,10 +1,14 @@
 """Installing a fetched model into the weight store atomically, and retiring the copy it replaces.
 
-Files land in ``<store>/.warmserve-staging/<id>/`` and the finished directory is renamed into
-``<store>/<model>`` in one step (an in-place source, ``pvc://`` or ``file://``, is linked the same
-way), so the store never shows a half-fetched model.  A copy in use by a prewarm slot or an
-instance is never swapped under it; the copy replaced (or evicted) moves to the trash and is
-deleted in the background.  All of it under the node core's lock, so that installation and
+Files land in ``<store>/.warmserve-staging/<dir>/`` and the finished directory is renamed into
+``<store>/<dir>`` in one step (``<dir>``: :func:`warmserve.modelref.store_dirname`, through
+:meth:`~warmserve_agent.store.WeightStore.model_path`; an in-place source, ``pvc://`` or
+``file://``, is linked the same way), so the store never shows a half-fetched model.  A copy in
+use by a prewarm slot or an instance is never swapped under it; the copy replaced (or evicted)
+moves to the trash and is deleted (in the background, or at once when eviction makes room).
+Retiring a model removes its own directory or link and nothing else: no model's directory holds
+another's, and a directory at a model's place that is not a model (no ``config.json``) is
+refused rather than removed.  All of it under the node core's lock, so that installation and
 eviction never race prewarm admission.
 
 A layer of :class:`~warmserve_agent.sources.fetcher.ModelFetcher` (see that module's docstring).
@@ -75,9 +79,10 @@ class StoreInstall:
         final.parent.mkdir(parents=True, exist_ok=True)
         with self.core_lock:
             self._check_replaceable(model)
-            self._retire(model)
+            trash = self._retire(model)
             os.rename(staging, final)
             self.store.forget(model)
+        self._discard(trash)
 
     def _install_link(self, model: str, target: Path) -> None:
         final = self._path(model)
@@ -87,20 +92,40 @@ class StoreInstall:
         with self.core_lock:
             try:
                 self._check_replaceable(model)
+                trash = self._retire(model)
             except FetchFailed:
                 tmp.unlink()
                 raise
-            self._retire(model)
             os.rename(tmp, final)
             self.store.forget(model)
+        self._discard(trash)
 
-    def _retire(self, model: str) -> None:
-        """Move the current copy of ``model`` (if any) out of the store; caller holds core_lock."""
+    def _retire(self, model: str) -> Path | None:
+        """Move the current copy of ``model`` (if any) out of the store; caller holds core_lock.
+        The trash directory to delete (:meth:`_discard`), None when there is none."""
         path = self._path(model)
         if path.is_symlink():
             path.unlink()
-        elif path.exists():
-            trash = self.root / TRASH / uuid.uuid4().hex
-            trash.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(path, trash)
+            return None
+        if not path.exists():
+            return None
+        if not (path / "config.json").exists() and not (path / MANIFEST).exists():
+            raise FetchFailed(
+                "FAILED_PRECONDITION",
+                f"{path} in the weight store is not a model directory (no config.json): it is "
+                f"not removed to make way for {model}; move it out of the store",
+            )
+        trash = self.root / TRASH / uuid.uuid4().hex
+        trash.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.rename(path, trash)
+        return trash
+
+    @staticmethod
+    def _discard(trash: Path | None, *, wait: bool = False) -> None:
+        """Delete a retired copy: now (``wait``: its space is needed) or in the background."""
+        if trash is None:
+            return
+        if wait:
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
             threading.Thread(target=shutil.rmtree, args=(trash, True), daemon=True).start()

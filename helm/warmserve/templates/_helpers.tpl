@@ -82,22 +82,52 @@ repository is empty, then the shared image (images/warmserve.Dockerfile). */}}
 {{- end }}
 {{- end }}
 
-{{/* Secret holding the agents' server certificate (keys ca.crt, tls.crt, tls.key). */}}
+{{/* Secret holding the agents' server certificate (keys ca.crt: the CA the operator's client
+certificate chains to, tls.crt, tls.key). */}}
 {{- define "warmserve.tlsServerSecret" -}}
 {{- if eq .Values.tls.mode "existingSecret" }}
-{{- required "tls.mode=existingSecret needs tls.existingSecret (or both tls.serverSecret and tls.clientSecret)" (coalesce .Values.tls.serverSecret .Values.tls.existingSecret) }}
+{{- include "warmserve.validateExistingSecrets" . }}
+{{- .Values.tls.serverSecret }}
 {{- else }}
 {{- printf "%s-agent-server-tls" (include "warmserve.fullname" .) }}
 {{- end }}
 {{- end }}
 
-{{/* Secret holding the operator's client certificate (keys ca.crt, tls.crt, tls.key). */}}
+{{/* Secret holding the operator's client certificate (keys ca.crt: the CA the agents' server
+certificates chain to, tls.crt, tls.key). */}}
 {{- define "warmserve.tlsClientSecret" -}}
 {{- if eq .Values.tls.mode "existingSecret" }}
-{{- required "tls.mode=existingSecret needs tls.existingSecret (or both tls.serverSecret and tls.clientSecret)" (coalesce .Values.tls.clientSecret .Values.tls.existingSecret) }}
+{{- include "warmserve.validateExistingSecrets" . }}
+{{- .Values.tls.clientSecret }}
 {{- else }}
 {{- printf "%s-operator-client-tls" (include "warmserve.fullname" .) }}
 {{- end }}
+{{- end }}
+
+{{/* Mode existingSecret: one Secret per side. One certificate for both sides would give every
+agent the operator's identity, so any node's key could drive every other node. */}}
+{{- define "warmserve.validateExistingSecrets" -}}
+{{- if and .Values.tls.existingSecret (not (and .Values.tls.serverSecret .Values.tls.clientSecret)) }}
+{{- fail "tls.existingSecret (one certificate for the agents and the operator) would let any agent's key drive every other agent: give tls.serverSecret (agents: serverAuth only) and tls.clientSecret (operator: clientAuth only) instead; hack/k8s/mkcerts.sh --warmserve makes both (docs/security.md)" }}
+{{- end }}
+{{- if not (and .Values.tls.serverSecret .Values.tls.clientSecret) }}
+{{- fail "tls.mode=existingSecret needs tls.serverSecret and tls.clientSecret (hack/k8s/mkcerts.sh --warmserve makes both)" }}
+{{- end }}
+{{- end }}
+
+{{/* The common name of the operator's client certificate (modes generate and certManager). */}}
+{{- define "warmserve.operatorCN" -}}
+{{- printf "%s-operator" (include "warmserve.fullname" .) }}
+{{- end }}
+
+{{/* The client identities every agent accepts for all calls (--allow-client-id): tls.clientIdentities,
+or the operator certificate's common name. */}}
+{{- define "warmserve.clientIdentities" -}}
+{{- $ids := .Values.tls.clientIdentities }}
+{{- if not $ids }}
+{{- $ids = list (printf "CN=%s" (include "warmserve.operatorCN" .)) }}
+{{- end }}
+{{- toJson $ids }}
 {{- end }}
 
 {{/* TLS settings values.schema.json cannot express (tls.mode itself is an enum there). */}}
@@ -146,4 +176,36 @@ metrics, then the user's podAnnotations, which win on a clash. Call with
 {{- if and $gw.enabled (eq (int $gw.port) (int $gw.adminPort)) }}
 {{- fail "gateway.port and gateway.adminPort must differ" }}
 {{- end }}
+{{- end }}
+
+{{/*
+TCP port ranges [from, to] of networkPolicy.enginePorts without the agent's own ports (gRPC,
+metrics), which only the operator and Prometheus may reach; renders NetworkPolicyPort items.
+*/}}
+{{- define "warmserve.enginePortRanges" -}}
+{{- $lo := int .Values.networkPolicy.enginePorts.from }}
+{{- $hi := int .Values.networkPolicy.enginePorts.to }}
+{{- $a := int .Values.agent.grpcPort }}
+{{- $b := int .Values.agent.metricsPort }}
+{{- if not $b }}{{ $b = $a }}{{ end }}
+{{- $skip := ternary (list $a $b) (list $b $a) (le $a $b) }}
+{{- $cur := $lo }}
+{{- range $p := $skip }}
+{{- if and (ge $p $cur) (le $p $hi) }}
+{{- if lt $cur $p }}
+- {protocol: TCP, port: {{ $cur }}{{ if lt $cur (sub $p 1) }}, endPort: {{ sub $p 1 }}{{ end }}}
+{{- end }}
+{{- $cur = add1 $p }}
+{{- end }}
+{{- end }}
+{{- if le $cur $hi }}
+- {protocol: TCP, port: {{ $cur }}{{ if lt $cur $hi }}, endPort: {{ $hi }}{{ end }}}
+{{- end }}
+{{- end }}
+
+{{/* The Prometheus pods allowed to scrape metrics ports: one NetworkPolicyPeer. */}}
+{{- define "warmserve.prometheusPeer" -}}
+{{- $p := .Values.networkPolicy.prometheus }}
+- namespaceSelector: {{ toJson (default (dict) $p.namespaceSelector) }}
+  podSelector: {{ toJson (default (dict) $p.podSelector) }}
 {{- end }}

@@ -325,7 +325,8 @@ class VllmEngine:
         self._ready = asyncio.Event()
         if self._layers >= spec.layers_total:
             self._ready.set()
-        user = parse_engine_args(spec.engine_args)
+        # the agent applied its allowlist before starting us (Activation.check_engine)
+        user = parse_engine_args(spec.engine_args, policy=None)
         argv = [
             "--model",
             spec.model_dir,
