@@ -228,6 +228,11 @@ class GatewayProcess:
     api: str
     admin: str
     log: Path
+    demand_token: str  # what the operator sends to /demand (--demand-token-file)
+
+    @property
+    def demand_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.demand_token}"}
 
     def status_kib(self, field: str) -> int:
         """A memory figure of the process from /proc (``VmRSS``: now, ``VmHWM``: its peak)."""
@@ -245,18 +250,24 @@ class GatewayProcess:
 def start_gateway_process(
     tmp: Path, objects: list[Mapping[str, Any]], *flags: str
 ) -> GatewayProcess:
+    """The deployments in ``objects`` with the GPUNode record the operator would write for their
+    instances (:func:`mirror`), and a /demand token, as the chart runs a replica."""
     import json
     import subprocess
     import sys
     import time
 
     models, addr, log = tmp / "models.json", tmp / "gw-address.json", tmp / "gw.log"
-    models.write_text(json.dumps(list(objects)))
+    token = tmp / "gw-demand-token"
+    token.write_text("demand-secret-for-tests\n")
+    mds = [o for o in objects if o.get("kind") != "GPUNode"]
+    models.write_text(json.dumps([*objects, mirror(mds)]))
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "warmserve", "gateway", "--models-file", str(models),
              "--host", "127.0.0.1", "--port", "0", "--admin-host", "127.0.0.1",
-             "--admin-port", "0", "--address-file", str(addr), *flags],
+             "--admin-port", "0", "--address-file", str(addr),
+             "--demand-token-file", str(token), *flags],
             stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
         )  # fmt: skip
     deadline = time.monotonic() + 60
@@ -266,4 +277,4 @@ def start_gateway_process(
             raise RuntimeError(f"the gateway did not start: {log.read_text()[-2000:]}")
         time.sleep(0.05)
     urls = json.loads(addr.read_text())
-    return GatewayProcess(proc, urls["api"], urls["admin"], log)
+    return GatewayProcess(proc, urls["api"], urls["admin"], log, token.read_text().strip())

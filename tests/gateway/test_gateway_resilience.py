@@ -39,7 +39,7 @@ async def test_sigterm_answers_held_requests_503_never_a_reset(tmp_path: Path) -
         held = [asyncio.create_task(_answer(url, {"model": "cold", **CHAT})) for _ in range(3)]
         async with aiohttp.ClientSession() as s:
             for _ in range(100):
-                async with s.get(f"{gw.admin}/demand") as r:
+                async with s.get(f"{gw.admin}/demand", headers=gw.demand_headers) as r:
                     if (await r.json())["models"].get("cold", {}).get("held") == 3:
                         break
                 await asyncio.sleep(0.05)
