@@ -1,7 +1,8 @@
 """The gateway's edge on real sockets (docs/security.md "The gateway's edge"): a header flood
 cut off by the header budget with the replica's RSS bounded (measured on a gateway process), a
 slowloris cut off by the header deadline, the connection cap, and no false positive for
-well-behaved keep-alive, pipelining and large-body clients."""
+well-behaved keep-alive, pipelining and large-body clients; the admin listener's /demand behind
+the same limits."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gw_support import md, raw_http, start_gateway_process
+from gw_support import demand_headers, md, raw_http, start_gateway_process
 from yarl import URL
 
 MiB = 1024**2
@@ -201,6 +202,42 @@ async def test_well_behaved_clients_never_hit_the_budget(make_gateway: Any, tiny
     writer.close()
     text = await _metrics(gw)
     assert "warmserve_gateway_edge_rejected_total{" not in text
+
+
+async def test_demand_sits_behind_the_admin_listeners_edge(make_gateway: Any) -> None:
+    """/demand (the operator's token) is on the admin listener, which has the API's header
+    budget and deadline: an oversized or trickled head is cut off before the token is looked
+    at, even when it carries the right token; a normal one with the token is answered."""
+    gw, _ = await make_gateway([md("chat", "tiny", [])], header_timeout_s=1.5)
+    admin = gw.urls["admin"]
+    auth = demand_headers(gw)["Authorization"]
+    fill = "".join(f"X-Fill-{i}: {'a' * 8000}\r\n" for i in range(5))  # 40 KB > 32 KiB
+    head = f"GET /demand HTTP/1.1\r\nHost: gw\r\nAuthorization: {auth}\r\n{fill}\r\n"
+    st, _, body = await raw_http(admin, head.encode(), timeout=5)
+    assert st == 431 and json.loads(body)["error"]["code"] == "headers_too_large"
+    host, port = _addr(admin)
+    reader, writer = await asyncio.open_connection(host, port)
+    t0 = time.monotonic()
+    writer.write(f"GET /demand HTTP/1.1\r\nHost: gw\r\nAuthorization: {auth}\r\n".encode())
+    ended = asyncio.create_task(_ended(reader, 10))
+    try:
+        while not ended.done():
+            writer.write(b"X-Slow: 1\r\n")
+            await asyncio.sleep(0.3)
+    except ConnectionError:
+        pass
+    slow = await ended
+    writer.close()
+    assert slow.startswith(b"HTTP/1.1 408 ") and 1.4 < time.monotonic() - t0 < 4.0, slow[:80]
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{admin}/demand") as r:
+            assert r.status == 401
+        async with s.get(f"{admin}/demand", headers={"Authorization": auth}) as r:
+            assert r.status == 200 and "models" in await r.json()
+    text = await _metrics(gw)
+    for reason in ("header_budget", "header_timeout"):
+        series = f'warmserve_gateway_edge_rejected_total{{listener="admin",reason="{reason}"}}'
+        assert f"{series} 1.0" in text, reason
 
 
 @pytest.fixture(scope="module")

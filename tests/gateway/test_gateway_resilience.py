@@ -143,18 +143,24 @@ def test_consecutive_failures_double_the_ejection() -> None:
 
 
 async def test_shedding_answers_every_held_request_and_later_ones() -> None:
-    d = Dispatcher()
-    d.update("m", parse_deployment(md("m", "m", [], max_hold_s=60)))
+    d = Dispatcher(max_held_per_namespace=10, max_held_per_key=5)
+    d.update("m", parse_deployment(md("m", "m", [], max_hold_s=60, namespace="team-a")))
     st_ = d.state("m")
     assert st_ is not None
-    held = [asyncio.create_task(d.acquire(st_, time.monotonic() + 60)) for _ in range(3)]
+    held = [
+        asyncio.create_task(d.acquire(st_, time.monotonic() + 60, key=k))
+        for k in ("team-a.k1", "team-a.k1", "")
+    ]
     await asyncio.sleep(0.01)
     assert st_.held == 3 and d.held_total == 3
+    assert d.held_by_namespace == {"team-a": 3} and d.held_by_key == {"team-a.k1": 2}
     assert d.shed(lambda: Draining("bye", retry_after=1)) == 3
     for t in held:
         with pytest.raises(Draining):
             await t
     assert st_.held == 0 and d.held_total == 0 and not st_.queue
+    # The namespace's and the key's counts are given back too (the caps count nothing shed).
+    assert d.held_by_namespace == {} and d.held_by_key == {}
     with pytest.raises(Draining) as err:
         await d.acquire(st_, time.monotonic() + 60)
     assert err.value.status == 503 and err.value.retry_after == 1
