@@ -1,4 +1,5 @@
-"""Holding: per-model FIFO queues in front of the instances, with caps (issue 9 "Holding").
+"""Holding: per-model FIFO queues in front of the instances, with caps (docs/gateway.md
+"Holding").
 
 A request for a model goes straight to an instance with room (:mod:`.routing`) when nobody is
 queued for that model; otherwise it waits at the end of the model's queue.  Whenever room
@@ -14,7 +15,9 @@ queue is dispatched first, so requests leave in arrival order.  Caps:
   key's requests wait for — :class:`QueueFull` (429); requests without a key are not counted
   per key (the namespace cap still holds them);
 * per replica: ``max_held`` over all models (``--max-held``) — :class:`QueueFull` (429);
-* per request: ``spec.gateway.maxHoldSeconds`` from its arrival — :class:`HoldTimeout` (503).
+* per request: ``spec.gateway.maxHoldSeconds`` from its arrival — :class:`HoldTimeout` (503);
+* at the end of a replica's drain, :meth:`Dispatcher.shed` answers every held request (and every
+  later one) with the rejection it is given, and gives back their model, namespace and key counts.
 
 A held request whose client disconnects is cancelled (aiohttp cancels the handler) and leaves
 the queue at once; its count goes down immediately, so the demand the operator reads never

@@ -24,7 +24,7 @@ def register(subparsers: Any) -> None:
         help="run the OpenAI-compatible gateway (routes by model, holds through cold starts)",
         description=(
             "Run one gateway replica: an OpenAI-compatible API (/v1/models, /v1/completions, "
-            "/v1/chat/completions with SSE streaming, other /v1/* routes passed through) that "
+            "/v1/chat/completions with SSE streaming, more POST routes with --route) that "
             "routes each request to a serving instance of the ModelDeployment its 'model' names, "
             "holds requests in a per-model queue while no instance has room (scale from zero), "
             "and reports the held requests to the operator on the admin port (/demand). "
