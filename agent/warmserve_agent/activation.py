@@ -1,11 +1,15 @@
 """Activation: starting a serving instance on a GPU group (WarmServe §4.2, Fig. 5-6).
 
 Activate moves workers to dedicated, from universal (a **prewarm hit**: a slot already holds the
-model's first layers) or idle (a cold start).  Every other slot touching the group is evicted,
-the chosen slot's weight range is mapped in full (the rest of a partial prewarm keeps loading
-while it serves) and every page left is mapped after the weights as KV cache.  The engine gets a
-typed :class:`~warmserve_agent.engines.spec.EngineSpec` of the slot; if it fails, the instance is
-torn down along Figure 5's crash edges (:meth:`Activator.abort_instance`).
+model's first layers) or idle (a cold start).  Every other slot touching the group is evicted
+(retired: its pages are unmapped in the background), the chosen slot's weight range is mapped in
+full (the rest of a partial prewarm keeps loading while it serves) and every page left is
+promised to the instance's KV range, which the KV pager maps **in the background** while the
+engine starts; the engine's capacity grows as chunks land
+(:class:`~warmserve_agent.kv_pager.KvMapping`; §4.2, "for the KV cache, mappings are performed
+in the background").  The engine gets a typed
+:class:`~warmserve_agent.engines.spec.EngineSpec` of the slot; if it fails, the instance is torn
+down along Figure 5's crash edges (:meth:`Activator.abort_instance`).
 
 :class:`Activator` works on the node's records (:class:`~warmserve_agent.node_state.NodeState`)
 with this node's :class:`EngineSettings`, and asks the
@@ -31,6 +35,7 @@ from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent.engine import WeightsError
 from warmserve_agent.engines import DEFAULT_ENGINE, ENGINES
 from warmserve_agent.engines.spec import EngineProfile, EngineSpec, SlotRegion, TensorPlacement
+from warmserve_agent.kv_pager import KvMapping, KvPager
 from warmserve_agent.memory import MemoryManager, pages_for
 from warmserve_agent.node_records import EngineFactory, EventKind, InstanceRec, Refusal, SlotRec
 from warmserve_agent.node_state import NodeState
@@ -66,10 +71,17 @@ class EngineSettings:
 class Activator:
     """Activate and the engine it starts (see module docstring)."""
 
-    def __init__(self, state: NodeState, prewarmer: Prewarmer, engines: EngineSettings) -> None:
+    def __init__(
+        self,
+        state: NodeState,
+        prewarmer: Prewarmer,
+        engines: EngineSettings,
+        kv: KvMapping | None = None,
+    ) -> None:
         self._state = state
         self._prewarmer = prewarmer
         self._engines = engines
+        self._kv = kv or KvMapping(KvPager(state.mm))
         self.activation_log: list[tuple[bool, float]] = []  # (hit, seconds) for metrics
 
     # ---- activate --------------------------------------------------------------------------
@@ -180,7 +192,6 @@ class Activator:
             mm.promise(chosen.slot_id, weight_pages - mm.mapped_prefix(chosen.slot_id, group[0]))
             mm.ensure_mapped(chosen.slot_id, weight_pages)
             mm.release_promise(chosen.slot_id)
-            kv_pages = mm.map_all_free(chosen.slot_id, weight_pages)
             iid = f"inst-{uuid.uuid4().hex[:12]}"
             engine_host = self._engines.factory(group)
             inst = InstanceRec(
@@ -191,12 +202,13 @@ class Activator:
                 engine_host,
                 layout.model.profile.max_batch,
                 weight_pages,
-                kv_pages,
-                kv_pages,
+                0,
+                0,
                 prewarm_hit=hit,
                 engine_name=engine_name,
                 owner=owner,
             )
+            self._kv.reserve(inst)  # KV pages mapped in the background from now on
             state.instances[iid] = inst
             for g in group:
                 state.gpus[g].instance_id = iid
@@ -206,7 +218,9 @@ class Activator:
             try:
                 spec = self._engine_spec(inst, chosen, tuple(engine_args))
                 inst.endpoint = engine_host.start(spec)
-                inst.max_batch = engine_host.stats().max_batch or inst.max_batch  # C of Eq. 1
+                started = engine_host.stats()
+                inst.max_batch = started.max_batch or inst.max_batch  # C of Eq. 1
+                self._kv.engine_started(inst, started)
                 inst.phase = InstancePhase.SERVING
                 if chosen.layers_resident > 0:
                     engine_host.layers_ready(chosen.layers_resident)
@@ -256,7 +270,14 @@ class Activator:
         tp = len(inst.gpus)
         digests = [state.store.digests(layout, r) for r in range(tp)]
         prof = layout.model.profile
-        mapped = inst.weight_pages + inst.kv_pages
+        kv = inst.kv
+        assert kv is not None
+        mapped = inst.weight_pages + kv.num_pages
+        pt_path = getattr(backend, "page_table_path", None)
+
+        def va_of(g: int) -> int:
+            return state.mm.va_base(slot.slot_id, g)
+
         regions = tuple(
             SlotRegion(
                 gpu=g,
@@ -268,9 +289,12 @@ class Activator:
                 # The shared simulated file, readable by physical page from any process, when
                 # the agent owns the memory; with memory in workers only the owner reads it.
                 host_file="" if in_workers else str(path(g)),
+                # KV pages are found through the shared page table once granted (-1 here)
                 ppages=()
                 if in_workers
-                else tuple(state.mm.physical_pages(slot.slot_id, g, 0, mapped)),
+                else tuple(state.mm.physical_pages(slot.slot_id, g, 0, inst.weight_pages))
+                + (-1,) * kv.num_pages,
+                page_table="" if pt_path is None else str(pt_path(g, va_of(g))),
             )
             for r, g in enumerate(inst.gpus)
         )
@@ -281,7 +305,7 @@ class Activator:
             model_dir=str(layout.model.path),
             layers_total=layout.model.num_layers,
             layers_resident=slot.layers_resident,
-            kv_capacity_bytes=inst.kv_pages * page * tp,
+            kv_capacity_bytes=kv.capacity_bytes(kv.granted),
             regions=regions,
             tensors=tuple(
                 TensorPlacement(
@@ -307,6 +331,7 @@ class Activator:
             advertise_host=self._engines.advertise_host,
             traces_endpoint=self._engines.traces[0],
             trace_sample_ratio=self._engines.traces[1],
+            events_addr=self._kv.events_addr,
         )
 
     def abort_instance(self, inst: InstanceRec, why: str) -> None:
@@ -319,7 +344,9 @@ class Activator:
             inst.engine.stop()
         slot = state.slots.get(inst.slot_id)
         if slot is not None and mm.has_slot(slot.slot_id):
-            mm.unmap_range(slot.slot_id, inst.weight_pages, mm.num_pages(inst.gpus[0]))
+            if inst.kv is not None:  # the engine is gone: its KV pages unmap in the background
+                inst.kv.release_all()
+                self._kv.pager.kick()
             with slot.lock:
                 slot.state = SlotState.LOADING if slot.loader_active else SlotState.READY
         for g in inst.gpus:

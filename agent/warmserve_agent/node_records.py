@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent.engine import Engine
@@ -27,6 +28,9 @@ from warmserve_agent.engines import DEFAULT_ENGINE
 from warmserve_agent.engines.spec import EngineStats
 from warmserve_agent.store import SlotLayout
 from warmserve_agent.wire import SlotState
+
+if TYPE_CHECKING:
+    from warmserve_agent.kv_range import KvRange
 
 ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 SLOT_ID_RE = re.compile(r"^slot-[0-9a-f]{12}$")
@@ -98,6 +102,9 @@ class InstanceRec:
     reservation_target: int = 0  # per GPU, bytes (grace only)
     owner: str = ""  # as SlotRec.owner
     grace_started_unix: float = 0.0  # when BeginGrace took effect
+    # the KV range: pages mapped in the background, capacity granted (kv_range.py); kv_pages
+    # above is how many of its pages are mapped now
+    kv: KvRange | None = None
 
 
 @dataclass

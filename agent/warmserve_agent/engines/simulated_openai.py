@@ -20,39 +20,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from warmserve_agent.engine import TtftWindow
+from warmserve_agent.engine_events import EngineEventKind, EventSender
+from warmserve_agent.engines.simulated_kv import SimKvCache
 from warmserve_agent.engines.spec import EngineSpec
 
 log = logging.getLogger("warmserve.agent.engine")
 
-_VOCAB = (
-    "the",
-    "a",
-    "warm",
-    "serve",
-    "model",
-    "token",
-    "cache",
-    "page",
-    "slot",
-    "layer",
-    "prefill",
-    "decode",
-    "batch",
-    "grace",
-    "prewarm",
-    "universal",
-    "dedicated",
-    "idle",
-    "worker",
-    "memory",
-    "gpu",
-    "weights",
-    "kv",
-    "request",
-    "load",
-    "window",
-    "peak",
+_WORDS = (
+    "the a warm serve model token cache page slot layer prefill decode batch grace "
+    "prewarm universal dedicated idle worker memory gpu weights kv request load window peak"
 )
+_VOCAB = tuple(_WORDS.split())
 
 
 @dataclass
@@ -76,6 +54,8 @@ class OpenAIServing:
 
     spec: EngineSpec | None
     _st: EngineState
+    _kv: SimKvCache
+    _events: EventSender
     _loop: asyncio.AbstractEventLoop | None
     _runner: Any
     _metrics: Any
@@ -207,34 +187,45 @@ class OpenAIServing:
         )
         return _VOCAB[int.from_bytes(h.digest(), "little") % len(_VOCAB)]
 
-    async def _admit(self, need: int) -> None:
-        st = self._st
+    async def _admit(self, need: int, rid: str) -> list[int]:
+        st, kv = self._st, self._kv
         assert st.cond is not None
+        npages = kv.pages_for(need)
+
+        def ready() -> bool:
+            if st.running >= self.max_batch or st.layers_resident < st.layers_total:
+                return False
+            if kv.free_pages() >= npages:
+                return True
+            if kv.wait_for_pages(rid, npages):  # only KV is missing: tell the agent
+                self._events.send(EngineEventKind.KV_WANTED)
+            return False
+
         st.waiting += 1
         try:
             async with st.cond:
-                await st.cond.wait_for(
-                    lambda: (
-                        st.running < self.max_batch
-                        and st.kv_reserved + need <= st.kv_capacity
-                        and st.layers_resident >= st.layers_total
-                    )
-                )
+                await st.cond.wait_for(ready)
+                pages = kv.alloc(rid, npages)
+                assert pages is not None
                 st.running += 1
                 st.kv_reserved += need
+                return pages
         except asyncio.CancelledError:
             st.dropped += 1  # the client went away while queued
             raise
         finally:
+            kv.waiting.pop(rid, None)
             st.waiting -= 1
 
-    async def _release(self, need: int, used: int) -> None:
+    async def _release(self, need: int, used: int, rid: str, pages: list[int]) -> None:
         st = self._st
+        self._kv.release(rid, pages)
         st.running -= 1
         st.kv_reserved -= need
         st.kv_used -= used
         st.served += 1
         await self._notify()
+        self._events.send(EngineEventKind.FINISHED)  # Eq. 1 is re-checked on completion
 
     async def _generate(self, request: Any, body: dict[str, Any], prompt: str, chat: bool) -> Any:
         from aiohttp import web
@@ -253,7 +244,7 @@ class OpenAIServing:
                 f"request asks for {n_prompt + max_tokens} ({n_prompt} in the prompt, "
                 f"{max_tokens} to generate)",
             )
-        if need > self._st.kv_capacity:
+        if self._kv.pages_for(need) > self._kv.total:
             return self._error(
                 400, f"prompt + max_tokens need {need} KV bytes, more than the cache"
             )
@@ -266,14 +257,15 @@ class OpenAIServing:
                 kind="rate_limit_error",
             )
         t_arrive = time.perf_counter()
-        await self._admit(need)
+        rid = f"cmpl-{uuid.uuid4().hex[:12]}"
+        pages = await self._admit(need, rid)
         used = n_prompt * kvt
         self._st.kv_used += used
-        rid = f"cmpl-{uuid.uuid4().hex[:12]}"
         created = int(time.time())
         resp: web.StreamResponse | None = None
         words: list[str] = []
         try:
+            self._kv.prefill(rid, pages)
             await asyncio.sleep(n_prompt / prof.prefill_tok_s)
             ttft = time.perf_counter() - t_arrive
             if self.spec.traces_endpoint:
@@ -290,6 +282,7 @@ class OpenAIServing:
                     await asyncio.sleep(1.0 / prof.decode_tok_s)
                 w = self._token(prompt, i)
                 words.append(w)
+                self._kv.token(pages, n_prompt + i, kvt)
                 self._st.kv_used += kvt
                 used += kvt
                 if resp is not None:
@@ -300,7 +293,7 @@ class OpenAIServing:
             self._st.dropped += 1  # the client went away mid-generation
             raise
         finally:
-            await self._release(need, used)
+            await self._release(need, used, rid, pages)
             self._metrics.prompt_tokens.inc(n_prompt)
             self._metrics.gen_tokens.inc(len(words))
             self._metrics.e2e.observe(time.perf_counter() - t_arrive)

@@ -15,8 +15,13 @@ How, per memory backend (the seam with ``warmserve_agent.backends``):
   process's address space and ``mmap(MAP_FIXED | MAP_SHARED)`` each run of consecutive physical
   pages of the file into it, in virtual-page order — a host MMU doing what ``cuMemMap`` does on a
   GPU.  Weights are mapped read-only (an engine that wrote into them would fault, not corrupt the
-  prewarmed bytes); KV pages read-write.  Pages the agent later unmaps (grace lending) can be
-  made inaccessible with :meth:`HostSlotMapping.revoke`.
+  prewarmed bytes); KV pages read-write, and **only the KV pages the engine was granted**: the
+  agent maps the KV range in the background and raises the engine's capacity as pages land, so
+  the engine maps newly granted pages (:meth:`SlotMemory.grant_pages`, their physical pages read
+  from the backend's shared page table) and makes withdrawn ones inaccessible
+  (:meth:`SlotMemory.revoke_pages`) before the agent unmaps them.  A KV access through
+  :meth:`SlotMemory.kv_write`/:meth:`SlotMemory.kv_read` is checked against the backend's page
+  table first (:class:`KvAccessError`): the engine never touches a page that is not mapped.
 * **cuda** (the worker owns a ``CudaBackend``): the slot's virtual address *is* device memory
   mapped by the backend (``cuMemMap``).  ``torch.as_tensor`` over ``__cuda_array_interface__``
   wraps it without a copy (vllm-integration note §7.3).  A backend may provide
@@ -31,7 +36,7 @@ import ctypes
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -46,6 +51,10 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 class SlotMemoryError(RuntimeError):
     pass
+
+
+class KvAccessError(SlotMemoryError):
+    """An engine touched (or was granted) a KV page the backend does not map to it now."""
 
 
 def _libc() -> Any:
@@ -65,14 +74,28 @@ def _libc() -> Any:
 
 
 def _runs(ppages: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first virtual page, first physical page, count) runs of consecutive physical pages."""
+    """(first virtual page, first physical page, count) runs of consecutive physical pages
+    (entries < 0, pages not mapped, are skipped)."""
     out: list[tuple[int, int, int]] = []
     for v, p in enumerate(ppages):
+        if p < 0:
+            continue
         if out and out[-1][1] + out[-1][2] == p and out[-1][0] + out[-1][2] == v:
             v0, p0, n = out[-1]
             out[-1] = (v0, p0, n + 1)
         else:
             out.append((v, p, 1))
+    return out
+
+
+def _vruns(vpages: Sequence[int]) -> list[tuple[int, int]]:
+    """(first, count) runs of consecutive pages in sorted ``vpages``."""
+    out: list[tuple[int, int]] = []
+    for v in vpages:
+        if out and out[-1][0] + out[-1][1] == v:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((v, 1))
     return out
 
 
@@ -98,9 +121,15 @@ class HostSlotMapping:
                     f"reserving {self.size} bytes: {os.strerror(ctypes.get_errno())}"
                 )
             self.base = int(base)
-            wpages = -(-weight_bytes // page_bytes)
-            self._map(ppages, 0, wpages, _PROT_READ)
-            self._map(ppages, wpages, self.npages, _PROT_READ | _PROT_WRITE)
+            self.wpages = -(-weight_bytes // page_bytes)
+            if any(p < 0 for p in ppages[: self.wpages]):
+                raise SlotMemoryError("a weight page of the slot is not mapped")
+            self._map(ppages, 0, self.wpages, _PROT_READ)
+            self._map(ppages, self.wpages, self.npages, _PROT_READ | _PROT_WRITE)
+            # the physical page behind every KV page mapped here (access checks compare it)
+            self.kv: dict[int, int] = {
+                v: p for v, p in enumerate(ppages) if v >= self.wpages and p >= 0
+            }
         except BaseException:
             self.close()
             raise
@@ -129,11 +158,25 @@ class HostSlotMapping:
         )
         if got != addr:
             raise SlotMemoryError(f"revoking pages: {os.strerror(ctypes.get_errno())}")
+        for v in range(first_page, first_page + npages):
+            self.kv.pop(v, None)
+
+    def map_kv(self, pages: dict[int, int]) -> None:
+        """Map KV virtual pages onto their physical pages read-write (``{vpage: ppage}``)."""
+        if not pages:
+            return
+        top = max(pages) + 1
+        full = [-1] * top
+        for v, p in pages.items():
+            if v < self.wpages or v >= self.npages:
+                raise SlotMemoryError(f"page {v} is not a KV page of this slot")
+            full[v] = p
+        self._map(full, 0, top, _PROT_READ | _PROT_WRITE)
+        self.kv.update(pages)
 
     def remap(self, first_page: int, ppages: Sequence[int]) -> None:
         """Map physical pages at virtual pages [first, first+len) read-write (taken back)."""
-        full = [0] * first_page + list(ppages)
-        self._map(full, first_page, first_page + len(ppages), _PROT_READ | _PROT_WRITE)
+        self.map_kv({first_page + i: p for i, p in enumerate(ppages)})
 
     def close(self) -> None:
         if getattr(self, "base", 0):
@@ -166,8 +209,10 @@ class SlotMemory:
         self.backend = backend
         self._host: HostSlotMapping | None = None
         self._tensor: Any = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._closed = False
+        self._pt: Any = None  # the backend's shared page table (simulated), opened lazily
+        self.violations = 0  # KV accesses refused by check_pages
         if region.host_file:
             self.kind = SlotMemoryKind.HOST_FILE
         elif backend is not None and region.local and backend.name == "simulated":
@@ -180,18 +225,96 @@ class SlotMemory:
                 "its virtual address (its memory belongs to another worker)"
             )
 
-    def _ppages(self, upto: int | None = None) -> tuple[str, list[int]]:
-        """(file, physical page of each of the slot's first ``upto`` virtual pages)."""
+    def _ppages(self) -> tuple[str, list[int]]:
+        """(file, physical page of each of the slot's virtual pages: the weights', and -1 for
+        every KV page — KV pages are mapped here only when granted, :meth:`grant_pages`)."""
         r = self.region
-        n = -(-r.mapped_bytes // r.page_bytes) if upto is None else upto
-        if self.kind == SlotMemoryKind.HOST_FILE:
-            return r.host_file, list(r.ppages[:n])
-        tr = self.backend.translation(r.gpu)
-        first = r.va // r.page_bytes
-        try:
-            return str(self.backend.path(r.gpu)), [tr[first + i] for i in range(n)]
-        except KeyError as exc:
-            raise SlotMemoryError(f"slot page {exc} is not mapped") from None
+        n = -(-r.mapped_bytes // r.page_bytes)
+        w = -(-r.weight_bytes // r.page_bytes)
+        found = self._lookup(range(w))
+        if any(p is None for p in found.values()):
+            raise SlotMemoryError("a weight page of the slot is not mapped")
+        path = r.host_file or str(self.backend.path(r.gpu))
+        return path, [found[v] if v < w else -1 for v in range(n)]  # type: ignore[misc]
+
+    def _lookup(self, vpages: Iterable[int]) -> dict[int, int | None]:
+        """The physical page the backend maps at each of the slot's ``vpages`` now (None: not
+        mapped).  Read from the shared page table when there is one."""
+        r = self.region
+        vs = list(vpages)
+        if r.page_table:
+            if self._pt is None:
+                from warmserve_agent.backends.simulated import PageTableView
+
+                self._pt = PageTableView(r.page_table)
+            return {v: self._pt.ppage(v) for v in vs}
+        if self.kind == SlotMemoryKind.HOST_BACKEND:
+            tr = self.backend.translation(r.gpu)
+            first = r.va // r.page_bytes
+            return {v: tr.get(first + v) for v in vs}
+        return {v: (r.ppages[v] if v < len(r.ppages) and r.ppages[v] >= 0 else None) for v in vs}
+
+    # ---- KV pages: granted, withdrawn, checked -------------------------------------------------
+    def grant_pages(self, vpages: Iterable[int]) -> None:
+        """The engine may now use these KV pages (the agent mapped them): map them here."""
+        with self._lock:
+            if self.kind == SlotMemoryKind.DEVICE or self._closed:
+                return
+            m = self.host_mapping()
+            want = [v for v in vpages if v not in m.kv]
+            found = self._lookup(want)
+            gone = sorted(v for v, p in found.items() if p is None)
+            if gone:
+                self.violations += 1
+                raise KvAccessError(
+                    f"GPU {self.region.gpu}: KV pages {gone[:4]} granted but not mapped"
+                )
+            m.map_kv({v: p for v, p in found.items() if p is not None})
+
+    def revoke_pages(self, vpages: Iterable[int]) -> None:
+        """The engine gave these KV pages up (the agent unmaps them next): make them
+        inaccessible here first."""
+        with self._lock:
+            if self.kind == SlotMemoryKind.DEVICE or self._host is None:
+                return
+            for first, n in _vruns(sorted(v for v in vpages if v in self._host.kv)):
+                self._host.revoke(first, n)
+
+    def check_pages(self, vpages: Iterable[int]) -> None:
+        """Raise :class:`KvAccessError` unless every page is mapped by the backend right now,
+        to the physical page this process reaches it through: the page-fault check of the
+        simulated backend (a GPU's MMU does it on CUDA)."""
+        vs = list(vpages)
+        if self.kind == SlotMemoryKind.DEVICE or not vs:
+            return
+        found = self._lookup(vs)
+        mine = self._host.kv if self._host is not None else {}
+        bad = [v for v in vs if found[v] is None or mine.get(v) != found[v]]
+        if bad:
+            self.violations += 1
+            raise KvAccessError(
+                f"GPU {self.region.gpu}: KV access to page {bad[0]}, which is "
+                + ("not mapped" if found[bad[0]] is None else "not granted to this engine")
+            )
+
+    def _pages_of(self, offset: int, nbytes: int) -> range:
+        P = self.region.page_bytes
+        return range(offset // P, (offset + max(nbytes, 1) - 1) // P + 1)
+
+    def kv_write(self, offset: int, data: bytes) -> None:
+        """Write KV bytes at slot ``offset`` (page-checked first)."""
+        self.check_pages(self._pages_of(offset, len(data)))
+        if self.kind == SlotMemoryKind.DEVICE:
+            self.backend.write(self.region.gpu, self.region.va + offset, data)
+            return
+        with self._lock:
+            m = self.host_mapping()
+            ctypes.memmove(m.base + offset, data, len(data))
+
+    def kv_read(self, offset: int, nbytes: int) -> bytes:
+        """Read KV bytes at slot ``offset`` (page-checked first)."""
+        self.check_pages(self._pages_of(offset, nbytes))
+        return self.read(offset, nbytes)
 
     def host_mapping(self) -> HostSlotMapping:
         if self.kind == SlotMemoryKind.DEVICE:
@@ -250,6 +373,9 @@ class SlotMemory:
             if self._host is not None:
                 self._host.close()
                 self._host = None
+            if self._pt is not None:
+                self._pt.close()
+                self._pt = None
 
 
 class _CudaArray:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from warmserve_agent.engines.kv_geometry import KvGeometry
+
 
 @dataclass(frozen=True, slots=True)
 class SlotRegion:
@@ -26,6 +28,10 @@ class SlotRegion:
     ``p`` is bytes ``[p * page_bytes, (p + 1) * page_bytes)`` of ``host_file``; ``ppages[i]``
     backs virtual page ``i`` of the slot (weights then KV pages, as mapped at activation).
     ``local`` is true for the rank whose worker hosts the engine (it owns ``va`` itself).
+    ``page_table`` (simulated backend) is the slot's shared page-table file on that GPU: the
+    physical page behind each virtual page *now*, for KV pages mapped after the engine started
+    and for the engine's page-access checks (``backends/simulated.py``).  A ``ppages`` entry of
+    -1 is a page not mapped when the spec was made.
     """
 
     gpu: int
@@ -36,6 +42,7 @@ class SlotRegion:
     local: bool = False
     host_file: str = ""
     ppages: tuple[int, ...] = ()
+    page_table: str = ""
 
     @property
     def mapped_bytes(self) -> int:
@@ -77,7 +84,9 @@ class EngineSpec:
     model_dir: str  # config.json, tokenizer files; the weights are read from the slot only
     layers_total: int
     layers_resident: int
-    kv_capacity_bytes: int  # summed over the group (M of Eq. 1)
+    # KV the engine may use at start, summed over the group; the KV range (``regions[r].kv_bytes``)
+    # is mapped in the background and ``set_kv_capacity`` raises this as pages land
+    kv_capacity_bytes: int
     regions: tuple[SlotRegion, ...]  # one per tensor-parallel rank
     tensors: tuple[TensorPlacement, ...]
     digests: tuple[tuple[str, ...], ...]  # per rank, blake2b-128 hex of each tensor's shard
@@ -90,6 +99,8 @@ class EngineSpec:
     # ratio of new traces it samples (requests with a parent follow the parent).
     traces_endpoint: str = ""
     trace_sample_ratio: float = 1.0
+    # the agent's engine-event socket (engine_events.py: request completions, KV wanted); "" off
+    events_addr: str = ""
 
     @property
     def tp_size(self) -> int:
@@ -127,3 +138,8 @@ class EngineStats:
     ttft_samples: int = 0
     ttft_window_s: float = 0.0
     bad_tensors: tuple[str, ...] = ()
+    # KV bytes (summed over the group) waiting requests need beyond the free capacity: a grace
+    # instance whose lent KV must grow back (Eq. 1 plus demand, grace_lending.py)
+    kv_wanted_bytes: int = 0
+    # where the engine's KV blocks lie in its KV range (None: one block per page from the start)
+    kv_geometry: KvGeometry | None = None

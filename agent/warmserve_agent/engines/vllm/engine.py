@@ -19,13 +19,16 @@ load overlaps engine construction (vllm-integration note §2.5, "recommended ove
 are held (not refused) until ``layers_ready(n)`` reports every layer resident.  vLLM cannot run a
 model with layers missing, so that is the earliest a token can be served.
 
-Grace lending (Eq. 1): vLLM fixes its KV block count at start.  ``set_kv_capacity`` takes free
-blocks with the highest ids out of the block pool's free queue between engine steps (the
-scheduler can never allocate them; prefix-cache hashes are evicted first) and gives them back on
-growth.  Physically, the agent can only unmap the slot's *tail*: the engine answers the bytes up
-to the last byte any still-usable block touches (computed from the KV tensors' real strides), so
-the agent never unmaps memory vLLM may use.  Stats: R, waiting, K, M from vLLM's scheduler and
-block pool; TTFT from vLLM's iteration stats.
+KV cache (``kv.py``): vLLM sizes its block pool for the whole KV range at start, but the agent
+maps that range in the background and raises the capacity as pages land; ``set_kv_capacity``
+keeps usable exactly the blocks the capacity allows (the others are taken out of the pool's
+free queue between engine steps), maps their pages in this process first and zeroes them.  The
+engine reports its layout (vLLM's is layer-major: a little of every layer's region per block) so
+the agent maps pages in the order blocks need them and, when lending in grace (Eq. 1), takes
+back exactly the pages no kept block touches.  Finished requests and requests waiting for blocks
+are reported to the agent on its engine-event socket (hooked where the engine core finishes a
+step, ``inproc.py``), so the agent re-checks Eq. 1 on each completion and grows lent KV back.
+Stats: R, waiting, K, M from vLLM's scheduler and block pool; TTFT from vLLM's iteration stats.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from typing import Any
 from warmserve.engine_args import parse_engine_args
 from warmserve.tracing import traces_url, vllm_tracing_env
 from warmserve_agent.engine import EngineError, TtftWindow
+from warmserve_agent.engine_events import EventSender
 from warmserve_agent.engines.slotmem import SlotMemory, SlotMemoryKind
 from warmserve_agent.engines.spec import EngineSpec, EngineStats
 from warmserve_agent.engines.vllm.hooks import (
@@ -53,6 +57,7 @@ from warmserve_agent.engines.vllm.hooks import (
     slot_dtype,
     ttft_logger_factory,
 )
+from warmserve_agent.engines.vllm.kv import SlotKvPool
 
 log = logging.getLogger("warmserve.agent.engine.vllm")
 
@@ -74,8 +79,8 @@ class VllmEngine:
         self._server: Any = None
         self._ready: asyncio.Event | None = None
         self._layers = 0
-        self._lent: list[Any] = []
-        self._phys_limit = 0  # KV bytes (from the KV start) this process may still touch
+        self._kv: SlotKvPool | None = None
+        self._events = EventSender("", "")
         self.endpoint = ""
         self.ttft = TtftWindow()
         self.timings: dict[str, float] = {}
@@ -123,28 +128,29 @@ class VllmEngine:
             self._loop.call_soon_threadsafe(self._ready.set)
 
     def stats(self) -> EngineStats:
-        assert self._client is not None
+        assert self._client is not None and self._kv is not None
         sched = self._client.engine_core.scheduler
         running, waiting = sched.get_request_counts()
-        bp = sched.kv_cache_manager.block_pool
-        usable = bp.num_gpu_blocks - 1 - len(self._lent)  # block 0 is vLLM's null block
-        used = max(0, usable - (bp.get_num_free_blocks()))
+        capacity, used = self._kv.usage()
         p95, n = self.ttft.p95()
         return EngineStats(
             running=running,
             waiting=waiting,
-            kv_used_bytes=used * self._block_bytes,
-            kv_capacity_bytes=usable * self._block_bytes,
+            kv_used_bytes=used,
+            kv_capacity_bytes=capacity,
             layers_resident=self._layers,
             max_batch=int(self._llm.vllm_config.scheduler_config.max_num_seqs),
             ttft_p95_s=p95,
             ttft_samples=n,
             ttft_window_s=self.ttft.window_s,
+            kv_wanted_bytes=self._kv.wanted,
+            kv_geometry=self._kv.geometry,
         )
 
     def set_kv_capacity(self, nbytes: int) -> int:
-        assert self._client is not None
-        return int(self._client.call_sync(lambda: self._resize(int(nbytes))))
+        assert self._client is not None and self._kv is not None
+        kv = self._kv
+        return int(self._client.call_sync(lambda: kv.resize(int(nbytes))))
 
     def stop(self) -> None:
         from warmserve_agent.engines.vllm.loader import release_slot
@@ -160,6 +166,8 @@ class VllmEngine:
             release_slot(self.spec.instance_id)
         self._slot = None
         self._llm = self._client = self._server = None
+        self._kv = None
+        self._events.close()
         if self._mem is not None:
             self._mem.close()
             self._mem = None
@@ -183,108 +191,6 @@ class VllmEngine:
             "kv_range": self._slot.kv_range,
             "kv": {n: (t.data_ptr(), extent(t)) for n, t in self._slot.kv.items()},
         }
-
-    # ---- KV capacity (engine thread) -----------------------------------------------------------
-    @property
-    def _block_bytes(self) -> int:
-        start, end = self._slot.kv_range
-        bp = self._client.engine_core.scheduler.kv_cache_manager.block_pool
-        return (end - start) // bp.num_gpu_blocks
-
-    def _touched_bytes(self, blocks: int) -> int:
-        """Bytes from the KV start up to the last byte blocks [0, blocks) touch."""
-        start, end = self._slot.kv_range
-        if blocks <= 0:
-            return 0
-        nb = self._client.engine_core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
-        base = self._mem.tensor().data_ptr() + start
-        hi = 0
-        for t in self._slot.kv.values():
-            dims = [i for i, s in enumerate(t.shape) if s == nb]
-            if len(dims) != 1:  # cannot tell the block dimension: the whole buffer is in use
-                return end - start
-            d = dims[0]
-            last = sum(
-                (s - 1) * st
-                for i, (s, st) in enumerate(zip(t.shape, t.stride(), strict=True))
-                if i != d
-            )
-            last += (blocks - 1) * t.stride(d)
-            off = t.data_ptr() - base + (last + 1) * t.element_size()
-            hi = max(hi, off)
-        return min(hi, end - start)
-
-    def _resize(self, nbytes: int) -> int:
-        """Keep usable exactly the blocks whose bytes lie within ``nbytes`` of the KV start (and
-        every block in use); lend the others.  Answers the KV bytes the engine may still touch.
-        Runs between engine steps (on the engine thread)."""
-        bp = self._client.engine_core.scheduler.kv_cache_manager.block_pool
-        nb = bp.num_gpu_blocks
-        top = nb - len(self._lent)  # usable blocks are [1, top); block 0 is vLLM's null block
-        in_use = max((b.block_id for b in bp.blocks[1:] if b.ref_cnt > 0), default=0)
-        # Growth reaches only pages this process can see: with a shared file opened by its
-        # physical page list, pages the agent maps back later are other physical pages.
-        limit = nbytes if self._can_regrow() else min(nbytes, self._phys_limit)
-        target = max(self._blocks_within(limit), in_use + 1, 2)
-        if target < top:  # lend free blocks at and above target (all free: target > in_use)
-            lent_ids = {b.block_id for b in self._lent}
-            take = [
-                b
-                for b in bp.free_block_queue.get_all_free_blocks()
-                if b.block_id >= target and b.block_id not in lent_ids
-            ]
-            for b in take:
-                bp._maybe_evict_cached_block(b)
-                bp.free_block_queue.remove(b)
-            self._lent.extend(take)
-        elif target > top:  # map first, then hand the blocks back to the scheduler
-            self._follow_mapping(self._touched_bytes(target))
-            back = sorted((b for b in self._lent if b.block_id < target), key=lambda b: b.block_id)
-            self._lent = [b for b in self._lent if b.block_id >= target]
-            bp.free_block_queue.append_n(back)
-        touched = self._touched_bytes(nb - len(self._lent))
-        self._follow_mapping(touched)
-        return touched
-
-    def _blocks_within(self, limit: int) -> int:
-        """The largest ``t`` such that blocks [0, t) touch no byte at or beyond ``limit``."""
-        nb = self._client.engine_core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
-        lo, hi = 0, nb  # touched(lo) <= limit; binary search (touched grows with blocks)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._touched_bytes(mid) <= limit:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def _can_regrow(self) -> bool:
-        """Pages the agent maps back after lending are visible here only when this process owns
-        the memory (a CUDA VA, or the simulated backend in this worker); a shared-file slot
-        opened by physical page list cannot follow a remap."""
-        follows = (SlotMemoryKind.DEVICE, SlotMemoryKind.HOST_BACKEND)
-        return self._mem is not None and self._mem.kind in follows
-
-    def _follow_mapping(self, touched: int) -> None:
-        """Make this process's view of the KV pages match what the engine may touch: pages
-        beyond it may be unmapped and lent by the agent (made inaccessible here, so a bug
-        faults instead of corrupting a neighbour); pages regained are mapped again from the
-        backend's MMU.  CUDA VAs need nothing: the worker's own mappings are the memory."""
-        mem = self._mem
-        assert mem is not None
-        if mem.kind == SlotMemoryKind.DEVICE or touched == self._phys_limit:
-            self._phys_limit = touched
-            return
-        start, _ = self._slot.kv_range
-        page = mem.region.page_bytes
-        new_hi = math.ceil((start + touched) / page)
-        old_hi = math.ceil((start + self._phys_limit) / page)
-        if new_hi < old_hi:
-            mem.host_mapping().revoke(new_hi, old_hi - new_hi)
-        elif new_hi > old_hi:
-            _, ppages = mem._ppages(new_hi)  # host-backend only (_can_regrow)
-            mem.host_mapping().remap(old_hi, ppages[old_hi:new_hi])
-        self._phys_limit = touched
 
     # ---- the server thread ---------------------------------------------------------------------
     def _serve(self, started: threading.Event, failure: list[BaseException]) -> None:
@@ -376,7 +282,11 @@ class VllmEngine:
             )
         self._client = made[0]
         self.timings["engine_s"] = time.perf_counter() - t0
-        self._phys_limit = self._slot.kv_range[1] - self._slot.kv_range[0]
+        # the KV blocks the agent mapped already (none while it maps in the background)
+        self._events = EventSender(spec.events_addr, spec.instance_id)
+        kv = self._kv = SlotKvPool(self._slot, self._mem, self._client, self._events)
+        await self._client.call_in_engine_thread(lambda: kv.start(spec.kv_capacity_bytes))
+        self._client.on_step = kv.after_step
         supported = await self._llm.get_supported_tasks()
         app = build_app(args, supported, vllm_config.model_config)
         await init_app_state(self._llm, app.state, args, supported)

@@ -329,8 +329,9 @@ def _kv_views(slot: ActiveSlot, meta: dict[str, torch.Tensor]) -> dict[str, torc
             f"vLLM's KV cache needs {need} bytes; the slot has {region.mapped_bytes - start} "
             "after the weights"
         )
+    # Not zeroed here: the pages are mapped (and zeroed, as vLLM does) block by block as the
+    # agent grants them (engines/vllm/kv.py); touching them now could fault.
     kv = slot.mem.tensor()[start : start + need]
-    kv.zero_()  # vLLM allocates it zeroed; the pages may hold a previous tenant's bytes
     out = {}
     for name, t in meta.items():
         typed = kv.view(t.dtype)  # as_strided's offset is absolute in the slot's storage
