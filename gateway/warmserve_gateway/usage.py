@@ -181,6 +181,11 @@ class StreamUsage:
         return out if self.strip else b""
 
     def _take(self, chunk: bytes) -> bytes:
+        if not (self._tail or self._skip or self._held) and chunk.endswith(b"\n\n"):
+            # The common case: whole events (an engine writes one per token).
+            if _USAGE in chunk or (self.strip and _FINISHED.search(chunk)):
+                return self._events(chunk)
+            return chunk
         head = b""
         if self._skip:
             head, chunk = self._skip_to_end(chunk)
