@@ -173,6 +173,8 @@ async def test_a_request_is_traced_from_the_gateway_into_the_engine(
     assert a["http.route"] == "/v1/chat/completions" and a["http.request.method"] == "POST"
     assert a["gen_ai.request.model"] == "tiny" and a["http.response.status_code"] == 200
     assert a["warmserve.ttft_s"] > 0
+    # the stream's usage chunk, asked for by the gateway (gen_ai.usage.*; usage.py)
+    assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (2, 4)
     assert "gateway.routed" in server.events
     assert not [x for x in spans if x.name == "gateway.hold"]  # an instance had room: no hold
     up = one(spans, service="warmserve-gateway", kind=CLIENT)
@@ -180,6 +182,7 @@ async def test_a_request_is_traced_from_the_gateway_into_the_engine(
     assert up.attributes["warmserve.instance.id"] == iid
     assert up.attributes["gen_ai.operation.name"] == "chat"
     assert up.attributes["http.response.status_code"] == 200
+    assert up.attributes["gen_ai.usage.output_tokens"] == 4
     assert "gateway.first_byte" in up.events
     engine = one(spans, service="warmserve-engine")
     assert engine.parent == up.span_id  # the gateway's traceparent, not the client's

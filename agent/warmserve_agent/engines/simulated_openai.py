@@ -2,7 +2,10 @@
 :class:`~warmserve_agent.engines.simulated.SimulatedEngine`): the aiohttp server on its own
 thread's loop, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming),
 ``/metrics`` (vLLM's metric names) and ``/health``; admission against the batch limit, the
-bounded queue and the KV capacity; tokens paced from the model's profile.  The engine's state
+bounded queue and the KV capacity; tokens paced from the model's profile; ``usage`` as vLLM
+0.32 reports it (always in a whole answer; in a stream only with
+``stream_options.include_usage``, as a last chunk without choices that takes the
+``system_fingerprint`` from the finish chunk).  The engine's state
 (:class:`EngineState`) is shared with the engine side, which owns weights and the Engine
 protocol.  Behaviour and simplifications: :mod:`warmserve_agent.engines.simulated`.
 """
@@ -156,6 +159,9 @@ class OpenAIServing:
         mt = body.get("max_tokens", 16)
         if not isinstance(mt, int) or not 1 <= mt <= 4096:
             return None, self._error(400, "max_tokens must be an integer in [1, 4096]")
+        bad = _stream_options_error(body)
+        if bad:
+            return None, self._error(400, bad)
         return body, None
 
     async def _completions(self, request: Any) -> Any:
@@ -235,6 +241,7 @@ class OpenAIServing:
         n_prompt = max(1, len(prompt.split()))
         max_tokens = body.get("max_tokens", 16)
         stream = bool(body.get("stream", False))
+        include_usage, continuous = _include_usage(body)
         kvt = prof.kv_bytes_per_token
         need = (n_prompt + max_tokens) * kvt
         if self.max_model_len and n_prompt + max_tokens > self.max_model_len:
@@ -288,6 +295,8 @@ class OpenAIServing:
                 if resp is not None:
                     piece = ("" if i == 0 else " ") + w
                     chunk = self._chunk(rid, created, piece, chat, None)
+                    if continuous:
+                        chunk["usage"] = _usage(n_prompt, i + 1)
                     await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         except asyncio.CancelledError:
             self._st.dropped += 1  # the client went away mid-generation
@@ -297,15 +306,21 @@ class OpenAIServing:
             self._metrics.prompt_tokens.inc(n_prompt)
             self._metrics.gen_tokens.inc(len(words))
             self._metrics.e2e.observe(time.perf_counter() - t_arrive)
-        usage = {
-            "prompt_tokens": n_prompt,
-            "completion_tokens": len(words),
-            "total_tokens": n_prompt + len(words),
-        }
+        usage = _usage(n_prompt, len(words))
         if resp is not None:
+            # As vLLM: usage only when stream_options.include_usage asked for it, in a chunk of
+            # its own without choices after the last one, which then carries the fingerprint.
+            fingerprint = f"warmserve-sim-{self._st.seed[:4].hex()}"
             final = self._chunk(rid, created, "", chat, "length")
-            final["usage"] = usage
+            if continuous:
+                final["usage"] = usage
+            if not include_usage:
+                final["system_fingerprint"] = fingerprint
             await resp.write(f"data: {json.dumps(final)}\n\n".encode())
+            if include_usage:
+                last = {**self._chunk(rid, created, "", chat, None), "choices": []}
+                last.update(usage=usage, system_fingerprint=fingerprint)
+                await resp.write(f"data: {json.dumps(last)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
@@ -349,6 +364,53 @@ class OpenAIServing:
             "model": self.spec.model,
             "choices": [choice],
         }
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _lax_bool(value: Any) -> bool | None:
+    """A boolean field as vLLM's request model (pydantic, lax) reads it; ValueError if none."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise ValueError(value)
+
+
+def _stream_options_error(body: dict[str, Any]) -> str:
+    """vLLM's checks of ``stream_options`` (its request model), or "" when they pass."""
+    opts = body.get("stream_options")
+    if opts and not body.get("stream"):
+        return "Stream options can only be defined when `stream=True`."
+    if opts is None:
+        return ""
+    if not isinstance(opts, dict):
+        return "stream_options must be an object"
+    for name in ("include_usage", "continuous_usage_stats"):
+        try:
+            _lax_bool(opts.get(name))
+        except ValueError:
+            return f"stream_options.{name} must be a boolean"
+    return ""
+
+
+def _include_usage(body: dict[str, Any]) -> tuple[bool, bool]:
+    """vLLM's ``should_include_usage``: (a final usage chunk, usage on every chunk too)."""
+    opts = body.get("stream_options") or {}
+    include = bool(_lax_bool(opts.get("include_usage")))
+    return include, include and bool(_lax_bool(opts.get("continuous_usage_stats")))
 
 
 class _Metrics:
