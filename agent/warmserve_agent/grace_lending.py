@@ -19,12 +19,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from warmserve.api.agent.wire import SlotState
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve.policy.proactive import reservation_target
 from warmserve_agent.memory import MemoryManager, pages_for
 from warmserve_agent.node_records import EventKind, InstanceRec, Refusal
 from warmserve_agent.node_state import NodeState
-from warmserve_agent.wire import SlotState
 
 log = logging.getLogger("warmserve.agent.node")  # one logger for the whole node core
 

@@ -11,7 +11,7 @@ from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import PolicyInputError
 from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
 
-from .spec import DEFAULT_LOAD_BANDWIDTH
+from .model_spec import DEFAULT_LOAD_BANDWIDTH
 from .tenancy import SourcePolicy
 
 

@@ -48,7 +48,7 @@ def test_agent_cli_runs_and_inspects(model_root: Path, tmp_path: Path, capsys) -
         m = re.search(r"serving on (\S+) \(2 GPUs\)", line)
         assert m, f"unexpected first line {line!r}; stderr: {proc.stderr.read()}"
         addr = m.group(1)
-        from warmserve_agent.client import SyncAgentClient
+        from warmserve.api.agent.client import SyncAgentClient
 
         with SyncAgentClient(addr) as c:
             c.prewarm_wait("alpha", [0, 1], layers=2)

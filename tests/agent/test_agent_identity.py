@@ -19,9 +19,10 @@ import grpc
 import pytest
 from conftest import cfg_for
 from tls_support import Cert, WarmservePki, warmserve_pki
-from warmserve_agent.client import AgentClient, AgentError, SyncAgentClient
 from warmserve_agent.config import ConfigError
 from warmserve_agent.testing import AgentThread
+
+from warmserve.api.agent.client import AgentClient, AgentError, SyncAgentClient
 
 SERVER_NAME = "warmserve-agent"
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 from conftest import PAGE, MiB, write_model
-from warmserve_agent.client import AgentClient, AgentError, SyncAgentClient, pb
 from warmserve_agent.config import AgentConfig
 from warmserve_agent.testing import AgentThread
 
 from tests.model_sources_support import HubServer, repo_from_dir
+from warmserve.api.agent.client import AgentClient, AgentError, SyncAgentClient, pb
 
 NAME = "org/" + "long-model-name-" * 12  # 196 characters with the slash
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 from warmserve_operator.engine import parse_engine, ttft_report
-from warmserve_operator.spec import SpecError
 
+from warmserve.api.crd import SpecError
 from warmserve.engine_arg_policy import CODE, TENANT, WIDENABLE, EngineArgPolicyError
 from warmserve.engine_args import (
     DEFAULT_POLICY,

@@ -24,7 +24,6 @@ import aiohttp
 import pytest
 from gw_support import REPO, Engines, ListSource, demand_headers, md, write_model
 from tracing_support import CLIENT, SERVER, Collector, collector, in_trace, one
-from warmserve_agent.client import SyncAgentClient
 from warmserve_agent.config import AgentConfig, parse_simulated_gpus
 from warmserve_agent.testing import AgentThread
 from warmserve_gateway.config import GatewayConfig
@@ -35,6 +34,7 @@ from warmserve_operator.config import OperatorConfig
 from warmserve_operator.gateway_demand import GatewayDemand, StaticEndpoints
 from warmserve_operator.reconciler import Reconciler
 
+from warmserve.api.agent.client import SyncAgentClient
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.tracing import TRACEPARENT_RE, TracingConfig
 

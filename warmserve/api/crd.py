@@ -8,7 +8,7 @@ clear ``SpecError`` naming the field, never a ``KeyError`` deep in a component.
 This parser checks what the schema states, nothing a component knows better: ``spec.engine.args``
 is a list of at most :data:`MAX_ENGINE_ARGS` strings of at most :data:`MAX_ENGINE_ARG_CHARS`
 characters each; whether vLLM takes them, and whether a tenant may set them, is the operator's
-admission (``warmserve_operator.engine``), which reports a refusal as the ``InvalidSpec``
+admission, which reports a refusal as the ``InvalidSpec``
 reason of the deployment's Ready condition, and the agent's own check before an instance starts.
 
 Model identity: the policy core keys models by name, and agents name models by their directory
@@ -40,8 +40,8 @@ NODE_KIND = "GPUNode"
 # too), so one deployment cannot claim more held slots than a replica has; the gateway also
 # clamps it to its own --max-held and per-namespace cap.
 MAX_QUEUE_LIMIT = 10_000
-# spec.engine.name's enum: the node agent's engine registry (warmserve_agent.engines.ENGINES,
-# checked equal by a test), here so that no reader of the CRD needs the agent.
+# spec.engine.name's enum: the node agent's engine registry (checked equal by a test), here so
+# that no reader of the CRD needs the agent.
 ENGINE_NAMES = ("simulated", "vllm")
 # spec.engine.args: the schema's maxItems and items.maxLength.
 MAX_ENGINE_ARGS = 64

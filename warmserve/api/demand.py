@@ -3,8 +3,7 @@
 Each gateway replica answers ``GET /demand`` on its admin port with a :class:`DemandReport`
 (:data:`DEMAND_API_VERSION`) of its own per-model held counts; ``GET /demand?watch=1`` streams
 newline-delimited reports, with an empty line every :data:`HEARTBEAT_S` seconds so that a dead
-stream is noticed.  The operator reads and sums them (``warmserve_operator.gateway_demand``;
-docs/gateway.md, "Demand").
+stream is noticed.  The operator reads and sums them (docs/gateway.md, "Demand").
 
 Keys are ``spec.model.name`` (the policy's model key; the operator serves one deployment per
 model name); each entry also names the deployment's ``namespace`` (the tenant).  Only ``held``

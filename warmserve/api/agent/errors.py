@@ -2,9 +2,8 @@
 
 A refused or failed call reaches the caller as :class:`AgentError` (the gRPC status code and the
 agent's message).  A refusal because the caller's leadership term is stale is a
-``FAILED_PRECONDITION`` whose message starts with :data:`FENCED_PREFIX`: the agent writes it
-(``warmserve_agent.fencing``), the operator tells a deposed leader's refusal from any other
-precondition by it.
+``FAILED_PRECONDITION`` whose message starts with :data:`FENCED_PREFIX`: the agent's fence
+writes it, the operator tells a deposed leader's refusal from any other precondition by it.
 """
 
 from __future__ import annotations
