@@ -8,11 +8,11 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from warmserve.api import history as history_io
 from warmserve.api.crd import ModelDeploymentSpec, SpecError
 from warmserve.control.controller import Controller, ModelEntry
 from warmserve.control.decisions import Decisions
 
-from . import history as history_io
 from .engine import admit_model_deployment
 from .metrics import Metrics
 from .model_spec import resolve_model

@@ -49,15 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from warmserve.api.demand import (  # DEMAND_API_VERSION, ModelDemand: until importers move
-    DEMAND_API_VERSION,  # noqa: F401
-    DEMAND_PATH,
-    HEARTBEAT_S,
-    MAX_TRACES,
-    DemandError,
-    DemandReport,
-    ModelDemand,  # noqa: F401
-)
+from warmserve.api.demand import DEMAND_PATH, HEARTBEAT_S, MAX_TRACES, DemandError, DemandReport
 from warmserve.policy.fairness import cap_per_group
 
 log = logging.getLogger("warmserve.operator.gateway_demand")

@@ -262,6 +262,6 @@ def test_ttft_report() -> None:
 def test_engine_names_match_the_agent_registry() -> None:
     from warmserve_agent.engines import ENGINES
 
-    from warmserve.engine_args import ENGINE_NAMES
+    from warmserve.api.crd import ENGINE_NAMES
 
     assert set(ENGINE_NAMES) == set(ENGINES)
