@@ -1,7 +1,7 @@
 """kopf registrations (thin) and the operator's one composition root.
 
 Importing this module registers the handlers in kopf's default registry; ``warmserve operator``
-(:mod:`warmserve.cli.operator_cmd`) collects the flags into kopf's memo, imports it and runs
+(:mod:`warmserve_operator.cli`) collects the flags into kopf's memo, imports it and runs
 kopf.  :func:`startup` builds every object of the process once (API port, agent pool,
 metrics, the loop).  The handlers only
 

@@ -128,7 +128,8 @@ def test_agent_cli_without_an_nvidia_driver(capsys) -> None:
 def test_gpu_reserve_reaches_the_config() -> None:
     import argparse
 
-    from warmserve.cli.agent import _config, register
+    from warmserve_agent.cli import register
+    from warmserve_agent.cli.run import _config
 
     ap = argparse.ArgumentParser()
     register(ap.add_subparsers())
@@ -139,9 +140,9 @@ def test_gpu_reserve_reaches_the_config() -> None:
 def test_store_reserve_reaches_the_config() -> None:
     import argparse
 
+    from warmserve_agent.cli import register
+    from warmserve_agent.cli.run import _config
     from warmserve_agent.sources.disk_reserve import DEFAULT_RESERVE, DiskReserve
-
-    from warmserve.cli.agent import _config, register
 
     ap = argparse.ArgumentParser()
     register(ap.add_subparsers())

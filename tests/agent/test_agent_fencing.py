@@ -258,7 +258,8 @@ def test_an_unreadable_fencing_file_stops_the_agent_with_one_line(
 def test_the_cli_flags_reach_the_config(tmp_path: Path) -> None:
     import argparse
 
-    from warmserve.cli.agent import _config, register
+    from warmserve_agent.cli import register
+    from warmserve_agent.cli.run import _config
 
     ap = argparse.ArgumentParser()
     register(ap.add_subparsers())

@@ -212,8 +212,10 @@ def test_identities_are_parsed_strictly_and_need_mutual_tls(
 def test_the_cli_flags_reach_the_config(tmp_path: Path, pki: WarmservePki) -> None:
     import argparse
 
+    from warmserve_agent.cli import register
+    from warmserve_agent.cli.run import _config
+
     from warmserve.cli import CliError
-    from warmserve.cli.agent import _config, register
 
     ap = argparse.ArgumentParser()
     register(ap.add_subparsers())

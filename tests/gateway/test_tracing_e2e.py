@@ -475,7 +475,7 @@ def test_tracing_off_imports_no_opentelemetry() -> None:
         "from warmserve_gateway.config import GatewayConfig\n"
         "import warmserve_operator.reconciler, warmserve_operator.handlers\n"
         "import warmserve_agent.server, warmserve_agent.engines.simulated\n"
-        "import warmserve.cli.gateway, warmserve.cli.operator_cmd, warmserve.cli.agent\n"
+        "import warmserve_gateway.cli, warmserve_operator.cli, warmserve_agent.cli\n"
         "class Src:\n"
         "    scopes = (None,)\n"
         "gw = Gateway(GatewayConfig(port=0, admin_port=0), Src())\n"

@@ -345,7 +345,7 @@ def test_operator_cli_defaults_are_safe_outside_the_chart() -> None:
     peering lifetime, bounds a leader handover (issue 16)."""
     import argparse
 
-    from warmserve.cli import operator_cmd
+    from warmserve_operator import cli as operator_cmd
 
     parser = argparse.ArgumentParser()
     operator_cmd.register(parser.add_subparsers())

@@ -10,7 +10,7 @@ import argparse
 import json
 from typing import Any
 
-from warmserve.cli import CliError
+from warmserve.flags import CliError
 from warmserve.textfmt import columns
 
 
