@@ -8,11 +8,12 @@ message."""
 from __future__ import annotations
 
 import pytest
-from gw_support import AGENT_ADDRESS, NODE, md, mirror
+import yaml
+from gw_support import AGENT_ADDRESS, NODE, REPO, md, mirror
 from warmserve_gateway.catalog import Catalog
 from warmserve_operator.engine import admit_model_deployment
 
-from warmserve.api.crd import MAX_ENGINE_ARG_CHARS, MAX_ENGINE_ARGS, SpecError
+from warmserve.api.crd import ENGINE_NAMES, MAX_ENGINE_ARG_CHARS, MAX_ENGINE_ARGS, SpecError
 from warmserve.engine_args import DEFAULT_POLICY
 
 CALLER = frozenset({"default"})
@@ -81,3 +82,13 @@ def test_gateway_refuses_engine_args_outside_the_crd_schema(args: object, why: s
     c.replace([body])
     assert c.resolve("odd", CALLER) is None
     assert why in c.invalid["default/odd"]
+
+
+def test_the_parsers_engine_bounds_are_the_crd_schemas() -> None:
+    """The API parser checks what the schema states, so its bounds are the schema's."""
+    doc = yaml.safe_load((REPO / "crds" / "warmserve.io_modeldeployments.yaml").read_text())
+    spec = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    engine = spec["properties"]["engine"]["properties"]
+    assert engine["args"]["maxItems"] == MAX_ENGINE_ARGS
+    assert engine["args"]["items"]["maxLength"] == MAX_ENGINE_ARG_CHARS
+    assert engine["name"]["enum"] == list(ENGINE_NAMES)
