@@ -44,7 +44,6 @@ import numpy as np
 from safetensors.numpy import save_file
 from warmserve_agent.backends.simulated import SimulatedBackend
 from warmserve_agent.backends.workers import WorkerMemoryBackend
-from warmserve_agent.client import SyncAgentClient
 from warmserve_agent.config import AgentConfig
 from warmserve_agent.engine_host import FreshWorkerEngine, WorkerEngine
 from warmserve_agent.memory import MemoryManager, pages_for
@@ -52,6 +51,8 @@ from warmserve_agent.node import NodeCore
 from warmserve_agent.store import WeightStore
 from warmserve_agent.testing import AgentThread
 from warmserve_agent.worker import WorkerPool
+
+from warmserve.api.agent.client import SyncAgentClient
 
 MiB = 1024**2
 
@@ -217,7 +218,7 @@ def bench_activation(root: Path, tmp: Path, rounds: int, copy_gbps: float = 0.0)
 
 _STALLED_CLIENTS = """
 import sys, time, grpc
-from warmserve_agent.api.v1 import agent_pb2_grpc as g, agent_pb2 as pb
+from warmserve.api.agent.v1 import agent_pb2_grpc as g, agent_pb2 as pb
 opts = [("grpc.http2.bdp_probe", 0)]  # 64 KiB windows: the agent sees the stall early
 chans = [grpc.insecure_channel(sys.argv[1], options=opts) for _ in range(int(sys.argv[2]))]
 calls = [g.NodeAgentStub(c).Watch(pb.WatchRequest()) for c in chans]

@@ -108,10 +108,11 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "bench/results/engine_bench.json"))
     a = ap.parse_args()
 
-    from warmserve_agent.client import SyncAgentClient
     from warmserve_agent.config import AgentConfig
     from warmserve_agent.engines.vllm.tiny import make_tiny_llama
     from warmserve_agent.testing import AgentThread
+
+    from warmserve.api.agent.client import SyncAgentClient
 
     page = 2 * 1024**2
     gpu = 256 * 1024**2

@@ -152,7 +152,8 @@ def _wait_file(path: Path, what: str, log: Path) -> str:
 def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """One agent (simulated GPU per engine speed), one instance per speed, one gateway."""
     from gateway_stack import write_model
-    from warmserve_agent.client import SyncAgentClient
+
+    from warmserve.api.agent.client import SyncAgentClient
 
     models = tmp / "models"
     speeds = [float(x) for x in args.decode_tok_s.split(",")]

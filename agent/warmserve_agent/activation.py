@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from warmserve.api.agent.wire import SlotState
 from warmserve.engine_args import (
     DEFAULT_POLICY,
     EngineArgPolicy,
@@ -40,7 +41,6 @@ from warmserve_agent.memory import MemoryManager, pages_for
 from warmserve_agent.node_records import EngineFactory, EventKind, InstanceRec, Refusal, SlotRec
 from warmserve_agent.node_state import NodeState
 from warmserve_agent.prewarm_slots import Prewarmer
-from warmserve_agent.wire import SlotState
 
 log = logging.getLogger("warmserve.agent.node")  # one logger for the whole node core
 

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from warmserve.api.agent.wire import SlotState
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve.policy.proactive import Borrower, grace_reservation, reclaim_layers
 from warmserve_agent.engine_events import EngineEventKind
@@ -38,7 +39,6 @@ from warmserve_agent.kv_pager import KvPager
 from warmserve_agent.memory import MemoryManager, OutOfPages, pages_for
 from warmserve_agent.node_records import EventKind, InstanceRec, Refusal, SlotRec
 from warmserve_agent.node_state import NodeState
-from warmserve_agent.wire import SlotState
 
 log = logging.getLogger("warmserve.agent.node")  # one logger for the whole node core
 

@@ -7,9 +7,9 @@ one prewarm slot (a CUDA VMM virtual range on a GPU group, filled layer by layer
 :class:`InstanceRec` one serving instance with its KV pages and Eq. 1 reservation target.
 :class:`Refusal` is how every call of the node core says no (a gRPC status name and an actionable
 message); the id patterns are the wire forms the gRPC service validates too.  States are enums
-here (:class:`~warmserve.policy.cluster.WorkerState`, :class:`~warmserve_agent.wire.SlotState`,
+here (:class:`~warmserve.policy.cluster.WorkerState`, :class:`~warmserve.api.agent.wire.SlotState`,
 :class:`~warmserve.policy.cluster.InstancePhase`, :class:`EventKind`); they become protobuf values
-only in :mod:`~warmserve_agent.wire`.
+only in :mod:`~warmserve.api.agent.wire`.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from warmserve.api.agent.wire import SlotState
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent.engine import Engine
 from warmserve_agent.engines import DEFAULT_ENGINE
 from warmserve_agent.engines.spec import EngineStats
 from warmserve_agent.store import SlotLayout
-from warmserve_agent.wire import SlotState
 
 if TYPE_CHECKING:
     from warmserve_agent.kv_range import KvRange

@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
+from warmserve.api.agent.v1 import agent_pb2_grpc as pb_grpc
 from warmserve_agent.auth import (
     ClientIdentities,
     IdentityInterceptor,

@@ -17,14 +17,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from warmserve.api.agent.v1 import agent_pb2 as pb
+from warmserve.api.agent.wire import PHASE_TO_PB, SLOT_TO_PB, WORKER_TO_PB
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent import __version__
-from warmserve_agent.api.v1 import agent_pb2 as pb
 from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import InstanceRec, SlotRec
 from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.sources.wire import fetch_pb, store_pb
-from warmserve_agent.wire import PHASE_TO_PB, SLOT_TO_PB, WORKER_TO_PB
 
 log = logging.getLogger("warmserve.agent.service")  # one logger for the whole service
 

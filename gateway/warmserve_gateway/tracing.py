@@ -9,7 +9,7 @@ a valid one:
 * a child **``gateway.hold``** span while the request waits in its model's queue (only when it is
   held): how long, how it ended, the instance it got and whether that instance's start was a
   prewarm hit.  Its context goes into this replica's ``/demand`` report (at most
-  :data:`~warmserve_operator.gateway_demand.MAX_TRACES` per model), so the operator's start span
+  :data:`~warmserve.api.demand.MAX_TRACES` per model), so the operator's start span
   links to the requests that woke it;
 * the **routing** decision as an event ``gateway.routed`` (instance id, endpoint) on the server
   span, or, when the gateway answers itself (a hold cap's 429, the hold deadline's 503),
@@ -37,8 +37,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from aiohttp import web
-from warmserve_operator.gateway_demand import MAX_TRACES
 
+from warmserve.api.demand import MAX_TRACES
 from warmserve.tracing import TracingConfig, provider, traceparent_of
 
 if TYPE_CHECKING:

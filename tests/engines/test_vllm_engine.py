@@ -184,9 +184,10 @@ def test_openai_api_through_a_pooled_worker(tmp_path: Path, tiny_root: Path) -> 
     """The agent as deployed: gRPC, a pooled worker that preloaded vLLM, memory owned by the
     worker; vLLM's own OpenAI server answers on the endpoint Activate returns."""
     import grpc
-    from warmserve_agent.client import AgentError, SyncAgentClient
     from warmserve_agent.config import AgentConfig
     from warmserve_agent.testing import AgentThread
+
+    from warmserve.api.agent.client import AgentError, SyncAgentClient
 
     cfg = AgentConfig(
         model_dir=tiny_root,

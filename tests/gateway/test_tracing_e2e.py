@@ -24,7 +24,6 @@ import aiohttp
 import pytest
 from gw_support import REPO, Engines, ListSource, demand_headers, md, write_model
 from tracing_support import CLIENT, SERVER, Collector, collector, in_trace, one
-from warmserve_agent.client import SyncAgentClient
 from warmserve_agent.config import AgentConfig, parse_simulated_gpus
 from warmserve_agent.testing import AgentThread
 from warmserve_gateway.config import GatewayConfig
@@ -35,6 +34,7 @@ from warmserve_operator.config import OperatorConfig
 from warmserve_operator.gateway_demand import GatewayDemand, StaticEndpoints
 from warmserve_operator.reconciler import Reconciler
 
+from warmserve.api.agent.client import SyncAgentClient
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.tracing import TRACEPARENT_RE, TracingConfig
 
@@ -478,7 +478,7 @@ def test_tracing_off_imports_no_opentelemetry() -> None:
         "from warmserve_gateway.config import GatewayConfig\n"
         "import warmserve_operator.reconciler, warmserve_operator.handlers\n"
         "import warmserve_agent.server, warmserve_agent.engines.simulated\n"
-        "import warmserve.cli.gateway, warmserve.cli.operator_cmd, warmserve.cli.agent\n"
+        "import warmserve_gateway.cli, warmserve_operator.cli, warmserve_agent.cli\n"
         "class Src:\n"
         "    scopes = (None,)\n"
         "gw = Gateway(GatewayConfig(port=0, admin_port=0), Src())\n"

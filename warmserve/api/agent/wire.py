@@ -1,4 +1,4 @@
-"""One home for the agent API's enums and their policy-side values (issue 11).
+"""One home for the agent API's enums and their policy-side values.
 
 The protobuf enums of ``warmserve.agent.v1`` (``WorkerState``, ``SlotState``,
 ``InstancePhase``) map to :class:`~warmserve.policy.cluster.WorkerState`,
@@ -12,12 +12,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from warmserve.api.agent.v1 import agent_pb2 as pb
 from warmserve.policy.cluster import InstancePhase, WorkerState
-from warmserve_agent.api.v1 import agent_pb2 as pb
-
-# Every fencing refusal's message starts with this (FAILED_PRECONDITION; warmserve_agent.fencing):
-# the operator tells a deposed-leader refusal from any other precondition by it.
-FENCED_PREFIX = "fenced:"
 
 
 class SlotState(StrEnum):
