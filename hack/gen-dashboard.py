@@ -204,7 +204,7 @@ PANELS: list[tuple[str, str, str, str, list[tuple[str, str]], int]] = [
             (
                 "{{key}} {{type}}",
                 "label_replace(sum by (key, type) (rate(warmserve_gateway_tokens_total"
-                f'{M}[$__rate_interval])), "key", "(anonymous)", "key", "")',
+                f'{M}[$__rate_interval])), "key", "(anonymous)", "key", "_anonymous")',
             )
         ],
         12,

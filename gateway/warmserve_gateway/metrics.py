@@ -138,7 +138,8 @@ class Metrics:
         self.tokens = Counter(
             f"{PREFIX}_tokens_total",
             "Tokens of answers from engines, by model, the model's namespace, API key id (never "
-            'the key; "" without keys) and type (input: prompt, output: completion)',
+            "the key; _anonymous without keys, as key_requests_total) and type (input: prompt, "
+            "output: completion)",
             ["model", "namespace", "key", "type"],
             registry=r,
         )

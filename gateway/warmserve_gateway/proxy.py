@@ -137,7 +137,9 @@ class Proxy:
         avoid: frozenset[str] = frozenset()
         mm = self.metrics.model(st.model)
         tr = current_trace()  # None unless tracing is on
-        meter = self.meter.request(st.model, st.dep.spec.namespace, out.key, out.path)
+        meter = self.meter.request(
+            st.model, st.dep.spec.namespace, out.key or "_anonymous", out.path
+        )
         retried = first = False
         while True:
             try:

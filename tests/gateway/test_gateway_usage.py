@@ -42,7 +42,9 @@ def value(got: dict[Any, float], name: str, **labels: str) -> float | None:
     return got.get((name, tuple(sorted(labels.items()))))
 
 
-def tokens(got: dict[Any, float], model: str, key: str = "", ns: str = "default") -> tuple:
+def tokens(
+    got: dict[Any, float], model: str, key: str = "_anonymous", ns: str = "default"
+) -> tuple:
     """(input, output) of warmserve_gateway_tokens_total for one model, namespace and key."""
     return tuple(
         value(got, "warmserve_gateway_tokens_total", model=model, namespace=ns, key=key, type=t)
@@ -216,10 +218,10 @@ async def test_usage_per_api_key_id_never_the_key(
     assert tokens(got, "tiny", "team-a.bob", "team-a") == (5.0, 6.0)
     async with aiohttp.ClientSession() as s, s.get(f"{gw.urls['admin']}/metrics") as r:
         assert "secret" not in await r.text()
-    # keys off: the anonymous caller's key label is ""
+    # keys off: the anonymous caller's key label is _anonymous, as in key_requests_total
     gw2, _ = await make_gateway([md("chat", "tiny", [tiny])])
     st, _ = await stream(f"{gw2.urls['api']}/v1/chat/completions", {"model": "tiny", **CHAT})
-    assert st == 200 and tokens(await metrics(gw2), "tiny", "") == (5.0, 6.0)
+    assert st == 200 and tokens(await metrics(gw2), "tiny", "_anonymous") == (5.0, 6.0)
 
 
 # ---- an engine that gets usage wrong -------------------------------------------------------
