@@ -460,8 +460,9 @@ async def test_an_engine_dying_mid_stream_aborts_the_client_connection(
     import subprocess
     import sys
 
-    from gw_support import REPO, write_model
+    from gw_support import REPO
     from warmserve_agent.client import SyncAgentClient
+    from warmserve_agent.testing import write_model
 
     write_model(tmp_path / "m", "doomed", layers=2, hidden=32, profile={"decode_tok_s": 20.0})
     addr_file = tmp_path / "agent.addr"

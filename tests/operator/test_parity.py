@@ -28,10 +28,11 @@ from typing import Any
 import numpy as np
 import pytest
 import warmserve_operator.history as history_io
-from operator_fakes import Clock, FakeAgent, FakeKube
+from operator_fakes import Clock, FakeKube
 from warmserve_operator.agents import AgentPool
 from warmserve_operator.config import OperatorConfig
 from warmserve_operator.reconciler import Reconciler
+from warmserve_operator.testing import FakeAgent
 
 from warmserve.control.decisions import Decisions, canonical
 from warmserve.control.history import LoadHistory

@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 import warmserve_operator.history as history_io
-from operator_fakes import Clock, FakeAgent, FakeKube
+from operator_fakes import Clock, FakeKube
 from warmserve_operator.agents import AgentPool
 from warmserve_operator.leader import NotLeader
 from warmserve_operator.observe import observation
 from warmserve_operator.reconciler import OperatorConfig, Reconciler
+from warmserve_operator.testing import FakeAgent
 
 from warmserve.control.history import LoadHistory
 from warmserve.policy.autoscaler import AutoscalerConfig

@@ -269,7 +269,9 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, connect_agent: Any = None) -> int:
+    """``connect_agent``: ``(node, address, fencing) -> AgentPort`` in place of gRPC clients
+    (in-process agents: ``python -m warmserve.testing.fake_operator``); None in production."""
     import asyncio
     import logging
 
@@ -369,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
             token_file=args.gateway_token_file,
             held_per_namespace=args.held_demand_per_namespace,
         ),
+        connect_agent=connect_agent,
     )
     asyncio.run(
         kopf.operator(
