@@ -17,8 +17,10 @@ simulated GPU and model; reported as medians and ratios, also "Activate + first 
 latency a user's first request sees).
 
 RTT: ``Describe`` and the standard health ``Check`` over loopback gRPC to a running agent.
+(Just over 400 lines: one script, its four parts and their table, read top to bottom.)
 
     python bench/agent_bench.py [--rounds 5] [--rtt-calls 200] [--load-mib 256] [--out FILE.json]
+    python bench/agent_bench.py --smoke    # seconds: tiny sizes, JSON to a temp dir
 """
 
 from __future__ import annotations
@@ -49,7 +51,11 @@ from warmserve_agent.store import WeightStore
 from warmserve_agent.testing import AgentThread
 from warmserve_agent.worker import WorkerPool
 
+from warmserve.testing.procs import run_supervised
+from warmserve.testing.smoke import add_smoke_flag, apply_smoke
+
 MiB = 1024**2
+SMOKE = {"rounds": 1, "rtt_calls": 10, "load_mib": 16, "watch_cycles": 10}
 
 
 def write_model(root: Path, name: str, layers: int, hidden: int) -> None:
@@ -329,8 +335,14 @@ def main() -> int:
     ap.add_argument(
         "--watch-cycles", type=int, default=200, help="prewarm+evict cycles per watch run (200)"
     )
-    ap.add_argument("--out", default="bench/results/agent_bench.json")
+    ap.add_argument("--out", help="result file (default: bench/results/agent_bench.json)")
+    add_smoke_flag(ap, SMOKE)
     args = ap.parse_args()
+    apply_smoke(args, SMOKE, {"out": "bench/results/agent_bench.json"})
+    return run_supervised(lambda: _run(args), "agent_bench")
+
+
+def _run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="agent-bench-") as td:
         tmp = Path(td)
         root = tmp / "models"

@@ -21,6 +21,11 @@
 
     python bench/gateway_bench.py [--concurrency 64] [--seconds 8] [--rounds 3]
                                   [--burst 16] [--no-burst] [--out bench/results/gateway_bench.json]
+    python bench/gateway_bench.py --smoke     # seconds: tiny sizes, JSON to a temp dir
+
+A child (agent, gateway, operator, proxy) or the control plane failing ends the bench at once
+with its last log lines (status 1); SIGTERM/SIGINT stop everything it started.  (Over 400 lines:
+one script, its two parts and their table, read top to bottom.)
 """
 
 from __future__ import annotations
@@ -33,17 +38,26 @@ import platform
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from warmserve_agent.testing import write_model
+
+from warmserve.testing.k8s import ControlPlane, ensure_binaries, stop_control_plane
+from warmserve.testing.procs import Procs, log_times, run_supervised
+from warmserve.testing.smoke import add_smoke_flag, apply_smoke
+from warmserve.testing.stack import Stack, seed_history
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "e2e")]
 
 MiB = 1024**2
+SMOKE = {
+    "concurrency": 4, "seconds": 1.0, "rounds": 1, "max_tokens": 4, "decode_tok_s": "400",
+    "burst": 2, "poll": 2.0,
+}  # fmt: skip
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -136,17 +150,8 @@ def cpu_seconds(pid: int, tree: bool = False) -> float:
         return 0.0
 
 
-def _wait_file(path: Path, what: str, log: Path) -> str:
-    for _ in range(1200):
-        if path.exists():
-            return path.read_text()
-        time.sleep(0.1)
-    raise RuntimeError(f"{what} did not start; see {log}")
-
-
 def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """One agent (simulated GPU per engine speed), one instance per speed, one gateway."""
-    from gateway_stack import write_model
     from warmserve_agent.client import SyncAgentClient
 
     models = tmp / "models"
@@ -154,32 +159,29 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     for k, speed in enumerate(speeds):
         profile = {"max_batch": 1024, "decode_tok_s": speed, "prefill_tok_s": 1e6}
         write_model(models, f"bench-{k}", layers=2, hidden=32, seed=k + 1, profile=profile)
-    procs: list[subprocess.Popen[bytes]] = []
-    log_path = tmp / "overhead.log"
-    log = open(log_path, "ab")  # noqa: SIM115 - closed below
+    tmp.mkdir(parents=True, exist_ok=True)
+    procs = Procs(tmp)
     out: dict[str, Any] = {}
     try:
         agent_addr = f"127.0.0.1:{free_port()}"
-        agent = subprocess.Popen(
+        agent = procs.start(
+            "agent",
             [sys.executable, "-m", "warmserve", "agent", "--simulate-gpus",
              f"{len(speeds)}x64MiB", "--model-dir", str(models), "--listen", agent_addr,
              "--memory-dir", str(tmp / "mem"), "--log-level", "WARNING"],
-            stdout=log, stderr=subprocess.STDOUT,
+            dict(os.environ),
         )  # fmt: skip
-        procs.append(agent)
-        client = None
-        for _ in range(1200):
+
+        def connected() -> SyncAgentClient:
+            client = SyncAgentClient(agent_addr)
             try:
-                client = SyncAgentClient(agent_addr)
                 client.describe()
-                break
             except Exception:
-                if client is not None:
-                    client.close()
-                client = None
-                time.sleep(0.1)
-        if client is None:
-            raise RuntimeError(f"the agent did not start; see {log_path}")
+                client.close()
+                raise
+            return client
+
+        client = procs.wait_for(connected, "the agent serving", 120, step=0.1)
         instances = [client.activate(f"bench-{k}", [k]).instance for k in range(len(speeds))]
         client.close()
         mds = [
@@ -214,23 +216,24 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         )
         (tmp / "models.json").write_text(json.dumps(mds))
         addr = tmp / "gw.json"
-        gateway = subprocess.Popen(
+        gateway = procs.start(
+            "gateway",
             [sys.executable, "-m", "warmserve", "gateway", "--models-file",
              str(tmp / "models.json"), "--host", "127.0.0.1", "--port", "0",
              "--admin-host", "127.0.0.1", "--admin-port", "0", "--address-file", str(addr),
              "--anonymous-namespace", "bench", "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT,
+            dict(os.environ),
         )  # fmt: skip
-        procs.append(gateway)
-        gw = json.loads(_wait_file(addr, "the gateway", log_path))["api"]
+        urls = procs.wait_for(lambda: addr.exists() and addr.read_text(), "the gateway", 120)
+        gw = json.loads(urls)["api"]
         for k, (speed, inst) in enumerate(zip(speeds, instances, strict=True)):
             port = free_port()
-            bare = subprocess.Popen(
+            bare = procs.start(
+                f"bare-proxy-{k}",
                 [sys.executable, "-c", BARE_PROXY, str(port), inst.endpoint],
-                stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-            procs.append(bare)
-            time.sleep(2.0)  # imports
+                dict(os.environ),
+            )
+            procs.wait_for(lambda port=port: _listening(port), "the bare proxy", 60, step=0.1)
             print(f" engine decode {speed:g} tokens/s:", flush=True)
             urls = {
                 "direct": inst.endpoint,
@@ -238,17 +241,15 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 "bare-proxy": f"http://127.0.0.1:{port}",
             }
             pids = {"gateway": gateway.pid, "bare-proxy": bare.pid}
-            out[f"{speed:g}"] = _overhead_one(args, f"bench-{k}", urls, pids, agent.pid)
+            out[f"{speed:g}"] = _overhead_one(args, f"bench-{k}", urls, pids, agent.pid, procs)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        log.close()
+        procs.stop_all(grace=10)
     return out
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _overhead_one(
@@ -257,6 +258,7 @@ def _overhead_one(
     urls: dict[str, str],
     pids: dict[str, int],
     agent_pid: int,
+    procs: Procs,
 ) -> dict[str, Any]:
     body = json.dumps(
         {
@@ -274,6 +276,7 @@ def _overhead_one(
     for r in range(args.rounds):
         order = paths if r % 2 == 0 else paths[::-1]
         for path in order:
+            procs.check()  # a round against a dead child would only count errors
             loads.append(load_avg())
             p0 = cpu_seconds(pids[path]) if path in pids else 0.0
             e0 = cpu_seconds(agent_pid, tree=True)
@@ -347,14 +350,12 @@ async def stream_burst(api: str, model: str, k: int) -> list[dict[str, Any]]:
 
 
 def bench_burst(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from e2e_support import Procs, seed_history, wait_for
-    from gateway_stack import Stack, log_times, write_model
-    from k8s_support import ControlPlane, ensure_binaries
-
-    plane = ControlPlane.start(tmp / "plane", bin_dir=ensure_binaries())
+    tmp.mkdir(parents=True, exist_ok=True)
     procs = Procs(tmp)
     results: dict[str, Any] = {}
     try:
+        plane = ControlPlane.start(tmp / "plane", bin_dir=ensure_binaries())
+        procs.also_check(plane.check)
         ns = plane.create_namespace("gwbench")
         st = Stack(plane, ns, tmp, procs)
         st.install()
@@ -381,7 +382,7 @@ def bench_burst(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": mds})
         )
         seed_history(plane.kubectl, ns, "hit", "bench-hit", avg=1.0, peak=1.0)
-        st.start_operator("operator", 100, poll_s=5.0)
+        st.start_operator("operator", 100, poll_s=args.poll)
         gw = st.start_gateway("gw")
 
         def status(name: str) -> dict[str, Any]:
@@ -395,8 +396,9 @@ def bench_burst(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 and bool(status("cold").get("conditions"))
             )
 
-        wait_for(settled, "the hit model's replica resident", 120, st.logs)
-        time.sleep(2 * 5.0)  # a couple of polls: the operator leads and streams from the gateway
+        procs.wait_for(settled, "the hit model's replica resident", 120)
+        # a couple of polls: the operator leads and streams from the gateway
+        _sleep(procs, 2 * args.poll)
         for case, name, model in (
             ("prewarm hit", "hit", "bench-hit"),
             ("cold start", "cold", "bench-cold"),
@@ -436,8 +438,16 @@ def bench_burst(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         )
     finally:
         procs.stop_all()
-        plane.stop()
+        stop_control_plane(tmp / "plane")
     return results
+
+
+def _sleep(procs: Procs, seconds: float) -> None:
+    """``time.sleep`` that ends at once when a child fails."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        procs.check()
+        time.sleep(min(left, 0.3))
 
 
 # ------------------------------------------------------------------------------------- main
@@ -463,8 +473,15 @@ def main() -> int:
     ap.add_argument(
         "--copy-gbps", type=float, default=0.005, help="simulated host-to-GPU GB/s (burst)"
     )
-    ap.add_argument("--out", default="bench/results/gateway_bench.json")
+    ap.add_argument("--poll", type=float, default=5.0, help="the operator's poll seconds (burst)")
+    ap.add_argument("--out", help="result file (default: bench/results/gateway_bench.json)")
+    add_smoke_flag(ap, SMOKE, "a failed request is an error")
     args = ap.parse_args()
+    apply_smoke(args, SMOKE, {"out": "bench/results/gateway_bench.json"})
+    return run_supervised(lambda: _run(args), "gateway_bench")
+
+
+def _run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "args": vars(args),
         "python": sys.version.split()[0],
@@ -542,6 +559,11 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"saved {out}")
+    failed = sum(o[p]["errors"] for o in ov.values() for p in ("direct", "gateway", "bare-proxy"))
+    failed += sum(r["requests"] - r["ok"] for c, r in result.get("burst", {}).items() if " " in c)
+    if args.smoke and failed:
+        print(f"gateway_bench: {failed} request(s) failed", file=sys.stderr)
+        return 1
     return 0
 
 
