@@ -10,7 +10,10 @@
    large batch, so the engine never queues; the gateway reads the instance from
    ``--models-file`` (the same code path as the Kubernetes watch).  Everything runs on this
    machine: load generator, gateway and engine share its cores, so absolute numbers say little
-   (no GPU); the ratios are the result.
+   (no GPU); the ratios are the result.  With ``--tracing`` a second gateway replica with
+   OpenTelemetry tracing on (``--trace-sample-ratio``, default every request) exporting to a
+   real collector (``hack/testbin/build.sh otelcol``) is a fourth path in the same rounds: what
+   tracing costs the gateway, side by side with it off.
 2. **Cold-start burst** — on a real kube-apiserver (hack/k8s binaries; built once if missing):
    an agent with simulated GPUs whose weight loads are paced like a ``--copy-gbps`` host-to-GPU
    link, the operator and a gateway as the chart wires them.  ``--burst`` streaming requests hit
@@ -20,6 +23,7 @@
    agent's activation time.
 
     python bench/gateway_bench.py [--concurrency 64] [--seconds 8] [--rounds 3]
+                                  [--tracing [--trace-sample-ratio 1.0]]
                                   [--burst 16] [--no-burst] [--out bench/results/gateway_bench.json]
     python bench/gateway_bench.py --smoke     # seconds: tiny sizes, JSON to a temp dir
 
@@ -38,6 +42,7 @@ import platform
 import re
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +52,7 @@ from typing import Any
 from warmserve_agent.testing import write_model
 
 from warmserve.testing.k8s import ControlPlane, ensure_binaries, stop_control_plane
+from warmserve.testing.otel import Collector
 from warmserve.testing.procs import Procs, log_times, run_supervised
 from warmserve.testing.smoke import add_smoke_flag, apply_smoke
 from warmserve.testing.stack import Stack, seed_history
@@ -162,7 +168,11 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     tmp.mkdir(parents=True, exist_ok=True)
     procs = Procs(tmp)
     out: dict[str, Any] = {}
+    otel = None
     try:
+        if args.tracing:
+            otel = Collector(tmp / "otelcol").start()
+            procs.also_check(otel.check)
         agent_addr = f"127.0.0.1:{free_port()}"
         agent = procs.start(
             "agent",
@@ -226,6 +236,22 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         )  # fmt: skip
         urls = procs.wait_for(lambda: addr.exists() and addr.read_text(), "the gateway", 120)
         gw = json.loads(urls)["api"]
+        traced: subprocess.Popen[bytes] | None = None
+        if otel is not None:  # the same gateway, tracing every request to the collector
+            addr2 = tmp / "gw-traced.json"
+            traced = procs.start(
+                "gateway-traced",
+                [sys.executable, "-m", "warmserve", "gateway", "--models-file",
+                 str(tmp / "models.json"), "--host", "127.0.0.1", "--port", "0",
+                 "--admin-host", "127.0.0.1", "--admin-port", "0", "--address-file", str(addr2),
+                 "--log-level", "warning", "--otlp-traces-endpoint", otel.endpoint,
+                 "--trace-sample-ratio", str(args.trace_sample_ratio)],
+                dict(os.environ),
+            )  # fmt: skip
+            traced_urls = procs.wait_for(
+                lambda: addr2.exists() and addr2.read_text(), "the traced gateway", 120
+            )
+            gw_traced = json.loads(traced_urls)["api"]
         for k, (speed, inst) in enumerate(zip(speeds, instances, strict=True)):
             port = free_port()
             bare = procs.start(
@@ -241,9 +267,21 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 "bare-proxy": f"http://127.0.0.1:{port}",
             }
             pids = {"gateway": gateway.pid, "bare-proxy": bare.pid}
+            if traced is not None:
+                urls["gw+tracing"], pids["gw+tracing"] = gw_traced, traced.pid
             out[f"{speed:g}"] = _overhead_one(args, f"bench-{k}", urls, pids, agent.pid, procs)
+        if otel is not None:
+            time.sleep(2.5)  # the batch processor exports every second
+            procs.check()
+            spans = otel.spans()
+            out["tracing_spans_exported"] = {
+                "server": sum(1 for x in spans if x.kind == 2),
+                "all": len(spans),
+            }
     finally:
         procs.stop_all(grace=10)
+        if otel is not None:
+            otel.stop()
     return out
 
 
@@ -300,6 +338,11 @@ def _overhead_one(
         "load_avg_1m": loads,
         "gateway_cpu_us_per_request": statistics.median(cpu["gateway"]),
         "bare_proxy_cpu_us_per_request": statistics.median(cpu["bare-proxy"]),
+        **(
+            {"traced_gateway_cpu_us_per_request": statistics.median(cpu["gw+tracing"])}
+            if "gw+tracing" in cpu
+            else {}
+        ),
         "engine_cpu_us_per_request": statistics.median(cpu["engine"]),
     }
     for path, rs in rounds.items():
@@ -321,6 +364,11 @@ def _overhead_one(
     out["throughput_ratio"] = g["rps"] / d["rps"]
     out["p50_ratio"] = g["p50_ms"] / d["p50_ms"]
     out["p99_ratio"] = g["p99_ms"] / d["p99_ms"]
+    if "gw+tracing" in out:  # tracing on vs off, same rounds
+        t = out["gw+tracing"]
+        out["tracing_added_p50_ms"] = t["p50_ms"] - g["p50_ms"]
+        out["tracing_added_p99_ms"] = t["p99_ms"] - g["p99_ms"]
+        out["tracing_throughput_ratio"] = t["rps"] / g["rps"]
     return out
 
 
@@ -474,6 +522,14 @@ def main() -> int:
         "--copy-gbps", type=float, default=0.005, help="simulated host-to-GPU GB/s (burst)"
     )
     ap.add_argument("--poll", type=float, default=5.0, help="the operator's poll seconds (burst)")
+    ap.add_argument(
+        "--tracing",
+        action="store_true",
+        help="add a gateway with tracing on (to a real collector) as a path of the same rounds",
+    )
+    ap.add_argument(
+        "--trace-sample-ratio", type=float, default=1.0, help="the traced gateway's ratio"
+    )
     ap.add_argument("--out", help="result file (default: bench/results/gateway_bench.json)")
     add_smoke_flag(ap, SMOKE, "a failed request is an error")
     args = ap.parse_args()
@@ -509,7 +565,11 @@ def _run(args: argparse.Namespace) -> int:
         f"{'errors':>7}"
     )
     for speed, o in ov.items():
-        for name in ("direct", "gateway", "bare-proxy"):
+        if not isinstance(o, dict) or "direct" not in o:
+            continue  # tracing_spans_exported
+        for name in ("direct", "gateway", "gw+tracing", "bare-proxy"):
+            if name not in o:
+                continue
             r = o[name]
             print(
                 f"{speed + ' tok/s':<12}{name:<11}{r['rps']:>9.1f}{r['p50_ms']:>9.2f}"
@@ -528,12 +588,23 @@ def _run(args: argparse.Namespace) -> int:
             f"{'':<12}bare aiohttp proxy/direct: throughput "
             f"x{o['bare_proxy_throughput_ratio']:.2f}, p99 {o['bare_proxy_added_p99_ms']:+.2f} ms"
         )
+        if "gw+tracing" in o:
+            print(
+                f"{'':<12}tracing on/off (ratio {args.trace_sample_ratio:g}): throughput "
+                f"x{o['tracing_throughput_ratio']:.2f}, p50 {o['tracing_added_p50_ms']:+.2f} ms, "
+                f"p99 {o['tracing_added_p99_ms']:+.2f} ms; CPU per request "
+                f"{o['traced_gateway_cpu_us_per_request']:.0f} us vs "
+                f"{o['gateway_cpu_us_per_request']:.0f} us"
+            )
         print(
             f"{'':<12}goal added p99 <= 5 ms: "
             + ("met" if o["added_p99_ms"] <= 5 else "NOT met")
             + "; throughput >= 0.8x direct: "
             + ("met" if o["throughput_ratio"] >= 0.8 else "NOT met")
         )
+    if "tracing_spans_exported" in ov:
+        n = ov["tracing_spans_exported"]
+        print(f"{'':<12}the collector received {n['all']} spans ({n['server']} server spans)")
     if "burst" in result:
         b = result["burst"]
         print()

@@ -43,11 +43,12 @@ if [ -x hack/k8s/build.sh ]; then
   export WARMSERVE_K8S_BIN
 fi
 if [ -x hack/testbin/build.sh ]; then
-  # Real servers some tests run against: Prometheus (the dashboard test queries every panel)
-  # and an S3-compatible server (s3:// model sources), pinned in hack/testbin/*/go.mod; cached
-  # after the first build (~10 min cold on 2 cores, see hack/testbin/build.sh).
+  # Real servers some tests run against: Prometheus (the dashboard test queries every panel),
+  # an S3-compatible server (s3:// model sources) and a minimal OpenTelemetry Collector (the
+  # tracing tests' OTLP receiver), pinned in hack/testbin/*/go.mod; cached after the first
+  # build (~10 min cold on 2 cores each, see hack/testbin/README.md).
   echo "== real test servers (hack/testbin/build.sh)"
-  hack/testbin/build.sh prometheus versitygw >/dev/null
+  hack/testbin/build.sh prometheus versitygw otelcol >/dev/null
 fi
 VLLM_PY=
 if [ -n "$VLLM_PID" ]; then

@@ -156,6 +156,8 @@ MANAGED: dict[str, str] = {
     "sleep_preserve_parameter_names": _MEMORY,
     "enable_nccl_comm_suspend": _MEMORY,
     "enable_cumem_allocator": _MEMORY,
+    "otlp_traces_endpoint": "traces go where the agent's --otlp-traces-endpoint says "
+    "(the chart's tracing.endpoint)",
 }
 
 # dest -> how it runs code (or lets a request do so) in the worker process
@@ -211,7 +213,6 @@ _WIDEN_GROUPS: dict[str, tuple[str, ...]] = {
         "default_mm_loras",
     ),
     _NET: (
-        "otlp_traces_endpoint",
         "collect_detailed_traces",
         "allowed_media_domains",
         "kv_events_config",

@@ -106,6 +106,10 @@ class AgentConfig:
     s3_region: str = ""
     pvc_root: Path = Path("/mnt/warmserve/pvc")
     allowed_paths: tuple[Path, ...] = ()
+    # Engines export OpenTelemetry traces here (the simulated engine; vLLM's
+    # --otlp-traces-endpoint): set by the agent's flag, never by a tenant's engine args.
+    engine_traces_endpoint: str = ""
+    engine_trace_sample_ratio: float = 1.0
     engines: tuple[str, ...] = ("simulated",)  # what workers preload and may host
     default_engine: str = ""  # for Activate calls naming none (default: engines[0])
     # What an Activate's engine_args may contain (--allow-engine-arg; docs/security.md): checked

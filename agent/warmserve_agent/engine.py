@@ -33,7 +33,7 @@ import hashlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from warmserve_agent.engines.spec import EngineSpec, EngineStats
@@ -48,14 +48,25 @@ class Engine(Protocol):
 
 
 class EngineError(RuntimeError):
-    """An engine could not start or serve (message says why)."""
+    """An engine could not start or serve (message says why).
+
+    Raised in a worker process, it reaches the agent as the same type
+    (:mod:`~warmserve_agent.worker_errors`)."""
 
 
-class WeightVerificationError(EngineError):
+class WeightsError(EngineError):
+    """The slot's bytes differ from the store's digests; ``tensors`` names the shards."""
+
+    def __init__(self, message: str, tensors: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.tensors = tuple(tensors)
+
+
+class WeightVerificationError(WeightsError):
     """The slot's bytes differ from the store's at start: the slot must be evicted."""
 
 
-class WeightsMismatch(EngineError):
+class WeightsMismatch(WeightsError):
     """Layers announced as resident do not match the store."""
 
 

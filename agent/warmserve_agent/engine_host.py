@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from warmserve_agent.engine import Engine, WeightsMismatch
 from warmserve_agent.engines import engine_info
 from warmserve_agent.engines.spec import EngineSpec, EngineStats
-from warmserve_agent.worker import WorkerError, WorkerPool, timeout_for_bytes
+from warmserve_agent.worker import WorkerPool, timeout_for_bytes
 
 
 class InProcessEngine:
@@ -86,7 +86,8 @@ class WorkerEngine:
             if bad:
                 raise WeightsMismatch(
                     f"weights in the slot differ from the store for {len(bad)} tensors "
-                    f"(first: {bad[0]}); evict the slot and prewarm again"
+                    f"(first: {bad[0]}); evict the slot and prewarm again",
+                    tensors=bad,
                 )
 
     def start(self, spec: EngineSpec) -> str:
@@ -106,12 +107,8 @@ class WorkerEngine:
         layer_bytes = sum(
             t.shard_len[0] for t in self._spec.tensors if self._layers <= t.layer < n
         )
-        try:
-            self.worker.call("layers_ready", timeout_s=timeout_for_bytes(layer_bytes), n=n)
-        except WorkerError as exc:
-            if "WeightsMismatch" in str(exc):
-                raise WeightsMismatch(str(exc)) from None
-            raise
+        # A WeightsMismatch in the worker arrives as one (worker_errors).
+        self.worker.call("layers_ready", timeout_s=timeout_for_bytes(layer_bytes), n=n)
         self._layers = max(self._layers, n)
 
     def set_kv_capacity(self, nbytes: int) -> int:

@@ -6,6 +6,9 @@ KV pages are unmapped from the tail of its slot and returned to the pool, where 
 them (Fig. 6b), and taken back if its load grows.  Ending the instance (grace → universal | idle)
 unmaps its KV pages; its weights stay as a ready prewarm slot unless evicted, so the GPU becomes
 universal holding the old model and any model prewarmed during grace.
+
+:class:`GraceLender` works on the node's records (:class:`~warmserve_agent.node_state.NodeState`)
+and nothing else; the prewarmer asks it to refresh a grace instance before it takes lent pages.
 """
 
 from __future__ import annotations
@@ -13,23 +16,30 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve.policy.proactive import reservation_target
-from warmserve_agent.memory import pages_for
-from warmserve_agent.node_records import InstanceRec, Refusal
+from warmserve_agent.memory import MemoryManager, pages_for
+from warmserve_agent.node_records import EventKind, InstanceRec, Refusal
 from warmserve_agent.node_state import NodeState
+from warmserve_agent.wire import SlotState
 
 log = logging.getLogger("warmserve.agent.node")  # one logger for the whole node core
 
 
-class GraceLending(NodeState):
+class GraceLender:
     """Grace periods and Eq. 1 lending (see module docstring)."""
 
+    def __init__(self, state: NodeState) -> None:
+        self._state = state
+        # Called with the GPUs of an instance that ended normally (the server recycles their
+        # worker processes here when configured to).
+        self.on_instance_ended: Callable[[tuple[int, ...]], None] | None = None
+
     # ---- grace lending (Eq. 1) -------------------------------------------------------------
-    def _refresh_grace(self, inst: InstanceRec) -> None:
+    def refresh(self, inst: InstanceRec) -> None:
         """Shrink (or regrow) a grace instance's KV cache to its Eq. 1 reservation target.
 
         Called on a timer (the paper checks when each request completes), before prewarming
@@ -39,55 +49,61 @@ class GraceLending(NodeState):
         """
         if inst.phase != InstancePhase.GRACE:
             return
+        state: NodeState = self._state
+        page = state.page
+        mm: MemoryManager = state.mm
         st = inst.engine.stats()
         inst.last_stats = st
         tp = len(inst.gpus)
-        m_gpu = inst.kv_pages_initial * self.page
+        m_gpu = inst.kv_pages_initial * page
         k_gpu = min(math.ceil(st.kv_used_bytes / tp), m_gpu)
         target = reservation_target(st.running, inst.max_batch, m_gpu, k_gpu)
         inst.reservation_target = target
-        want = pages_for(target, self.page)
+        want = pages_for(target, page)
         cur = inst.kv_pages
         if want < cur:
-            accepted = inst.engine.set_kv_capacity(want * self.page * tp)
-            keep = max(want, pages_for(math.ceil(accepted / tp), self.page))
+            accepted = inst.engine.set_kv_capacity(want * page * tp)
+            keep = max(want, pages_for(math.ceil(accepted / tp), page))
             if keep < cur:
-                self.mm.unmap_range(inst.slot_id, inst.weight_pages + keep, cur - keep)
+                mm.unmap_range(inst.slot_id, inst.weight_pages + keep, cur - keep)
                 inst.kv_pages = keep
-                self._emit("instance", inst.instance_id, f"lent {cur - keep} KV pages")
+                state.emit(EventKind.INSTANCE, inst.instance_id, f"lent {cur - keep} KV pages")
         elif want > cur:
-            grow = min(want - cur, min(self.mm.available_pages(g) for g in inst.gpus))
+            grow = min(want - cur, min(mm.available_pages(g) for g in inst.gpus))
             if grow > 0:
-                self.mm.map_range(inst.slot_id, inst.weight_pages + cur, grow)
+                mm.map_range(inst.slot_id, inst.weight_pages + cur, grow)
                 inst.kv_pages = cur + grow
-                inst.engine.set_kv_capacity(inst.kv_pages * self.page * tp)
-                self._emit("instance", inst.instance_id, f"took back {grow} KV pages")
+                inst.engine.set_kv_capacity(inst.kv_pages * page * tp)
+                state.emit(EventKind.INSTANCE, inst.instance_id, f"took back {grow} KV pages")
 
-    def refresh_grace_all(self) -> None:
-        with self._lock:
-            for inst in list(self.instances.values()):
+    def refresh_all(self) -> None:
+        state: NodeState = self._state
+        with state.lock:
+            for inst in list(state.instances.values()):
                 try:
-                    self._refresh_grace(inst)
+                    self.refresh(inst)
                 except Exception as exc:  # engine gone: worker_died handles it
                     log.warning(
                         "event=grace_refresh_failed instance=%s err=%s", inst.instance_id, exc
                     )
 
     def lendable(self, instance_ids: Sequence[str] = ()) -> list[dict[str, Any]]:
-        with self._lock:
+        state: NodeState = self._state
+        page = state.page
+        with state.lock:
             ids = list(instance_ids) or [
-                i.instance_id for i in self.instances.values() if i.phase == InstancePhase.GRACE
+                i.instance_id for i in state.instances.values() if i.phase == InstancePhase.GRACE
             ]
             out = []
             for iid in ids:
-                inst = self._check_instance_id(iid)
+                inst = state.check_instance_id(iid)
                 if inst.phase != InstancePhase.GRACE:
                     raise Refusal(
                         "FAILED_PRECONDITION",
                         f"instance {iid} is {inst.phase.value}, not in a grace period; only grace "
                         "instances lend memory (call BeginGrace first)",
                     )
-                self._refresh_grace(inst)
+                self.refresh(inst)
                 st = inst.last_stats
                 tp = len(inst.gpus)
                 out.append(
@@ -97,60 +113,63 @@ class GraceLending(NodeState):
                         "gpus": inst.gpus,
                         "running": st.running,
                         "max_batch": inst.max_batch,
-                        "kv_capacity_bytes": inst.kv_pages_initial * self.page,
+                        "kv_capacity_bytes": inst.kv_pages_initial * page,
                         "kv_used_bytes": math.ceil(st.kv_used_bytes / tp),
                         "reservation_target_bytes": inst.reservation_target,
-                        "lendable_bytes": min(self.mm.available_pages(g) for g in inst.gpus)
-                        * self.page,
-                        "lent_bytes": (inst.kv_pages_initial - inst.kv_pages) * self.page,
+                        "lendable_bytes": min(state.mm.available_pages(g) for g in inst.gpus)
+                        * page,
+                        "lent_bytes": (inst.kv_pages_initial - inst.kv_pages) * page,
                     }
                 )
             return out
 
     # ---- grace / end -----------------------------------------------------------------------
     def begin_grace(self, instance_id: str) -> InstanceRec:
-        with self._lock:
-            inst = self._check_instance_id(instance_id)
+        state: NodeState = self._state
+        with state.lock:
+            inst = state.check_instance_id(instance_id)
             if inst.phase != InstancePhase.SERVING:
                 raise Refusal(
                     "FAILED_PRECONDITION",
                     f"instance {instance_id} is {inst.phase.value}; only a serving instance "
                     "can begin a grace period",
                 )
-            self._transition(inst.gpus, WorkerState.GRACE)
+            state.transition(inst.gpus, WorkerState.GRACE)
             inst.phase = InstancePhase.GRACE
             inst.grace_started_unix = time.time()
-            self._emit("instance", instance_id, "grace")
-            self._refresh_grace(inst)
+            state.emit(EventKind.INSTANCE, instance_id, "grace")
+            self.refresh(inst)
             return inst
 
     def end_instance(self, instance_id: str, evict_weights: bool = False) -> InstanceRec:
-        with self._lock:
-            inst = self._check_instance_id(instance_id)
+        state: NodeState = self._state
+        mm: MemoryManager = state.mm
+        with state.lock:
+            inst = state.check_instance_id(instance_id)
             if inst.phase != InstancePhase.GRACE:
                 raise Refusal(
                     "FAILED_PRECONDITION",
                     f"instance {instance_id} is {inst.phase.value}; begin its grace period "
                     "first (BeginGrace) so in-flight requests drain",
                 )
-            del self.instances[instance_id]  # first: loaders stop notifying it
+            del state.instances[instance_id]  # first: loaders stop notifying it
             try:
                 inst.engine.stop()
             except Exception as exc:  # its worker died meanwhile: nothing left to stop
                 log.warning("event=engine_stop_failed instance=%s err=%s", instance_id, exc)
-            slot = self.slots[inst.slot_id]
-            self.mm.unmap_range(slot.slot_id, inst.weight_pages, self.mm.num_pages(inst.gpus[0]))
+            slot = state.slots[inst.slot_id]
+            mm.unmap_range(slot.slot_id, inst.weight_pages, mm.num_pages(inst.gpus[0]))
             for g in inst.gpus:
-                self.gpus[g].instance_id = ""
+                state.gpus[g].instance_id = ""
             if evict_weights:
-                self._destroy_slot(slot)
+                state.destroy_slot(slot)
             else:
                 with slot.lock:
-                    slot.state = "ready" if not slot.loader_active else "loading"
-                self._emit("slot", slot.slot_id, "kept after instance ended")
+                    slot.state = SlotState.LOADING if slot.loader_active else SlotState.READY
+                state.emit(EventKind.SLOT, slot.slot_id, "kept after instance ended")
             for g in inst.gpus:
-                self._transition([g], self._rest_state(g))
-            self._emit("instance_removed", instance_id, "ended")
+                state.transition([g], state.rest_state(g))
+            state.emit(EventKind.INSTANCE_REMOVED, instance_id, "ended")
             if self.on_instance_ended is not None:
                 self.on_instance_ended(inst.gpus)
             return inst

@@ -3,7 +3,7 @@
 The loader maps each layer's pages from the pages promised to the slot at admission
 (``MemoryManager.promise``) and hands the memory owner **file ranges**, not bytes: the process
 that owns the GPU's memory (its worker, or the agent) reads the safetensors ranges itself into
-its staging ring and copies them (``MemoryBackend.load_ranges``; issue 13 item 2).  One layer is
+its staging ring and copies them (``MemoryBackend.load_ranges``).  One layer is
 kept in flight: layer L+1 is mapped and issued before the loader waits for layer L's copies, so
 mapping, file reads and copies overlap across layer boundaries (the §4.2 map/copy pipeline).
 

@@ -126,7 +126,7 @@ class MemoryManager:
             self._gpus[gpu] = GpuPool(gpu, memory_bytes, n, list(range(n - 1, -1, -1)))
 
     def add_gpus(self, sizes: Mapping[int, int]) -> None:
-        """Open several GPUs **in parallel** (issue 13 item 5): creating ~40k page handles per
+        """Open several GPUs **in parallel**: creating ~40k page handles per
         80 GB GPU takes seconds each, so an 8-GPU node opened one by one nears the liveness
         probe's limit.  All-or-nothing: if one GPU fails, the others are closed again."""
         with self._lock:

@@ -74,7 +74,7 @@ class AgentCollector(Collector):
             labels=["node", "slot", "model"],
         )
         for s in list(core.slots.values()):
-            sb.add_metric([node, s.slot_id, s.model, s.state], s.resident_bytes)
+            sb.add_metric([node, s.slot_id, s.model, s.state.value], s.resident_bytes)
             sl.add_metric([node, s.slot_id, s.model], s.layers_resident)
             bw.add_metric([node, s.slot_id, s.model], s.bandwidth)
         yield sb

@@ -1,6 +1,6 @@
 """Build and load the native slot allocator (``agent/native/slot_allocator.c``).
 
-Decision (issue 4, item 3): the allocator is compiled **lazily** with the system C compiler the
+Decision: the allocator is compiled **lazily** with the system C compiler the
 first time it is needed, into a cache keyed by the source's hash, instead of as a setuptools
 extension — it needs no CUDA headers and no GPU (it only hands out addresses inside a range the
 agent already mapped), and a lazy build keeps ``pip install -e .`` free of a compiler

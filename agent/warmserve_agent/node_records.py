@@ -6,7 +6,10 @@ lending KV pages for proactive prewarming, Eq. 1).  :class:`GpuRec` is one worke
 one prewarm slot (a CUDA VMM virtual range on a GPU group, filled layer by layer),
 :class:`InstanceRec` one serving instance with its KV pages and Eq. 1 reservation target.
 :class:`Refusal` is how every call of the node core says no (a gRPC status name and an actionable
-message); the id patterns are the wire forms the gRPC service validates too.
+message); the id patterns are the wire forms the gRPC service validates too.  States are enums
+here (:class:`~warmserve.policy.cluster.WorkerState`, :class:`~warmserve_agent.wire.SlotState`,
+:class:`~warmserve.policy.cluster.InstancePhase`, :class:`EventKind`); they become protobuf values
+only in :mod:`~warmserve_agent.wire`.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent.engine import Engine
 from warmserve_agent.engines import DEFAULT_ENGINE
 from warmserve_agent.engines.spec import EngineStats
 from warmserve_agent.store import SlotLayout
+from warmserve_agent.wire import SlotState
 
 ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 SLOT_ID_RE = re.compile(r"^slot-[0-9a-f]{12}$")
@@ -49,7 +54,7 @@ class SlotRec:
     layout: SlotLayout
     layers_target: int
     layers_resident: int = 0
-    state: str = "loading"  # loading | ready | active | failed
+    state: SlotState = SlotState.LOADING
     message: str = ""
     bytes_loaded: int = 0
     load_seconds: float = 0.0
@@ -104,9 +109,21 @@ class GpuRec:
     available: bool = True  # False while a memory-owning worker is being replaced
 
 
+class EventKind(StrEnum):
+    """What an :class:`Event` is about (the Watch stream's kinds)."""
+
+    GPU = "gpu"
+    SLOT = "slot"
+    SLOT_REMOVED = "slot_removed"
+    INSTANCE = "instance"
+    INSTANCE_REMOVED = "instance_removed"
+    WORKER_REPLACED = "worker_replaced"
+    FETCH = "fetch"
+
+
 @dataclass(frozen=True)
 class Event:
-    kind: str  # gpu | slot | slot_removed | instance | instance_removed | worker_replaced
+    kind: EventKind
     generation: int
     subject: str
     message: str = ""

@@ -1,37 +1,37 @@
-"""The node core's state machine base: GPU worker states and their Figure 5 edges (WarmServe §4).
+"""The node's records and the only way they change state (WarmServe §4, Figure 5).
 
-:class:`NodeState` holds what every part of the node core shares: the GPU worker records, the
-prewarm slots and instances, the event bus, the validation helpers that turn bad requests into
-:class:`~warmserve_agent.node_records.Refusal` before anything changes, and the only way a
-worker changes state (:meth:`NodeState._transition`, along Figure 5's edges in :data:`ALLOWED`)::
+:class:`NodeState` holds what every collaborator of the node core works on: the GPU worker
+records, the prewarm slots and instances, the lock that orders every change, the event bus, the
+checks that turn bad requests into :class:`~warmserve_agent.node_records.Refusal` before
+anything changes, and the only way a worker changes state (:meth:`NodeState.transition`, along
+Figure 5's edges in :data:`ALLOWED`)::
 
     idle ──prewarm──▶ universal ──activate──▶ dedicated ──grace──▶ grace ──end──▶ universal | idle
       └──────────────── activate (cold start) ──────▶┘               └─prewarm (lent memory)─┘
 
 Slot groups must nest (evict-aware placement, §5.2, Algorithm 1): a new slot's GPU set must
-contain or be contained in the set of every slot it overlaps (:meth:`NodeState._check_nesting`).
+contain or be contained in the set of every slot it overlaps (:meth:`NodeState.check_nesting`).
 
-The operations build on it in layers (one module per concept): grace lending (Eq. 1,
-:mod:`~warmserve_agent.grace_lending`), prewarm slots (:mod:`~warmserve_agent.prewarm_slots`),
-activation (:mod:`~warmserve_agent.activation`) and :class:`~warmserve_agent.node.NodeCore`.
+It decides nothing itself: the grace lender (:mod:`~warmserve_agent.grace_lending`), the
+prewarmer (:mod:`~warmserve_agent.prewarm_slots`) and the activator
+(:mod:`~warmserve_agent.activation`) are handed this one object and change the records through
+it, under :attr:`NodeState.lock`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
-from warmserve.engine_args import DEFAULT_POLICY, EngineArgPolicy
 from warmserve.policy.cluster import WorkerState
-from warmserve_agent.engines import DEFAULT_ENGINE, ENGINES
 from warmserve_agent.memory import MemoryManager
 from warmserve_agent.node_records import (
     ID_RE,
     INSTANCE_ID_RE,
     SLOT_ID_RE,
-    EngineFactory,
     Event,
+    EventKind,
     GpuRec,
     InstanceRec,
     Refusal,
@@ -60,36 +60,19 @@ class IllegalTransition(RuntimeError):
 
 
 class NodeState:
-    """Shared state, events, validation and Figure 5 transitions of one node's GPUs."""
+    """Records, lock, events, checks and Figure 5 transitions of one node's GPUs."""
 
     def __init__(
         self,
         mm: MemoryManager,
         store: WeightStore,
         gpu_memory: dict[int, int],
-        engine_factory: EngineFactory,
         *,
         node_name: str = "node",
-        engine_host: str = "127.0.0.1",
-        advertise_host: str = "",
-        engines: Sequence[str] = (DEFAULT_ENGINE,),
-        default_engine: str = "",
-        engine_policy: EngineArgPolicy = DEFAULT_POLICY,
     ) -> None:
-        unknown = [e for e in engines if e not in ENGINES]
-        if unknown or not engines:
-            raise ValueError(f"unknown engine(s) {unknown}; engines: {sorted(ENGINES)}")
-        self.engines = tuple(engines)  # what this node's workers can host
-        self.default_engine = default_engine or self.engines[0]
-        if self.default_engine not in self.engines:
-            raise ValueError(f"default engine {self.default_engine!r} is not in {self.engines}")
-        self.engine_policy = engine_policy  # what an Activate's engine_args may contain
-        self.engine_host = engine_host  # where engines bind their HTTP endpoint
-        self.advertise_host = advertise_host or engine_host  # what Activate returns
         self.mm = mm
         self.store = store
         self.node_name = node_name
-        self.engine_factory = engine_factory
         self.page = mm.page_bytes
         self.gpus: dict[int, GpuRec] = {}
         mm.add_gpus(dict(sorted(gpu_memory.items())))  # in parallel (GPU nodes: seconds each)
@@ -98,24 +81,16 @@ class NodeState:
         self.slots: dict[str, SlotRec] = {}
         self.instances: dict[str, InstanceRec] = {}
         self.generation = 0
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()  # every change of the records, by every collaborator
         self._listeners: list[Callable[[Event], None]] = []
         self._emit_lock = threading.Lock()
-        self.activation_log: list[tuple[bool, float]] = []  # (hit, seconds) for metrics
-        # Called with the GPUs of an instance that ended normally (the server recycles their
-        # worker processes here when configured to).
-        self.on_instance_ended: Callable[[tuple[int, ...]], None] | None = None
 
     # ---- events ----------------------------------------------------------------------------
     def subscribe(self, fn: Callable[[Event], None]) -> Callable[[], None]:
         self._listeners.append(fn)
         return lambda: self._listeners.remove(fn) if fn in self._listeners else None
 
-    def emit(self, kind: str, subject: str, message: str = "") -> None:
-        """Publish an event that happened outside the core (e.g. a worker was replaced)."""
-        self._emit(kind, subject, message)
-
-    def _emit(self, kind: str, subject: str, message: str = "") -> None:
+    def emit(self, kind: EventKind, subject: str, message: str = "") -> None:
         with self._emit_lock:  # loader threads emit too
             self.generation += 1
             ev = Event(kind, self.generation, subject, message)
@@ -125,8 +100,8 @@ class NodeState:
             except Exception:  # a listener must never break the state machine
                 log.exception("event=listener_failed kind=%s", kind)
 
-    # ---- validation helpers ----------------------------------------------------------------
-    def _model_layout(self, model: str, tp: int) -> SlotLayout:
+    # ---- checks: a refusal before anything changes -----------------------------------------
+    def model_layout(self, model: str, tp: int) -> SlotLayout:
         try:
             return self.store.layout(model, tp)
         except UnknownModel as exc:
@@ -135,7 +110,7 @@ class NodeState:
             raise Refusal("INVALID_ARGUMENT", str(exc)) from None
 
     @staticmethod
-    def _check_owner(owner: str) -> None:
+    def check_owner(owner: str) -> None:
         if owner and not ID_RE.match(owner):
             raise Refusal(
                 "INVALID_ARGUMENT",
@@ -143,7 +118,7 @@ class NodeState:
                 f"(got {len(owner)} characters)",
             )
 
-    def _check_gpus(self, gpus: Iterable[int]) -> tuple[int, ...]:
+    def check_gpus(self, gpus: Iterable[int]) -> tuple[int, ...]:
         gl = list(gpus)
         if not gl:
             raise Refusal("INVALID_ARGUMENT", "name at least one GPU (gpus is empty)")
@@ -164,7 +139,7 @@ class NodeState:
             )
         return tuple(sorted(gl))
 
-    def _check_slot_id(self, slot_id: str) -> SlotRec:
+    def check_slot_id(self, slot_id: str) -> SlotRec:
         if not SLOT_ID_RE.match(slot_id or ""):
             raise Refusal(
                 "INVALID_ARGUMENT",
@@ -176,7 +151,7 @@ class NodeState:
             raise Refusal("NOT_FOUND", f"no slot {slot_id} on node {self.node_name}")
         return slot
 
-    def _check_instance_id(self, instance_id: str) -> InstanceRec:
+    def check_instance_id(self, instance_id: str) -> InstanceRec:
         if not INSTANCE_ID_RE.match(instance_id or ""):
             raise Refusal(
                 "INVALID_ARGUMENT",
@@ -188,27 +163,7 @@ class NodeState:
             raise Refusal("NOT_FOUND", f"no instance {instance_id} on node {self.node_name}")
         return inst
 
-    def _transition(self, gpus: Iterable[int], new: WorkerState, *, crash: bool = False) -> None:
-        """Move GPUs to ``new``; all-or-nothing, and only along Figure 5's edges."""
-        recs = [self.gpus[g] for g in gpus]
-        for r in recs:
-            ok = new in (CRASH_ALLOWED if crash else ALLOWED[r.state])
-            if not ok and r.state != new:
-                raise IllegalTransition(f"gpu {r.index}: {r.state.value} -> {new.value}")
-        for r in recs:
-            if r.state != new:
-                r.state = new
-                self._emit("gpu", str(r.index), new.value)
-
-    def _rest_state(self, g: int) -> WorkerState:
-        """Universal if any slot touches the GPU, else idle (after an instance or eviction)."""
-        return (
-            WorkerState.UNIVERSAL
-            if any(g in s.gpus for s in self.slots.values())
-            else WorkerState.IDLE
-        )
-
-    def _check_nesting(self, gpus: tuple[int, ...], ignore: Iterable[str] = ()) -> None:
+    def check_nesting(self, gpus: tuple[int, ...], ignore: Iterable[str] = ()) -> None:
         new = set(gpus)
         skip = set(ignore)
         for s in self.slots.values():
@@ -224,17 +179,45 @@ class NodeState:
                     "a nested group",
                 )
 
+    # ---- Figure 5 --------------------------------------------------------------------------
+    def transition(self, gpus: Iterable[int], new: WorkerState, *, crash: bool = False) -> None:
+        """Move GPUs to ``new``; all-or-nothing, and only along Figure 5's edges."""
+        recs = [self.gpus[g] for g in gpus]
+        for r in recs:
+            ok = new in (CRASH_ALLOWED if crash else ALLOWED[r.state])
+            if not ok and r.state != new:
+                raise IllegalTransition(f"gpu {r.index}: {r.state.value} -> {new.value}")
+        for r in recs:
+            if r.state != new:
+                r.state = new
+                self.emit(EventKind.GPU, str(r.index), new.value)
+
+    def rest_state(self, g: int) -> WorkerState:
+        """Universal if any slot touches the GPU, else idle (after an instance or eviction)."""
+        return (
+            WorkerState.UNIVERSAL
+            if any(g in s.gpus for s in self.slots.values())
+            else WorkerState.IDLE
+        )
+
     # ---- slot bookkeeping ------------------------------------------------------------------
-    def _instance_of_slot(self, slot_id: str) -> InstanceRec | None:
+    def instance_of_slot(self, slot_id: str) -> InstanceRec | None:
         for inst in self.instances.values():
             if inst.slot_id == slot_id:
                 return inst
         return None
 
-    def _destroy_slot(self, slot: SlotRec) -> None:
+    def destroy_slot(self, slot: SlotRec) -> None:
         slot.cancel.set()
         if slot.loader is not None and slot.loader is not threading.current_thread():
             slot.loader.join()
         self.mm.destroy_slot(slot.slot_id)
         del self.slots[slot.slot_id]
-        self._emit("slot_removed", slot.slot_id)
+        self.emit(EventKind.SLOT_REMOVED, slot.slot_id)
+
+    def models_in_use(self) -> set[str]:
+        """Models a slot or an instance holds (the fetcher never evicts or replaces them)."""
+        with self.lock:
+            return {s.model for s in self.slots.values()} | {
+                i.model for i in self.instances.values()
+            }

@@ -1,4 +1,4 @@
-"""Bounded, printable renderings of client input for error messages (issue 16).
+"""Bounded, printable renderings of client input for error messages.
 
 Refusals name what was wrong ("malformed slot id ...") so a person can act on them, but echoing the
 input verbatim lets a caller make the agent build, log and send back megabytes, or put terminal

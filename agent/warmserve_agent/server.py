@@ -44,6 +44,7 @@ from warmserve_agent.memory_setup import (
     new_memory_dir,
 )
 from warmserve_agent.node import NodeCore
+from warmserve_agent.node_records import EventKind
 from warmserve_agent.service import AgentService
 from warmserve_agent.service_describe import ServiceInfo
 from warmserve_agent.shm import MemoryDir, MemoryDirBusy, remove_stale
@@ -147,6 +148,7 @@ class AgentServer:
             node_name=cfg.node_name,
             engine_host=cfg.engine_host,
             advertise_host=cfg.advertise_host,
+            traces=(cfg.engine_traces_endpoint, cfg.engine_trace_sample_ratio),
             engines=cfg.engines,
             default_engine=cfg.default_engine,
             engine_policy=cfg.engine_policy,
@@ -276,20 +278,16 @@ class AgentServer:
             allowed_paths=tuple(cfg.allowed_paths),
         )
 
-        def in_use() -> set[str]:
-            with core._lock:
-                return {s.model for s in core.slots.values()} | {
-                    i.model for i in core.instances.values()
-                }
-
         def on_change(st: FetchStatus) -> None:
-            core.emit("fetch", st.model, f"{st.state.value} {st.bytes_done}/{st.bytes_total}")
+            core.emit(
+                EventKind.FETCH, st.model, f"{st.state.value} {st.bytes_done}/{st.bytes_total}"
+            )
 
         return ModelFetcher(
             store,
             settings,
-            lock=core._lock,
-            in_use=in_use,
+            lock=core.lock,
+            in_use=core.models_in_use,
             on_change=on_change,
             budget_bytes=cfg.store_budget_bytes,
             reserve=cfg.store_reserve,
@@ -342,7 +340,7 @@ class AgentServer:
                 if iid:
                     msg += f"; instance(s) {iid} lost"
                 log.warning("event=worker_died gpu=%d instance=%s new_pid=%d", g, iid, new.pid)
-                self.core.emit("worker_replaced", str(g), msg)
+                self.core.emit(EventKind.WORKER_REPLACED, str(g), msg)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         for t in self._tasks:

@@ -4,24 +4,22 @@ The conversions of GPU workers (their Figure 5 state, §4), prewarm slots (§4.1
 (with their lendable grace memory, Eq. 1) to protobuf live here, once, for ``Describe``, the
 ``Watch`` stream's objects and every RPC's answer.  The weight store's catalogue is re-scanned
 only when the store changed (a model added or removed) and at most every ``CATALOG_TTL_S``
-otherwise: with 1,000 models a scan per Describe made every operator poll slow (issue 16).
+otherwise: with 1,000 models a scan per Describe made every operator poll slow.
 
-A layer of :class:`~warmserve_agent.service.AgentService` (see that module's docstring).
+:class:`Describer` is held by the servicer (:class:`~warmserve_agent.service.AgentService`)
+and handed to the handlers and the Watch hub, which answer with its messages.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent import __version__
 from warmserve_agent.api.v1 import agent_pb2 as pb
-from warmserve_agent.fencing import Fence, enforce
 from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import InstanceRec, SlotRec
 from warmserve_agent.sources.fetcher import ModelFetcher
@@ -30,7 +28,7 @@ from warmserve_agent.wire import PHASE_TO_PB, SLOT_TO_PB, WORKER_TO_PB
 
 log = logging.getLogger("warmserve.agent.service")  # one logger for the whole service
 
-CATALOG_TTL_S = 10.0  # see Description._catalog
+CATALOG_TTL_S = 10.0  # see Describer._catalog
 
 _WS = WORKER_TO_PB
 _SS = SLOT_TO_PB
@@ -46,16 +44,15 @@ class ServiceInfo:
     worker_restarts: Callable[[int], int] = lambda g: 0
 
 
-class Description:
-    """``Describe`` and the conversions every RPC answers with (see module docstring); the
-    state is set by :class:`~warmserve_agent.service.AgentService`."""
+class Describer:
+    """``Describe`` and the conversions every RPC answers with (see module docstring)."""
 
-    core: NodeCore
-    info: ServiceInfo
-    fetcher: ModelFetcher | None
-    fence: Fence
-    _usage: tuple[int, float, pb.StoreInfo] | None
-    _catalog_cache: tuple[tuple[int, ...], float, list[pb.ModelInfo]] | None
+    def __init__(self, core: NodeCore, info: ServiceInfo, fetcher: ModelFetcher | None) -> None:
+        self.core = core
+        self.info = info
+        self.fetcher = fetcher
+        self._usage: tuple[int, float, pb.StoreInfo] | None = None
+        self._catalog_cache: tuple[tuple[int, ...], float, list[pb.ModelInfo]] | None = None
 
     # ---- conversions -----------------------------------------------------------------------
     def gpu_pb(self, g: int) -> pb.GpuInfo:
@@ -149,7 +146,7 @@ class Description:
     def _catalog(self) -> list[pb.ModelInfo]:
         """The weight store's models, re-scanned when the store changed (a model added or
         removed: see ``_catalog_stamp``) and at most every ``CATALOG_TTL_S`` otherwise: with
-        1,000 models a scan per Describe made every poll slow (issue 16)."""
+        1,000 models a scan per Describe made every poll slow."""
         store = self.core.store
         stamp = self._catalog_stamp()
         now = time.monotonic()
@@ -181,7 +178,7 @@ class Description:
 
     def describe_pb(self, refresh: bool = True) -> pb.NodeDescription:
         core = self.core
-        with core._lock:
+        with core.lock:
             if refresh:
                 self._refresh_stats()
             models = self._catalog()
@@ -212,10 +209,3 @@ class Description:
         if self._usage is None or self._usage[0] != gen or now - self._usage[1] > 5.0:
             self._usage = (gen, now, store_pb(self.fetcher.usage()))
         return self._usage[2]
-
-    # ---- RPC ------------------------------------------------------------------------------
-    async def Describe(self, request: pb.DescribeRequest, context: Any) -> pb.NodeDescription:
-        # A leader's token raises the fence before it decides from this state: a deposed
-        # leader's call that lands after it cannot act on what the new leader saw.
-        await enforce(self.fence, "Describe", request.fencing_token, context, read=True)
-        return await asyncio.to_thread(self.describe_pb)

@@ -6,7 +6,8 @@ LRU budget), streaming its progress; the model is pinned (never evicted) from th
 slot holds it.  ``InspectModel`` answers a model's layers and bytes from the store or its source,
 which the operator needs before placing it (the slot layout, §4.1).
 
-A layer of :class:`~warmserve_agent.service.AgentService` (see that module's docstring).
+:class:`FetchCoordinator` is held by the servicer (:class:`~warmserve_agent.service.AgentService`)
+and handed to the prewarm and instance handlers.
 """
 
 from __future__ import annotations
@@ -24,21 +25,27 @@ from warmserve_agent.node_records import Refusal
 from warmserve_agent.sources.fetch_records import FetchFailed
 from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.sources.wire import fetch_pb
-from warmserve_agent.store import StoreError
+from warmserve_agent.store import StoreError, UnknownModel
 
 
-class ModelFetching:
-    """Fetch-before-use and ``InspectModel`` (see module docstring); the state is set by
-    :class:`~warmserve_agent.service.AgentService`."""
+class FetchCoordinator:
+    """Fetch-before-use and ``InspectModel`` (see module docstring)."""
 
-    core: NodeCore
-    fetcher: ModelFetcher | None
+    def __init__(self, core: NodeCore, fetcher: ModelFetcher | None) -> None:
+        self.core = core
+        self.fetcher = fetcher
 
     # ---- fetching models into the store ----------------------------------------------------
-    def _pin(self, model: str) -> contextlib.AbstractContextManager[None]:
+    def pin(self, model: str) -> contextlib.AbstractContextManager[None]:
+        """Never evict ``model`` from the store inside this block (fetch until its slot)."""
         return self.fetcher.pinned(model) if self.fetcher else contextlib.nullcontext()
 
-    async def _fetch(
+    def touch(self, model: str) -> None:
+        """Mark ``model`` used now (LRU order of the store's eviction)."""
+        if self.fetcher is not None:
+            self.fetcher.touch(model)
+
+    async def fetch(
         self, model: str, source: str, gpus: list[int] | None, context: Any
     ) -> AsyncIterator[pb.FetchInfo]:
         """Make ``model`` present (fetching it from ``source``), yielding progress while a fetch
@@ -50,8 +57,7 @@ class ModelFetching:
         assert self.fetcher is not None
         try:
             if gpus is not None:
-                with self.core._lock:
-                    self.core._check_gpus(gpus)  # refuse a bad request before a long fetch
+                self.core.check_gpus(gpus)  # refuse a bad request before a long fetch
             fetch = await asyncio.to_thread(self.fetcher.ensure, model, source)
         except Refusal as r:
             await context.abort(grpc.StatusCode[r.code], r.message)
@@ -71,12 +77,12 @@ class ModelFetching:
         if fetch.error is not None:
             await context.abort(grpc.StatusCode[fetch.error.code], fetch.error.message)
 
-    async def InspectModel(self, request: pb.InspectModelRequest, context: Any) -> pb.ModelInfo:
+    async def inspect_model(self, request: pb.InspectModelRequest, context: Any) -> pb.ModelInfo:
         if self.fetcher is None or (not request.source and not self.core.store.has(request.model)):
             try:
                 m = await asyncio.to_thread(self.core.store.model, request.model)
             except StoreError as exc:
-                code = "NOT_FOUND" if "unknown model" in str(exc) else "INVALID_ARGUMENT"
+                code = "NOT_FOUND" if isinstance(exc, UnknownModel) else "INVALID_ARGUMENT"
                 await context.abort(grpc.StatusCode[code], str(exc))
             return pb.ModelInfo(
                 name=request.model,

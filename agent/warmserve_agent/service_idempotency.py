@@ -11,7 +11,9 @@ A :class:`~warmserve_agent.node_records.Refusal` carries the gRPC status name an
 person can act on; it becomes ``context.abort(code, message)`` through :func:`abort`, which bounds
 the message (printable, at most 1 KiB, :mod:`~warmserve_agent.safe_text`).
 
-The lowest layer of :class:`~warmserve_agent.service.AgentService` (see that module's docstring).
+:class:`IdempotentCalls` is the table of remembered ids; the servicer
+(:class:`~warmserve_agent.service.AgentService`) holds one and hands it to the prewarm and
+instance handlers.
 """
 
 from __future__ import annotations
@@ -26,10 +28,8 @@ from typing import Any
 import grpc
 
 from warmserve_agent.fencing import Fence, enforce
-from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import ID_RE, Refusal
 from warmserve_agent.safe_text import bounded, shown
-from warmserve_agent.sources.fetcher import ModelFetcher
 
 log = logging.getLogger("warmserve.agent.service")  # one logger for the whole service
 
@@ -50,16 +50,15 @@ async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
 
 
 class IdempotentCalls:
-    """Request-id checks and run-once semantics (see module docstring); the state is set by
-    :class:`~warmserve_agent.service.AgentService`."""
+    """Request-id checks and run-once semantics (see module docstring)."""
 
-    core: NodeCore
-    fetcher: ModelFetcher | None
-    fence: Fence
-    max_request_ids: int
-    _idem: OrderedDict[str, IdemEntry]
+    def __init__(self, fence: Fence, max_request_ids: int = 10000) -> None:
+        self.fence = fence
+        self.max_request_ids = max_request_ids
+        self._entries: OrderedDict[str, IdemEntry] = OrderedDict()
 
-    async def _check_request_id(self, rid: str, context: grpc.aio.ServicerContext) -> None:
+    @staticmethod
+    async def check_request_id(rid: str, context: grpc.aio.ServicerContext) -> None:
         if not rid:
             await abort(
                 context,
@@ -74,7 +73,7 @@ class IdempotentCalls:
                 f"malformed request_id {rid[:40]!r}: use 1-128 characters of [A-Za-z0-9._:-]",
             )
 
-    async def _once(
+    async def once(
         self,
         method: str,
         rid: str,
@@ -88,8 +87,8 @@ class IdempotentCalls:
         included: a deposed leader learns it is deposed.  It is not part of the fingerprint: a
         new leader repeating its predecessor's request id gets the first outcome."""
         await enforce(self.fence, method, token, context)
-        await self._check_request_id(rid, context)
-        entry = self._idem.get(rid)
+        await self.check_request_id(rid, context)
+        entry = self._entries.get(rid)
         if entry is not None:
             if entry.method != method or entry.fingerprint != fingerprint:
                 await abort(
@@ -105,9 +104,9 @@ class IdempotentCalls:
             task: asyncio.Future[Any] = asyncio.ensure_future(asyncio.to_thread(fn))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # mark retrieved
             entry = IdemEntry(method, fingerprint, task)
-            self._idem[rid] = entry
-            while len(self._idem) > self.max_request_ids:
-                self._idem.popitem(last=False)
+            self._entries[rid] = entry
+            while len(self._entries) > self.max_request_ids:
+                self._entries.popitem(last=False)
         try:
             return await asyncio.shield(entry.future), entry
         except Refusal as r:

@@ -7,7 +7,8 @@ moves an instance into its grace period, whose free KV pages can be lent to prew
 (proactive prewarming, §4.1, Eq. 1); ``GetLendable`` reports them; ``EndInstance`` ends it.  Each
 mutating call runs once per request id (:mod:`~warmserve_agent.service_idempotency`).
 
-A layer of :class:`~warmserve_agent.service.AgentService` (see that module's docstring).
+:class:`InstanceHandler` is held by the servicer (:class:`~warmserve_agent.service.AgentService`),
+which hands it the call table, the fetch coordinator and the describer.
 """
 
 from __future__ import annotations
@@ -19,17 +20,29 @@ import grpc
 
 from warmserve_agent.api.v1 import agent_pb2 as pb
 from warmserve_agent.fencing import enforce
+from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import Refusal
-from warmserve_agent.service_describe import Description
-from warmserve_agent.service_fetch import ModelFetching
+from warmserve_agent.service_describe import Describer
+from warmserve_agent.service_fetch import FetchCoordinator
 from warmserve_agent.service_idempotency import IdempotentCalls, abort
 
 
-class InstanceRPCs(IdempotentCalls, ModelFetching, Description):
-    """Instance lifecycle RPCs (see module docstring); the state is set by
-    :class:`~warmserve_agent.service.AgentService`."""
+class InstanceHandler:
+    """Instance lifecycle RPCs (see module docstring)."""
 
-    async def Activate(self, request: pb.ActivateRequest, context: Any) -> pb.ActivateResponse:
+    def __init__(
+        self,
+        core: NodeCore,
+        calls: IdempotentCalls,
+        fetches: FetchCoordinator,
+        describer: Describer,
+    ) -> None:
+        self.core = core
+        self.calls = calls
+        self.fetches = fetches
+        self.describer = describer
+
+    async def activate(self, request: pb.ActivateRequest, context: Any) -> pb.ActivateResponse:
         args = tuple(request.engine_args)
         fp = (
             request.model,
@@ -41,18 +54,18 @@ class InstanceRPCs(IdempotentCalls, ModelFetching, Description):
             args,
         )
         if request.source:
-            await enforce(self.fence, "Activate", request.fencing_token, context)
+            await enforce(self.calls.fence, "Activate", request.fencing_token, context)
             try:  # a bad engine or argument is refused before a fetch changes the store
                 self.core.check_engine(request.engine, args)
             except Refusal as r:
                 await abort(context, grpc.StatusCode[r.code], r.message)
-        with self._pin(request.model):
+        with self.fetches.pin(request.model):
             if request.source:
-                async for _ in self._fetch(
+                async for _ in self.fetches.fetch(
                     request.model, request.source, list(request.gpus), context
                 ):
                     pass  # progress shows in Describe/Watch; Activate answers once
-            (inst, evicted), _ = await self._once(
+            (inst, evicted), _ = await self.calls.once(
                 "Activate",
                 request.request_id,
                 fp,
@@ -67,19 +80,18 @@ class InstanceRPCs(IdempotentCalls, ModelFetching, Description):
                 ),
                 request.fencing_token,
             )
-        if self.fetcher is not None:
-            self.fetcher.touch(request.model)
+        self.fetches.touch(request.model)
         return pb.ActivateResponse(
-            instance=self.instance_pb(inst),
+            instance=self.describer.instance_pb(inst),
             prewarm_hit=inst.prewarm_hit,
             activation_seconds=inst.activation_seconds,
             evicted_slot_ids=evicted,
         )
 
-    async def BeginGrace(
+    async def begin_grace(
         self, request: pb.BeginGraceRequest, context: Any
     ) -> pb.BeginGraceResponse:
-        inst, _ = await self._once(
+        inst, _ = await self.calls.once(
             "BeginGrace",
             request.request_id,
             (request.instance_id,),
@@ -87,12 +99,12 @@ class InstanceRPCs(IdempotentCalls, ModelFetching, Description):
             lambda: self.core.begin_grace(request.instance_id),
             request.fencing_token,
         )
-        return pb.BeginGraceResponse(instance=self.instance_pb(inst))
+        return pb.BeginGraceResponse(instance=self.describer.instance_pb(inst))
 
-    async def EndInstance(
+    async def end_instance(
         self, request: pb.EndInstanceRequest, context: Any
     ) -> pb.EndInstanceResponse:
-        inst, _ = await self._once(
+        inst, _ = await self.calls.once(
             "EndInstance",
             request.request_id,
             (request.instance_id, request.evict_weights),
@@ -103,11 +115,11 @@ class InstanceRPCs(IdempotentCalls, ModelFetching, Description):
         gs = set(inst.gpus)
         return pb.EndInstanceResponse(
             instance_id=inst.instance_id,
-            gpus=[self.gpu_pb(g) for g in inst.gpus],
-            slots=[self.slot_pb(s) for s in self.core.slots.values() if gs & set(s.gpus)],
+            gpus=[self.describer.gpu_pb(g) for g in inst.gpus],
+            slots=[self.describer.slot_pb(s) for s in self.core.slots.values() if gs & set(s.gpus)],
         )
 
-    async def GetLendable(self, request: pb.LendableRequest, context: Any) -> pb.LendableResponse:
+    async def get_lendable(self, request: pb.LendableRequest, context: Any) -> pb.LendableResponse:
         try:
             rows = await asyncio.to_thread(self.core.lendable, list(request.instance_ids))
         except Refusal as r:

@@ -6,32 +6,47 @@ slots) fetches the model first when it names a ``source``, admits the slot once 
 layers are resident; a replay after the slot went away gets the last progress message sent.
 ``Evict`` frees a slot's pages and answers the GPUs it touched.
 
-A layer of :class:`~warmserve_agent.service.AgentService` (see that module's docstring).
+:class:`PrewarmHandler` is held by the servicer (:class:`~warmserve_agent.service.AgentService`),
+which hands it the call table, the fetch coordinator, the describer and the Watch hub's
+``waker`` (an event set whenever the core changed, so a stream waits without polling).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
 from warmserve_agent.api.v1 import agent_pb2 as pb
 from warmserve_agent.fencing import enforce
-from warmserve_agent.service_describe import Description
-from warmserve_agent.service_fetch import ModelFetching
+from warmserve_agent.node import NodeCore
+from warmserve_agent.service_describe import Describer
+from warmserve_agent.service_fetch import FetchCoordinator
 from warmserve_agent.service_idempotency import IdempotentCalls, abort
+from warmserve_agent.wire import SlotState
 
 
-class PrewarmRPCs(IdempotentCalls, ModelFetching, Description):
-    """``Prewarm`` and ``Evict`` (see module docstring); the state is set by
-    :class:`~warmserve_agent.service.AgentService`."""
+class PrewarmHandler:
+    """``Prewarm`` and ``Evict`` (see module docstring)."""
 
-    _wakers: set[asyncio.Event]  # set by the Watch fan-out when anything changed
+    def __init__(
+        self,
+        core: NodeCore,
+        calls: IdempotentCalls,
+        fetches: FetchCoordinator,
+        describer: Describer,
+        waker: Callable[[], contextlib.AbstractContextManager[asyncio.Event]],
+    ) -> None:
+        self.core = core
+        self.calls = calls
+        self.fetches = fetches
+        self.describer = describer
+        self.waker = waker
 
-    async def Prewarm(
+    async def prewarm(
         self, request: pb.PrewarmRequest, context: Any
     ) -> AsyncIterator[pb.PrewarmProgress]:
         fp = (
@@ -41,78 +56,75 @@ class PrewarmRPCs(IdempotentCalls, ModelFetching, Description):
             request.owner,
             request.source,
         )
-        changed = asyncio.Event()
-        self._wakers.add(changed)
-        pin = self._pin(request.model)
-        pin.__enter__()
         try:
-            if request.source:  # a deposed leader's call must not fill the store either
-                await enforce(self.fence, "Prewarm", request.fencing_token, context)
-                async for info in self._fetch(
-                    request.model, request.source, list(request.gpus), context
-                ):
-                    yield pb.PrewarmProgress(fetch=info)
-            slot, entry = await self._once(
-                "Prewarm",
-                request.request_id,
-                fp,
-                context,
-                lambda: self.core.prewarm(
-                    request.model, request.gpus, request.layers, request.owner
-                ),
-                request.fencing_token,
-            )
-            last: tuple[Any, ...] | None = None
-            while True:
-                changed.clear()  # before reading the state: a change from here on wakes us
-                live = self.core.slots.get(slot.slot_id) is slot
-                if not live:
-                    if entry.final is not None:  # replay after the slot went away
-                        yield entry.final
-                        return
-                    await abort(
-                        context,
-                        grpc.StatusCode.ABORTED,
-                        f"slot {slot.slot_id} was evicted before {request.model} finished "
-                        "loading; prewarm again with a new request_id",
+            with self.waker() as changed, self.fetches.pin(request.model):
+                if request.source:  # a deposed leader's call must not fill the store either
+                    await enforce(self.calls.fence, "Prewarm", request.fencing_token, context)
+                    async for info in self.fetches.fetch(
+                        request.model, request.source, list(request.gpus), context
+                    ):
+                        yield pb.PrewarmProgress(fetch=info)
+                slot, entry = await self.calls.once(
+                    "Prewarm",
+                    request.request_id,
+                    fp,
+                    context,
+                    lambda: self.core.prewarm(
+                        request.model, request.gpus, request.layers, request.owner
+                    ),
+                    request.fencing_token,
+                )
+                last: tuple[Any, ...] | None = None
+                while True:
+                    changed.clear()  # before reading the state: a change from here on wakes us
+                    live = self.core.slots.get(slot.slot_id) is slot
+                    if not live:
+                        if entry.final is not None:  # replay after the slot went away
+                            yield entry.final
+                            return
+                        await abort(
+                            context,
+                            grpc.StatusCode.ABORTED,
+                            f"slot {slot.slot_id} was evicted before {request.model} finished "
+                            "loading; prewarm again with a new request_id",
+                        )
+                    if slot.state == SlotState.FAILED:
+                        await abort(
+                            context,
+                            grpc.StatusCode.INTERNAL,
+                            f"slot {slot.slot_id}: {slot.message}; evict it and retry",
+                        )
+                    # READY is set by the loader after the last layer lands (and the promise is
+                    # released); an active slot keeps loading while it serves.
+                    done = (
+                        slot.layers_resident >= slot.layers_target
+                        and slot.state != SlotState.LOADING
                     )
-                if slot.state == "failed":
-                    await abort(
-                        context,
-                        grpc.StatusCode.INTERNAL,
-                        f"slot {slot.slot_id}: {slot.message}; evict it and retry",
-                    )
-                # "ready" is set by the loader after the last layer lands (and the promise is
-                # released); an active slot keeps loading while it serves.
-                done = slot.layers_resident >= slot.layers_target and slot.state != "loading"
-                key = (slot.layers_resident, slot.state, done)
-                if key != last:
-                    last = key
-                    msg = pb.PrewarmProgress(
-                        slot_id=slot.slot_id,
-                        layers_loaded=slot.layers_resident,
-                        layers_target=slot.layers_target,
-                        bytes_loaded=slot.resident_bytes,
-                        bytes_target=slot.layout.bytes_for_layers(slot.layers_target),
-                        bandwidth_bytes_per_s=slot.bandwidth,
-                        done=done,
-                        slot=self.slot_pb(slot),
-                    )
+                    key = (slot.layers_resident, slot.state, done)
+                    if key != last:
+                        last = key
+                        msg = pb.PrewarmProgress(
+                            slot_id=slot.slot_id,
+                            layers_loaded=slot.layers_resident,
+                            layers_target=slot.layers_target,
+                            bytes_loaded=slot.resident_bytes,
+                            bytes_target=slot.layout.bytes_for_layers(slot.layers_target),
+                            bandwidth_bytes_per_s=slot.bandwidth,
+                            done=done,
+                            slot=self.describer.slot_pb(slot),
+                        )
+                        if done:
+                            entry.final = msg
+                        yield msg
                     if done:
-                        entry.final = msg
-                    yield msg
-                if done:
-                    return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), timeout=0.5)
+                        return
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(changed.wait(), timeout=0.5)
         finally:
-            self._wakers.discard(changed)
-            pin.__exit__(None, None, None)
-            if self.fetcher is not None:
-                self.fetcher.touch(request.model)
+            self.fetches.touch(request.model)
 
-    async def Evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:
-        (slot, freed), _ = await self._once(
+    async def evict(self, request: pb.EvictRequest, context: Any) -> pb.EvictResponse:
+        (slot, freed), _ = await self.calls.once(
             "Evict",
             request.request_id,
             (request.slot_id,),
@@ -123,5 +135,5 @@ class PrewarmRPCs(IdempotentCalls, ModelFetching, Description):
         return pb.EvictResponse(
             slot_id=slot.slot_id,
             freed_bytes_per_gpu=freed * self.core.page,
-            gpus=[self.gpu_pb(g) for g in slot.gpus],
+            gpus=[self.describer.gpu_pb(g) for g in slot.gpus],
         )

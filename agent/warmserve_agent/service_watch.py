@@ -5,11 +5,12 @@ worker (Figure 5 state, §4), the prewarm slot (§4.1), the instance or the mode
 is fanned out once (one hop onto the event loop, converted to protobuf once for all watchers) into
 per-watcher queues of at most ``max_watch_queue`` events; a watcher whose queue overflows or that
 does not take a message for ``watch_write_timeout_s`` (a client that stopped reading) is dropped
-with RESOURCE_EXHAUSTED and must re-Watch with a snapshot (issue 16: 20 stalled watchers made the
+with RESOURCE_EXHAUSTED and must re-Watch with a snapshot (unbounded, 20 stalled watchers made the
 agent ~4x slower and held 8 MB).  The same fan-out wakes ``Prewarm`` streams waiting for their
-slot to change.
+slot to change (:meth:`WatchHub.waker`).
 
-A layer of :class:`~warmserve_agent.service.AgentService` (see that module's docstring).
+:class:`WatchHub` subscribes to the node core's events; the servicer
+(:class:`~warmserve_agent.service.AgentService`) holds it and hands it to the prewarm handler.
 """
 
 from __future__ import annotations
@@ -19,27 +20,30 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from warmserve_agent.api.v1 import agent_pb2 as pb
-from warmserve_agent.node_records import Event
-from warmserve_agent.service_describe import Description
+from warmserve_agent.node import NodeCore
+from warmserve_agent.node_records import Event, EventKind
+from warmserve_agent.service_describe import Describer
 from warmserve_agent.service_idempotency import abort
+from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.sources.wire import fetch_pb
 
 log = logging.getLogger("warmserve.agent.service")  # one logger for the whole service
 
 _KIND = {
-    "gpu": pb.WatchEvent.KIND_GPU,
-    "slot": pb.WatchEvent.KIND_SLOT,
-    "slot_removed": pb.WatchEvent.KIND_SLOT_REMOVED,
-    "instance": pb.WatchEvent.KIND_INSTANCE,
-    "instance_removed": pb.WatchEvent.KIND_INSTANCE_REMOVED,
-    "worker_replaced": pb.WatchEvent.KIND_WORKER_REPLACED,
-    "fetch": pb.WatchEvent.KIND_FETCH,
+    EventKind.GPU: pb.WatchEvent.KIND_GPU,
+    EventKind.SLOT: pb.WatchEvent.KIND_SLOT,
+    EventKind.SLOT_REMOVED: pb.WatchEvent.KIND_SLOT_REMOVED,
+    EventKind.INSTANCE: pb.WatchEvent.KIND_INSTANCE,
+    EventKind.INSTANCE_REMOVED: pb.WatchEvent.KIND_INSTANCE_REMOVED,
+    EventKind.WORKER_REPLACED: pb.WatchEvent.KIND_WORKER_REPLACED,
+    EventKind.FETCH: pb.WatchEvent.KIND_FETCH,
 }
 
 
@@ -54,17 +58,29 @@ class Watcher:
     deadline: asyncio.Timeout | None = None  # of the write in progress, if any
 
 
-class WatchStreams(Description):
-    """Event fan-out and ``Watch`` (see module docstring); the state is set by
-    :class:`~warmserve_agent.service.AgentService`."""
+class WatchHub:
+    """Event fan-out and ``Watch`` (see module docstring)."""
 
-    max_watch_queue: int
-    watch_write_timeout_s: float
-    watchers_dropped: int
-    _watchers: set[Watcher]
-    _wakers: set[asyncio.Event]  # Prewarm streams: "something changed"
-    _pb_cache: OrderedDict[int, pb.WatchEvent]
-    _loop: asyncio.AbstractEventLoop | None
+    def __init__(
+        self,
+        core: NodeCore,
+        describer: Describer,
+        fetcher: ModelFetcher | None,
+        *,
+        max_watch_queue: int = 1024,
+        watch_write_timeout_s: float = 30.0,
+    ) -> None:
+        self.core = core
+        self.describer = describer
+        self.fetcher = fetcher
+        self.max_watch_queue = max_watch_queue
+        self.watch_write_timeout_s = watch_write_timeout_s
+        self.watchers_dropped = 0
+        self._watchers: set[Watcher] = set()
+        self._wakers: set[asyncio.Event] = set()  # Prewarm streams: "something changed"
+        self._pb_cache: OrderedDict[int, pb.WatchEvent] = OrderedDict()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        core.subscribe(self._on_event)
 
     # ---- event fan-out ---------------------------------------------------------------------
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -115,13 +131,23 @@ class WatchStreams(Description):
     def publish(self, ev: Event) -> None:
         self._on_event(ev)
 
+    @contextlib.contextmanager
+    def waker(self) -> Iterator[asyncio.Event]:
+        """An event set whenever anything changed, for a stream waiting on the core."""
+        changed = asyncio.Event()
+        self._wakers.add(changed)
+        try:
+            yield changed
+        finally:
+            self._wakers.discard(changed)
+
     # ---- RPC ------------------------------------------------------------------------------
-    async def Watch(self, request: pb.WatchRequest, context: Any) -> None:
+    async def watch(self, request: pb.WatchRequest, context: Any) -> None:
         w = Watcher()
         self._watchers.add(w)
         try:
             if request.include_snapshot:
-                snap = await asyncio.to_thread(self.describe_pb, False)
+                snap = await asyncio.to_thread(self.describer.describe_pb, False)
                 await self._write(
                     context,
                     w,
@@ -176,14 +202,15 @@ class WatchStreams(Description):
             subject_id=ev.subject,
             message=ev.message,
         )
+        describer = self.describer
         try:
-            if ev.kind in ("gpu", "worker_replaced"):
-                out.gpu.CopyFrom(self.gpu_pb(int(ev.subject)))
-            elif ev.kind == "slot" and ev.subject in self.core.slots:
-                out.slot.CopyFrom(self.slot_pb(self.core.slots[ev.subject]))
-            elif ev.kind == "instance" and ev.subject in self.core.instances:
-                out.instance.CopyFrom(self.instance_pb(self.core.instances[ev.subject]))
-            elif ev.kind == "fetch" and self.fetcher is not None:
+            if ev.kind in (EventKind.GPU, EventKind.WORKER_REPLACED):
+                out.gpu.CopyFrom(describer.gpu_pb(int(ev.subject)))
+            elif ev.kind == EventKind.SLOT and ev.subject in self.core.slots:
+                out.slot.CopyFrom(describer.slot_pb(self.core.slots[ev.subject]))
+            elif ev.kind == EventKind.INSTANCE and ev.subject in self.core.instances:
+                out.instance.CopyFrom(describer.instance_pb(self.core.instances[ev.subject]))
+            elif ev.kind == EventKind.FETCH and self.fetcher is not None:
                 st = next((f for f in self.fetcher.statuses() if f.model == ev.subject), None)
                 if st is not None:
                     out.fetch.CopyFrom(fetch_pb(st))

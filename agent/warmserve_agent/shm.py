@@ -1,5 +1,5 @@
 """Per-agent directories of simulated GPU memory (``/dev/shm/warmserve-<node>-<id>``), owned for the
-agent's lifetime, and cleaning up after agents that died (issue 16).
+agent's lifetime, and cleaning up after agents that died.
 
 A directory holds one sparse file per simulated GPU; in a pod ``/dev/shm`` is an in-memory
 ``emptyDir`` that outlives a container restart, so a ``kill -9``-ed agent used to leave its

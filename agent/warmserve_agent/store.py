@@ -56,19 +56,13 @@ from pathlib import Path
 
 from warmserve.modelref import SourceURIError, model_of_store_entry, store_dirname
 from warmserve_agent.safe_text import shown, shown_names
+from warmserve_agent.store_errors import StoreError, UnknownModel
+from warmserve_agent.store_layout import upgrade_layout
 
 ALIGN = 256
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 _EMBED_RE = re.compile(r"embed|(?:^|\.)wte(?:\.|$)|(?:^|\.)wpe(?:\.|$)")
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
-
-
-class StoreError(ValueError):
-    """A model missing from or malformed in the weight store (message says what to fix)."""
-
-
-class UnknownModel(StoreError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -273,8 +267,6 @@ class WeightStore:
 
     def upgrade_layout(self) -> list[str]:
         """Move models of the earlier nested layout to this one (:mod:`.store_layout`)."""
-        from warmserve_agent.store_layout import upgrade_layout
-
         return upgrade_layout(self)
 
     def model(self, name: str) -> ModelEntry:

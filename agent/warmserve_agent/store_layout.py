@@ -16,21 +16,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 from warmserve.modelref import STORE_SEP, SourceURIError, check_model_name, model_of_store_entry
-
-if TYPE_CHECKING:
-    from warmserve_agent.store import WeightStore
+from warmserve_agent.store_errors import StoreError
 
 log = logging.getLogger("warmserve.agent.store")
 
 
-def upgrade_layout(store: WeightStore) -> list[str]:
+class StoreLike(Protocol):
+    """What the upgrade needs of :class:`~warmserve_agent.store.WeightStore`."""
+
+    root: Path
+
+    def model_path(self, name: str) -> Path: ...
+
+
+def upgrade_layout(store: StoreLike) -> list[str]:
     """The names moved from ``<root>/ORG/NAME`` to ``<root>/ORG~NAME``; StoreError naming what
     could not be moved (module docstring)."""
-    from warmserve_agent.store import StoreError
-
     root = store.root
     if not root.is_dir():
         return []

@@ -2,7 +2,9 @@
 
 Each GPU has one long-lived worker process that hosts the engine while the GPU is dedicated
 (or in grace).  The agent talks to it over a ``multiprocessing`` pipe with a tiny request/answer
-protocol: ``(command, kwargs)`` -> ``("ok", result)`` or ``("err", message)``.  Commands:
+protocol: ``(command, kwargs)`` -> ``(Reply.OK, result)`` or ``(Reply.ERR, record)``, the record
+a typed, versioned :class:`~warmserve_agent.worker_errors.WorkerFault` that the agent re-raises
+as the exception the worker raised (:mod:`~warmserve_agent.worker_errors`).  Commands:
 ``ping``, ``bind`` (attach to a GPU), ``start_engine`` (an
 :class:`~warmserve_agent.engines.spec.EngineSpec`; the engine class comes from the registry by
 ``spec.engine``), ``layers_ready``, ``set_kv_capacity``, ``stats``, ``stop_engine``, ``exit``.
@@ -41,6 +43,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from warmserve_agent.worker_env import worker_environ
+from warmserve_agent.worker_errors import Reply, WorkerError, WorkerFault
 
 log = logging.getLogger("warmserve.agent.worker")
 
@@ -48,14 +51,10 @@ log = logging.getLogger("warmserve.agent.worker")
 _CHILD = "from warmserve_agent.worker import _child_main; _child_main()"
 
 
-class WorkerError(RuntimeError):
-    """A worker refused a command or died; the message says which and why."""
-
-
 def timeout_for_bytes(
     nbytes: int, *, floor_s: float = 60.0, min_bytes_per_s: float = 100e6
 ) -> float:
-    """Timeout of a worker call that moves or hashes ``nbytes`` (issue 13 item 6): a floor for
+    """Timeout of a worker call that moves or hashes ``nbytes``: a floor for
     the fixed costs plus the bytes at a deliberately slow rate (100 MB/s, well under disk reads,
     PCIe copies and blake2b), so a 70 GB model's verification is not cut off at 30 s while a
     hung worker is still noticed."""
@@ -166,13 +165,13 @@ def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> 
         except (EOFError, OSError):
             break  # the agent is gone
         if cmd == "exit":
-            conn.send(("ok", None))
+            conn.send((Reply.OK, None))
             break
         try:
             result = handlers[cmd](**kwargs)
-            conn.send(("ok", result))
+            conn.send((Reply.OK, result))
         except Exception as exc:
-            conn.send(("err", f"{type(exc).__name__}: {exc}"))
+            conn.send((Reply.ERR, WorkerFault.of(exc).to_wire()))
     stop_engine()
     if state.get("mem") is not None:
         state["mem"].close()
@@ -247,8 +246,8 @@ class WorkerHandle:
                 status, result = self.conn.recv()
             except (EOFError, OSError, BrokenPipeError) as exc:
                 raise WorkerError(f"worker pid {self.pid} (gpu {self.gpu}) died: {exc}") from None
-        if status != "ok":
-            raise WorkerError(f"worker gpu {self.gpu}: {cmd} failed: {result}")
+        if status != Reply.OK:
+            raise WorkerFault.from_wire(result).exception(f"worker gpu {self.gpu}: {cmd} failed")
         return result
 
     def wait_ready(self, timeout_s: float = 300.0) -> dict[str, Any]:

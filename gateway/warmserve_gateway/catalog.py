@@ -51,6 +51,7 @@ class InstanceRef:
     url: str
     phase: str  # starting | serving | grace
     node: str = ""  # the node the deployment's status names ("" when it names none)
+    prewarm_hit: bool = False  # its start was a prewarm hit (status, for tracing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,7 @@ def parse_deployment(body: Mapping[str, Any]) -> Deployment:
                     str(i.get("endpoint") or "").rstrip("/"),
                     str(i.get("phase") or ""),
                     str(i.get("node") or ""),
+                    i.get("prewarmHit") is True,
                 )
             )
     ready = next(

@@ -5,6 +5,8 @@
 #   prometheus  Prometheus server (tags remove_all_sd: service discovery plug-ins left out; the
 #               tests use static targets) - the dashboard test queries every panel through it
 #   versitygw   Versity S3 Gateway (posix backend) - the S3-compatible server of the s3:// tests
+#   otelcol     a minimal OpenTelemetry Collector (OTLP receiver + file exporter; main.go in
+#               hack/testbin/otelcol) - the tracing tests' OTLP receiver
 #
 # usage: hack/testbin/build.sh NAME [NAME...]     hack/testbin/build.sh --print-versions
 # Binaries land in ${WARMSERVE_TESTBIN_CACHE:-$HOME/.cache/warmserve-testbin}/<name>-<key>/, where
@@ -23,12 +25,13 @@ die() { printf '[testbin] ERROR: %s\n' "$*" >&2; exit 1; }
 version_of() { awk -v m="$2" '$1==m {print $2; exit} $1=="require" && $2==m {print $3; exit}' "$HERE/$1/go.mod"; }
 
 if [ "${1:-}" = "--print-versions" ]; then
-  printf 'prometheus %s\nversitygw %s\n' \
+  printf 'prometheus %s\nversitygw %s\notelcol %s\n' \
     "$(version_of prometheus github.com/prometheus/prometheus)" \
-    "$(version_of versitygw github.com/versity/versitygw)"
+    "$(version_of versitygw github.com/versity/versitygw)" \
+    "$(version_of otelcol go.opentelemetry.io/collector/otelcol)"
   exit 0
 fi
-[ $# -ge 1 ] || die "usage: build.sh NAME [NAME...] (prometheus, versitygw)"
+[ $# -ge 1 ] || die "usage: build.sh NAME [NAME...] (prometheus, versitygw, otelcol)"
 command -v go >/dev/null || die "go is not on PATH (Go >= 1.26 builds the test servers)"
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
 CACHE=${WARMSERVE_TESTBIN_CACHE:-$HOME/.cache/warmserve-testbin}
@@ -48,9 +51,19 @@ for name in "$@"; do
       tags=""
       ldflags="-s -w"
       ;;
-    *) die "unknown test server '$name' (prometheus, versitygw)" ;;
+    otelcol)
+      # The wrapper module's own main package (main.go): only the components the tests use.
+      pkg=.
+      tags=""
+      ldflags="-s -w -X main.version=$(version_of otelcol go.opentelemetry.io/collector/otelcol)"
+      ;;
+    *) die "unknown test server '$name' (prometheus, versitygw, otelcol)" ;;
   esac
-  key=$( { echo "$BUILD_REV"; cat "$HERE/$name/go.mod" "$HERE/$name/go.sum"; } | sha256sum | cut -c1-12)
+  # The key hashes the pins, and a wrapper's own main.go where it has one (otelcol).
+  main_go=()
+  [ -f "$HERE/$name/main.go" ] && main_go=("$HERE/$name/main.go")
+  key=$( { echo "$BUILD_REV"; cat "$HERE/$name/go.mod" "$HERE/$name/go.sum" "${main_go[@]}"; } \
+    | sha256sum | cut -c1-12)
   dest="$CACHE/$name-$key"
   link() {
     mkdir -p "$ROOT/.testbin"

@@ -18,6 +18,7 @@ from typing import Any
 
 from warmserve.control.decisions import Drain, EndGrace, Evict, Prewarm, Start
 
+from . import tracing
 from .actions import Action, describe
 from .agents import AgentPort
 from .context import PollContext
@@ -154,6 +155,7 @@ class Actor:
             a.request_id,
             describe(d),
         )
+        span = tracing.begin(d, verb, a.request_id)  # None unless tracing is on
         try:
             if a.fetching:  # a cold start on a node whose store lacks the model
                 msg = f"node {d.node} is fetching {d.model} from {a.source} to start it"
@@ -163,6 +165,7 @@ class Actor:
                 msg = f"node {d.node} fetched {d.model} from {a.source}"
                 await self.post(a.about, "Normal", "Fetched", msg)
             if res is not None:
+                tracing.started(span, res.instance.instance_id, res.hit, res.activation_s)
                 self._started(a, res)
                 await self.post(
                     a.about,
@@ -179,6 +182,7 @@ class Actor:
                 await self.post(a.about, "Normal", EVENT[type(d)], describe(d))
             self.metrics.actions.labels(verb, "ok").inc()
         except AgentCallError as exc:
+            tracing.failed(span, exc.code, exc.message)
             self.metrics.actions.labels(verb, exc.code).inc()
             log.warning(
                 "event=action_failed verb=%s node=%s model=%s code=%s message=%r",
@@ -190,9 +194,11 @@ class Actor:
             )
             await self.post(a.about, "Warning", "AgentRefused", f"{describe(d)}: {exc}")
         except (TimeoutError, OSError) as exc:
+            tracing.failed(span, "error", str(exc))
             self.metrics.actions.labels(verb, "error").inc()
             log.warning("event=action_error verb=%s node=%s error=%r", verb, d.node, str(exc))
         finally:
+            tracing.end(span)
             # Not a Describe per call (1,000 prewarms made 1,000 Describes of one agent): the
             # loop's next poll, now, describes every agent once.
             self.landed()

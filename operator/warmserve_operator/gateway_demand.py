@@ -31,6 +31,11 @@ model name); each entry also names the deployment's ``namespace`` (the tenant). 
 enters the demand; ``inflight`` (what the replica forwarded and is still streaming) is
 informational — those requests are already counted by the agents.
 
+With tracing on, a model's entry may also carry ``traces``: the W3C ``traceparent`` of up to
+:data:`MAX_TRACES` of its held (sampled) requests, oldest first, so the operator's start span
+links to the requests that woke it.  Optional both ways: a gateway without tracing omits it and
+an operator that does not know it ignores it.  Links only: traces never add to the demand.
+
 **Tenancy.**  A namespace's held requests count as its demand only up to
 ``held_per_namespace`` in all (summed over replicas, spread over its models in proportion:
 :func:`warmserve.policy.fairness.cap_per_group`), so flooding a gateway cannot buy GPUs beyond
@@ -53,12 +58,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from warmserve.policy.fairness import cap_per_group
+from warmserve.tracing import valid_traceparent
 
 log = logging.getLogger("warmserve.operator.gateway_demand")
 
 DEMAND_API_VERSION = "warmserve.io/demand/v1"
 DEMAND_PATH = "/demand"
 HEARTBEAT_S = 2.0
+MAX_TRACES = 8  # held requests' trace contexts per model in one report, and linked per start
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -73,6 +80,25 @@ class ModelDemand:
     held: int = 0
     inflight: int = 0
     namespace: str = ""  # the deployment's namespace ("" from a gateway before tenancy)
+    traces: tuple[str, ...] = ()  # traceparents of held requests (tracing on), oldest first
+
+
+def _model_json(d: ModelDemand) -> dict[str, Any]:
+    doc: dict[str, Any] = {"held": d.held, "inflight": d.inflight}
+    if d.namespace:
+        doc["namespace"] = d.namespace
+    if d.traces:
+        doc["traces"] = list(d.traces)
+    return doc
+
+
+def _traces(name: str, v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or len(v) > MAX_TRACES:
+        raise DemandError(f"models[{name!r}].traces must be a list of at most {MAX_TRACES}")
+    for tp in v:
+        if not isinstance(tp, str) or not valid_traceparent(tp):
+            raise DemandError(f"models[{name!r}].traces: {str(tp)[:80]!r} is not a W3C traceparent")
+    return tuple(v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,14 +116,7 @@ class DemandReport:
             "replica": self.replica,
             "startedAt": self.started_unix,
             "seq": self.seq,
-            "models": {
-                m: {
-                    "held": d.held,
-                    "inflight": d.inflight,
-                    **({"namespace": d.namespace} if d.namespace else {}),
-                }
-                for m, d in sorted(self.models.items())
-            },
+            "models": {m: _model_json(d) for m, d in sorted(self.models.items())},
         }
 
     @classmethod
@@ -122,7 +141,7 @@ class DemandReport:
             ns = d.get("namespace", "")
             if not isinstance(ns, str) or (ns and not _NAMESPACE.match(ns)):
                 raise DemandError(f"models[{name!r}].namespace must be a namespace name")
-            out[name] = ModelDemand(held, inflight, ns)
+            out[name] = ModelDemand(held, inflight, ns, _traces(name, d.get("traces", [])))
         started, seq = doc.get("startedAt", 0.0), doc.get("seq", 0)
         if isinstance(started, bool) or not isinstance(started, int | float):
             raise DemandError("startedAt must be a number")
@@ -147,6 +166,17 @@ def sum_held(
                 if d.namespace:
                     namespace.setdefault(model, d.namespace)
     return cap_per_group(total, namespace, held_per_namespace)
+
+
+def held_traces(reports: Sequence[DemandReport]) -> dict[str, tuple[str, ...]]:
+    """Per model, the held requests' traceparents over the replicas (at most MAX_TRACES)."""
+    out: dict[str, list[str]] = {}
+    for r in reports:
+        for model, d in r.models.items():
+            if d.traces:
+                got = out.setdefault(model, [])
+                got.extend(d.traces[: MAX_TRACES - len(got)])
+    return {m: tuple(t) for m, t in out.items()}
 
 
 # ----------------------------------------------------------------------------------- discovery
@@ -281,6 +311,7 @@ class GatewayHeld:
     held: Mapping[str, int]  # model -> requests held, summed over the replicas that answered
     replicas: int  # replicas that answered
     failed: tuple[str, ...] = ()  # replicas that did not (name: reason)
+    traces: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # held_traces()
 
 
 class GatewayDemand:
@@ -343,7 +374,12 @@ class GatewayDemand:
             else:
                 failed.append(f"{ep.name}: {res!r}")
                 log.debug("event=gateway_demand_failed gateway=%s error=%r", ep.name, str(res))
-        return GatewayHeld(sum_held(reports, self.held_per_namespace), len(reports), tuple(failed))
+        return GatewayHeld(
+            sum_held(reports, self.held_per_namespace),
+            len(reports),
+            tuple(failed),
+            held_traces(reports),
+        )
 
     # ---- wake-up streams ----------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from warmserve.control.controller import Controller
 from warmserve.control.decisions import Decisions
 from warmserve.policy.cluster import ModelSpec
 
+from . import tracing
 from .act import Actor
 from .actions import actions
 from .agents import AgentPool
@@ -308,6 +309,7 @@ class Reconciler:
             log.info("event=gateway_unreachable gateways=%r", list(got.failed))
         self.gateway_replicas = got.replicas
         self.metrics.gateway_replicas.set(got.replicas)
+        tracing.note_held(got.traces)  # a start of a model links to its held requests
         return got.held
 
     def _spec(self, uid: str) -> ModelSpec | None:

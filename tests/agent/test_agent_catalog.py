@@ -1,4 +1,4 @@
-"""The agent's model catalogue in Describe is cached, yet follows the store (issue 16: with 1,000
+"""The agent's model catalogue in Describe is cached, yet follows the store (with 1,000
 models, re-scanning the store on every Describe made every operator poll slow)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The weight data path: file ranges -> staging ring -> slot, in the process owning the memory.
 
 * With memory owned by the GPU workers, weights never cross the worker pipe: only
-  ``(address, file, offset, length)`` descriptors do (issue 13 item 2), measured on the pipe.
+  ``(address, file, offset, length)`` descriptors do, measured on the pipe.
 * The complete GPU path — ``CudaBackend`` inside worker processes, pinned ring, non-blocking
   stream, the engine verifying its slot by virtual address — runs here against the fake driver
   (``warmserve_agent.fake_cuda``, imported by the workers), so every driver misuse it models

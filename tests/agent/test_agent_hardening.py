@@ -1,4 +1,4 @@
-"""Agent items of issue 16: slow Watch clients, stale /dev/shm directories after ``kill -9``,
+"""Agent hardening: slow Watch clients, stale /dev/shm directories after ``kill -9``,
 error messages that echo unbounded input, and an unauthenticated API on a reachable address."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The runtime versions the package declares can run the gRPC code it ships (issue 13 item 6).
+"""The runtime versions the package declares can run the gRPC code it ships.
 
 The generated modules check their runtime at import: ``agent_pb2_grpc`` raises unless grpcio is
 at least the grpcio-tools version that generated it, and ``agent_pb2`` calls protobuf's

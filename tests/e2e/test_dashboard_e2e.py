@@ -28,10 +28,11 @@ from dashboard_support import finite_points, free_port, panels, promql, render_p
 from e2e_support import REPO, Load, instances_of, write_models
 from warmserve_agent.testing import write_model
 
-from tests.model_sources_support import HubServer, built_server, repo_from_dir
+from tests.model_sources_support import HubServer, repo_from_dir
 from warmserve.testing.procs import Procs, wait_for
 from warmserve.testing.stack import WINDOW_S as W
 from warmserve.testing.stack import Stack, seed_history
+from warmserve.testing.testbin import built_server
 
 SETTLE_S = 60.0
 

@@ -32,6 +32,8 @@ from warmserve.testing.stack import WINDOW_S as W
 
 SETTLE_S = 40.0
 WIDENED = "disable_log_stats"  # --disable-log-stats: not a tenant's by default (node metrics)
+# kv_events_config publishes the engine's KV-cache events to an endpoint: widenable, not a tenant's
+EVIL_EVENTS = '{"publisher": "zmq", "endpoint": "tcp://collector.evil:5557"}'
 
 
 def _md(ns: str, name: str, model: str, args: list[str]) -> dict[str, Any]:
@@ -168,7 +170,7 @@ def test_disallowed_engine_args_stop_at_admission_and_never_reach_the_agent(
         # the finding: remote code from a repository the tenant names
         _md(s.ns, "remote-code", "tiny-chat", ["--trust-remote-code", "--tokenizer", "evil/repo"]),
         # a network endpoint: widenable, but this admin did not
-        _md(s.ns, "traces", "tiny-big", ["--otlp-traces-endpoint=http://collector.evil:4317"]),
+        _md(s.ns, "events", "tiny-big", [f"--kv-events-config={EVIL_EVENTS}"]),
         # arguments every tenant may set: the operator acts on this one
         _md(s.ns, "plain", "tiny-code", ["--max-model-len=256", "--enforce-eager"]),
     )
@@ -176,7 +178,7 @@ def test_disallowed_engine_args_stop_at_admission_and_never_reach_the_agent(
     t0 = time.monotonic()
     s.serves("plain")
     s.refused("remote-code", "--trust-remote-code", "it can run code on the GPU node")
-    s.refused("traces", "--otlp-traces-endpoint", "--allow-engine-arg otlp_traces_endpoint")
+    s.refused("events", "--kv-events-config", "--allow-engine-arg kv_events_config")
     time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))  # several polls after admission
     s.never_reached_the_agent("tiny-chat", "tiny-big")
     assert "model=tiny-code" in (s.tmp / "agent.log").read_text()
@@ -187,9 +189,9 @@ def test_admin_widening_through_the_operator_and_agent_flags(ctx: dict[str, Any]
     s.apply(
         _md(s.ns, "widened", "tiny-code", ["--max-model-len=256", "--disable-log-stats"]),
         # widening one argument widens nothing else
-        _md(s.ns, "traces", "tiny-big", ["--otlp-traces-endpoint=http://collector.evil:4317"]),
+        _md(s.ns, "events", "tiny-big", [f"--kv-events-config={EVIL_EVENTS}"]),
     )
     s.start_operator()
     s.serves("widened")
-    s.refused("traces", "--otlp-traces-endpoint", "--allow-engine-arg otlp_traces_endpoint")
+    s.refused("events", "--kv-events-config", "--allow-engine-arg kv_events_config")
     s.never_reached_the_agent("tiny-big")

@@ -60,6 +60,7 @@ BAD = [
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
     (["--load-format", "safetensors"], "--load-format"),
     (["--device-ids", "0,1"], "--device-ids"),
+    (["--otlp-traces-endpoint", "http://attacker:4317"], "--otlp-traces-endpoint"),
 ]
 # (args, the argument the error must name): valid for vLLM, refused for tenants (the finding's
 # flags and their kin: code, class/module/plugin names, paths, network endpoints, hub fetches)
@@ -72,7 +73,8 @@ REFUSED = [
     (["-sc.model", "attacker/draft"], "-sc.model"),
     (["--kv-transfer-config", '{"kv_connector_module_path": "evil"}'], "--kv-transfer-config"),
     (["--reasoning-parser-plugin", "/tmp/evil.py"], "--reasoning-parser-plugin"),
-    (["--otlp-traces-endpoint", "http://attacker:4317"], "--otlp-traces-endpoint"),
+    (["--kv-events-config", '{"publisher": "zmq", "endpoint": "tcp://attacker:5557"}'],
+     "--kv-events-config"),
     (["--allowed-local-media-path", "/"], "--allowed-local-media-path"),
     (["--revision", "main"], "--revision"),
     (["--code-revision", "main"], "--code-revision"),
@@ -95,7 +97,7 @@ REFUSED = [
 # The reviewer's flags in every form vLLM's parser takes: each is refused, naming the flag.
 FINDING = ["--trust-remote-code", "--tokenizer", "--worker-extension-cls", "--logits-processors",
            "--speculative-config", "--kv-transfer-config", "--reasoning-parser-plugin",
-           "--otlp-traces-endpoint", "--allowed-local-media-path"]  # fmt: skip
+           "--kv-events-config", "--allowed-local-media-path"]  # fmt: skip
 
 
 def _forms(flag: str) -> list[tuple[list[str], str]]:
@@ -144,6 +146,19 @@ def test_tenants_cannot_set_what_runs_code_or_reaches_out(args: list[str], name:
     assert "not allowed for tenants" in str(e.value)
 
 
+@pytest.mark.parametrize(("args", "name"), _forms("--otlp-traces-endpoint"))
+def test_the_engines_trace_endpoint_is_warmserves_in_every_form(args: list[str], name: str) -> None:
+    """The agent starts engines with its own --otlp-traces-endpoint (the chart's
+    tracing.endpoint); a tenant's would send every request's trace where it likes.  Refused
+    under the tenant allowlist, the widest admin policy and after the policy (the agent)."""
+    widest = EngineArgPolicy.from_admin(sorted(WIDENABLE), sorted(CODE))
+    for policy in (DEFAULT_POLICY, widest, None):
+        with pytest.raises(EngineArgsError) as e:
+            parse_engine_args(args, policy=policy)
+        assert e.value.arg == name
+        assert "set by warmserve: traces go where the agent's" in str(e.value)
+
+
 def test_refusals_say_why_and_how_the_admin_widens() -> None:
     def why(args: list[str]) -> str:
         with pytest.raises(EngineArgsError) as e:
@@ -151,8 +166,8 @@ def test_refusals_say_why_and_how_the_admin_widens() -> None:
         return str(e.value)
 
     assert "runs the Python code of the model's repository" in why(["--trust-remote-code"])
-    msg = why(["--otlp-traces-endpoint", "http://x:4317"])
-    assert "network endpoint" in msg and "--allow-engine-arg otlp_traces_endpoint" in msg
+    msg = why(["--kv-events-config", '{"endpoint": "tcp://x:5557"}'])
+    assert "network endpoint" in msg and "--allow-engine-arg kv_events_config" in msg
     assert "engineArgs.extraAllowed" in msg
     assert "fetch" in why(["--tokenizer", "x/y"])
     assert "set by warmserve: the model is spec.model.name" in why(["--model", "x"])
@@ -161,10 +176,10 @@ def test_refusals_say_why_and_how_the_admin_widens() -> None:
 
 
 def test_admin_widening() -> None:
-    args = ["--otlp-traces-endpoint", "http://collector:4317"]
+    args = ["--kv-events-config", '{"publisher": "zmq", "endpoint": "tcp://collector:5557"}']
     with pytest.raises(EngineArgsError):
         validate_engine_args(args)
-    widened = EngineArgPolicy.from_admin(["otlp-traces-endpoint"], known=load_schema().dests)
+    widened = EngineArgPolicy.from_admin(["kv-events-config"], known=load_schema().dests)
     validate_engine_args(args, widened)
     with pytest.raises(EngineArgsError, match="--trust-remote-code"):
         validate_engine_args(["--trust-remote-code"], widened)

@@ -17,7 +17,7 @@ from warmserve.engine_args import (
 )
 
 WIDENED = EngineArgPolicy.from_admin(
-    ["otlp_traces_endpoint", "tokenizer", "disable_log_stats"], ["compilation_config"]
+    ["kv_events_config", "tokenizer", "disable_log_stats"], ["compilation_config"]
 )
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

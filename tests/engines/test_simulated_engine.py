@@ -1,5 +1,5 @@
 """The simulated engine through the engine boundary: queue bound, abandoned requests, engine
-args, TTFT stats (issue 16: 243 abandoned requests stayed queued and counted as load)."""
+args, TTFT stats (243 abandoned requests stayed queued and counted as load)."""
 
 from __future__ import annotations
 

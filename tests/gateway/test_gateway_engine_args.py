@@ -12,8 +12,9 @@ CALLER = frozenset({"default"})
 
 def test_gateway_routes_by_the_operators_admission_of_engine_args() -> None:
     # the admin allowed the endpoint; the instance's engine listens on the agent's host
-    widened = md("traced", "traced", [("i0", "http://127.0.0.1:8001")], node=NODE)
-    widened["spec"]["engine"] = {"args": ["--otlp-traces-endpoint", "http://collector:4317"]}
+    widened = md("events", "events", [("i0", "http://127.0.0.1:8001")], node=NODE)
+    kv_events = '{"publisher": "zmq", "endpoint": "tcp://collector:5557"}'
+    widened["spec"]["engine"] = {"args": ["--kv-events-config", kv_events]}
     refused = md("remote", "remote", [], ready_reason="InvalidSpec")
     refused["spec"]["engine"] = {"args": ["--trust-remote-code"]}
     why = "spec.engine.args: --trust-remote-code: not allowed for tenants: it can run code"
@@ -24,7 +25,7 @@ def test_gateway_routes_by_the_operators_admission_of_engine_args() -> None:
     assert mirror([widened])["spec"]["agentAddress"] == AGENT_ADDRESS
     c.replace_nodes([mirror([widened])])  # the operator's record of the instance
     c.replace([widened, refused, managed])
-    dep = c.resolve("traced", CALLER)
+    dep = c.resolve("events", CALLER)
     assert dep is not None and c.is_served(dep) and not dep.unservable()
     assert [i.instance_id for i in c.served[dep.key].serving] == ["i0"]
     dep = c.resolve("remote", CALLER)

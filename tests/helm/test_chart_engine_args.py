@@ -31,17 +31,17 @@ def test_widening_reaches_operator_and_agents_alike(k8s_bin_dir: Path) -> None:
     docs = _render(
         k8s_bin_dir,
         "--set-json",
-        'engineArgs.extraAllowed=["otlp_traces_endpoint", "--limit-mm-per-prompt"]',
+        'engineArgs.extraAllowed=["kv_events_config", "--limit-mm-per-prompt"]',
         "--set-json",
         'engineArgs.unsafeAllowCodeExecution=["trust_remote_code"]',
     )
     policies = set()
     for args in _args(docs).values():
-        assert "--allow-engine-arg=otlp_traces_endpoint" in args
+        assert "--allow-engine-arg=kv_events_config" in args
         assert "--unsafe-allow-code-engine-arg=trust_remote_code" in args
         policies.add(engine_arg_flags.policy(_parse_cli(args)))
     (policy,) = policies
-    assert policy.extra == {"otlp_traces_endpoint", "limit_mm_per_prompt"}
+    assert policy.extra == {"kv_events_config", "limit_mm_per_prompt"}
     assert policy.unsafe == {"trust_remote_code"}
 
 

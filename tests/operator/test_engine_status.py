@@ -51,16 +51,16 @@ async def test_disallowed_engine_arg_is_refused_at_admission_and_reaches_no_agen
 
 
 async def test_admin_widening_lets_a_deployment_through() -> None:
-    args = ["--otlp-traces-endpoint", "http://collector:4317"]
+    args = ["--kv-events-config", '{"publisher": "zmq", "endpoint": "tcp://collector:5557"}']
     h = Harness(nodes=1)
     h.kube.add_md("a", "llama-a", minInstances=1, engine={"args": args})
     await h.tick(4)
-    assert "--allow-engine-arg otlp_traces_endpoint" in h.cond("a", "Degraded")["message"]
+    assert "--allow-engine-arg kv_events_config" in h.cond("a", "Degraded")["message"]
     assert not h.instances("llama-a")
 
     from warmserve.engine_args import EngineArgPolicy
 
-    widened = EngineArgPolicy.from_admin(["otlp_traces_endpoint"])
+    widened = EngineArgPolicy.from_admin(["kv_events_config"])
     h = Harness(nodes=1)
     h.cfg = replace(h.cfg, engine_policy=widened)
     h.rec = h.new_reconciler()

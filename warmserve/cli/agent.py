@@ -12,6 +12,7 @@ import argparse
 import os
 from typing import Any
 
+from warmserve import tracing
 from warmserve.cli import CliError, engine_arg_flags
 from warmserve.cli.agent_fence import register as register_reset_fence
 from warmserve.cli.agent_inspect import inspect_agent
@@ -175,6 +176,7 @@ def register(subparsers: Any) -> None:
         help="host put in the endpoints Activate returns (default --engine-host; required "
         "with --engine-host 0.0.0.0, e.g. the pod IP)",
     )
+    tracing.add_arguments(p)  # the engines' traces (vLLM: --otlp-traces-endpoint)
     p.add_argument(
         "--engines",
         default="simulated",
@@ -335,6 +337,13 @@ def _config(args: argparse.Namespace) -> Any:
     kw: dict[str, Any] = {}
     if args.node_name:
         kw["node_name"] = args.node_name
+    try:
+        traces = tracing.from_args(args, "warmserve-engine")
+    except tracing.TracingConfigError as exc:
+        raise CliError(str(exc)) from None
+    if traces is not None:
+        kw["engine_traces_endpoint"] = traces.endpoint
+        kw["engine_trace_sample_ratio"] = traces.sample_ratio
     return AgentConfig(
         model_dir=model_dir,
         simulate_gpus=sim,

@@ -24,7 +24,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         dest="allow_engine_args",
         metavar="DEST",
         help="let tenants set this vLLM engine argument too (its dest or flag, e.g. "
-        "otlp_traces_endpoint; repeatable); arguments that can run code are refused here",
+        "kv_events_config; repeatable); arguments that can run code are refused here",
     )
     g.add_argument(
         "--unsafe-allow-code-engine-arg",

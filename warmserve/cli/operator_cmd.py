@@ -12,6 +12,7 @@ import socket
 import uuid
 from typing import Any
 
+from warmserve import tracing
 from warmserve.cli import DefaultsHelpFormatter, engine_arg_flags
 from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
 
@@ -265,6 +266,7 @@ def register(subparsers: Any) -> None:
         help="log level",
     )
     p.add_argument("--verbose", action="store_true", help="debug logging (= --log-level debug)")
+    tracing.add_arguments(p)  # its decisions as spans, linked to the held requests
     engine_arg_flags.add_flags(p)
     p.set_defaults(func=run)
 
@@ -308,6 +310,10 @@ def run(args: argparse.Namespace, connect_agent: Any = None) -> int:
     except TenancyError as exc:
         raise CliError(str(exc)) from exc
     try:
+        traces = tracing.from_args(args, "warmserve-operator")
+    except tracing.TracingConfigError as exc:
+        raise CliError(str(exc)) from None
+    try:
         from warmserve_operator.reconciler import OperatorConfig
 
         config = OperatorConfig(
@@ -340,6 +346,10 @@ def run(args: argparse.Namespace, connect_agent: Any = None) -> int:
     from warmserve_operator.gateway_demand import GatewaySources
     from warmserve_operator.ports import AgentDiscovery
 
+    if traces is not None:
+        from warmserve_operator import tracing as operator_tracing
+
+        operator_tracing.enable(traces)
     identity = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
     priority = args.priority if args.priority is not None else random.randint(1, 2**30)
     peering = None if args.standalone else args.peering

@@ -5,7 +5,7 @@ management calls (WarmServe §4.2; vllm-integration note §7):
 
 * ``open_gpu``: retain the device's primary context (shared with torch, note §7.2 "context
   pitfall"), size the page pool from the memory **free** now minus ``reserve_bytes`` (room an
-  engine needs for its own allocations: activations, CUDA graphs, workspaces; issue 13 item 1),
+  engine needs for its own allocations: activations, CUDA graphs, workspaces),
   and **pre-create one physical handle per page** with ``cuMemCreate`` — creating handles costs
   ~200 µs each, so doing it once at start and recycling handles keeps prewarm, activation and
   lending to ``cuMemMap`` (~1.5 µs) + one batched ``cuMemSetAccess``.  If memory runs out while

@@ -4,7 +4,7 @@ The process that owns a GPU's memory (the GPU's worker, or the agent when it own
 loads a slot by reading the model's safetensors **file ranges itself** into a small ring of host
 buffers it owns and copying each buffer to the slot while the next ones are being read.  Nothing
 but ``(virtual address, file, offset, length)`` descriptors crosses a process boundary, so weights
-are never pickled through the worker's pipe (issue 13, item 2).
+are never pickled through the worker's pipe.
 
 How one :meth:`StagingRing.load` flows, for a ring of ``depth`` buffers of ``chunk_bytes``::
 

@@ -9,7 +9,7 @@ Simplifications (docs/agent.md): one request's decode is paced independently of 
 admission reserves KV for prompt + max_tokens (so growth never overruns a shrunk cache); prefill
 waits until all layers are resident.
 
-Queue (issue 16): at most ``profile.max_waiting`` requests wait for admission (default 4 x the
+Queue: at most ``profile.max_waiting`` requests wait for admission (default 4 x the
 batch limit); more are refused at once with 429, and a request whose client disconnects while it
 waits or while it decodes is dropped (aiohttp cancels its handler), so abandoned requests never
 count as load.  Engine args: vLLM's (``--max-num-seqs`` caps the batch, ``--max-model-len``
@@ -24,7 +24,12 @@ import threading
 from typing import Any
 
 from warmserve.engine_args import parse_engine_args
-from warmserve_agent.engine import TtftWindow, WeightsMismatch, WeightVerificationError
+from warmserve_agent.engine import (
+    EngineError,
+    TtftWindow,
+    WeightsMismatch,
+    WeightVerificationError,
+)
 from warmserve_agent.engines.simulated_openai import EngineState, OpenAIServing
 from warmserve_agent.engines.slotmem import SlotMemory
 from warmserve_agent.engines.spec import EngineSpec, EngineStats
@@ -75,7 +80,7 @@ class SimulatedEngine(OpenAIServing):
     # ---- Engine protocol -------------------------------------------------------------------
     def start(self, spec: EngineSpec) -> str:
         self.spec = spec
-        # the agent applied its allowlist before starting us (Activation.check_engine)
+        # the agent applied its allowlist before starting us (Activator.check_engine)
         args = parse_engine_args(spec.engine_args, policy=None)
         self.max_batch = min(spec.profile.max_batch, args.get("max_num_seqs") or 1 << 30)
         self.max_model_len = int(args.get("max_model_len") or 0)
@@ -86,7 +91,7 @@ class SimulatedEngine(OpenAIServing):
             if region.host_file or (region.local and self._backend is not None):
                 self._mem[rank] = SlotMemory(region, self._backend)
         if not self._mem:
-            raise WeightVerificationError("the engine cannot read any shard of its slot")
+            raise EngineError("the engine cannot read any shard of its slot")
         st = self._st
         st.layers_total = spec.layers_total
         st.kv_capacity = spec.kv_capacity_bytes
@@ -94,7 +99,8 @@ class SimulatedEngine(OpenAIServing):
         if bad:
             raise WeightVerificationError(
                 f"weights in the slot differ from the store for {len(bad)} tensors "
-                f"(first: {bad[0]}); evict the slot and prewarm again"
+                f"(first: {bad[0]}); evict the slot and prewarm again",
+                tensors=bad,
             )
         st.layers_resident = spec.layers_resident
         ready = threading.Event()
@@ -111,7 +117,7 @@ class SimulatedEngine(OpenAIServing):
         bad = self._verify(st.layers_resident, n)
         if bad:
             st.bad.extend(bad)
-            raise WeightsMismatch(f"weights differ from the store: {bad[:3]}")
+            raise WeightsMismatch(f"weights differ from the store: {bad[:3]}", tensors=bad)
         self._on_loop(self._set(layers_resident=n))
 
     def set_kv_capacity(self, nbytes: int) -> int:

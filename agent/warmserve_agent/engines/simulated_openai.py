@@ -105,6 +105,17 @@ class OpenAIServing:
         self._st.cond = asyncio.Condition()
         self._metrics = _Metrics(self.spec.model)
         app = web.Application()
+        if self.spec.traces_endpoint:  # continue the gateway's trace (engines/tracing.py)
+            from warmserve_agent.engines import tracing
+
+            app.middlewares.append(
+                tracing.middleware(
+                    self.spec.traces_endpoint,
+                    self.spec.trace_sample_ratio,
+                    self.spec.model,
+                    self.spec.instance_id,
+                )
+            )
 
         async def health(request: Any) -> Any:
             return web.Response(text="ok")
@@ -115,7 +126,7 @@ class OpenAIServing:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/metrics", self._metrics_handler)
         # handler_cancellation: a client that disconnects cancels its handler, so a request
-        # abandoned while queued or decoding releases its place and KV at once (issue 16).
+        # abandoned while queued or decoding releases its place and KV at once.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, self.spec.host, self.spec.port)
@@ -265,6 +276,10 @@ class OpenAIServing:
         try:
             await asyncio.sleep(n_prompt / prof.prefill_tok_s)
             ttft = time.perf_counter() - t_arrive
+            if self.spec.traces_endpoint:
+                from warmserve_agent.engines import tracing
+
+                tracing.note(**{"gen_ai.latency.time_to_first_token": ttft})
             self._metrics.ttft.observe(ttft)
             self.ttft.observe(ttft)
             if stream:

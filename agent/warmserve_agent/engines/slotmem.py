@@ -32,6 +32,7 @@ import mmap
 import os
 import threading
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import Any
 
 from warmserve_agent.engines.spec import SlotRegion
@@ -143,6 +144,14 @@ class HostSlotMapping:
             self._fd = -1
 
 
+class SlotMemoryKind(StrEnum):
+    """How this process reaches a slot region's bytes."""
+
+    HOST_FILE = "host-file"  # the simulated backend's shared file, by physical page
+    HOST_BACKEND = "host-backend"  # this worker's own simulated backend (memory in workers)
+    DEVICE = "device"  # this worker's GPU memory (CUDA VMM)
+
+
 class SlotMemory:
     """One rank's slot region, opened in the engine's process.
 
@@ -160,11 +169,11 @@ class SlotMemory:
         self._lock = threading.Lock()
         self._closed = False
         if region.host_file:
-            self.kind = "host-file"
+            self.kind = SlotMemoryKind.HOST_FILE
         elif backend is not None and region.local and backend.name == "simulated":
-            self.kind = "host-backend"
+            self.kind = SlotMemoryKind.HOST_BACKEND
         elif backend is not None and region.local:
-            self.kind = "device"
+            self.kind = SlotMemoryKind.DEVICE
         else:
             raise SlotMemoryError(
                 f"GPU {region.gpu}: this process can read neither the slot's shared file nor "
@@ -175,7 +184,7 @@ class SlotMemory:
         """(file, physical page of each of the slot's first ``upto`` virtual pages)."""
         r = self.region
         n = -(-r.mapped_bytes // r.page_bytes) if upto is None else upto
-        if self.kind == "host-file":
+        if self.kind == SlotMemoryKind.HOST_FILE:
             return r.host_file, list(r.ppages[:n])
         tr = self.backend.translation(r.gpu)
         first = r.va // r.page_bytes
@@ -185,7 +194,7 @@ class SlotMemory:
             raise SlotMemoryError(f"slot page {exc} is not mapped") from None
 
     def host_mapping(self) -> HostSlotMapping:
-        if self.kind == "device":
+        if self.kind == SlotMemoryKind.DEVICE:
             raise SlotMemoryError("device memory has no host mapping")
         if self._closed:
             raise SlotMemoryError("the slot memory is closed (its engine stopped)")
@@ -198,7 +207,7 @@ class SlotMemory:
 
     def read(self, offset: int, nbytes: int) -> bytes:
         r = self.region
-        if self.kind == "device":
+        if self.kind == SlotMemoryKind.DEVICE:
             return bytes(self.backend.read(r.gpu, r.va + offset, nbytes))
         with self._lock:
             m = self.host_mapping()
@@ -215,9 +224,9 @@ class SlotMemory:
         r = self.region
         n = r.mapped_bytes
         view = getattr(self.backend, "torch_view", None)
-        if self.kind == "device" and view is not None:
+        if self.kind == SlotMemoryKind.DEVICE and view is not None:
             t = view(r.gpu, r.va, n)
-        elif self.kind == "device":
+        elif self.kind == SlotMemoryKind.DEVICE:
             t = torch.as_tensor(_CudaArray(r.va, n), device=f"cuda:{r.gpu}")
         else:
             m = self.host_mapping()

@@ -86,6 +86,10 @@ class EngineSpec:
     host: str = "127.0.0.1"
     advertise_host: str = ""
     port: int = 0
+    # OTLP/HTTP receiver the engine exports its spans to ("" off; the agent's flag) and the
+    # ratio of new traces it samples (requests with a parent follow the parent).
+    traces_endpoint: str = ""
+    trace_sample_ratio: float = 1.0
 
     @property
     def tp_size(self) -> int:

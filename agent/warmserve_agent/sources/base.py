@@ -225,17 +225,28 @@ def file_digests(path: Path, want: RemoteFile) -> dict[str, str]:
     return out
 
 
-def verify_file(path: Path, want: RemoteFile) -> str:
-    """ "" if ``path`` is ``want`` (size and every published checksum), else what differs."""
+@dataclass(frozen=True, slots=True)
+class FileProblem:
+    """How a downloaded file differs from its listing: its size, or a published checksum."""
+
+    text: str
+    size: bool  # the size differs (else a checksum)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def verify_file(path: Path, want: RemoteFile) -> FileProblem | None:
+    """None if ``path`` is ``want`` (size and every published checksum), else what differs."""
     size = path.stat().st_size if path.exists() else -1
     if size != want.size:
-        return f"{want.path}: size {size} bytes, expected {want.size}"
+        return FileProblem(f"{want.path}: size {size} bytes, expected {want.size}", size=True)
     got = file_digests(path, want)
     for kind, value in got.items():
         expected = getattr(want, kind)
         if value != expected.lower():
-            return f"{want.path}: {kind} {value}, expected {expected}"
-    return ""
+            return FileProblem(f"{want.path}: {kind} {value}, expected {expected}", size=False)
+    return None
 
 
 # ---- inspection -------------------------------------------------------------------------------

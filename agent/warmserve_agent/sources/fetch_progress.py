@@ -5,7 +5,9 @@ Bytes on disk of each download are sampled every ``sample_s``; the rate over a s
 ``on_change`` (the agent's Watch stream and Describe) and counted in the metrics.  A finished
 fetch stays visible in :meth:`~warmserve_agent.sources.fetcher.ModelFetcher.statuses` for a while.
 
-A layer of :class:`~warmserve_agent.sources.fetcher.ModelFetcher` (see that module's docstring).
+:class:`FetchProgress` writes the statuses into the fetcher's
+:class:`~warmserve_agent.sources.fetch_records.FetchTable`; the fetcher holds it and hands it to
+the download.
 """
 
 from __future__ import annotations
@@ -17,34 +19,37 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from warmserve_agent.sources.fetch_records import Fetch, FetchState, FetchStatus, du
+from warmserve_agent.sources.fetch_records import Fetch, FetchState, FetchStatus, FetchTable, du
 
 RATE_WINDOW_S = 5.0
 MIN_RATE_SPAN_S = 2.0
 
 
 class FetchProgress:
-    """Status updates and the sampler thread's loop (see module docstring); the state is set by
-    :class:`~warmserve_agent.sources.fetcher.ModelFetcher`."""
+    """Status updates and the sampler thread's loop (see module docstring)."""
 
-    on_change: Callable[[FetchStatus], None]
-    sample_s: float
-    generation: int
-    _lock: threading.RLock
-    _active: dict[str, Fetch]
-    _recent: dict[str, Fetch]
-    _stop: threading.Event
+    def __init__(
+        self,
+        table: FetchTable,
+        on_change: Callable[[FetchStatus], None],
+        sample_s: float,
+        stop: threading.Event,
+    ) -> None:
+        self._table = table
+        self._on_change = on_change
+        self._sample_s = sample_s
+        self._stop = stop
 
     # ---- progress ---------------------------------------------------------------------------
-    def _update(self, fetch: Fetch, **kw: object) -> None:
-        with self._lock:
+    def update(self, fetch: Fetch, **kw: object) -> None:
+        with self._table.lock:
             fetch.status = replace(fetch.status, **kw)  # type: ignore[arg-type]
-        self.on_change(fetch.status)
+        self._on_change(fetch.status)
 
-    def _finish(self, fetch: Fetch, state: FetchState, message: str) -> None:
+    def finish(self, fetch: Fetch, state: FetchState, message: str) -> None:
         st = fetch.status
         done = st.bytes_total if state == FetchState.DONE else st.bytes_done
-        with self._lock:
+        with self._table.lock:
             fetch.status = replace(
                 st,
                 state=state,
@@ -53,16 +58,11 @@ class FetchProgress:
                 eta_s=0.0,
                 finished_unix=time.time(),
             )
-            self._active.pop(st.model, None)
-            self._recent.pop(st.model, None)
-            self.generation += 1
-            self._recent[st.model] = fetch
-            while len(self._recent) > 20:
-                self._recent.pop(next(iter(self._recent)))
+            self._table.finished(fetch)
         fetch.done.set()
-        self.on_change(fetch.status)
+        self._on_change(fetch.status)
 
-    def _sample_loop(self) -> None:
+    def sample_loop(self) -> None:
         """Bytes on disk of each download; the rate over the last ``RATE_WINDOW_S`` gives the
         ETA (a sliding window: it follows a slowing or recovering source within seconds).
 
@@ -72,9 +72,9 @@ class FetchProgress:
         up, as a progress bar should.  Bytes resumed from an earlier attempt count as done, not
         towards the rate."""
         samples: dict[int, tuple[Path, deque[tuple[float, int]]]] = {}
-        while not self._stop.wait(self.sample_s):
-            with self._lock:
-                active = [f for f in self._active.values() if f.staging is not None]
+        while not self._stop.wait(self._sample_s):
+            with self._table.lock:
+                active = [f for f in self._table.active.values() if f.staging is not None]
             for key in set(samples) - {id(f) for f in active}:
                 del samples[key]
             for f in active:
@@ -99,4 +99,4 @@ class FetchProgress:
                 rate = (b1 - b0) / span if span >= MIN_RATE_SPAN_S else 0.0
                 eta = (f.status.bytes_total - done) / rate if rate > 0 else 0.0
                 if done != f.status.bytes_done:
-                    self._update(f, bytes_done=done, bytes_per_s=rate, eta_s=eta)
+                    self.update(f, bytes_done=done, bytes_per_s=rate, eta_s=eta)

@@ -10,7 +10,8 @@ reserve watched).  Before
 a model is installed, its ``config.json`` must declare its layers (the unit of prewarming, §4.1)
 and every safetensors header must parse and fit its file.
 
-A layer of :class:`~warmserve_agent.sources.fetcher.ModelFetcher` (see that module's docstring).
+:class:`FileChecks` counts what it rejects in the fetcher's counters; the fetcher holds it and
+hands it to the download.
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ log = logging.getLogger("warmserve.agent.fetch")  # one logger for the whole fet
 
 
 class FileChecks:
-    """Per-file and per-model checks (see module docstring); the state is set by
-    :class:`~warmserve_agent.sources.fetcher.ModelFetcher`."""
+    """Per-file and per-model checks (see module docstring)."""
 
-    stats: Counter[str]
+    def __init__(self, stats: Counter[str]) -> None:
+        self.stats = stats  # bytes, retries:<reason>
 
-    def _get_one(
+    def get_one(
         self,
         src: object,
         f: RemoteFile,
@@ -69,20 +70,20 @@ class FileChecks:
                     return str(exc)
         self.stats["bytes"] += max(dest.stat().st_size - have, 0)
         problem = verify_file(dest, f)
-        if problem:
-            kind = problem.removeprefix(f"{f.path}: ").split(" ", 1)[0]
-            self.stats["retries:size" if kind == "size" else "retries:checksum"] += 1
-            log.warning(
-                "event=model_file_rejected file=%s problem=%r checks=%s",
-                f.path,
-                problem,
-                f.checks(),
-            )
-            dest.unlink(missing_ok=True)
-        return problem
+        if problem is None:
+            return ""
+        self.stats["retries:size" if problem.size else "retries:checksum"] += 1
+        log.warning(
+            "event=model_file_rejected file=%s problem=%r checks=%s",
+            f.path,
+            problem.text,
+            f.checks(),
+        )
+        dest.unlink(missing_ok=True)
+        return problem.text
 
     @staticmethod
-    def _check_model_dir(path: Path, listing: Listing, uri: str) -> None:
+    def check_model_dir(path: Path, listing: Listing, uri: str) -> None:
         """config.json declares layers; every safetensors header parses and fits its file."""
         try:
             cfg = json.loads((path / "config.json").read_text())

@@ -29,18 +29,26 @@
 A fetched model carries ``.warmserve-source.json`` (its source, revision and file list); its
 modification time is the model's last use (``touch``), which survives agent restarts.
 
-The fetcher is built in layers, one module per concept (lower modules never import upper ones;
-``[tool.importlinter]`` in pyproject.toml enforces it):
+The fetcher holds one object per concept, each handed the others it needs (lower modules never
+import upper ones; ``[tool.importlinter]`` in pyproject.toml enforces it)::
 
-* :mod:`~warmserve_agent.sources.fetch_records`: fetch states, statuses, the failure, file names.
+    ModelFetcher ─┬─▶ FetchDownload ─┬─▶ StoreBudget ──▶ StoreInstall ─▶ WeightStore
+                  │                  ├─▶ FileChecks
+                  │                  └─▶ FetchProgress ─┐
+                  └──────────────────────────────────────┴─▶ FetchTable (records)
+
+* :mod:`~warmserve_agent.sources.fetch_records`: fetch states, statuses, the failure, file
+  names, and :class:`~warmserve_agent.sources.fetch_records.FetchTable`: the fetches in progress
+  and finished, the store's generation and the counters, under one lock.
 * :mod:`~warmserve_agent.sources.fetch_staging`: safe file creation, partial downloads kept.
 * :mod:`~warmserve_agent.sources.disk_reserve`: the disk reserve, checked while writing.
 * :mod:`~warmserve_agent.sources.store_install`: staging and the atomic install, retiring copies.
 * :mod:`~warmserve_agent.sources.fetch_progress`: status updates, the rate sampler and ETA.
 * :mod:`~warmserve_agent.sources.fetch_verify`: per-file checks and the model's check.
-* :mod:`~warmserve_agent.sources.store_budget`: LRU eviction under the budget, pins, usage.
+* :mod:`~warmserve_agent.sources.store_budget`: LRU eviction under the budget, pins, usage, and
+  the guard of the disk reserve.
 * :mod:`~warmserve_agent.sources.fetch_download`: one fetch's thread, retries and backoff.
-* this module: :class:`ModelFetcher`, coalescing (``ensure``), ``inspect`` and statuses.
+* this module: :class:`ModelFetcher`, which builds them; coalescing (``ensure``), ``inspect``.
 
 WarmServe's testbed keeps every model's weights in host memory (§6) and prewarms from there; the
 store a fetch fills is warmserve's addition for clusters whose weights live in a hub, a bucket or
@@ -49,6 +57,7 @@ a volume, and its LRU budget keeps the node's disk from filling up.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 import time
@@ -59,18 +68,24 @@ from warmserve_agent.sources import REGISTRY, Registry, SourceError, SourceSetti
 from warmserve_agent.sources.base import ModelFacts, inspect
 from warmserve_agent.sources.disk_reserve import DEFAULT_RESERVE, DiskReserve, StatFn, disk_space
 from warmserve_agent.sources.fetch_download import FetchDownload
+from warmserve_agent.sources.fetch_progress import FetchProgress
 from warmserve_agent.sources.fetch_records import (
     TRASH,
     Fetch,
     FetchFailed,
     FetchState,
     FetchStatus,
+    FetchTable,
+    StoreUsage,
     finished_event,
 )
+from warmserve_agent.sources.fetch_verify import FileChecks
+from warmserve_agent.sources.store_budget import StoreBudget
+from warmserve_agent.sources.store_install import StoreInstall
 from warmserve_agent.store import WeightStore
 
 
-class ModelFetcher(FetchDownload):
+class ModelFetcher:
     """The node's model fetcher (see module docstring)."""
 
     def __init__(
@@ -93,39 +108,88 @@ class ModelFetcher(FetchDownload):
         self.store = store
         self.root = store.root
         self.settings = settings
-        self.core_lock = lock  # the node core's lock: eviction vs. prewarm admission
-        self.in_use = in_use
-        self.on_change = on_change
-        self.budget_bytes = budget_bytes
-        self.reserve = reserve
-        self.disk_space = disk_space  # os.statvfs of the store (a test may pass its own)
-        self.attempts = max(1, attempts)
-        self.backoff_s = backoff_s
-        self.parallel = max(1, parallel)
-        self.sample_s = sample_s
         self.registry = registry
-        self._lock = threading.RLock()
-        self._active: dict[str, Fetch] = {}
-        self._recent: dict[str, Fetch] = {}  # finished, newest last; for status
-        self._pins: Counter[str] = Counter()
-        self._facts: dict[tuple[str, str], tuple[float, ModelFacts]] = {}
+        self.in_use = in_use
         self._stop = threading.Event()
-        self.stats: Counter[str] = Counter()  # bytes, ok, failed, retries:<reason>, evictions
-        self.generation = 0  # changes when the store's content changes (fetch end, eviction)
+        self._facts: dict[tuple[str, str], tuple[float, ModelFacts]] = {}
+        self.table = FetchTable()
+        # ``lock`` is the node core's: installation and eviction never race prewarm admission.
+        self.install = StoreInstall(store, settings, registry, core_lock=lock, in_use=in_use)
+        self.budget = StoreBudget(
+            self.install,
+            self.table,
+            in_use=in_use,
+            budget_bytes=budget_bytes,
+            reserve=reserve,
+            disk_space=disk_space,
+        )
+        self.progress = FetchProgress(self.table, on_change, sample_s, self._stop)
+        self.download = FetchDownload(
+            self.install,
+            self.budget,
+            FileChecks(self.table.stats),
+            self.progress,
+            self.table,
+            settings=settings,
+            registry=registry,
+            attempts=attempts,
+            backoff_s=backoff_s,
+            parallel=parallel,
+            stop=self._stop,
+        )
         store.upgrade_layout()  # no nested ORG/NAME directory a model's retirement could take
         # A crashed agent's retired copies go; its partial downloads stay for the next fetch.
         shutil.rmtree(self.root / TRASH, ignore_errors=True)
         self._sampler = threading.Thread(
-            target=self._sample_loop, daemon=True, name="fetch-progress"
+            target=self.progress.sample_loop, daemon=True, name="fetch-progress"
         )
         self._sampler.start()
+
+    # ---- what the service, the metrics and tests read --------------------------------------
+    @property
+    def generation(self) -> int:
+        """Changes when the store's content changes (fetch end, eviction)."""
+        return self.table.generation
+
+    @property
+    def stats(self) -> Counter[str]:
+        """bytes, ok, failed, retries:<reason>, evictions."""
+        return self.table.stats
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget.budget_bytes
+
+    @budget_bytes.setter
+    def budget_bytes(self, value: int) -> None:
+        self.budget.budget_bytes = value
+
+    def touch(self, model: str) -> None:
+        """Mark ``model`` used now (LRU order of eviction)."""
+        self.budget.touch(model)
+
+    def pinned(self, model: str) -> contextlib.AbstractContextManager[None]:
+        """Never evict ``model`` inside this block (between a fetch and its prewarm)."""
+        return self.budget.pinned(model)
+
+    def model_info(self, model: str) -> tuple[str, int, float]:
+        """(source, bytes on disk, last use) of a store model; ("", 0, 0) when unmanaged."""
+        return self.budget.model_info(model)
+
+    def usage(self) -> StoreUsage:
+        return self.budget.usage()
+
+    def statuses(self) -> list[FetchStatus]:
+        """Fetches in progress, then the last finished ones (done in the last minute; failed)."""
+        return self.table.statuses()
 
     # ---- public API -----------------------------------------------------------------------
     def ensure(self, model: str, uri: str) -> Fetch:
         """The (possibly finished) fetch that makes ``model`` present (see module docstring)."""
-        path = self._path(model)
-        with self._lock:
-            cur = self._active.get(model)
+        install, table = self.install, self.table
+        path = install.path(model)
+        with table.lock:
+            cur = table.active.get(model)
             if cur is not None:
                 if cur.status.source != uri:
                     raise FetchFailed(
@@ -134,8 +198,8 @@ class ModelFetcher(FetchDownload):
                         f"from {uri} at the same time",
                     )
                 return cur
-            have = self._present_source(path)
-            if have is not None and (have == "" or have == uri or self._same_link(path, uri)):
+            have = install.present_source(path)
+            if have is not None and (have == "" or have == uri or install.same_link(path, uri)):
                 self.touch(model)
                 return Fetch(FetchStatus(model, uri, FetchState.DONE), done=finished_event())
             if have is not None and model in self.in_use():
@@ -145,9 +209,9 @@ class ModelFetcher(FetchDownload):
                     "(slot or instance); evict them before changing its source",
                 )
             fetch = Fetch(FetchStatus(model, uri, FetchState.LISTING, started_unix=time.time()))
-            self._active[model] = fetch
+            table.active[model] = fetch
         threading.Thread(
-            target=self._run, args=(fetch,), daemon=True, name=f"fetch:{model}"
+            target=self.download.run, args=(fetch,), daemon=True, name=f"fetch:{model}"
         ).start()
         return fetch
 
@@ -167,18 +231,6 @@ class ModelFetcher(FetchDownload):
             raise FetchFailed(code, str(exc)) from None
         self._facts[key] = (time.time(), facts)
         return facts
-
-    def statuses(self) -> list[FetchStatus]:
-        """Fetches in progress, then the last finished ones (done in the last minute; failed)."""
-        now = time.time()
-        with self._lock:
-            act = [f.status for f in self._active.values()]
-            old = [
-                f.status
-                for f in self._recent.values()
-                if f.status.state == FetchState.FAILED or now - f.status.finished_unix < 60
-            ]
-        return act + old
 
     def close(self) -> None:
         self._stop.set()

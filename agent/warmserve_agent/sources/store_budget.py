@@ -9,7 +9,10 @@ linked ones are never evicted.  If that is not enough the fetch fails with RESOU
 naming the numbers and what is in use.  A fetched model's last use is the
 modification time of its manifest (:meth:`StoreBudget.touch`), which survives agent restarts.
 
-A layer of :class:`~warmserve_agent.sources.fetcher.ModelFetcher` (see that module's docstring).
+:class:`StoreBudget` retires what it evicts through the
+:class:`~warmserve_agent.sources.store_install.StoreInstall` it is handed, reads the fetches in
+progress from the :class:`~warmserve_agent.sources.fetch_records.FetchTable` and hands the
+download the :class:`~warmserve_agent.sources.disk_reserve.DiskGuard` that watches the reserve.
 """
 
 from __future__ import annotations
@@ -18,13 +21,13 @@ import contextlib
 import json
 import logging
 import os
-import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from warmserve.units import format_size
-from warmserve_agent.sources.disk_reserve import DiskReserve, StatFn
-from warmserve_agent.sources.fetch_records import MANIFEST, Fetch, FetchFailed, StoreUsage, du
+from warmserve_agent.sources.disk_reserve import DiskGuard, DiskReserve, StatFn
+from warmserve_agent.sources.fetch_records import MANIFEST, FetchFailed, FetchTable, StoreUsage, du
 from warmserve_agent.sources.fetch_staging import remove, stale_partials
 from warmserve_agent.sources.store_install import StoreInstall
 from warmserve_agent.store import StoreError
@@ -32,42 +35,58 @@ from warmserve_agent.store import StoreError
 log = logging.getLogger("warmserve.agent.fetch")  # one logger for the whole fetcher
 
 
-class StoreBudget(StoreInstall):
-    """LRU order, pins and eviction under the budget (see module docstring); the state is set by
-    :class:`~warmserve_agent.sources.fetcher.ModelFetcher`."""
+class StoreBudget:
+    """LRU order, pins and eviction under the budget (see module docstring)."""
 
-    budget_bytes: int
-    reserve: DiskReserve
-    disk_space: StatFn
-    generation: int
-    stats: Counter[str]
-    _lock: threading.RLock
-    _active: dict[str, Fetch]
-    _pins: Counter[str]
+    def __init__(
+        self,
+        install: StoreInstall,
+        table: FetchTable,
+        *,
+        in_use: Callable[[], set[str]],
+        budget_bytes: int,
+        reserve: DiskReserve,
+        disk_space: StatFn,
+    ) -> None:
+        self._install = install
+        self._table = table
+        self._in_use = in_use
+        self.budget_bytes = budget_bytes
+        self.reserve = reserve
+        self.disk_space = disk_space  # os.statvfs of the store (a test may pass its own)
+        self._pins: Counter[str] = Counter()
+
+    @property
+    def root(self) -> Path:
+        return self._install.root
+
+    def guard(self, model: str, need: int) -> DiskGuard:
+        """What watches the disk reserve while ``model``'s ``need`` bytes are written."""
+        return DiskGuard(self.root, self.reserve, model, need, stat=self.disk_space)
 
     def touch(self, model: str) -> None:
         """Mark ``model`` used now (LRU order of eviction)."""
         with contextlib.suppress(OSError, StoreError):
-            os.utime(self._path(model) / MANIFEST)
+            os.utime(self._install.path(model) / MANIFEST)
 
     @contextlib.contextmanager
     def pinned(self, model: str) -> Iterator[None]:
         """Never evict ``model`` inside this block (between a fetch and its prewarm)."""
-        with self._lock:
+        with self._table.lock:
             self._pins[model] += 1
         try:
             yield
         finally:
-            with self._lock:
+            with self._table.lock:
                 self._pins[model] -= 1
                 if self._pins[model] <= 0:
                     del self._pins[model]
 
     def model_info(self, model: str) -> tuple[str, int, float]:
         """(source, bytes on disk, last use) of a store model; ("", 0, 0) when unmanaged."""
-        path = self._path(model)
+        path = self._install.path(model)
         if path.is_symlink():
-            return os.readlink(path), 0, 0.0
+            return self._install.link_source(model), 0, 0.0
         try:
             m = path / MANIFEST
             doc = json.loads(m.read_text())
@@ -76,14 +95,14 @@ class StoreBudget(StoreInstall):
             return "", 0, 0.0
 
     def usage(self) -> StoreUsage:
-        return StoreUsage(self._used_bytes(), self.budget_bytes, self.stats["evictions"])
+        return StoreUsage(self._used_bytes(), self.budget_bytes, self._table.stats["evictions"])
 
     # ---- eviction -----------------------------------------------------------------------------
     def _models_on_disk(self) -> list[tuple[str, int, float, bool]]:
         """(name, bytes, last use, evictable) of every model in the store."""
         out = []
-        for name in self.store.list_models():
-            path = self._path(name)
+        for name in self._install.store.list_models():
+            path = self._install.path(name)
             if path.is_symlink():
                 continue
             source, nbytes, used = self.model_info(name)
@@ -94,19 +113,20 @@ class StoreBudget(StoreInstall):
         return out
 
     def _used_bytes(self) -> int:
-        reserved = sum(f.status.bytes_total for f in self._active.values())
-        partial = sum(n for _, n in stale_partials(self.root, set(self._active)))
+        reserved = self._table.reserved_bytes()
+        partial = sum(n for _, n in stale_partials(self.root, set(self._table.active)))
         return sum(m[1] for m in self._models_on_disk()) + reserved + partial
 
-    def _make_room(self, model: str, total: int, need: int | None = None) -> None:
+    def make_room(self, model: str, total: int, need: int | None = None) -> None:
         """Room for ``model``: its ``total`` bytes under the budget, and the ``need`` bytes it
         has yet to write (``total`` less what an earlier attempt left) above the disk reserve."""
         need = total if need is None else need
-        with self._lock:
+        table, install = self._table, self._install
+        with table.lock:
             while True:
                 models = self._models_on_disk()
-                reserved = sum(f.status.bytes_total for m, f in self._active.items() if m != model)
-                partials = stale_partials(self.root, set(self._active))
+                reserved = table.reserved_bytes(other_than=model)
+                partials = stale_partials(self.root, set(table.active))
                 used = sum(m[1] for m in models) + reserved + sum(n for _, n in partials)
                 space = self.disk_space(self.root)
                 usable = space.free - reserved - self.reserve.bytes_for(space.total)
@@ -120,7 +140,7 @@ class StoreBudget(StoreInstall):
                         "event=store_partial_removed dir=%s bytes=%d for=%s", path, nbytes, model
                     )
                     continue
-                busy = self.in_use() | set(self._pins) | set(self._active)
+                busy = self._in_use() | set(self._pins) | set(table.active)
                 cold = sorted((m for m in models if m[3] and m[0] not in busy), key=lambda m: m[2])
                 if not cold:
                     held = sorted(m[0] for m in models if m[0] in busy) or ["none"]
@@ -146,14 +166,14 @@ class StoreBudget(StoreInstall):
                         f"{fix}",
                     )
                 victim = cold[0]
-                with self.core_lock:
-                    if victim[0] in self.in_use():  # became busy meanwhile: look again
+                with install.core_lock:
+                    if victim[0] in self._in_use():  # became busy meanwhile: look again
                         continue
-                    trash = self._retire(victim[0])
-                    self.store.forget(victim[0])
-                self._discard(trash, wait=True)  # its space counts only once it is gone
-                self.stats["evictions"] += 1
-                self.generation += 1
+                    trash = install.retire(victim[0])
+                    install.store.forget(victim[0])
+                install.discard(trash, wait=True)  # its space counts only once it is gone
+                table.stats["evictions"] += 1
+                table.generation += 1
                 log.info(
                     "event=store_evicted model=%s bytes=%d last_used=%.0f for=%s",
                     victim[0],

@@ -178,6 +178,19 @@ metrics, then the user's podAnnotations, which win on a clash. Call with
 {{- end }}
 {{- end }}
 
+{{/* The tracing flags every component takes (values: tracing), or nothing when it is off. */}}
+{{- define "warmserve.tracingArgs" -}}
+{{- with .Values.tracing }}
+{{- if .enabled }}
+{{- if not .endpoint }}
+{{- fail "tracing.enabled needs tracing.endpoint (the collector's OTLP/HTTP URL, e.g. http://otel-collector:4318)" }}
+{{- end }}
+- --otlp-traces-endpoint={{ .endpoint }}
+- --trace-sample-ratio={{ .sampleRatio }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/*
 TCP port ranges [from, to] of networkPolicy.enginePorts without the agent's own ports (gRPC,
 metrics), which only the operator and Prometheus may reach; renders NetworkPolicyPort items.

@@ -42,8 +42,9 @@ import time
 from typing import Any
 
 from warmserve.engine_args import parse_engine_args
+from warmserve.tracing import traces_url, vllm_tracing_env
 from warmserve_agent.engine import EngineError, TtftWindow
-from warmserve_agent.engines.slotmem import SlotMemory
+from warmserve_agent.engines.slotmem import SlotMemory, SlotMemoryKind
 from warmserve_agent.engines.spec import EngineSpec, EngineStats
 from warmserve_agent.engines.vllm.hooks import (
     HoldUntilResident,
@@ -93,7 +94,9 @@ class VllmEngine:
         self.spec = spec
         region = spec.regions[0]
         self._mem = SlotMemory(region, self._backend)
-        device = torch.device(f"cuda:{region.gpu}" if self._mem.kind == "device" else "cpu")
+        device = torch.device(
+            f"cuda:{region.gpu}" if self._mem.kind == SlotMemoryKind.DEVICE else "cpu"
+        )
         self._slot = ActiveSlot(spec, self._mem, device)
         activate_slot(spec.instance_id, self._slot)
         self._layers = spec.layers_resident
@@ -259,7 +262,8 @@ class VllmEngine:
         """Pages the agent maps back after lending are visible here only when this process owns
         the memory (a CUDA VA, or the simulated backend in this worker); a shared-file slot
         opened by physical page list cannot follow a remap."""
-        return self._mem is not None and self._mem.kind in ("device", "host-backend")
+        follows = (SlotMemoryKind.DEVICE, SlotMemoryKind.HOST_BACKEND)
+        return self._mem is not None and self._mem.kind in follows
 
     def _follow_mapping(self, touched: int) -> None:
         """Make this process's view of the KV pages match what the engine may touch: pages
@@ -268,7 +272,7 @@ class VllmEngine:
         backend's MMU.  CUDA VAs need nothing: the worker's own mappings are the memory."""
         mem = self._mem
         assert mem is not None
-        if mem.kind == "device" or touched == self._phys_limit:
+        if mem.kind == SlotMemoryKind.DEVICE or touched == self._phys_limit:
             self._phys_limit = touched
             return
         start, _ = self._slot.kv_range
@@ -325,7 +329,7 @@ class VllmEngine:
         self._ready = asyncio.Event()
         if self._layers >= spec.layers_total:
             self._ready.set()
-        # the agent applied its allowlist before starting us (Activation.check_engine)
+        # the agent applied its allowlist before starting us (Activator.check_engine)
         user = parse_engine_args(spec.engine_args, policy=None)
         argv = [
             "--model",
@@ -353,6 +357,9 @@ class VllmEngine:
         # --kv-cache-memory-bytes.
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if spec.traces_endpoint:  # the agent's --otlp-traces-endpoint (never a tenant's arg)
+            argv += ["--otlp-traces-endpoint", traces_url(spec.traces_endpoint)]
+            os.environ.update(vllm_tracing_env(spec.trace_sample_ratio))
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
         engine_args = AsyncEngineArgs.from_cli_args(args)
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
