@@ -25,7 +25,7 @@
     python bench/gateway_bench.py [--concurrency 64] [--seconds 8] [--rounds 3]
                                   [--tracing [--trace-sample-ratio 1.0]]
                                   [--burst 16] [--no-burst] [--out bench/results/gateway_bench.json]
-    python bench/gateway_bench.py --smoke     # seconds: tiny sizes, JSON to a temp dir
+    python bench/gateway_bench.py --smoke     # seconds: tiny sizes, --tracing, JSON to a temp dir
 
 A child (agent, gateway, operator, proxy) or the control plane failing ends the bench at once
 with its last log lines (status 1); SIGTERM/SIGINT stop everything it started.  (Over 400 lines:
@@ -62,7 +62,7 @@ REPO = Path(__file__).resolve().parents[1]
 MiB = 1024**2
 SMOKE = {
     "concurrency": 4, "seconds": 1.0, "rounds": 1, "max_tokens": 4, "decode_tok_s": "400",
-    "burst": 2, "poll": 2.0,
+    "burst": 2, "poll": 2.0, "tracing": True,
 }  # fmt: skip
 
 
@@ -244,7 +244,8 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 [sys.executable, "-m", "warmserve", "gateway", "--models-file",
                  str(tmp / "models.json"), "--host", "127.0.0.1", "--port", "0",
                  "--admin-host", "127.0.0.1", "--admin-port", "0", "--address-file", str(addr2),
-                 "--log-level", "warning", "--otlp-traces-endpoint", otel.endpoint,
+                 "--anonymous-namespace", "bench", "--log-level", "warning",
+                 "--otlp-traces-endpoint", otel.endpoint,
                  "--trace-sample-ratio", str(args.trace_sample_ratio)],
                 dict(os.environ),
             )  # fmt: skip
@@ -630,7 +631,9 @@ def _run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"saved {out}")
-    failed = sum(o[p]["errors"] for o in ov.values() for p in ("direct", "gateway", "bare-proxy"))
+    engines = [o for o in ov.values() if isinstance(o, dict) and "direct" in o]
+    names = ("direct", "gateway", "gw+tracing", "bare-proxy")
+    failed = sum(o[p]["errors"] for o in engines for p in names if p in o)
     failed += sum(r["requests"] - r["ok"] for c, r in result.get("burst", {}).items() if " " in c)
     if args.smoke and failed:
         print(f"gateway_bench: {failed} request(s) failed", file=sys.stderr)
