@@ -14,9 +14,11 @@ worker vs a fresh process that imports vLLM and loads the model from files.
 Both run in the same invocation, interleaved round by round, on the same random-weight Llama made
 offline (``--layers/--hidden``), with the same engine arguments.  Printed as a table with medians
 and the ratio; saved to ``bench/results/engine_bench.json``.  Absolute times are this machine's
-(on CPU); compare the ratio.  Run it with the vLLM venv's python:
+(on CPU); compare the ratio.  Run it with the vLLM venv's python and this checkout on its path
+(``hack/vllm/python``; the vllm test group runs its ``--smoke``):
 
-    $(hack/vllm/setup.sh) bench/engine_bench.py [--rounds 3] [--layers 4 --hidden 256]
+    hack/vllm/python bench/engine_bench.py [--rounds 3] [--layers 4 --hidden 256]
+    hack/vllm/python bench/engine_bench.py --smoke     # one round of a tiny model, temp JSON
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from warmserve.testing.smoke import add_smoke_flag, apply_smoke
+
 REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "agent", REPO / "operator"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
+SMOKE = {"rounds": 1, "layers": 2, "hidden": 128, "max_model_len": 64}
 
 FRESH = r"""
 import json, os, sys, time
@@ -70,7 +72,7 @@ def fresh_run(model_dir: Path, kv_bytes: int, max_len: int, gpu: bool = False) -
     }
     if gpu:
         kwargs["gpu_memory_utilization"] = 0.9
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ)  # vLLM is in this interpreter's venv; warmserve is not needed
     t0 = time.time()
     out = subprocess.run(
         [sys.executable, "-c", FRESH, str(model_dir), json.dumps(kwargs), repr(t0)],
@@ -105,8 +107,10 @@ def main() -> int:
         "follow the pooled ones (the agent holds the GPU's memory while it runs). Not yet run "
         "on a GPU.",
     )
-    ap.add_argument("--out", default=str(REPO / "bench/results/engine_bench.json"))
+    ap.add_argument("--out", help="result file (default: bench/results/engine_bench.json)")
+    add_smoke_flag(ap, SMOKE)
     a = ap.parse_args()
+    apply_smoke(a, SMOKE, {"out": str(REPO / "bench/results/engine_bench.json")})
 
     from warmserve_agent.config import AgentConfig
     from warmserve_agent.engines.vllm.tiny import make_tiny_llama

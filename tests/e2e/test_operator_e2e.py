@@ -28,20 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from e2e_support import (
-    REPO,
-    Load,
-    Procs,
-    W,
-    describe_agents,
-    get_json,
-    instances_of,
-    seed_history,
-    slots_of,
-    wait_for,
-    write_models,
-)
-from k8s_support import apply_chart_operator_rbac
+from e2e_support import REPO, Load, describe_agents, get_json, instances_of, slots_of, write_models
+
+from warmserve.testing.k8s import apply_chart_operator_rbac
+from warmserve.testing.procs import Procs, wait_for
+from warmserve.testing.stack import WINDOW_S as W
+from warmserve.testing.stack import seed_history
 
 SETTLE_S = 40.0  # bound for each convergence below
 

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_fakes import FakeAgent
 from warmserve_operator.agents import AgentAuth, AgentPort, GrpcAgent
 from warmserve_operator.lease import fencing_token
 from warmserve_operator.snapshot import AgentCallError, FetchView, InstanceView
+from warmserve_operator.testing import FakeAgent
 
 from warmserve.policy.cluster import InstancePhase, WorkerState
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from k8s_support import apply_chart_operator_rbac
+
+from warmserve.testing.k8s import apply_chart_operator_rbac
 
 REPO = Path(__file__).resolve().parents[2]
 

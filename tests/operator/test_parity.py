@@ -27,10 +27,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from operator_fakes import Clock, FakeAgent, FakeKube
+from operator_fakes import Clock, FakeKube
 from warmserve_operator.agents import AgentPool
 from warmserve_operator.config import OperatorConfig
 from warmserve_operator.reconciler import Reconciler
+from warmserve_operator.testing import FakeAgent
 
 import warmserve.api.history as history_io
 from warmserve.control.decisions import Decisions, canonical

@@ -7,11 +7,12 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from operator_fakes import Clock, FakeAgent, FakeKube
+from operator_fakes import Clock, FakeKube
 from warmserve_operator.agents import AgentPool
 from warmserve_operator.leader import NotLeader
 from warmserve_operator.observe import observation
 from warmserve_operator.reconciler import OperatorConfig, Reconciler
+from warmserve_operator.testing import FakeAgent
 
 import warmserve.api.history as history_io
 from warmserve.control.history import LoadHistory
