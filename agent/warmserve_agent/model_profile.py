@@ -9,9 +9,11 @@ rate measured here), per-layer forward compute, and the activation's head start.
   the slot loader): bytes per GPU over seconds, summed over every load of the model;
 * **compute**: a timed forward on a serving engine (``record_forward``).  :func:`time_forward`
   sends two one-token completions straight to a new instance's endpoint, a prompt of
-  ``prompt_tokens`` tokens and one of a single token; their difference is the forward of the
+  :data:`PROBE_PROMPT_TOKENS` tokens (the first size the engine takes) and one of a single
+  token, each the fastest of :data:`PROBE_REPEATS`; their difference is the forward of the
   prompt without the fixed costs of a request (HTTP, scheduling, the first token's sampling),
-  divided by the layers.  The fastest measurement is kept (load from serving traffic only adds);
+  divided by the layers (0 when it is below what a request's timing resolves: a forward too
+  short to matter).  The fastest measurement is kept (load from serving traffic only adds);
 * **head start**: the fastest prewarm-hit activation (``record_activation``): the rest of a
   partially resident model streams in while the instance activates;
 * **engine overhead**: bytes per GPU a prepared engine occupies beside the weights
@@ -29,6 +31,7 @@ import logging
 import math
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
@@ -36,9 +39,12 @@ from warmserve.api.agent.v1 import agent_pb2 as pb
 
 log = logging.getLogger("warmserve.agent")
 
-PROBE_PROMPT_TOKENS = 128  # the representative prompt of a timed forward
+# the representative prompt of a timed forward, then shorter ones for an engine whose context
+# is shorter (an engine refuses a prompt beyond its --max-model-len)
+PROBE_PROMPT_TOKENS = (128, 32, 8)
 PROBE_TOKEN_ID = 100  # any id inside every vocabulary; the content does not matter
 PROBE_TIMEOUT_S = 60.0
+PROBE_REPEATS = 3  # each prompt is timed this often; the fastest counts (noise only adds)
 
 
 @dataclass
@@ -77,12 +83,14 @@ class ModelProfiles:
     def record_forward(
         self, model: str, tp: int, prompt_tokens: int, layer_compute_s: float
     ) -> None:
-        if tp < 1 or prompt_tokens < 1 or not _ok(layer_compute_s):
+        if tp < 1 or prompt_tokens < 1 or not (math.isfinite(layer_compute_s)
+                                                 and layer_compute_s >= 0):
             return
         with self._lock:
             r = self._rec(model)
             # compare per GPU-second of work, so a faster reading at another tp also wins
             if r.compute_tp == 0 or layer_compute_s * tp < r.layer_compute_s * r.compute_tp:
+                # (0 is a measurement: a forward below what a request's timing resolves)
                 r.layer_compute_s, r.compute_tp = layer_compute_s, tp
                 r.prompt_tokens = prompt_tokens
 
@@ -141,19 +149,34 @@ def time_forward(
     endpoint: str,
     model: str,
     num_layers: int,
-    prompt_tokens: int = PROBE_PROMPT_TOKENS,
+    sizes: tuple[int, ...] = PROBE_PROMPT_TOKENS,
     timeout_s: float = PROBE_TIMEOUT_S,
-) -> float | None:
-    """Per-layer forward seconds of a ``prompt_tokens`` prompt on the engine at ``endpoint``
-    (module docstring), or ``None`` when the engine did not answer or the difference was not
-    positive (a busy engine: measured again at the next instance).  Blocking: run it in a
-    thread."""
+) -> tuple[float, int] | None:
+    """(per-layer forward seconds, prompt tokens) on the engine at ``endpoint`` for the first
+    prompt size in ``sizes`` it takes (module docstring), or ``None`` when the engine did not
+    answer or the difference was not positive (a busy engine: measured again at the next
+    instance).  Blocking: run it in a thread."""
+    def fastest(tokens: int) -> float:
+        return min(_complete(endpoint, model, tokens, timeout_s) for _ in range(PROBE_REPEATS))
+
     try:
         _complete(endpoint, model, 1, timeout_s)  # warm-up: first-request costs are not compute
-        one = _complete(endpoint, model, 1, timeout_s)
-        full = _complete(endpoint, model, prompt_tokens, timeout_s)
+        one = fastest(1)
     except Exception as exc:  # the instance may end meanwhile; nothing to record
         log.info("event=forward_probe_failed model=%s err=%s", model, exc)
         return None
-    per_layer = (full - one) / num_layers
-    return per_layer if per_layer > 0 else None
+    for tokens in sizes:
+        try:
+            full = fastest(tokens)
+        except urllib.error.HTTPError as exc:  # refused (a prompt beyond its context): shorter
+            log.info("event=forward_probe_refused model=%s tokens=%d code=%s", model, tokens,
+                     exc.code)
+            continue
+        except Exception as exc:
+            log.info("event=forward_probe_failed model=%s err=%s", model, exc)
+            return None
+        per_layer = max(0.0, (full - one) / num_layers)
+        log.info("event=forward_timed model=%s tokens=%d per_layer_s=%.6f one_s=%.6f",
+                 model, tokens, per_layer, one)
+        return per_layer, tokens
+    return None

@@ -21,7 +21,7 @@ import grpc
 
 from warmserve.api.agent.v1 import agent_pb2 as pb
 from warmserve_agent.fencing import enforce
-from warmserve_agent.model_profile import PROBE_PROMPT_TOKENS, time_forward
+from warmserve_agent.model_profile import time_forward
 from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import Refusal
 from warmserve_agent.service_describe import Describer
@@ -111,9 +111,9 @@ class InstanceHandler:
 
         async def probe() -> None:
             try:
-                c = await asyncio.to_thread(time_forward, inst.endpoint, inst.model, layers)
-                if c is not None:
-                    profiles.record_forward(inst.model, len(inst.gpus), PROBE_PROMPT_TOKENS, c)
+                got = await asyncio.to_thread(time_forward, inst.endpoint, inst.model, layers)
+                if got is not None:
+                    profiles.record_forward(inst.model, len(inst.gpus), got[1], got[0])
             finally:
                 self._probing.discard(inst.model)
                 self._tasks.discard(task)

@@ -35,8 +35,9 @@ class MeasuredProfile:
 
     @property
     def usable(self) -> bool:
-        """Enough for the depth rule: a load rate and a timed forward."""
-        return self.load_bytes_per_s > 0 and self.layer_compute_s > 0 and self.compute_tp > 0
+        """Enough for the depth rule: a load rate and a timed forward (``compute_tp`` set; its
+        time may be 0, a forward below what a request's timing resolves)."""
+        return self.load_bytes_per_s > 0 and self.compute_tp > 0
 
 
 def _finite(x: float) -> float:
@@ -64,12 +65,12 @@ def merge_profiles(profiles: Iterable[MeasuredProfile]) -> MeasuredProfile | Non
     every node (the slowest load, the fastest forward, the shortest head start: each of these
     asks for more resident layers) and every replica is charged the largest engine measured.
     Compute is taken from the fastest node's timing at its own ``compute_tp``."""
-    ps = [p for p in profiles if p.load_bytes_per_s > 0 or p.layer_compute_s > 0
+    ps = [p for p in profiles if p.load_bytes_per_s > 0 or p.compute_tp > 0
           or p.engine_overhead_bytes > 0]
     if not ps:
         return None
     loads = [p.load_bytes_per_s for p in ps if p.load_bytes_per_s > 0]
-    timed = [p for p in ps if p.layer_compute_s > 0 and p.compute_tp > 0]
+    timed = [p for p in ps if p.compute_tp > 0]
     fastest = min(timed, key=lambda p: (p.layer_compute_s * p.compute_tp, p.prompt_tokens),
                   default=None)
     starts = [p.head_start_s for p in ps if p.head_start_s > 0]

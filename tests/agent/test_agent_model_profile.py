@@ -41,10 +41,10 @@ def test_describe_reports_what_the_agent_measured(tmp_path: Path, model_root: Pa
 
             p = wait_for(timed, what="a timed forward")
             assert p.head_start_seconds == pytest.approx(act.activation_seconds, rel=1e-6)
-            assert (p.prompt_tokens, p.compute_tp) == (PROBE_PROMPT_TOKENS, 1)
+            assert (p.prompt_tokens, p.compute_tp) == (PROBE_PROMPT_TOKENS[0], 1)
             # the engine paces a prefill at PREFILL_TOK_S: the forward of the prompt beyond one
             # token, per layer (the probe's HTTP and scheduling costs cancel out)
-            paced_s = (PROBE_PROMPT_TOKENS - 1) / PREFILL_TOK_S / 4
+            paced_s = (PROBE_PROMPT_TOKENS[0] - 1) / PREFILL_TOK_S / 4
             assert 0.8 * paced_s <= p.layer_compute_seconds <= 4 * paced_s, p
             assert p.engine_overhead_bytes == 0  # no prepared engine reports one here
         finally:
@@ -54,10 +54,12 @@ def test_describe_reports_what_the_agent_measured(tmp_path: Path, model_root: Pa
 def test_profiles_keep_the_cautious_reading_and_ignore_nonsense() -> None:
     ps = ModelProfiles()
     assert ps.pb("m") is None and ps.wants_forward("m")
-    for bad in (math.nan, math.inf, -1.0, 0.0):
+    for bad in (math.nan, math.inf, -1.0):
         ps.record_load("m", 10, bad)
         ps.record_forward("m", 1, 128, bad)
         ps.record_activation("m", bad)
+    ps.record_load("m", 10, 0.0)  # no time: no rate
+    ps.record_activation("m", 0.0)
     ps.record_load("m", -5, 1.0)
     ps.record_forward("m", 0, 128, 0.1)
     ps.record_engine_overhead("m", -1)
@@ -70,11 +72,14 @@ def test_profiles_keep_the_cautious_reading_and_ignore_nonsense() -> None:
     ps.record_forward("m", 1, 128, 0.03)  # a busier engine: slower, not kept
     ps.record_forward("m", 2, 128, 0.009)  # 0.018 GPU-seconds per layer: faster, kept
     ps.record_activation("m", 0.5)
+    ps.record_forward("m", 4, 8, 0.0)  # below a request's resolution: the fastest there is
+    assert ps.pb("m").layer_compute_seconds == 0.0 and ps.pb("m").compute_tp == 4
+    ps.record_forward("m", 1, 128, 0.009)  # not faster than 0: not kept
     ps.record_activation("m", 0.7)
     ps.record_engine_overhead("m", 5)
     ps.record_engine_overhead("m", 3)
     p = ps.pb("m")
     assert p is not None and not ps.wants_forward("m")
     assert p.load_bytes_per_second == 200.0
-    assert (p.layer_compute_seconds, p.compute_tp, p.prompt_tokens) == (0.009, 2, 128)
+    assert (p.layer_compute_seconds, p.compute_tp, p.prompt_tokens) == (0.0, 4, 8)
     assert p.head_start_seconds == 0.5 and p.engine_overhead_bytes == 5
