@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 
 from warmserve.policy.cluster import WorkerState
 from warmserve_agent.memory import MemoryManager
+from warmserve_agent.model_profile import ModelProfiles
 from warmserve_agent.node_records import (
     ID_RE,
     INSTANCE_ID_RE,
@@ -82,6 +83,7 @@ class NodeState:
         self.instances: dict[str, InstanceRec] = {}
         self.generation = 0
         self.lock = threading.RLock()  # every change of the records, by every collaborator
+        self.profiles = ModelProfiles()  # measured per model, reported in Describe
         # Wakes the KV pager to unmap what was given up (NodeCore sets it)
         self.kick_unmap: Callable[[], None] = lambda: None
         self._listeners: list[Callable[[Event], None]] = []

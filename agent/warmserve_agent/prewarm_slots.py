@@ -157,6 +157,10 @@ class Prewarmer:
                     cancel=slot.cancel,
                     on_layer=on_layer,
                 )
+                # the loader's timing of these layers, as the slot reports it (its bandwidth)
+                state.profiles.record_load(
+                    slot.model, slot.bytes_loaded - base_bytes, slot.load_seconds - base_s
+                )
                 base_bytes, base_s = slot.bytes_loaded, slot.load_seconds
         except Exception as exc:
             with slot.lock:

@@ -355,6 +355,8 @@ class AgentServer:
             await self._health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(grace_s)
+        if self.service is not None:
+            await self.service.instances.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         if self.fetcher is not None:

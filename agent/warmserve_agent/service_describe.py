@@ -152,7 +152,7 @@ class Describer:
         now = time.monotonic()
         cached = self._catalog_cache
         if cached is not None and cached[0] == stamp and now - cached[1] < CATALOG_TTL_S:
-            return cached[2]
+            return self._with_profiles(cached[2])
         models = []
         names = store.list_models()
         for name in names:
@@ -174,6 +174,18 @@ class Describer:
                 )
             )
         self._catalog_cache = (stamp, now, models)
+        return self._with_profiles(models)
+
+    def _with_profiles(self, models: list[pb.ModelInfo]) -> list[pb.ModelInfo]:
+        """The models with what the agent measured so far (not cached: it changes with every
+        load and activation)."""
+        profiles = self.core.state.profiles
+        for m in models:
+            p = profiles.pb(m.name)
+            if p is None:
+                m.ClearField("profile")
+            else:
+                m.profile.CopyFrom(p)
         return models
 
     def describe_pb(self, refresh: bool = True) -> pb.NodeDescription:

@@ -15,7 +15,7 @@ from warmserve.api.agent.errors import FENCED_PREFIX
 from warmserve.api.agent.wire import SlotState, instance_phase, slot_state, worker_state
 from warmserve.policy.cluster import InstancePhase, WorkerState
 
-from .model_spec import CatalogEntry
+from .model_spec import CatalogEntry, profile_from_pb
 
 
 class AgentCallError(Exception):
@@ -229,7 +229,8 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
     """Convert a ``warmserve.agent.v1.NodeDescription`` into a :class:`NodeSnapshot`."""
     models = {
         m.name: CatalogEntry(
-            m.name, int(m.weight_bytes), int(m.num_layers), m.source, int(m.disk_bytes)
+            m.name, int(m.weight_bytes), int(m.num_layers), m.source, int(m.disk_bytes),
+            profile_from_pb(m.profile) if m.HasField("profile") else None,
         )
         for m in desc.models
     }

@@ -33,7 +33,7 @@ from warmserve_agent.fencing import Fence
 from warmserve.engine_args import DEFAULT_POLICY, EngineArgsError, validate_engine_args
 from warmserve.policy.cluster import GiB, InstancePhase, WorkerState
 from warmserve_operator.agents import Fencing, Unfenced
-from warmserve_operator.model_spec import CatalogEntry
+from warmserve_operator.model_spec import CatalogEntry, MeasuredProfile
 from warmserve_operator.snapshot import (
     ActivateResult,
     AgentCallError,
@@ -96,6 +96,7 @@ class FakeAgent:
         self.fetched: list[tuple[str, str]] = []
         self.inspected: list[tuple[str, str]] = []  # (model, source) of InspectModel calls
         self.fetched_from: dict[str, str] = {}  # model -> source, reported as the real agent does
+        self.profiles: dict[str, MeasuredProfile] = {}  # model -> what Describe reports measured
         self.slots: dict[str, _Slot] = {}
         self.instances: dict[str, _Inst] = {}
         self.generation = 1
@@ -226,7 +227,7 @@ class FakeAgent:
             for i in self.instances.values()
         )
         models = {
-            m: CatalogEntry(m, w, n, self.fetched_from.get(m, ""))
+            m: CatalogEntry(m, w, n, self.fetched_from.get(m, ""), profile=self.profiles.get(m))
             for m, (w, n) in self.catalog.items()
         }
         return NodeSnapshot(

@@ -164,7 +164,7 @@ class InstanceInfo(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., endpoint: _Optional[str] = ..., phase: _Optional[_Union[InstancePhase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., lendable_bytes: _Optional[int] = ..., lent_bytes: _Optional[int] = ..., prewarm_hit: _Optional[bool] = ..., slot_id: _Optional[str] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., started_unix: _Optional[float] = ..., owner: _Optional[str] = ..., grace_started_unix: _Optional[float] = ..., engine: _Optional[str] = ..., ttft_p95_seconds: _Optional[float] = ..., ttft_samples: _Optional[int] = ..., ttft_window_seconds: _Optional[float] = ..., dropped_requests: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "num_layers", "weight_bytes", "num_tensors", "max_batch", "source", "disk_bytes", "last_used_unix")
+    __slots__ = ("name", "num_layers", "weight_bytes", "num_tensors", "max_batch", "source", "disk_bytes", "last_used_unix", "profile")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class ModelInfo(_message.Message):
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_layers: int
     weight_bytes: int
@@ -181,7 +182,26 @@ class ModelInfo(_message.Message):
     source: str
     disk_bytes: int
     last_used_unix: float
-    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., max_batch: _Optional[int] = ..., source: _Optional[str] = ..., disk_bytes: _Optional[int] = ..., last_used_unix: _Optional[float] = ...) -> None: ...
+    profile: ModelProfile
+    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., max_batch: _Optional[int] = ..., source: _Optional[str] = ..., disk_bytes: _Optional[int] = ..., last_used_unix: _Optional[float] = ..., profile: _Optional[_Union[ModelProfile, _Mapping]] = ...) -> None: ...
+
+class ModelProfile(_message.Message):
+    __slots__ = ("load_bytes_per_second", "layer_compute_seconds", "prompt_tokens", "compute_tp", "head_seconds", "head_start_seconds", "engine_overhead_bytes")
+    LOAD_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    LAYER_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_TP_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_OVERHEAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    load_bytes_per_second: float
+    layer_compute_seconds: float
+    prompt_tokens: int
+    compute_tp: int
+    head_seconds: float
+    head_start_seconds: float
+    engine_overhead_bytes: int
+    def __init__(self, load_bytes_per_second: _Optional[float] = ..., layer_compute_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., compute_tp: _Optional[int] = ..., head_seconds: _Optional[float] = ..., head_start_seconds: _Optional[float] = ..., engine_overhead_bytes: _Optional[int] = ...) -> None: ...
 
 class FetchInfo(_message.Message):
     __slots__ = ("model", "source", "state", "bytes_done", "bytes_total", "bytes_per_second", "eta_seconds", "attempt", "message", "started_unix", "finished_unix")
