@@ -24,7 +24,7 @@ from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import InstanceRec, SlotRec
 from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.sources.wire import fetch_pb, store_pb
-from warmserve_agent.wire import PHASE_TO_PB, SLOT_TO_PB, WORKER_TO_PB
+from warmserve_agent.wire import PHASE_TO_PB, SLOT_TO_PB, WORKER_TO_PB, prepared_pb, stages_pb
 
 log = logging.getLogger("warmserve.agent.service")  # one logger for the whole service
 
@@ -59,6 +59,7 @@ class Describer:
         rec = self.core.gpus[g]
         mm = self.core.mm
         page = self.core.page
+        held = self.core.preparer.of_gpu(g)
         return pb.GpuInfo(
             index=g,
             memory_bytes=rec.memory_bytes,
@@ -71,10 +72,12 @@ class Describer:
             worker_restarts=self.info.worker_restarts(g),
             slot_ids=[s.slot_id for s in self.core.slots.values() if g in s.gpus],
             instance_id=rec.instance_id,
+            prepared_slot_id=held[0] if held else "",
+            prepared_engine_host_bytes=held[1].report.host_bytes if held else 0,
         )
 
-    @staticmethod
-    def slot_pb(s: SlotRec) -> pb.SlotInfo:
+    def slot_pb(self, s: SlotRec) -> pb.SlotInfo:
+        rec = self.core.preparer.prepared.get(s.slot_id)
         return pb.SlotInfo(
             slot_id=s.slot_id,
             model=s.model,
@@ -87,6 +90,9 @@ class Describer:
             state=_SS[s.state],
             message=s.message,
             owner=s.owner,
+            prepared_engine=(
+                prepared_pb(rec.engine, rec.gpu, rec.report) if rec is not None else None
+            ),
         )
 
     def instance_pb(self, i: InstanceRec) -> pb.InstanceInfo:
@@ -122,6 +128,7 @@ class Describer:
             dropped_requests=st.dropped,
             owner=i.owner,
             grace_started_unix=i.grace_started_unix,
+            stages=stages_pb(i.stages),
         )
 
     def _refresh_stats(self) -> None:
@@ -129,7 +136,7 @@ class Describer:
             if i.phase == InstancePhase.STARTING:
                 continue
             try:
-                i.last_stats = i.engine.stats()
+                self.core.engine_stats(i)  # last_stats, and the stages it reached
             except Exception as exc:  # worker died: the monitor will reconcile
                 log.debug("event=stats_failed instance=%s err=%s", i.instance_id, exc)
 

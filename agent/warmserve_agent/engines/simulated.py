@@ -6,8 +6,12 @@ weights from the slot (never from files), verifies every tensor against the stor
 digests (wrong bytes: a failed start, not silent output) and derives its output tokens from them.
 
 Simplifications (docs/agent.md): one request's decode is paced independently of the batch;
-admission reserves KV for prompt + max_tokens (so growth never overruns a shrunk cache); prefill
-waits until all layers are resident.
+admission reserves KV for prompt + max_tokens (so growth never overruns a shrunk cache).  Prefill
+runs layer by layer, each layer waiting only until it is resident (as the ``vllm`` engine does).
+
+Lifecycle: ``prepare(spec)`` (prewarm time) parses the arguments, opens the slot and sets up the
+HTTP app without listening; ``start(spec)`` verifies the resident layers, takes the KV capacity
+and opens the endpoint (it prepares first when nothing was prepared).
 
 Queue: at most ``profile.max_waiting`` requests wait for admission (default 4 x the
 batch limit); more are refused at once with 429, and a request whose client disconnects while it
@@ -21,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+import time
 from typing import Any
 
 from warmserve.engine_args import parse_engine_args
@@ -32,7 +37,7 @@ from warmserve_agent.engine import (
 )
 from warmserve_agent.engines.simulated_openai import EngineState, OpenAIServing
 from warmserve_agent.engines.slotmem import SlotMemory
-from warmserve_agent.engines.spec import EngineSpec, EngineStats
+from warmserve_agent.engines.spec import EngineSpec, EngineStages, EngineStats
 
 
 class SimulatedEngine(OpenAIServing):
@@ -58,6 +63,10 @@ class SimulatedEngine(OpenAIServing):
         self.max_batch = 1
         self.max_model_len = 0
         self.max_waiting = 1
+        self._prepared = False
+        self._t_start = 0.0
+        self._t_first_token: float | None = None
+        self._stages = EngineStages()
 
     # ---- weights ---------------------------------------------------------------------------
     def _verify(self, start: int, end: int) -> list[str]:
@@ -78,9 +87,11 @@ class SimulatedEngine(OpenAIServing):
         return bad
 
     # ---- Engine protocol -------------------------------------------------------------------
-    def start(self, spec: EngineSpec) -> str:
+    def prepare(self, spec: EngineSpec) -> None:
+        """Everything that needs no resident weight: arguments, the slot's memory (pages not
+        mapped yet stay inaccessible), the HTTP app on its loop thread (not listening)."""
         self.spec = spec
-        # the agent applied its allowlist before starting us (Activator.check_engine)
+        # the agent applied its allowlist before (Activator.check_engine)
         args = parse_engine_args(spec.engine_args, policy=None)
         self.max_batch = min(spec.profile.max_batch, args.get("max_num_seqs") or 1 << 30)
         self.max_model_len = int(args.get("max_model_len") or 0)
@@ -89,12 +100,32 @@ class SimulatedEngine(OpenAIServing):
         # host verifies the other ranks in their own workers.
         for rank, region in enumerate(spec.regions):
             if region.host_file or (region.local and self._backend is not None):
-                self._mem[rank] = SlotMemory(region, self._backend)
+                self._mem[rank] = SlotMemory(region, self._backend, partial=True)
         if not self._mem:
             raise EngineError("the engine cannot read any shard of its slot")
+        self._st.layers_total = spec.layers_total
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
+        self._thread.start()
+        if not ready.wait(30):
+            raise RuntimeError("engine HTTP server did not start within 30 s")
+        self._prepared = True
+
+    def start(self, spec: EngineSpec) -> str:
+        t0 = self._t_start = time.perf_counter()
+        prepared = self._prepared
+        if prepared:
+            assert self.spec is not None
+            if spec.prepared_key() != self.spec.prepared_key():
+                raise EngineError("the prepared engine was built for another slot or arguments")
+            self.spec = spec
+            for rank, mem in self._mem.items():
+                mem.update(spec.regions[rank])
+        else:
+            self.prepare(spec)
+        self._prepared = False
+        t_ready = time.perf_counter() - t0
         st = self._st
-        st.layers_total = spec.layers_total
-        st.kv_capacity = spec.kv_capacity_bytes
         bad = self._verify(0, spec.layers_resident)
         if bad:
             raise WeightVerificationError(
@@ -103,12 +134,15 @@ class SimulatedEngine(OpenAIServing):
                 tensors=bad,
             )
         st.layers_resident = spec.layers_resident
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
-        self._thread.start()
-        if not ready.wait(30):
-            raise RuntimeError("engine HTTP server did not start within 30 s")
+        st.kv_capacity = spec.kv_capacity_bytes
+        t_kv = time.perf_counter() - t0
+        self._on_loop(self._listen(), timeout=30)
+        self._stages = EngineStages(prepared, t_ready, t_kv, time.perf_counter() - t0)
         return self.endpoint
+
+    def _first_token(self) -> None:
+        if self._t_first_token is None:
+            self._t_first_token = time.perf_counter()
 
     def layers_ready(self, n: int) -> None:
         st = self._st
@@ -154,6 +188,13 @@ class SimulatedEngine(OpenAIServing):
             ttft_samples=n,
             ttft_window_s=self.ttft.window_s,
             bad_tensors=tuple(st.bad),
+            stages=EngineStages(
+                self._stages.prepared,
+                self._stages.engine_ready_s,
+                self._stages.kv_mapped_s,
+                self._stages.endpoint_up_s,
+                None if self._t_first_token is None else self._t_first_token - self._t_start,
+            ),
         )
 
     def stop(self) -> None:

@@ -64,10 +64,16 @@ def _libc() -> Any:
     return libc
 
 
+UNMAPPED = -1  # a virtual page with no physical page (yet): inaccessible in the host mapping
+
+
 def _runs(ppages: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first virtual page, first physical page, count) runs of consecutive physical pages."""
+    """(first virtual page, first physical page, count) runs of consecutive physical pages;
+    :data:`UNMAPPED` pages belong to no run."""
     out: list[tuple[int, int, int]] = []
     for v, p in enumerate(ppages):
+        if p == UNMAPPED:
+            continue
         if out and out[-1][1] + out[-1][2] == p and out[-1][0] + out[-1][2] == v:
             v0, p0, n = out[-1]
             out[-1] = (v0, p0, n + 1)
@@ -80,10 +86,15 @@ class HostSlotMapping:
     """A contiguous host mapping of a slot whose pages live in a shared file (see module doc)."""
 
     def __init__(
-        self, path: str, ppages: Sequence[int], page_bytes: int, weight_bytes: int
+        self,
+        path: str,
+        ppages: Sequence[int],
+        page_bytes: int,
+        weight_bytes: int,
+        npages: int | None = None,
     ) -> None:
         self.page_bytes = page_bytes
-        self.npages = len(ppages)
+        self.npages = len(ppages) if npages is None else npages
         self.size = self.npages * page_bytes
         if self.npages == 0:
             raise SlotMemoryError("slot region has no mapped pages")
@@ -98,12 +109,47 @@ class HostSlotMapping:
                     f"reserving {self.size} bytes: {os.strerror(ctypes.get_errno())}"
                 )
             self.base = int(base)
-            wpages = -(-weight_bytes // page_bytes)
-            self._map(ppages, 0, wpages, _PROT_READ)
-            self._map(ppages, wpages, self.npages, _PROT_READ | _PROT_WRITE)
+            self._wpages = -(-weight_bytes // page_bytes)
+            self._phys = [UNMAPPED] * self.npages
+            self.update(ppages)
         except BaseException:
             self.close()
             raise
+
+    def update(self, ppages: Sequence[int]) -> None:
+        """Make the mapping follow ``ppages`` (one entry per virtual page of the reservation,
+        :data:`UNMAPPED` for none): pages whose physical page changed are mapped in place
+        (weights read-only, KV read-write) or made inaccessible; addresses never move, so
+        tensors over the mapping stay valid.  A prepared engine's slot is mapped this way as
+        the agent maps its pages."""
+        if len(ppages) > self.npages:
+            raise SlotMemoryError(
+                f"{len(ppages)} pages do not fit the {self.npages}-page reservation"
+            )
+        new = list(ppages) + [UNMAPPED] * (self.npages - len(ppages))
+        changed = [v for v in range(self.npages) if new[v] != self._phys[v]]
+        i = 0
+        while i < len(changed):  # runs of consecutive changed virtual pages
+            j = i
+            while j + 1 < len(changed) and changed[j + 1] == changed[j] + 1:
+                j += 1
+            lo, hi = changed[i], changed[j] + 1
+            for start, end, prot in (
+                (lo, min(hi, self._wpages), _PROT_READ),
+                (max(lo, self._wpages), hi, _PROT_READ | _PROT_WRITE),
+            ):
+                if start >= end:
+                    continue
+                gone = [v for v in range(start, end) if new[v] == UNMAPPED]
+                for v in gone:
+                    self.revoke(v, 1)
+                self._map(new, start, end, prot)
+            i = j + 1
+        self._phys = new
+
+    @property
+    def mapped_pages(self) -> int:
+        return sum(1 for p in self._phys if p != UNMAPPED)
 
     def _map(self, ppages: Sequence[int], start: int, end: int, prot: int) -> None:
         P = self.page_bytes
@@ -129,11 +175,14 @@ class HostSlotMapping:
         )
         if got != addr:
             raise SlotMemoryError(f"revoking pages: {os.strerror(ctypes.get_errno())}")
+        if hasattr(self, "_phys"):
+            self._phys[first_page : first_page + npages] = [UNMAPPED] * npages
 
     def remap(self, first_page: int, ppages: Sequence[int]) -> None:
         """Map physical pages at virtual pages [first, first+len) read-write (taken back)."""
-        full = [0] * first_page + list(ppages)
+        full = [UNMAPPED] * first_page + list(ppages)
         self._map(full, first_page, first_page + len(ppages), _PROT_READ | _PROT_WRITE)
+        self._phys[first_page : first_page + len(ppages)] = list(ppages)
 
     def close(self) -> None:
         if getattr(self, "base", 0):
@@ -159,11 +208,17 @@ class SlotMemory:
     layers while node shutdown stops the engine): a lock makes ``close`` wait for a read in
     progress, and a read after ``close`` raises instead of touching unmapped memory (which
     crashed the process with SIGSEGV).  A ``tensor()`` view is not guarded: its engine must be
-    done with it before it closes the slot."""
+    done with it before it closes the slot.
 
-    def __init__(self, region: SlotRegion, backend: Any = None) -> None:
+    ``partial``: the region may have pages not mapped yet (an engine prepared at prewarm time:
+    its KV pages, and weights still loading); they stay inaccessible until :meth:`update` maps
+    them.  Without it every page must be mapped."""
+
+    def __init__(self, region: SlotRegion, backend: Any = None, *, partial: bool = False) -> None:
         self.region = region
         self.backend = backend
+        self.partial = partial
+        self.size = region.mapped_bytes  # the reservation: tensors over it never move
         self._host: HostSlotMapping | None = None
         self._tensor: Any = None
         self._lock = threading.Lock()
@@ -188,10 +243,38 @@ class SlotMemory:
             return r.host_file, list(r.ppages[:n])
         tr = self.backend.translation(r.gpu)
         first = r.va // r.page_bytes
+        if self.partial:
+            return str(self.backend.path(r.gpu)), [tr.get(first + i, UNMAPPED) for i in range(n)]
         try:
             return str(self.backend.path(r.gpu)), [tr[first + i] for i in range(n)]
         except KeyError as exc:
             raise SlotMemoryError(f"slot page {exc} is not mapped") from None
+
+    def update(self, region: SlotRegion) -> None:
+        """The agent mapped (or unmapped) pages of this slot: follow ``region`` in place.
+
+        Used when a prepared engine's slot is activated (the rest of the weights and the KV
+        pages are mapped by then).  A region larger than the reservation, or another slot, is
+        an error; CUDA needs nothing (the worker's own VMM mappings are the memory)."""
+        old = self.region
+        if (region.gpu, region.va, region.page_bytes, region.weight_bytes) != (
+            old.gpu,
+            old.va,
+            old.page_bytes,
+            old.weight_bytes,
+        ) or region.mapped_bytes > self.size:
+            raise SlotMemoryError(
+                f"GPU {region.gpu}: the activated region ({region.mapped_bytes} bytes at "
+                f"{region.va:#x}) is not the prepared one ({self.size} bytes at {old.va:#x})"
+            )
+        with self._lock:
+            self.region = region
+            if self.kind == SlotMemoryKind.DEVICE or self._host is None:
+                return
+            _, ppages = self._ppages()
+            if not self.partial and UNMAPPED in ppages:
+                raise SlotMemoryError(f"slot page {ppages.index(UNMAPPED)} is not mapped")
+            self._host.update(ppages)
 
     def host_mapping(self) -> HostSlotMapping:
         if self.kind == SlotMemoryKind.DEVICE:
@@ -199,9 +282,10 @@ class SlotMemory:
         if self._closed:
             raise SlotMemoryError("the slot memory is closed (its engine stopped)")
         if self._host is None:
-            path, ppages = self._ppages()
+            npages = -(-self.size // self.region.page_bytes)
+            path, ppages = self._ppages(npages)
             self._host = HostSlotMapping(
-                path, ppages, self.region.page_bytes, self.region.weight_bytes
+                path, ppages, self.region.page_bytes, self.region.weight_bytes, npages
             )
         return self._host
 
@@ -222,7 +306,7 @@ class SlotMemory:
         import torch
 
         r = self.region
-        n = r.mapped_bytes
+        n = self.size
         view = getattr(self.backend, "torch_view", None)
         if self.kind == SlotMemoryKind.DEVICE and view is not None:
             t = view(r.gpu, r.va, n)

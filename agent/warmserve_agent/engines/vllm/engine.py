@@ -1,23 +1,24 @@
 """The ``vllm`` engine: real vLLM in the pooled worker process, built over the prewarm slot.
 
-``start(spec)`` (the process imported torch + vLLM long before, ``preload.py``):
+Two halves (``build.py``), so a prewarm hit builds nothing on its critical path:
 
-1. opens the slot (``SlotMemory``: host memory on the simulated backend, the VMM range on CUDA);
-2. parses ``spec.engine_args`` with **vLLM's own** ``vllm serve`` argument parser and adds what
-   warmserve decides: ``--load-format warmserve_slot`` (``loader.py``: parameters are views of
-   the slot), ``--kv-cache-memory-bytes`` = the slot's pages after the weights,
-   ``--served-model-name`` = the model, TP 1;
-3. builds vLLM's ``AsyncLLM`` with its engine core in this process (``inproc.py``) and the KV
-   cache placed in the slot (``loader.slot_kv_cache``);
-4. serves vLLM's own OpenAI server app (``build_app`` + ``init_app_state``: ``/v1/completions``,
-   ``/v1/chat/completions`` with streaming, ``/v1/models``, ``/metrics`` with vLLM's metric
-   names, ``/health``) with uvicorn on an ephemeral port.
+* ``prepare(spec)`` — at prewarm time, in the worker of the slot's first GPU: opens the slot
+  (``SlotMemory``, partially: pages not mapped yet stay inaccessible), builds vLLM's ``AsyncLLM``
+  with its engine core in this process (``inproc.py``), parameters as views of the slot
+  (``loader.py``) and the KV cache sized for the pages the slot will get at activation — but with
+  every KV block held out of the scheduler's reach (its pages are not mapped) — and vLLM's OpenAI
+  app.  Nothing is read from the slot and nothing listens.
+* ``start(spec)`` — at activation: maps the rest of the slot into this process and gives vLLM
+  its KV blocks (:meth:`VllmEngine.grow_kv_cache`), then serves the app with uvicorn on an
+  ephemeral port (``/v1/completions``, ``/v1/chat/completions`` with streaming, ``/v1/models``,
+  ``/metrics`` with vLLM's metric names, ``/health``).  Without a prepared engine (a cold start,
+  other engine arguments) ``start`` builds first, as before.
 
-Partial prewarm: the agent maps the whole weight range at activation and keeps streaming the
-missing layers into it (its loader thread) **while** vLLM builds the engine over the slot, so the
-load overlaps engine construction (vllm-integration note §2.5, "recommended overlap"); requests
-are held (not refused) until ``layers_ready(n)`` reports every layer resident.  vLLM cannot run a
-model with layers missing, so that is the earliest a token can be served.
+Per-layer readiness: a partially prewarmed slot serves at once; the agent keeps streaming the
+missing layers into it and ``layers_ready(n)`` advances a
+:class:`~warmserve_agent.engines.layer_gate.LayerGate` the model's modules wait on, each for its
+own layer (``hooks.install_layer_gates``): layer ``i``'s forward runs as soon as layer ``i`` is
+resident, and the first token comes once the last layer lands.
 
 Grace lending (Eq. 1): vLLM fixes its KV block count at start.  ``set_kv_capacity`` takes free
 blocks with the highest ids out of the block pool's free queue between engine steps (the
@@ -32,123 +33,153 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
-import os
-import socket
 import threading
 import time
 from typing import Any
 
-from warmserve.engine_args import parse_engine_args
-from warmserve.tracing import traces_url, vllm_tracing_env
 from warmserve_agent.engine import EngineError, TtftWindow
+from warmserve_agent.engines.layer_gate import LayerGate
 from warmserve_agent.engines.slotmem import SlotMemory, SlotMemoryKind
-from warmserve_agent.engines.spec import EngineSpec, EngineStats
+from warmserve_agent.engines.spec import EngineSpec, EngineStages, EngineStats, SlotRegion
 from warmserve_agent.engines.vllm.hooks import (
-    HoldUntilResident,
     cleanup_vllm_process_state,
     extent,
-    slot_dtype,
-    ttft_logger_factory,
+    zero_kv_blocks_on_allocation,
 )
 
 log = logging.getLogger("warmserve.agent.engine.vllm")
+
+# vLLM keeps process-wide state (its distributed environment, the current config): engines of one
+# process are built and torn down one at a time (a worker hosts one; tests run several).
+_PROCESS_LOCK = threading.RLock()
 
 
 class VllmEngine:
     """Engine protocol over vLLM (see module docstring)."""
 
     build_timeout_s = 900.0
+    builds = 0  # vLLM engines built in this process (a prepared engine's activation adds none)
 
     def __init__(self, backend: Any = None) -> None:
         self._backend = backend
         self.spec: EngineSpec | None = None
         self._mem: SlotMemory | None = None
         self._slot: Any = None
+        self._key = ""  # the ActiveSlot's registry key (the slot id, or the instance id)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._llm: Any = None
         self._client: Any = None
+        self._app: Any = None  # uvicorn's config of vLLM's OpenAI app (build.Built)
         self._server: Any = None
-        self._ready: asyncio.Event | None = None
-        self._layers = 0
+        self._serve_task: asyncio.Task[Any] | None = None
+        self._gate: LayerGate | None = None
         self._lent: list[Any] = []
         self._phys_limit = 0  # KV bytes (from the KV start) this process may still touch
+        self._prepared = False  # built by prepare() and not started yet
+        self._t_start = 0.0
+        self._t_first_token: float | None = None
+        self._stages = EngineStages()
         self.endpoint = ""
         self.ttft = TtftWindow()
         self.timings: dict[str, float] = {}
 
     # ---- Engine protocol -------------------------------------------------------------------
+    def prepare(self, spec: EngineSpec) -> None:
+        """Build vLLM's engine and app over the slot now (prewarm time), serving nothing; every
+        KV block stays held until :meth:`start` maps the KV pages (see module docstring)."""
+        with _PROCESS_LOCK:
+            self._build_over(spec, partial=True)
+        # Nothing of the KV range is mapped here yet: no block may be handed out.
+        self._phys_limit = 0
+        self._client.call_sync(self._hold_all_blocks)
+        self._prepared = True
+
     def start(self, spec: EngineSpec) -> str:
-        import torch
-
-        from warmserve_agent.engines.vllm.loader import ActiveSlot, activate_slot
-
-        if spec.tp_size != 1:
-            raise EngineError(
-                "the vllm engine serves tensor-parallel size 1 only for now: the slot layout "
-                "splits tensors by bytes, not by vLLM's row/column sharding (docs/agent.md)"
-            )
+        t0 = self._t_start = time.perf_counter()
+        prepared = self._prepared
+        if prepared:
+            assert self.spec is not None
+            if spec.prepared_key() != self.spec.prepared_key():
+                raise EngineError("the prepared engine was built for another slot or arguments")
+        else:
+            with _PROCESS_LOCK:
+                self._build_over(spec, partial=False)
         self.spec = spec
-        region = spec.regions[0]
-        self._mem = SlotMemory(region, self._backend)
-        device = torch.device(
-            f"cuda:{region.gpu}" if self._mem.kind == SlotMemoryKind.DEVICE else "cpu"
+        t_ready = time.perf_counter() - t0
+        self.grow_kv_cache(spec.regions[0])
+        t_kv = time.perf_counter() - t0
+        assert self._gate is not None and self._loop is not None
+        self._gate.advance(spec.layers_resident)
+        fut = asyncio.run_coroutine_threadsafe(self._open_endpoint(spec), self._loop)
+        self.endpoint = fut.result(60)
+        self._prepared = False
+        self._stages = EngineStages(prepared, t_ready, t_kv, time.perf_counter() - t0)
+        log.info(
+            "event=vllm_started model=%s endpoint=%s prepared=%s engine_s=%.3f start_s=%.3f",
+            spec.model,
+            self.endpoint,
+            prepared,
+            t_ready,
+            self._stages.endpoint_up_s,
         )
-        self._slot = ActiveSlot(spec, self._mem, device)
-        activate_slot(spec.instance_id, self._slot)
-        self._layers = spec.layers_resident
-        started = threading.Event()
-        failure: list[BaseException] = []
-        self._thread = threading.Thread(
-            target=self._serve, args=(started, failure), name="vllm-server", daemon=True
-        )
-        self._thread.start()
-        if not started.wait(self.build_timeout_s):
-            raise EngineError(f"vLLM did not start within {self.build_timeout_s:.0f} s")
-        if failure:
-            self._thread.join(60)
-            with contextlib.suppress(Exception):
-                self.stop()
-            exc = failure[0]
-            raise EngineError(f"vLLM failed to start: {type(exc).__name__}: {exc}") from None
         return self.endpoint
 
     def layers_ready(self, n: int) -> None:
-        assert self.spec is not None and self._loop is not None and self._ready is not None
-        self._layers = max(self._layers, n)
-        if self._layers >= self.spec.layers_total:
-            self._loop.call_soon_threadsafe(self._ready.set)
+        assert self._gate is not None
+        self._gate.advance(n)
 
     def stats(self) -> EngineStats:
-        assert self._client is not None
+        assert self._client is not None and self._gate is not None
         sched = self._client.engine_core.scheduler
         running, waiting = sched.get_request_counts()
         bp = sched.kv_cache_manager.block_pool
         usable = bp.num_gpu_blocks - 1 - len(self._lent)  # block 0 is vLLM's null block
         used = max(0, usable - (bp.get_num_free_blocks()))
         p95, n = self.ttft.p95()
+        first = self._t_first_token
+        st = self._stages
         return EngineStats(
             running=running,
             waiting=waiting,
             kv_used_bytes=used * self._block_bytes,
             kv_capacity_bytes=usable * self._block_bytes,
-            layers_resident=self._layers,
+            layers_resident=self._gate.resident,
             max_batch=int(self._llm.vllm_config.scheduler_config.max_num_seqs),
             ttft_p95_s=p95,
             ttft_samples=n,
             ttft_window_s=self.ttft.window_s,
+            stages=EngineStages(
+                st.prepared,
+                st.engine_ready_s,
+                st.kv_mapped_s,
+                st.endpoint_up_s,
+                None if first is None else first - self._t_start,
+            ),
         )
 
     def set_kv_capacity(self, nbytes: int) -> int:
         assert self._client is not None
         return int(self._client.call_sync(lambda: self._resize(int(nbytes))))
 
+    def grow_kv_cache(self, region: SlotRegion) -> int:
+        """Activation: follow the agent's mapping of the slot (the rest of the weights, the KV
+        pages) in this process and hand vLLM's KV blocks within the mapped pages back to its
+        scheduler.  Returns the KV bytes vLLM may use.  The one place the KV cache grows at
+        activation; lending shrinks and regrows it with :meth:`set_kv_capacity`."""
+        assert self._mem is not None and self._client is not None
+        self._mem.update(region)
+        start, end = self._slot.kv_range
+        self._phys_limit = max(0, min(region.mapped_bytes, end) - start)
+        return self.set_kv_capacity(self._phys_limit)
+
     def stop(self) -> None:
         from warmserve_agent.engines.vllm.loader import release_slot
 
+        if self._gate is not None:
+            self._gate.close()  # a forward waiting for a layer gives up
         loop, thread = self._loop, self._thread
         if loop is not None and thread is not None and thread.is_alive() and loop.is_running():
             with contextlib.suppress(Exception):
@@ -156,15 +187,107 @@ class VllmEngine:
             with contextlib.suppress(RuntimeError):  # closed meanwhile
                 loop.call_soon_threadsafe(loop.stop)
             thread.join(60)
-        if self.spec is not None:
-            release_slot(self.spec.instance_id)
+        if self._key:
+            release_slot(self._key)
         self._slot = None
-        self._llm = self._client = self._server = None
+        self._llm = self._client = self._server = self._app = None
         if self._mem is not None:
             self._mem.close()
             self._mem = None
-        cleanup_vllm_process_state()
+        with _PROCESS_LOCK:
+            cleanup_vllm_process_state()
         self._loop = self._thread = None
+        self._prepared = False
+
+    # ---- building ------------------------------------------------------------------------------
+    def _build_over(self, spec: EngineSpec, *, partial: bool) -> None:
+        """Open the slot and build vLLM's engine and app over it on the engine's own loop thread
+        (``build.py``); ``partial``: pages not mapped yet stay inaccessible (prepare)."""
+        import torch
+
+        from warmserve_agent.engines.vllm.build import (
+            build,
+            engine_config,
+            runs_forward_while_building,
+        )
+        from warmserve_agent.engines.vllm.loader import ActiveSlot, activate_slot
+
+        if spec.tp_size != 1:
+            raise EngineError(
+                "the vllm engine serves tensor-parallel size 1 only for now: the slot layout "
+                "splits tensors by bytes, not by vLLM's row/column sharding (docs/agent.md)"
+            )
+        t0 = time.perf_counter()
+        self.spec = spec
+        region = spec.regions[0]
+        self._mem = SlotMemory(region, self._backend, partial=partial)
+        device = torch.device(
+            f"cuda:{region.gpu}" if self._mem.kind == SlotMemoryKind.DEVICE else "cpu"
+        )
+        self._gate = LayerGate(spec.layers_total, spec.layers_resident)
+        self._slot = ActiveSlot(spec, self._mem, device, gate=self._gate)
+        self._key = spec.slot_id or spec.instance_id
+        args, config, kv_bytes = engine_config(spec, self._key, device)
+        if partial:
+            why = runs_forward_while_building(config)
+            if why:
+                raise EngineError(f"cannot prepare this engine ahead of activation: {why}")
+        activate_slot(self._key, self._slot)
+        built: list[Any] = []
+
+        async def make() -> None:
+            built.append(
+                await build(spec, self._key, args, config, kv_bytes, self.ttft, self._first_token)
+            )
+
+        self._run_loop(make)
+        b = built[0]
+        self._llm, self._client, self._app = b.llm, b.client, b.server_config
+        VllmEngine.builds += 1
+        self._client.call_sync(lambda: zero_kv_blocks_on_allocation(self._client))
+        start, end = self._slot.kv_range
+        self._phys_limit = end - start
+        self.timings["engine_s"] = time.perf_counter() - t0
+        log.info(
+            "event=vllm_built model=%s slot=%s prepared=%s engine_s=%.2f kv_bytes=%d",
+            spec.model,
+            spec.slot_id,
+            partial,
+            self.timings["engine_s"],
+            kv_bytes,
+        )
+
+    def _run_loop(self, make: Any) -> None:
+        """Start the engine's loop thread, run ``make()`` on it and keep the loop running."""
+        started = threading.Event()
+        failure: list[BaseException] = []
+        self._thread = threading.Thread(
+            target=self._serve, args=(make, started, failure), name="vllm-server", daemon=True
+        )
+        self._thread.start()
+        if not started.wait(self.build_timeout_s):
+            raise EngineError(f"vLLM was not built within {self.build_timeout_s:.0f} s")
+        if failure:
+            self._thread.join(60)
+            with contextlib.suppress(Exception):
+                self.stop()
+            exc = failure[0]
+            if isinstance(exc, EngineError):
+                raise exc
+            raise EngineError(f"vLLM failed to start: {type(exc).__name__}: {exc}") from None
+
+    def _hold_all_blocks(self) -> None:
+        """Take every free KV block out of the free queue (engine thread; see prepare)."""
+        bp = self._client.engine_core.scheduler.kv_cache_manager.block_pool
+        take = list(bp.free_block_queue.get_all_free_blocks())
+        for b in take:
+            bp._maybe_evict_cached_block(b)
+            bp.free_block_queue.remove(b)
+        self._lent.extend(take)
+
+    def _first_token(self) -> None:
+        if self._t_first_token is None:
+            self._t_first_token = time.perf_counter()
 
     # ---- introspection (tests, benchmarks) ------------------------------------------------------
     def model(self) -> Any:
@@ -287,14 +410,15 @@ class VllmEngine:
         self._phys_limit = touched
 
     # ---- the server thread ---------------------------------------------------------------------
-    def _serve(self, started: threading.Event, failure: list[BaseException]) -> None:
+    def _serve(self, make: Any, started: threading.Event, failure: list[BaseException]) -> None:
         loop = asyncio.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(self._build())
-        except BaseException as exc:  # reported to start()
-            log.exception("event=vllm_start_failed")
+            loop.run_until_complete(make())
+        except BaseException as exc:  # reported to the caller
+            if not isinstance(exc, EngineError):
+                log.exception("event=vllm_build_failed")
             failure.append(exc)
             started.set()
             with contextlib.suppress(Exception):
@@ -307,105 +431,14 @@ class VllmEngine:
         finally:
             loop.close()
 
-    async def _build(self) -> None:
-        import uvicorn
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-        from vllm.entrypoints.launchers.app import build_app
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-        from vllm.v1.engine.async_llm import AsyncLLM
+    async def _open_endpoint(self, spec: EngineSpec) -> str:
+        from warmserve_agent.engines.vllm.build import open_endpoint
 
-        from warmserve_agent.engines.vllm.inproc import inproc_engine_core
-        from warmserve_agent.engines.vllm.loader import LOAD_FORMAT, slot_kv_cache
-
-        spec = self.spec
-        assert spec is not None
-        t0 = time.perf_counter()
-        region = spec.regions[0]
-        page = region.page_bytes
-        kv_bytes = region.mapped_bytes - math.ceil(region.weight_bytes / page) * page
-        self._ready = asyncio.Event()
-        if self._layers >= spec.layers_total:
-            self._ready.set()
-        # the agent applied its allowlist before starting us (Activator.check_engine)
-        user = parse_engine_args(spec.engine_args, policy=None)
-        argv = [
-            "--model",
-            spec.model_dir,
-            # parameters are views of the slot: compute in the checkpoint's dtype unless told
-            *([] if "dtype" in user else ["--dtype", slot_dtype(spec)]),
-            *spec.engine_args,
-            "--served-model-name",
-            spec.model,
-            "--load-format",
-            LOAD_FORMAT,
-            "--model-loader-extra-config",
-            json.dumps({"warmserve_instance": spec.instance_id}),
-            "--kv-cache-memory-bytes",
-            str(kv_bytes),
-            "--tensor-parallel-size",
-            "1",
-            "--distributed-executor-backend",
-            "uni",  # the model runs in this process (UniProcExecutor), over the slot
-            "--host",
-            spec.host,
-            "--disable-uvicorn-access-log",
-        ]
-        # The KV budget is the slot's pages; vLLM's CPU platform would let this env var override
-        # --kv-cache-memory-bytes.
-        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if spec.traces_endpoint:  # the agent's --otlp-traces-endpoint (never a tenant's arg)
-            argv += ["--otlp-traces-endpoint", traces_url(spec.traces_endpoint)]
-            os.environ.update(vllm_tracing_env(spec.trace_sample_ratio))
-        args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
-        engine_args = AsyncEngineArgs.from_cli_args(args)
-        vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-        if self._slot.device.type == "cuda":  # the worker's GPU (the slot's VMM mappings)
-            vllm_config.device_config.device = self._slot.device
-        window = self.ttft
-        with inproc_engine_core() as made, slot_kv_cache(self._slot):
-            self._llm = AsyncLLM.from_vllm_config(
-                vllm_config,
-                usage_context=UsageContext.OPENAI_API_SERVER,
-                stat_loggers=[ttft_logger_factory(window)],
-                enable_log_requests=False,
-                disable_log_stats=False,
-            )
-        self._client = made[0]
-        self.timings["engine_s"] = time.perf_counter() - t0
-        self._phys_limit = self._slot.kv_range[1] - self._slot.kv_range[0]
-        supported = await self._llm.get_supported_tasks()
-        app = build_app(args, supported, vllm_config.model_config)
-        await init_app_state(self._llm, app.state, args, supported)
-        sock = socket.socket(socket.AF_INET6 if ":" in spec.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((spec.host, spec.port))
-        sock.listen(128)
-        config = uvicorn.Config(
-            HoldUntilResident(app, self), log_level="warning", access_log=False, lifespan="on"
-        )
-        self._server = uvicorn.Server(config)
-        self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
-        while not self._server.started:
-            if self._serve_task.done():
-                self._serve_task.result()
-                raise EngineError("the HTTP server stopped while starting")
-            await asyncio.sleep(0.01)
-        self.endpoint = spec.url(sock.getsockname()[1])
-        self.timings["start_s"] = time.perf_counter() - t0
-        log.info(
-            "event=vllm_started model=%s endpoint=%s engine_s=%.2f kv_bytes=%d",
-            spec.model,
-            self.endpoint,
-            self.timings["engine_s"],
-            kv_bytes,
-        )
+        self._server, self._serve_task, endpoint = await open_endpoint(spec, self._app)
+        return endpoint
 
     async def _shutdown(self) -> None:
-        if self._server is not None:
+        if self._server is not None and self._serve_task is not None:
             self._server.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._serve_task, 30)
