@@ -104,7 +104,9 @@ def test_a_partial_hit_serves_while_its_layers_stream_in(
         assert inst.stages.engine_prepared and slot.layers_resident < 4
         assert _tokens(inst.endpoint) == reference
         gate = inst.engine.engine._gate
-        assert gate.waits > 0, "the forward never waited: it did not start before the last layer"
+        # The forward ran the resident layers and waited at each missing one in turn (a gate on
+        # the whole model would only ever wait for all 4).
+        assert len(set(gate.waited)) >= 2 and min(gate.waited) < 4, gate.waited
         core.engine_stats(inst)
         st = inst.stages
         assert st.endpoint_up < st.weights_resident <= st.first_token  # type: ignore[operator]

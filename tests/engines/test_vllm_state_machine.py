@@ -106,6 +106,12 @@ class VllmNodeMachine(RuleBasedStateMachine):
         _check_inside_slot(inst.engine.engine)
         self._wait_loaders()
 
+    @rule(model=st.sampled_from(sorted(MODELS)), gpu=st.integers(0, 1), layers=st.integers(0, 4))
+    def prewarm_then_activate(self, model: str, gpu: int, layers: int) -> None:
+        """A prewarm hit with its engine prepared (random rules rarely line up)."""
+        self.prewarm(model, gpu, layers)
+        self.activate(model, gpu)
+
     @rule(model=st.sampled_from(sorted(MODELS)), gpu=st.integers(0, 1))
     def activate_too(self, model: str, gpu: int) -> None:
         """Activations are what this machine is for: twice the odds of the other rules."""

@@ -27,7 +27,7 @@ class LayerGate:
         self._resident = min(max(0, resident), total)
         self._cond = threading.Condition()
         self._closed = False
-        self.waits = 0  # computations that had to wait for a layer (tests, benchmarks)
+        self.waited: list[int] = []  # the layer counts computations had to wait for (tests)
 
     @property
     def resident(self) -> int:
@@ -50,7 +50,8 @@ class LayerGate:
         if self._resident >= need:  # the common case after the load: no lock
             return
         with self._cond:
-            self.waits += 1
+            if len(self.waited) < 10_000:
+                self.waited.append(need)
             ok = self._cond.wait_for(lambda: self._resident >= need or self._closed, timeout_s)
             if self._closed and self._resident < need:
                 raise GateClosed(f"the engine stopped while waiting for layer {need - 1}")

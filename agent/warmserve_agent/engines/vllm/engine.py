@@ -48,12 +48,15 @@ from warmserve_agent.engines.vllm.hooks import (
     extent,
     zero_kv_blocks_on_allocation,
 )
+from warmserve_agent.engines.vllm.loop import LoopThread
 
 log = logging.getLogger("warmserve.agent.engine.vllm")
 
 # vLLM keeps process-wide state (its distributed environment, the current config): engines of one
-# process are built and torn down one at a time (a worker hosts one; tests run several).
+# process are built and torn down one at a time (a worker hosts one; tests run several), and that
+# state is torn down when the last engine built in the process stops.
 _PROCESS_LOCK = threading.RLock()
+_LIVE: set[int] = set()  # id() of the engines built in this process and not stopped
 
 
 class VllmEngine:
@@ -68,8 +71,7 @@ class VllmEngine:
         self._mem: SlotMemory | None = None
         self._slot: Any = None
         self._key = ""  # the ActiveSlot's registry key (the slot id, or the instance id)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._loop = LoopThread()  # vLLM's async client and the HTTP server run on it
         self._llm: Any = None
         self._client: Any = None
         self._app: Any = None  # uvicorn's config of vLLM's OpenAI app (build.Built)
@@ -111,10 +113,9 @@ class VllmEngine:
         t_ready = time.perf_counter() - t0
         self.grow_kv_cache(spec.regions[0])
         t_kv = time.perf_counter() - t0
-        assert self._gate is not None and self._loop is not None
+        assert self._gate is not None
         self._gate.advance(spec.layers_resident)
-        fut = asyncio.run_coroutine_threadsafe(self._open_endpoint(spec), self._loop)
-        self.endpoint = fut.result(60)
+        self.endpoint = self._loop.run(self._open_endpoint(spec), 60)
         self._prepared = False
         self._stages = EngineStages(prepared, t_ready, t_kv, time.perf_counter() - t0)
         log.info(
@@ -180,13 +181,7 @@ class VllmEngine:
 
         if self._gate is not None:
             self._gate.close()  # a forward waiting for a layer gives up
-        loop, thread = self._loop, self._thread
-        if loop is not None and thread is not None and thread.is_alive() and loop.is_running():
-            with contextlib.suppress(Exception):
-                asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(60)
-            with contextlib.suppress(RuntimeError):  # closed meanwhile
-                loop.call_soon_threadsafe(loop.stop)
-            thread.join(60)
+        self._loop.stop(self._shutdown)
         if self._key:
             release_slot(self._key)
         self._slot = None
@@ -195,8 +190,10 @@ class VllmEngine:
             self._mem.close()
             self._mem = None
         with _PROCESS_LOCK:
-            cleanup_vllm_process_state()
-        self._loop = self._thread = None
+            if id(self) in _LIVE:
+                _LIVE.discard(id(self))
+                if not _LIVE:
+                    cleanup_vllm_process_state()
         self._prepared = False
 
     # ---- building ------------------------------------------------------------------------------
@@ -233,6 +230,7 @@ class VllmEngine:
             if why:
                 raise EngineError(f"cannot prepare this engine ahead of activation: {why}")
         activate_slot(self._key, self._slot)
+        _LIVE.add(id(self))  # vLLM's process state is ours from here (stop releases it)
         built: list[Any] = []
 
         async def make() -> None:
@@ -240,7 +238,12 @@ class VllmEngine:
                 await build(spec, self._key, args, config, kv_bytes, self.ttft, self._first_token)
             )
 
-        self._run_loop(make)
+        try:
+            self._loop.start(make, self._shutdown, self.build_timeout_s)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.stop()
+            raise
         b = built[0]
         self._llm, self._client, self._app = b.llm, b.client, b.server_config
         VllmEngine.builds += 1
@@ -256,25 +259,6 @@ class VllmEngine:
             self.timings["engine_s"],
             kv_bytes,
         )
-
-    def _run_loop(self, make: Any) -> None:
-        """Start the engine's loop thread, run ``make()`` on it and keep the loop running."""
-        started = threading.Event()
-        failure: list[BaseException] = []
-        self._thread = threading.Thread(
-            target=self._serve, args=(make, started, failure), name="vllm-server", daemon=True
-        )
-        self._thread.start()
-        if not started.wait(self.build_timeout_s):
-            raise EngineError(f"vLLM was not built within {self.build_timeout_s:.0f} s")
-        if failure:
-            self._thread.join(60)
-            with contextlib.suppress(Exception):
-                self.stop()
-            exc = failure[0]
-            if isinstance(exc, EngineError):
-                raise exc
-            raise EngineError(f"vLLM failed to start: {type(exc).__name__}: {exc}") from None
 
     def _hold_all_blocks(self) -> None:
         """Take every free KV block out of the free queue (engine thread; see prepare)."""
@@ -409,28 +393,7 @@ class VllmEngine:
             mem.host_mapping().remap(old_hi, ppages[old_hi:new_hi])
         self._phys_limit = touched
 
-    # ---- the server thread ---------------------------------------------------------------------
-    def _serve(self, make: Any, started: threading.Event, failure: list[BaseException]) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(make())
-        except BaseException as exc:  # reported to the caller
-            if not isinstance(exc, EngineError):
-                log.exception("event=vllm_build_failed")
-            failure.append(exc)
-            started.set()
-            with contextlib.suppress(Exception):
-                loop.run_until_complete(self._shutdown())
-            loop.close()
-            return
-        started.set()
-        try:
-            loop.run_forever()
-        finally:
-            loop.close()
-
+    # ---- on the engine's loop ------------------------------------------------------------------
     async def _open_endpoint(self, spec: EngineSpec) -> str:
         from warmserve_agent.engines.vllm.build import open_endpoint
 
