@@ -8,10 +8,11 @@ per process (``worker.py`` and ``engine_host.InProcessEngine`` hold one): engine
 process-wide state, and the process hosts the serving engine after activation anyway.
 
 What it costs while it waits (:attr:`PreparedReport.host_bytes`): the growth of the process's
-anonymous resident memory (``RssAnon``) during the build, less what the memory owner's staging
-ring allocated meanwhile (the worker may be loading weights at the same time).  The slot's own
-memory is not counted (it is the GPU's).  On a GPU a prepared engine would also hold device
-memory (its CUDA context is the worker's anyway; graphs, workspaces): not measured here.
+anonymous resident memory (``RssAnon``) from before the build to after it (garbage collected and
+the C heap trimmed on both sides, so freed memory does not count), less what the memory owner's
+staging ring allocated meanwhile (the worker may be loading weights at the same time).  The
+slot's own memory is not counted (it is the GPU's).  On a GPU a prepared engine would also hold
+device memory (its CUDA context is the worker's anyway; graphs, workspaces): not measured here.
 """
 
 from __future__ import annotations
@@ -103,10 +104,11 @@ class PreparedEngine:
                 exc,
             )
             return
+        seconds = time.perf_counter() - t0
+        gc.collect()  # what the build freed is no cost of the engine while it waits
+        trim_heap()
         cost = anon_rss_bytes() - rss0 - (self._staging() - ring0)
-        self._report = PreparedReport(
-            PreparedState.READY, time.perf_counter() - t0, max(0, cost), ""
-        )
+        self._report = PreparedReport(PreparedState.READY, seconds, max(0, cost), "")
         log.info(
             "event=engine_prepared slot=%s engine=%s seconds=%.3f host_bytes=%d",
             self.slot_id,
