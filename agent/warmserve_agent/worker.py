@@ -111,6 +111,7 @@ def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> 
             raise WorkerError(f"this worker holds {held}; it prepares one engine at a time")
         if spec.engine in failed:
             raise WorkerError(f"engine {spec.engine!r} is unavailable here: {failed[spec.engine]}")
+        retiring[:] = [t for t in retiring if t.is_alive()]
         eng = engine_info(spec.engine).create(backend=state.get("mem"))
         state["prepared"] = PreparedEngine(
             eng, spec, backend=state.get("mem"), after=tuple(retiring)
