@@ -1,17 +1,20 @@
 """The OpenAI-compatible HTTP API of the gateway (aiohttp handlers).
 
-``GET /v1/models`` and ``GET /v1/models/{model}`` are answered from the catalog (every served
-deployment the caller may use, with its readiness); ``POST /v1/completions``,
-``POST /v1/chat/completions`` and every other ``/v1/*`` route are forwarded to an instance of the
-model the request names (its JSON body's ``model``, or the ``model`` query parameter for requests
-without a JSON body), resolved among the caller's namespaces (:mod:`.names`).
+Routes are matched on the request target's normalised path (:func:`.hygiene.normalise_path`),
+exactly, against an allowlist: ``GET /v1/models`` and ``GET /v1/models/{model}`` are answered
+from the catalog (every served deployment the caller may use, with its readiness); ``POST`` to a
+forwarded route (``/v1/chat/completions`` and ``/v1/completions``, more with ``--route``) goes to
+an instance of the model the JSON body's ``model`` names, resolved among the caller's namespaces
+(:mod:`.names`), at the route's canonical path; everything else is 404 (405 for a known route
+with another method).
 
-Answers the gateway makes itself (OpenAI error JSON): 400 malformed JSON / missing ``model`` /
-ambiguous name, 401 missing or wrong API key, 404 unknown model or route, 413 body over
-``--max-body-bytes``, 429 queue full (``Retry-After``), 503 hold time exceeded or model unable
-to start (``Retry-After``), 502 engine failed twice, 503 while the replica has not listed the
-deployments yet.  Header lines over ``--max-header-bytes`` are refused by the HTTP parser (400)
-before any handler runs.
+Answers the gateway makes itself (OpenAI error JSON): 400 malformed or too deeply nested JSON /
+missing ``model`` / ambiguous name, 401 missing or wrong API key, 404 unknown model or route, 405
+wrong method, 408 body not received in time, 411 chunked body, 413 body over
+``--max-body-bytes``, 429 queue full (``Retry-After``), 503 hold time exceeded, model unable to
+start or replica draining (``Retry-After``), 502 engine failed twice, 504 no first byte from the
+engine twice, 503 while the replica has not listed the deployments yet.  The request line and
+headers are bounded before any handler runs (:mod:`.edge`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
+from urllib.parse import unquote
 
 from aiohttp import web
 
@@ -30,12 +34,15 @@ from .catalog import Ambiguous, Catalog, Deployment
 from .config import GatewayConfig
 from .errors import openai_error
 from .holding import Dispatcher, Rejected
+from .hygiene import BadJson, normalise_path, parse_json_object, request_headers
 from .metrics import NO_MODEL, UNKNOWN_MODEL, Metrics
-from .proxy import Outgoing, Proxy, UpstreamError, request_headers
+from .proxy import Outgoing, Proxy, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("warmserve.gateway.api")
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_READ = frozenset({"GET", "HEAD"})
+_MODELS = "/v1/models"
 
 
 def _model_card(dep: Deployment, now: int, listed: str | None = None) -> dict[str, Any]:
@@ -64,7 +71,8 @@ class Gateway(Protocol):
     proxy: Proxy
     keys: ApiKeys | None
     synced: bool
-    draining: bool
+    draining: bool  # not ready (SIGTERM received)
+    closing: bool  # answers end their connection (the drain delay is over)
     clock: Callable[[], float]
 
 
@@ -72,13 +80,38 @@ class Api:
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self.m = gw.metrics
+        self.active = 0  # forwarded requests being handled (held, at an engine, or relayed)
+        self._forwarded = frozenset(gw.config.forwarded_routes)
+        # Targets that are their own normal form (the common case skips normalisation).
+        self._exact = self._forwarded | {_MODELS, "/healthz"}
 
     def routes(self, app: web.Application) -> None:
-        app.router.add_get("/healthz", self.healthz)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model:.+}", self.model)
-        app.router.add_route("*", "/v1/{tail:.*}", self.forward)
-        app.router.add_route("*", "/{tail:.*}", self.not_found)
+        # One aiohttp route: the allowlist is matched on the normalised path (dispatch).
+        app.router.add_route("*", "/{tail:.*}", self.dispatch)
+        app.on_response_prepare.append(self._closing)
+
+    async def dispatch(self, request: web.Request) -> web.StreamResponse:
+        raw = request.raw_path
+        path = raw if raw in self._exact else normalise_path(raw)
+        method = request.method
+        if path in self._forwarded:
+            if method == "POST":
+                return await self.forward(request, path)
+            return self._not_allowed(request, path, "POST")
+        if path == _MODELS or (path is not None and path.startswith(_MODELS + "/")):
+            if method not in _READ:
+                return self._not_allowed(request, path, "GET")
+            if path == _MODELS:
+                return await self.models(request)
+            return await self.model(request, unquote(path[len(_MODELS) + 1 :]))
+        if path == "/healthz" and method in _READ:
+            return await self.healthz(request)
+        return await self.not_found(request)
+
+    async def _closing(self, request: web.Request, response: web.StreamResponse) -> None:
+        if self.gw.closing:  # draining: a client must not send its next request here
+            response.force_close()
+            response.headers["Connection"] = "close"  # aiohttp wrote its headers already
 
     async def healthz(self, request: web.Request) -> web.Response:
         if self.gw.draining:
@@ -127,14 +160,13 @@ class Api:
         ]
         return web.json_response({"object": "list", "data": data})
 
-    async def model(self, request: web.Request) -> web.Response:
+    async def model(self, request: web.Request, name: str) -> web.Response:
         caller = self._caller(request)
         if isinstance(caller, web.Response):
             return caller
         err = self._not_synced()
         if err is not None:
             return err
-        name = request.match_info["model"]
         try:
             dep = self.gw.catalog.resolve(name, caller.namespaces)
         except Ambiguous as exc:
@@ -145,10 +177,22 @@ class Api:
         return web.json_response(_model_card(dep, int(time.time()), name if claimed else None))
 
     async def not_found(self, request: web.Request) -> web.Response:
+        self.m.answered(NO_MODEL, 404)
+        routes = ", ".join(sorted(self._forwarded))
         return openai_error(
             404,
-            f"no route {request.method} {request.path}; the API is under /v1/",
+            f"no route {request.method} {request.raw_path[:200]!r}; the gateway serves "
+            f"GET /v1/models, GET /v1/models/{{model}} and POST {routes}",
             code="not_found",
+        )
+
+    def _not_allowed(self, request: web.Request, path: str, allow: str) -> web.Response:
+        self.m.answered(NO_MODEL, 405)
+        return openai_error(
+            405,
+            f"{request.method} is not allowed on {path}; use {allow}",
+            code="method_not_allowed",
+            headers={"Allow": "GET, HEAD" if allow == "GET" else allow},
         )
 
     def _unknown(self, name: str) -> web.Response:
@@ -183,12 +227,35 @@ class Api:
         return openai_error(400, message, param=param, code=code)
 
     async def _read_body(self, request: web.Request) -> bytes | web.Response:
-        limit = self.gw.config.max_body_bytes
+        cfg = self.gw.config
+        limit = cfg.max_body_bytes
+        if request.content_length is None and request.body_exists:
+            self.m.answered(NO_MODEL, 411)
+            resp = openai_error(
+                411,
+                "send the request body with a Content-Length (a chunked body is not accepted)",
+                code="length_required",
+            )
+            resp.force_close()
+            return resp
         if request.content_length is None or request.content_length <= limit:
             try:
-                return await request.read()
+                if request.content.is_eof():  # all there already (the common case)
+                    return await request.read()
+                async with asyncio.timeout(cfg.body_timeout_s):
+                    return await request.read()
             except web.HTTPRequestEntityTooLarge:
                 pass
+            except TimeoutError:
+                self.m.answered(NO_MODEL, 408)
+                resp = openai_error(
+                    408,
+                    f"the request body did not arrive within the gateway's limit of "
+                    f"{cfg.body_timeout_s:g} s",
+                    code="request_timeout",
+                )
+                resp.force_close()
+                return resp
         self.m.answered(NO_MODEL, 413)
         return openai_error(
             413,
@@ -196,7 +263,14 @@ class Api:
             code="request_too_large",
         )
 
-    async def forward(self, request: web.Request) -> web.StreamResponse:
+    async def forward(self, request: web.Request, path: str) -> web.StreamResponse:
+        self.active += 1
+        try:
+            return await self._forward(request, path)
+        finally:
+            self.active -= 1
+
+    async def _forward(self, request: web.Request, path: str) -> web.StreamResponse:
         t0 = self.gw.clock()
         caller = self._caller(request)
         if isinstance(caller, web.Response):
@@ -204,6 +278,7 @@ class Api:
         err = self._not_synced()
         if err is not None:
             return err
+        cfg = self.gw.config
         doc: dict[str, Any] | None = None
         body = b""
         if request.method in _BODY_METHODS:
@@ -213,12 +288,9 @@ class Api:
             body = got
         if body:
             try:
-                parsed = json.loads(body)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                return self._bad(f"the request body is not valid JSON: {exc}", "invalid_json")
-            if not isinstance(parsed, dict):
-                return self._bad("the request body must be a JSON object", "invalid_json")
-            doc = parsed
+                doc = parse_json_object(body, cfg.max_json_depth)
+            except BadJson as exc:
+                return self._bad(str(exc), exc.code)
             name = doc.get("model")
         else:
             name = request.query.get("model")
@@ -243,10 +315,11 @@ class Api:
             body = json.dumps(doc).encode()
         out = Outgoing(
             request.method,
-            request.path_qs,
+            path,
             body,
-            request_headers(request.headers),
-            bool(doc.get("stream")) if doc is not None else False,
+            request_headers(request.headers, request.remote, cfg.trusted_proxy_hops),
+            # Only a JSON true streams; anything else gets the non-streaming first-byte limit.
+            doc is not None and doc.get("stream") is True,
             caller.key_id,
         )
         deadline = t0 + dep.spec.max_hold_s
@@ -260,6 +333,8 @@ class Api:
                     exc.status, exc.message, kind=exc.kind, code=exc.code,
                     retry_after=exc.retry_after,
                 )  # fmt: skip
+            except UpstreamTimeout as exc:
+                resp = openai_error(504, str(exc), kind="server_error", code="upstream_timeout")
             except UpstreamError as exc:
                 resp = openai_error(502, str(exc), kind="server_error", code="upstream_error")
             status = resp.status

@@ -36,3 +36,26 @@ def openai_error(
         content_type="application/json",
         headers=hdrs,
     )
+
+
+def raw_error(
+    status: int,
+    reason: str,
+    message: str,
+    code: str,
+    *,
+    kind: str = "invalid_request_error",
+    retry_after: int | None = None,
+) -> bytes:
+    """A whole HTTP/1.1 answer in OpenAI's error shape, closing the connection: what the edge
+    writes on a connection it ends before (or without) aiohttp's request handling."""
+    body = error_body(message, kind, code)
+    head = [
+        f"HTTP/1.1 {status} {reason}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+    ]
+    if retry_after is not None:
+        head.append(f"Retry-After: {int(retry_after)}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body

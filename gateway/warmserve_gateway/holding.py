@@ -1,4 +1,5 @@
-"""Holding: per-model FIFO queues in front of the instances, with caps (issue 9 "Holding").
+"""Holding: per-model FIFO queues in front of the instances, with caps (docs/gateway.md
+"Holding").
 
 A request for a model goes straight to an instance with room (:mod:`.routing`) when nobody is
 queued for that model; otherwise it waits at the end of the model's queue.  Whenever room
@@ -14,7 +15,9 @@ queue is dispatched first, so requests leave in arrival order.  Caps:
   key's requests wait for — :class:`QueueFull` (429); requests without a key are not counted
   per key (the namespace cap still holds them);
 * per replica: ``max_held`` over all models (``--max-held``) — :class:`QueueFull` (429);
-* per request: ``spec.gateway.maxHoldSeconds`` from its arrival — :class:`HoldTimeout` (503).
+* per request: ``spec.gateway.maxHoldSeconds`` from its arrival — :class:`HoldTimeout` (503);
+* at the end of a replica's drain, :meth:`Dispatcher.shed` answers every held request (and every
+  later one) with the rejection it is given, and gives back their model, namespace and key counts.
 
 A held request whose client disconnects is cancelled (aiohttp cancels the handler) and leaves
 the queue at once; its count goes down immediately, so the demand the operator reads never
@@ -127,6 +130,7 @@ class Dispatcher:
         self.clock = clock
         self.retry_after_full_s = retry_after_full_s
         self.retry_after_timeout_s = retry_after_timeout_s
+        self._shed: Callable[[], Rejected] | None = None  # draining: nothing is held any more
 
     # ---- routes ----
 
@@ -225,6 +229,8 @@ class Dispatcher:
         model's queue until ``deadline`` (monotonic) if none has room now.  ``key``: the id of
         the caller's API key (per-key cap).  Raises :class:`Rejected` subclasses; a cancelled
         caller leaves the queue."""
+        if self._shed is not None:
+            raise self._shed()
         if not st.held:
             ep = pick(st.endpoints.values(), st.dep.spec.max_batch, self.clock(), avoid)
             if ep is not None:
@@ -262,6 +268,21 @@ class Dispatcher:
             elif not got and w.fut.done() and not w.fut.cancelled() and w.fut.exception() is None:
                 # Dispatched in the same instant as the timeout/cancellation: give it back.
                 self.release(st, w.fut.result())
+
+    def shed(self, rejection: Callable[[], Rejected]) -> int:
+        """Answer every held request with ``rejection()``, and every later request too (the end
+        of a drain); returns how many were held."""
+        self._shed = rejection
+        shed = 0
+        for st in self.models.values():
+            for w in st.queue:
+                if w.queued and not w.fut.done():
+                    w.queued = False
+                    self._held(st, -1, w.key)
+                    w.fut.set_exception(rejection())
+                    shed += 1
+            st.queue.clear()
+        return shed
 
     def release(self, st: ModelState, ep: Endpoint) -> None:
         """A request forwarded to ``ep`` finished (or was never sent)."""

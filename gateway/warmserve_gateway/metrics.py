@@ -90,7 +90,7 @@ class Metrics:
         )
         self.upstream_errors = Counter(
             f"{PREFIX}_upstream_errors_total",
-            "Engine failures seen (connect, status, reset mid-stream)",
+            "Engine failures seen (connect, ttfb_timeout, status, reset mid-stream)",
             ["model", "kind"],
             registry=r,
         )
@@ -98,6 +98,19 @@ class Metrics:
             f"{PREFIX}_serving_instances",
             "Serving instances this replica routes to",
             ["model"],
+            registry=r,
+        )
+        self.connections = Gauge(
+            f"{PREFIX}_connections",
+            "Open client connections, by listener (api, admin)",
+            ["listener"],
+            registry=r,
+        )
+        self.edge_rejected = Counter(
+            f"{PREFIX}_edge_rejected_total",
+            "Connections the edge refused or ended before a handler ran, by listener and reason "
+            "(connection_cap, header_budget, header_timeout)",
+            ["listener", "reason"],
             registry=r,
         )
         self.catalog_synced = Gauge(

@@ -1,29 +1,40 @@
-"""Forwarding one request to an engine and the answer back (issue 9 "Routing").
+"""Forwarding one request to an engine and the answer back (docs/gateway.md "Routing").
 
 * The request body goes unchanged (except ``model``, rewritten by the server when the client
-  named the deployment rather than ``spec.model.name``); hop-by-hop headers and the client's
-  ``Authorization`` (the gateway's API key, which engines must never see) are dropped.
+  named the deployment rather than ``spec.model.name``) to the canonical path of an allowlisted
+  route; the headers are :func:`.hygiene.request_headers` (hop-by-hop headers, the client's
+  ``Authorization`` and its forwarding headers dropped, the gateway's ``X-Forwarded-For`` set),
+  and the answer's :func:`.hygiene.response_headers` go back.
 * Answers with a ``Content-Length`` up to :data:`BUFFER_MAX` are read whole and sent in one
   piece; everything else — SSE streams in particular — is passed through *chunk by chunk* as the
   engine sends it (``readany``), never buffered.  Bytes are relayed as they are
   (``auto_decompress`` off).
 * **Retry once before the first byte**: when the engine cannot be reached, answers 502/503/504,
   or breaks the connection before the first body byte, the request goes once more to another
-  instance (the same one only if no other has room), and the failing instance is ejected for
-  ``eject_s`` if it refused the connection.  After the first byte reached the client nothing can
-  be retried: a break mid-stream aborts the client's connection, so the client sees an error
-  rather than a silently truncated answer.
+  instance (the same one only if no other has room), and the failing instance is ejected if it
+  refused the connection.  After the first byte reached the client nothing can be retried: a
+  break mid-stream aborts the client's connection, so the client sees an error rather than a
+  silently truncated answer.
+* **Time to first byte**: a streaming request's engine must send its first byte within
+  ``ttfb_s`` (its prefill), a non-streaming one — whose answer comes whole, after the
+  generation — within ``read_timeout_s``.  Both are aiohttp's per-read timeout (the answer's
+  head, then its first body byte, each within the limit; after that ``read_timeout_s`` between
+  chunks), so no timer is added per request.  An engine that does not is ejected like a dead one
+  and the request is retried elsewhere (nothing reached the client yet), or, when that was the
+  retry, answered 504.
 * **A refused connection is not that retry**: the engine never saw the request, so it goes to
   another instance, or, when every instance refused (the operator ended them between two of this
   replica's discovery updates: a model scaled to zero), it is held like any request at a model
   without an instance — its held demand starts one — until the hold deadline.
+* Ejections double per consecutive failure of an instance, up to ``max_eject_s``
+  (:meth:`.routing.Endpoint.ejection_s`); an answer resets the count.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +42,7 @@ import aiohttp
 from aiohttp import web
 
 from .holding import Dispatcher, ModelState, Rejected
+from .hygiene import response_headers
 from .metrics import Metrics
 from .routing import Endpoint
 from .tracing import current as current_trace
@@ -38,23 +50,18 @@ from .tracing import current as current_trace
 log = logging.getLogger("warmserve.gateway.proxy")
 
 BUFFER_MAX = 1024**2
-# Never forwarded (RFC 9110 §7.6.1 hop-by-hop, plus what the gateway owns).
-_DROP_REQUEST = frozenset(
-    {
-        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-        "trailer", "transfer-encoding", "upgrade", "host", "content-length", "authorization",
-        "expect",
-    }
-)  # fmt: skip
-_DROP_RESPONSE = frozenset(
-    {"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"}
-)
 _RETRY_STATUS = frozenset({502, 503, 504})
 _BROKEN = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
+# Nothing reached the engine: refused, or no connection within --connect-timeout.
+_UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 class UpstreamError(Exception):
     """Both attempts failed; the client gets 502 with this message."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """No first byte within the limit on the last attempt; the client gets 504."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,19 +69,11 @@ class Outgoing:
     """What is sent to the engine."""
 
     method: str
-    path_qs: str
+    path: str  # the canonical path of an allowlisted route (never the client's spelling)
     body: bytes
-    headers: Mapping[str, str]
-    stream: bool  # the client asked for SSE (label of the TTFT histogram only)
+    headers: Sequence[tuple[str, str]]
+    stream: bool  # the client asked for SSE: the first byte comes after the prefill
     key: str = ""  # the caller's API key id (per-key cap on held requests)
-
-
-def request_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _DROP_REQUEST}
-
-
-def _response_headers(up: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in up.headers.items() if k.lower() not in _DROP_RESPONSE}
 
 
 def new_session(connect_timeout_s: float, read_timeout_s: float) -> aiohttp.ClientSession:
@@ -103,12 +102,24 @@ class Proxy:
         metrics: Metrics,
         eject_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        ttfb_s: float = 60.0,
+        read_timeout_s: float = 600.0,
+        max_eject_s: float = 60.0,
     ) -> None:
         self.session = session
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.eject_s = eject_s
+        self.max_eject_s = max_eject_s
+        self.ttfb_s = ttfb_s
+        self.read_timeout_s = read_timeout_s
         self.clock = clock
+        # A streaming request's read timeout is the time-to-first-byte limit until its first
+        # byte, then --read-timeout again (aiohttp's per-read timer: no extra timer per request).
+        base = self._unary_timeout = session.timeout
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=base.total, connect=base.connect, sock_connect=base.sock_connect, sock_read=ttfb_s
+        )
 
     async def forward(
         self, request: web.Request, st: ModelState, out: Outgoing, t0: float, deadline: float
@@ -167,6 +178,43 @@ class Proxy:
             st.model, ep.instance_id, ep.url, kind, str(exc) or type(exc).__name__,
         )  # fmt: skip
 
+    def _eject(self, st: ModelState, ep: Endpoint) -> None:
+        self.dispatcher.eject(st, ep, ep.ejection_s(self.eject_s, self.max_eject_s))
+
+    def _broken(
+        self,
+        st: ModelState,
+        ep: Endpoint,
+        kind: str,
+        exc: Exception,
+        last: bool,
+        refusable: bool,
+        stream: bool = False,
+    ) -> Any:
+        """The engine failed before the first byte: eject when it is unreachable or silent;
+        retry, hold (unreached) or raise."""
+        if isinstance(exc, aiohttp.ServerTimeoutError) and not isinstance(exc, _UNREACHED):
+            limit = f"{self.ttfb_s:g} s (--ttfb-timeout)" if stream else (
+                f"{self.read_timeout_s:g} s (--read-timeout)"
+            )  # fmt: skip
+            return self._late(st, ep, last, f"none within {limit}")
+        self._failed(st, ep, kind, exc)
+        if isinstance(exc, _UNREACHED):
+            self._eject(st, ep)
+            if refusable:  # before the hold deadline: try elsewhere or hold
+                return _REFUSED
+        if not last:
+            return _RETRY
+        raise UpstreamError(f"engine of {st.model!r} failed: {exc}") from exc
+
+    def _late(self, st: ModelState, ep: Endpoint, last: bool, why: str) -> Any:
+        """No first byte in time: a hung engine is ejected like a dead one."""
+        self._failed(st, ep, "ttfb_timeout", why)
+        self._eject(st, ep)
+        if not last:
+            return _RETRY
+        raise UpstreamTimeout(f"engine of {st.model!r} sent no first byte: {why}")
+
     async def _attempt(
         self,
         request: web.Request,
@@ -177,44 +225,43 @@ class Proxy:
         last: bool,
         refusable: bool = False,
     ) -> Any:
+        up: aiohttp.ClientResponse | None = None
         try:
-            up = await self.session.request(
-                out.method, ep.target(out.path_qs), data=out.body, headers=out.headers
-            )
-        except _BROKEN as exc:
-            self._failed(st, ep, "connect", exc)
-            if isinstance(exc, aiohttp.ClientConnectorError):
-                self.dispatcher.eject(st, ep, self.eject_s)
-                if refusable:  # before the hold deadline: try elsewhere or hold
-                    return _REFUSED
-            if not last:
-                return _RETRY
-            raise UpstreamError(f"engine of {st.model!r} failed: {exc}") from exc
-        try:
+            try:
+                up = await self.session.request(
+                    out.method,
+                    ep.target(out.path),
+                    data=out.body,
+                    headers=out.headers,
+                    timeout=self._stream_timeout if out.stream else self._unary_timeout,
+                )
+            except _BROKEN as exc:
+                return self._broken(st, ep, "connect", exc, last, refusable, out.stream)
             if up.status in _RETRY_STATUS and not last:
                 self._failed(st, ep, f"status_{up.status}", f"HTTP {up.status}")
                 return _RETRY
             length = up.content_length
-            if length is not None and length <= BUFFER_MAX:
-                try:
-                    data = await up.read()
-                except _BROKEN as exc:
-                    self._failed(st, ep, "body", exc)
-                    if not last:
-                        return _RETRY
-                    raise UpstreamError(f"engine of {st.model!r} failed: {exc}") from exc
-                self._ttft(st.model, out.stream, t0)
-                return web.Response(status=up.status, body=data, headers=_response_headers(up))
             try:
+                if length is not None and length <= BUFFER_MAX:
+                    data = await up.read()
+                    ep.failures = 0
+                    self._ttft(st.model, out.stream, t0)
+                    return web.Response(
+                        status=up.status, body=data, headers=response_headers(up.headers)
+                    )
                 first = await up.content.readany()
             except _BROKEN as exc:
-                self._failed(st, ep, "body", exc)
-                if not last:
-                    return _RETRY
-                raise UpstreamError(f"engine of {st.model!r} failed: {exc}") from exc
+                return self._broken(st, ep, "body", exc, last, False, out.stream)
+            ep.failures = 0
+            if out.stream and up.connection is not None:
+                proto = up.connection.protocol
+                if proto is not None:  # the first byte came: silence limit back to normal
+                    proto.read_timeout = self.read_timeout_s
+                    proto.start_timeout()
             return await self._relay(request, st, ep, up, first, out, t0)
         finally:
-            up.release()
+            if up is not None:
+                up.release()
 
     async def _relay(
         self,
@@ -226,7 +273,7 @@ class Proxy:
         out: Outgoing,
         t0: float,
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(status=up.status, headers=_response_headers(up))
+        resp = web.StreamResponse(status=up.status, headers=response_headers(up.headers))
         await resp.prepare(request)
         if first:
             await resp.write(first)

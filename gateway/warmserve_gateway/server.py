@@ -8,10 +8,19 @@ Two listeners:
   (held requests for the operator, :mod:`.demand`) and ``/healthz``; the chart's headless
   ``<release>-gateway-demand`` Service names it for the operator's discovery.
 
+Both listeners are :mod:`.edge` listeners (header budget and deadline, connection cap).
+
 Readiness (``/healthz``) is 200 once the ModelDeployments were listed, 503 before and while
-draining.  On SIGTERM the replica drains: ``/healthz`` turns 503 (Kubernetes takes it out of the
-Service), requests keep being served and held requests keep waiting, and the process exits when
-none is left or after ``drain_s``.
+draining.  On SIGTERM the replica drains (:meth:`Gateway.drain`): ``/healthz`` turns 503 at once,
+and for ``drain_delay_s`` the replica serves exactly as before while Kubernetes removes it from
+the Service's endpoints (every kube-proxy takes a moment to see it; a replica that stopped at
+once would refuse the connections still sent to it).  Then idle connections are closed and every
+answer closes its connection; held and running requests are served until none is left or
+``drain_s`` has passed.  At that deadline every request still held is answered 503 +
+``Retry-After: 1`` (code ``draining``; OpenAI's SDKs retry it, and the retry reaches a replica
+that is not draining), running ones get a few seconds more, and the process exits.  Held
+requests are answered early rather than the drain lasting ``maxHoldSeconds``: that is a
+tenant's setting (any length up to the CRD's limit), the drain time is the platform's.
 """
 
 from __future__ import annotations
@@ -37,12 +46,23 @@ from .catalog import Catalog
 from .config import GatewayConfig
 from .demand import DemandAccess, DemandEndpoint, DemandTracker
 from .discovery import Scope, Source
-from .holding import Dispatcher
+from .edge import EdgeGuard, EdgeLimits
+from .holding import Dispatcher, Rejected
 from .metrics import Metrics
 from .proxy import Proxy, new_session
 from .tracing import GatewayTracing
 
 log = logging.getLogger("warmserve.gateway")
+
+# The admin port serves the operator, Prometheus and probes: a few connections.
+ADMIN_MAX_CONNECTIONS = 256
+# After the drain deadline: how long running requests (streams under way) may still take.
+FINAL_GRACE_S = 3.0
+
+
+class Draining(Rejected):
+    status = 503
+    code = "draining"
 
 
 class Gateway:
@@ -77,10 +97,14 @@ class Gateway:
         self.synced = False  # every watched scope (namespaces or cluster, GPUNodes) listed once
         self._listed: set[Scope] = set()
         self._needed: set[Scope] = set(source.scopes)
-        self.draining = False
+        self.draining = False  # SIGTERM received: not ready
+        self.closing = False  # the drain delay is over: every answer closes its connection
         self._last_held: dict[str, int] = {}
         self.proxy: Proxy  # set in start() (the client session needs the running loop)
+        self.api = Api(self)
+        self.edges: dict[str, EdgeGuard] = {}
         self._runners: list[web.AppRunner] = []
+        self._servers: list[asyncio.AbstractServer] = []
         self._stop_streams = asyncio.Event()
         self._demand = DemandEndpoint(
             self.demand,
@@ -152,7 +176,7 @@ class Gateway:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/demand", self._demand.handle)
-        app.router.add_get("/healthz", Api(self).healthz)
+        app.router.add_get("/healthz", self.api.healthz)
         app.router.add_get("/livez", self._livez)  # the event loop answers: alive
         return app
 
@@ -164,28 +188,40 @@ class Gateway:
             client_max_size=self.config.max_body_bytes,
             middlewares=[self.tracing.middleware] if self.tracing is not None else [],
         )
-        Api(self).routes(app)
+        self.api.routes(app)
         return app
 
     # ---- lifecycle ----
 
-    async def _serve(self, app: web.Application, host: str, port: int, name: str) -> None:
+    async def _serve(
+        self, app: web.Application, host: str, port: int, name: str, max_connections: int
+    ) -> None:
         c = self.config
+        handler_args: dict[str, Any] = {
+            "access_log": logging.getLogger("warmserve.gateway.access") if c.access_log else None,
+            "max_line_size": c.max_header_bytes,
+            "max_field_size": c.max_header_bytes,
+            "max_headers": c.max_headers,
+            "keepalive_timeout": c.idle_timeout_s,
+        }
         runner = web.AppRunner(
             app,
-            access_log=logging.getLogger("warmserve.gateway.access") if c.access_log else None,
             handler_cancellation=True,  # a held client that disconnects leaves the queue
             shutdown_timeout=1.0,
-            max_line_size=c.max_header_bytes,
-            max_field_size=c.max_header_bytes,
-            max_headers=c.max_headers,
+            **handler_args,
         )
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        await site.start()
         self._runners.append(runner)
-        sock = site._server.sockets[0]  # type: ignore[union-attr]
-        bound = sock.getsockname()
+        assert runner.server is not None
+        limits = EdgeLimits(max_connections, c.max_header_block_bytes, c.header_timeout_s)
+        guard = self.edges[name] = EdgeGuard(name, limits, self.metrics)
+        # The listener is created here rather than by aiohttp's TCPSite so that every connection
+        # gets the edge's protocol (aiohttp's own factory always makes a plain RequestHandler).
+        server = await asyncio.get_running_loop().create_server(
+            guard.factory(runner.server, **handler_args), host, port, backlog=1024
+        )
+        self._servers.append(server)
+        bound = server.sockets[0].getsockname()
         shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
         self.urls[name] = f"http://{shown}:{bound[1]}"
 
@@ -197,32 +233,64 @@ class Gateway:
             self.metrics,
             eject_s=c.eject_s,
             clock=self.clock,
+            ttfb_s=c.ttfb_timeout_s,
+            read_timeout_s=c.read_timeout_s,
+            max_eject_s=c.max_eject_s,
         )
         self.source.start(asyncio.get_running_loop(), self._on_list, self._on_event)
-        await self._serve(self.public_app(), c.host, c.port, "api")
-        await self._serve(self.admin_app(), c.admin_host, c.admin_port, "admin")
+        await self._serve(self.public_app(), c.host, c.port, "api", c.max_connections)
+        await self._serve(
+            self.admin_app(), c.admin_host, c.admin_port, "admin", ADMIN_MAX_CONNECTIONS
+        )
         log.info(
             "event=gateway_started replica=%s api=%s admin=%s api_keys=%s",
             self.replica, self.urls.get("api"), self.urls.get("admin"),
             len(self.keys) if self.keys else "off",
         )  # fmt: skip
 
-    async def drain(self, timeout_s: float) -> None:
-        """Stop being ready; wait until nothing is held or in flight (or ``timeout_s``)."""
+    async def drain(self) -> None:
+        """SIGTERM: not ready; serve as before for the drain delay; then close idle connections,
+        serve until nothing is held or running or ``drain_s`` passed; then answer what is still
+        held 503 + Retry-After and give running requests :data:`FINAL_GRACE_S` (module
+        docstring)."""
+        c = self.config
         self.draining = True
+        log.info("event=draining delay_s=%g drain_s=%g", c.drain_delay_s, c.drain_s)
+        await asyncio.sleep(c.drain_delay_s)
+        self.closing = True
+        for guard in self.edges.values():
+            guard.close_idle()
+        if await self._settled(c.drain_s):
+            return
+        held = self.dispatcher.shed(
+            lambda: Draining(
+                "this gateway replica is shutting down; retry (another replica serves it)",
+                retry_after=1,
+            )
+        )
+        log.info("event=drain_deadline held_answered=%d", held)
+        await self._settled(FINAL_GRACE_S)
+
+    async def _settled(self, timeout_s: float) -> bool:
+        """Wait until no forwarded request is being handled (``timeout_s`` at most)."""
         deadline = self.clock() + timeout_s
-        while self.clock() < deadline:
-            busy = sum(st.held + st.inflight for st in self.dispatcher.models.values())
-            if not busy:
-                break
-            await asyncio.sleep(0.1)
+        while self.api.active:
+            if self.clock() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     async def stop(self) -> None:
         self._stop_streams.set()
         self.source.stop()
+        for server in self._servers:
+            server.close()  # no new connections
         for runner in reversed(self._runners):
             await runner.cleanup()
         self._runners.clear()
+        for server in self._servers:
+            await server.wait_closed()
+        self._servers.clear()
         if getattr(self, "proxy", None) is not None:
             await self.proxy.session.close()
         if self.tracing is not None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -48,8 +48,8 @@ class _Outgoing(Protocol):
     """What :meth:`RequestTrace.upstream` reads of ``proxy.Outgoing`` (a frozen dataclass)."""
 
     method: str
-    path_qs: str
-    headers: Mapping[str, str]
+    path: str
+    headers: Sequence[tuple[str, str]]
     stream: bool
 
 
@@ -231,7 +231,7 @@ class RequestTrace:
         """Start the client span of one attempt; ``out`` with its ``traceparent``."""
         self._upstream_end(None)  # a previous attempt that raised
         self.attempts += 1
-        op = _OPERATION.get(out.path_qs.split("?", 1)[0], "")
+        op = _OPERATION.get(out.path, "")
         self._upstream = span = self._child(
             f"{op or out.method} {self.model}",
             self.tracing._trace.SpanKind.CLIENT,
@@ -245,10 +245,11 @@ class RequestTrace:
         )
         if op:
             span.set_attribute("gen_ai.operation.name", op)
-        headers = _without_trace_headers(out.headers)
+        carrier: dict[str, str] = {}
         self.tracing._propagator.inject(
-            headers, context=self.tracing._trace.set_span_in_context(span)
+            carrier, context=self.tracing._trace.set_span_in_context(span)
         )
+        headers = (*_without_trace_headers(out.headers), *carrier.items())
         return replace(out, headers=headers)  # type: ignore[type-var]
 
     def first_byte(self, ttft_s: float) -> None:
@@ -282,5 +283,5 @@ class RequestTrace:
         self.span.end()
 
 
-def _without_trace_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _TRACE_HEADERS}
+def _without_trace_headers(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in headers if k.lower() not in _TRACE_HEADERS]

@@ -9,10 +9,13 @@ server in ``tests/e2e/test_gateway_e2e.py``.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from aiohttp import web
 from gw_support import Engines, ListSource, write_model
 from warmserve_agent.client import SyncAgentClient
 from warmserve_agent.config import AgentConfig, parse_simulated_gpus
@@ -74,3 +77,72 @@ async def make_gateway(tmp_path: Any) -> AsyncIterator[Callable[..., Any]]:
     for gw in started:
         await gw.stop()
     await asyncio.sleep(0)
+
+
+@dataclass
+class Recorder:
+    """A real HTTP engine stand-in that records what reaches it and answers a chat completion
+    with hop-by-hop headers of its own (``Connection: keep-alive, X-Internal``)."""
+
+    url: str = ""
+    seen: list[tuple[str, str, list[tuple[str, str]]]] = field(default_factory=list)
+
+    def paths(self) -> list[str]:
+        return [p for _, p, _ in self.seen]
+
+
+@pytest.fixture
+async def recorder() -> AsyncIterator[Recorder]:
+    rec = Recorder()
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        rec.seen.append((request.method, request.raw_path, list(request.headers.items())))
+        answer = {"object": "chat.completion", "model": "rec", "choices": []}
+        return web.Response(
+            body=json.dumps(answer).encode(),
+            content_type="application/json",
+            headers={
+                "Connection": "keep-alive, X-Internal",
+                "X-Internal": "engine-only",
+                "Keep-Alive": "timeout=5",
+                "Proxy-Authenticate": "Basic",
+                "X-Engine": "visible",
+            },
+        )
+
+    app = web.Application(client_max_size=8 * 1024**2)
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    rec.url = f"http://127.0.0.1:{site.port}"
+    yield rec
+    await runner.cleanup()
+
+
+@dataclass
+class Hung:
+    """A real socket server that accepts and reads but never answers (a hung engine)."""
+
+    url: str = ""
+    accepted: int = 0
+
+
+@pytest.fixture
+async def hung() -> AsyncIterator[Hung]:
+    h = Hung()
+    writers: list[asyncio.StreamWriter] = []
+
+    async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        h.accepted += 1
+        writers.append(writer)
+        await reader.read()  # until the gateway gives up and closes
+
+    server = await asyncio.start_server(on_connection, "127.0.0.1", 0)
+    h.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    yield h
+    server.close()
+    for w in writers:
+        w.close()

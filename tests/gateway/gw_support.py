@@ -182,3 +182,99 @@ def demand_headers(gw: Any) -> dict[str, str]:
     """What the operator sends to /demand (the gateway's --demand-token-file)."""
     path = gw.config.demand_token_file
     return {"Authorization": f"Bearer {path.read_text().strip()}"} if path else {}
+
+
+# ---- real sockets and a gateway process -------------------------------------------------------
+
+
+async def raw_http(
+    url: str, request: bytes, timeout: float = 10.0
+) -> tuple[int, dict[str, str], bytes]:
+    """Send ``request`` as written on a fresh connection; the answer's status, headers (names
+    lower-cased; repeated ones joined by ``, ``) and body (by its Content-Length, else to EOF)."""
+    import asyncio
+
+    from yarl import URL
+
+    u = URL(url)
+    reader, writer = await asyncio.open_connection(u.host, u.port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        async with asyncio.timeout(timeout):
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            status = int(lines[0].split()[1])
+            headers: dict[str, str] = {}
+            for line in lines[1:]:
+                if line:
+                    k, _, v = line.partition(":")
+                    k = k.strip().lower()
+                    headers[k] = f"{headers[k]}, {v.strip()}" if k in headers else v.strip()
+            if "content-length" in headers:
+                body = await reader.readexactly(int(headers["content-length"]))
+            else:
+                body = await reader.read()
+        return status, headers, body
+    finally:
+        writer.close()
+
+
+@dataclass
+class GatewayProcess:
+    """``warmserve gateway`` as its own process (``--models-file``), as the chart runs it."""
+
+    proc: Any
+    api: str
+    admin: str
+    log: Path
+    demand_token: str  # what the operator sends to /demand (--demand-token-file)
+
+    @property
+    def demand_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.demand_token}"}
+
+    def status_kib(self, field: str) -> int:
+        """A memory figure of the process from /proc (``VmRSS``: now, ``VmHWM``: its peak)."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+        raise KeyError(field)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def start_gateway_process(
+    tmp: Path, objects: list[Mapping[str, Any]], *flags: str
+) -> GatewayProcess:
+    """The deployments in ``objects`` with the GPUNode record the operator would write for their
+    instances (:func:`mirror`), and a /demand token, as the chart runs a replica."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    models, addr, log = tmp / "models.json", tmp / "gw-address.json", tmp / "gw.log"
+    token = tmp / "gw-demand-token"
+    token.write_text("demand-secret-for-tests\n")
+    mds = [o for o in objects if o.get("kind") != "GPUNode"]
+    models.write_text(json.dumps([*objects, mirror(mds)]))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "warmserve", "gateway", "--models-file", str(models),
+             "--host", "127.0.0.1", "--port", "0", "--admin-host", "127.0.0.1",
+             "--admin-port", "0", "--address-file", str(addr),
+             "--demand-token-file", str(token), *flags],
+            stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+        )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not addr.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the gateway did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.05)
+    urls = json.loads(addr.read_text())
+    return GatewayProcess(proc, urls["api"], urls["admin"], log, token.read_text().strip())

@@ -36,7 +36,12 @@ def crds(kubectl: Any) -> None:
 
 def _can(kubectl: Any, who: str, verb: str, resource: str, ns: str | None) -> bool:
     scope = ["-A"] if ns is None else ["-n", ns]
-    proc = kubectl("auth", "can-i", verb, resource, "--as", who, *scope, check=False)
+    # "R/S" is subresource S of R (can-i reads "R/S" as the object named S)
+    resource, _, sub = resource.partition("/")
+    subresource = [f"--subresource={sub}"] if sub else []
+    proc = kubectl(
+        "auth", "can-i", verb, resource, *subresource, "--as", who, *scope, check=False
+    )
     return proc.stdout.strip() == "yes"
 
 

@@ -731,11 +731,15 @@ def test_gateway_objects_and_the_operator_wiring(k8s_bin_dir: Path) -> None:
     ns = _parse_cli(c["args"])
     assert (ns.port, ns.admin_port, ns.api_keys) == (8000, 9092, Path("/etc/warmserve/api-keys"))
     assert _ports(c) == {"http": 8000, "admin": 9092}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "admin"}
     keys = {"name": "api-keys", "secret": {"secretName": "keys", "defaultMode": 0o440}}
     assert keys in pod["volumes"]
-    assert pod["terminationGracePeriodSeconds"] == ns.drain_seconds + 5
+    assert pod["terminationGracePeriodSeconds"] == ns.drain_delay + ns.drain_seconds + 5
+    # The edge's settings reach the gateway as its flags, at their defaults.
+    assert (ns.max_header_block_bytes, ns.header_timeout, ns.idle_timeout) == (32768, 10, 75)
+    assert (ns.max_connections, ns.ttfb_timeout, ns.trusted_proxy_hops) == (4096, 60, 0)
+    assert ns.routes == [] and ns.drain_delay == 5
     assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9092"
     pdb = _find(docs, "PodDisruptionBudget", "-gateway")
     assert pdb["spec"]["minAvailable"] == 1
@@ -768,6 +772,11 @@ def test_gateway_values_are_checked(k8s_bin_dir: Path) -> None:
         (["--set", "gateway.maxBodyBytes=lots"], "maxBodyBytes"),
         (["--set", "gateway.service.type=Ingress"], "type"),
         (["--set", "gateway.typo=1"], "typo"),
+        (["--set", "gateway.maxConnections=0"], "maxConnections"),
+        (["--set", "gateway.headerTimeoutSeconds=0"], "headerTimeoutSeconds"),
+        (["--set", "gateway.drainDelaySeconds=-1"], "drainDelaySeconds"),
+        (["--set", "gateway.trustedProxyHops=17"], "trustedProxyHops"),
+        (["--set-json", 'gateway.extraRoutes=["/v1/../metrics"]'], "extraRoutes"),
     ):
         proc = _helm(k8s_bin_dir, "template", "ws", str(CHART), *set_args, check=False)
         assert proc.returncode != 0 and message in proc.stderr, (set_args, proc.stderr)

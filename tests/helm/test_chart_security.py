@@ -267,6 +267,12 @@ def test_network_policies_let_only_the_right_pods_reach_each_port(k8s_bin_dir: P
     assert who("operator", ports["operator"]["health"]) == set()  # the kubelet, from the node
     assert _allowed(pol["gateway"], ports["gateway"]["http"]) == [{}]  # clients: anyone
     assert who("gateway", ports["gateway"]["admin"]) == {"operator", PROMETHEUS}
+    # The gateway's probes read the admin port (the API port's connection cap must not make a
+    # busy replica unready): the kubelet probes from the node, which a policy always lets in;
+    # the admin rule names that same port, so the operator's /demand reaches it too.
+    gw = _container(docs, *COMPONENTS["gateway"])
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert ports["gateway"][gw[probe]["httpGet"]["port"]] == ports["gateway"]["admin"], probe
 
 
 def test_network_policy_values(k8s_bin_dir: Path) -> None:
@@ -288,6 +294,15 @@ def test_network_policy_values(k8s_bin_dir: Path) -> None:
     assert _allowed(pol["gateway"], 8000) == [{"namespaceSelector": {}}]
     admin = _allowed(pol["gateway"], 9092)
     assert {"matchLabels": {"team": "obs"}} in [p.get("namespaceSelector") for p in admin]
+    # Other gateway ports: the policy follows them, and the probes stay on the admin port.
+    moved = _render(k8s_bin_dir, "--set", "gateway.port=8080", "--set", "gateway.adminPort=9300")
+    gw_pol = _policies(moved)["gateway"]
+    assert _allowed(gw_pol, 8080) == [{}] and _allowed(gw_pol, 8000) == []
+    assert _from_component(_allowed(gw_pol, 9300), _pod_labels(moved)) == {"operator", PROMETHEUS}
+    gw = _container(moved, *COMPONENTS["gateway"])
+    named = {p["name"]: p["containerPort"] for p in gw["ports"]}
+    assert named == {"http": 8080, "admin": 9300}
+    assert named[gw["readinessProbe"]["httpGet"]["port"]] == 9300
     off = _render(k8s_bin_dir, "--set", "networkPolicy.enabled=false")
     assert not [d for d in off if d["kind"] == "NetworkPolicy"]
     bad = _helm(

@@ -26,7 +26,7 @@ def register(subparsers: Any) -> None:
         help="run the OpenAI-compatible gateway (routes by model, holds through cold starts)",
         description=(
             "Run one gateway replica: an OpenAI-compatible API (/v1/models, /v1/completions, "
-            "/v1/chat/completions with SSE streaming, other /v1/* routes passed through) that "
+            "/v1/chat/completions with SSE streaming, more POST routes with --route) that "
             "routes each request to a serving instance of the ModelDeployment its 'model' names, "
             "holds requests in a per-model queue while no instance has room (scale from zero), "
             "and reports the held requests to the operator on the admin port (/demand). "
@@ -124,6 +124,56 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--max-headers", type=int, default=64, help="most request headers")
     p.add_argument(
+        "--max-header-block-bytes",
+        type=_size,
+        default="32KiB",
+        help="request line + all headers of one request; more get 431 and the connection ends",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds for the request line + headers (from the accept, or from their first "
+        "byte on a kept-alive connection); later gets 408",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=75.0,
+        help="seconds a kept-alive connection may wait for its next request (keep it above the "
+        "idle timeout of an HTTP load balancer in front)",
+    )
+    p.add_argument(
+        "--body-timeout", type=float, default=60.0, help="seconds for a request body; later: 408"
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=4096,
+        help="open client connections at this replica; more get 503 + Retry-After at once",
+    )
+    p.add_argument(
+        "--max-json-depth",
+        type=int,
+        default=64,
+        help="nesting of arrays/objects in a JSON body; deeper gets 400",
+    )
+    p.add_argument(
+        "--trusted-proxy-hops",
+        type=int,
+        default=0,
+        help="X-Forwarded-For entries appended by proxies in front of the gateway that it keeps "
+        "(0: the client's X-Forwarded-For is dropped); the connection's peer is appended",
+    )
+    p.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        dest="routes",
+        help="forward POST requests on this OpenAI route too, e.g. /v1/embeddings (repeatable; "
+        "always: /v1/chat/completions, /v1/completions)",
+    )
+    p.add_argument(
         "--max-held",
         type=int,
         default=10_000,
@@ -134,19 +184,42 @@ def register(subparsers: Any) -> None:
         "--read-timeout",
         type=float,
         default=600.0,
-        help="seconds an engine may stay silent in the middle of an answer",
+        help="seconds an engine may stay silent in the middle of an answer, or before the "
+        "first byte of a non-streaming one",
+    )
+    p.add_argument(
+        "--ttfb-timeout",
+        type=float,
+        default=60.0,
+        help="seconds from sending a streaming request to the engine's first byte (its "
+        "prefill); later: the instance is ejected and the request retried elsewhere",
     )
     p.add_argument(
         "--eject-seconds",
         type=float,
         default=2.0,
-        help="an instance refusing connections gets no request for this long",
+        help="an instance refusing connections or too slow to a first byte gets no request "
+        "for this long; doubled per consecutive failure",
+    )
+    p.add_argument(
+        "--max-eject-seconds",
+        type=float,
+        default=60.0,
+        help="longest ejection after consecutive failures",
+    )
+    p.add_argument(
+        "--drain-delay",
+        type=float,
+        default=5.0,
+        help="on SIGTERM, first serve as usual (not ready) this long, while Kubernetes "
+        "removes the replica from the Service's endpoints",
     )
     p.add_argument(
         "--drain-seconds",
         type=float,
         default=25.0,
-        help="on SIGTERM, keep serving held and running requests this long at most",
+        help="after the drain delay, keep serving held and running requests this long at "
+        "most; then held ones get 503 + Retry-After",
     )
     p.add_argument(
         "--replica",
@@ -182,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     )
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     from warmserve_gateway.auth import ApiKeyError
-    from warmserve_gateway.config import ConfigError, GatewayConfig
+    from warmserve_gateway.config import FORWARDED_ROUTES, ConfigError, GatewayConfig
     from warmserve_gateway.names import parse_global
 
     anonymous = tuple(args.anonymous_namespaces) or (os.environ.get("POD_NAMESPACE") or "default",)
@@ -211,6 +284,17 @@ def run(args: argparse.Namespace) -> int:
             read_timeout_s=args.read_timeout,
             eject_s=args.eject_seconds,
             drain_s=args.drain_seconds,
+            drain_delay_s=args.drain_delay,
+            max_header_block_bytes=args.max_header_block_bytes,
+            header_timeout_s=args.header_timeout,
+            idle_timeout_s=args.idle_timeout,
+            body_timeout_s=args.body_timeout,
+            max_connections=args.max_connections,
+            max_json_depth=args.max_json_depth,
+            trusted_proxy_hops=args.trusted_proxy_hops,
+            forwarded_routes=tuple(dict.fromkeys((*FORWARDED_ROUTES, *args.routes))),
+            ttfb_timeout_s=args.ttfb_timeout,
+            max_eject_s=args.max_eject_seconds,
             replica=args.replica,
             access_log=args.access_log,
             anonymous_namespaces=anonymous,
@@ -296,6 +380,6 @@ async def _serve(config: Any, source: Any, address_file: Path | None, traces: An
         tmp.replace(address_file)
     try:
         await stop.wait()
-        await gw.drain(config.drain_s)
+        await gw.drain()
     finally:
         await gw.stop()

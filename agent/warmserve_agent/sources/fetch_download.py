@@ -87,7 +87,7 @@ class FetchDownload:
             total = listing.total_bytes
             if src.in_place:
                 self._checks.check_model_dir(src.location(), listing, uri)
-                self._install.install_link(model, src.location())
+                self._install.install_link(model, src.location(), uri)
             else:
                 self._download(fetch, src, listing)
         except Exception as exc:  # every failure must finish the fetch, or callers wait forever

@@ -86,7 +86,7 @@ class StoreBudget:
         """(source, bytes on disk, last use) of a store model; ("", 0, 0) when unmanaged."""
         path = self._install.path(model)
         if path.is_symlink():
-            return os.readlink(path), 0, 0.0
+            return self._install.link_source(model), 0, 0.0
         try:
             m = path / MANIFEST
             doc = json.loads(m.read_text())

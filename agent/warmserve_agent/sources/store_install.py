@@ -8,7 +8,10 @@ use by a prewarm slot or an instance is never swapped under it; the copy replace
 moves to the trash and is deleted (in the background, or at once when eviction makes room).
 Retiring a model removes its own directory or link and nothing else: no model's directory holds
 another's, and a directory at a model's place that is not a model (no ``config.json``) is
-refused rather than removed.  All of it under the node core's lock, so that installation and
+refused rather than removed.  The URI of each link the agent made is recorded in ``<store>/
+.warmserve-links.json`` (a link holds only its target's path), so Describe reports the source a
+deployment named, which the operator's per-namespace source rules compare.  All of it under the
+node core's lock, so that installation and
 eviction never race prewarm admission.
 
 :class:`StoreInstall` is handed the store, the node core's lock and what the core uses; the
@@ -29,6 +32,8 @@ from pathlib import Path
 from warmserve_agent.sources import Registry, SourceError, SourceSettings, open_source
 from warmserve_agent.sources.fetch_records import MANIFEST, TRASH, FetchFailed
 from warmserve_agent.store import WeightStore
+
+LINKS = ".warmserve-links.json"  # store dir name -> {"source": URI, "target": path}
 
 
 class StoreInstall:
@@ -94,7 +99,7 @@ class StoreInstall:
             self.store.forget(model)
         self.discard(trash)
 
-    def install_link(self, model: str, target: Path) -> None:
+    def install_link(self, model: str, target: Path, source: str) -> None:
         final = self.path(model)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".{final.name}.{uuid.uuid4().hex[:8]}.link"
@@ -107,8 +112,34 @@ class StoreInstall:
                 tmp.unlink()
                 raise
             os.rename(tmp, final)
+            links = self._links()
+            links[final.name] = {"source": source, "target": str(target)}
+            self._write_links(links)
             self.store.forget(model)
         self.discard(trash)
+
+    def link_source(self, model: str) -> str:
+        """The URI the link of ``model`` was made from; "" for a link the agent did not make (or
+        one changed since), which is reported as unmanaged, like a pre-filled directory."""
+        path = self.path(model)
+        rec = self._links().get(path.name)
+        with contextlib.suppress(OSError):
+            if isinstance(rec, dict) and rec.get("target") == os.readlink(path):
+                return str(rec.get("source", ""))
+        return ""
+
+    def _links(self) -> dict[str, object]:
+        with contextlib.suppress(OSError, ValueError):
+            doc = json.loads((self.root / LINKS).read_text())
+            if isinstance(doc, dict):
+                return doc
+        return {}
+
+    def _write_links(self, links: dict[str, object]) -> None:
+        """Caller holds core_lock: written whole and renamed into place."""
+        tmp = self.root / f"{LINKS}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp.write_text(json.dumps(links, sort_keys=True))
+        os.replace(tmp, self.root / LINKS)
 
     def retire(self, model: str) -> Path | None:
         """Move the current copy of ``model`` (if any) out of the store; caller holds core_lock.
@@ -116,6 +147,9 @@ class StoreInstall:
         path = self.path(model)
         if path.is_symlink():
             path.unlink()
+            links = self._links()
+            if links.pop(path.name, None) is not None:
+                self._write_links(links)
             return None
         if not path.exists():
             return None
