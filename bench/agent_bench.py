@@ -16,6 +16,10 @@ model loads while the engine waits).  All kinds run in the same process, interle
 simulated GPU and model; reported as medians and ratios, also "Activate + first token" (the
 latency a user's first request sees).
 
+KV mapping: the same prewarm-hit activation with the KV range mapped synchronously before the
+engine starts vs in the background while it starts (WarmServe §4.2), interleaved, on an 80 GiB
+simulated GPU with a per-page driver cost (``--kv-map-us``).
+
 RTT: ``Describe`` and the standard health ``Check`` over loopback gRPC to a running agent.
 
     python bench/agent_bench.py [--rounds 5] [--rtt-calls 200] [--load-mib 256] [--out FILE.json]
@@ -40,7 +44,6 @@ import numpy as np
 from safetensors.numpy import save_file
 from warmserve_agent.backends.simulated import SimulatedBackend
 from warmserve_agent.backends.workers import WorkerMemoryBackend
-from warmserve_agent.client import SyncAgentClient
 from warmserve_agent.config import AgentConfig
 from warmserve_agent.engine_host import FreshWorkerEngine, WorkerEngine
 from warmserve_agent.memory import MemoryManager, pages_for
@@ -48,6 +51,8 @@ from warmserve_agent.node import NodeCore
 from warmserve_agent.store import WeightStore
 from warmserve_agent.testing import AgentThread
 from warmserve_agent.worker import WorkerPool
+
+from warmserve.api.agent.client import SyncAgentClient
 
 MiB = 1024**2
 
@@ -213,7 +218,7 @@ def bench_activation(root: Path, tmp: Path, rounds: int, copy_gbps: float = 0.0)
 
 _STALLED_CLIENTS = """
 import sys, time, grpc
-from warmserve_agent.api.v1 import agent_pb2_grpc as g, agent_pb2 as pb
+from warmserve.api.agent.v1 import agent_pb2_grpc as g, agent_pb2 as pb
 opts = [("grpc.http2.bdp_probe", 0)]  # 64 KiB windows: the agent sees the stall early
 chans = [grpc.insecure_channel(sys.argv[1], options=opts) for _ in range(int(sys.argv[2]))]
 calls = [g.NodeAgentStub(c).Watch(pb.WatchRequest()) for c in chans]
@@ -281,6 +286,82 @@ def bench_watch(root: Path, tmp: Path, cycles: int, stalled: int = 20) -> dict:
     return out
 
 
+def bench_kv_mapping(
+    root: Path, tmp: Path, rounds: int, map_us: tuple[float, ...], gpu_gib: int
+) -> dict:
+    """Activate (a prewarm hit) with the KV range mapped synchronously before the engine starts
+    vs mapped in the background while it starts (WarmServe §4.2), on a simulated GPU of
+    ``gpu_gib`` GiB with 2 MiB pages and a driver cost of ``map_us`` per page mapped or
+    unmapped (the timing model of ``--sim-map-us``).  Both modes in this process, interleaved,
+    same model, the GPU's pooled worker hosting the engine; between rounds every page is
+    unmapped (so neither mode reuses pages still mapped).  Also: when the background mode's
+    range was fully mapped, measured from the start of Activate."""
+    pool = WorkerPool([0], spares=0)
+    pool.start()
+    out: dict = {"gpu_bytes": gpu_gib * 1024 * MiB, "rounds": rounds, "by_map_us": {}}
+    try:
+        for us in map_us:
+            cores = {
+                mode: NodeCore(
+                    MemoryManager(
+                        SimulatedBackend(
+                            tmp / f"kv-{mode}-{us}", page_bytes=2 * MiB, map_s_per_page=us * 1e-6
+                        )
+                    ),
+                    WeightStore(root),
+                    {0: gpu_gib * 1024 * MiB},
+                    lambda group: WorkerEngine(pool, group),
+                    node_name="bench",
+                    kv_background=mode == "background",
+                )
+                for mode in ("sync", "background")
+            }
+            act: dict[str, list[float]] = {m: [] for m in cores}
+            tok: dict[str, list[float]] = {m: [] for m in cores}
+            full: list[float] = []
+            try:
+                for r in range(2 * rounds + 2):
+                    mode = ("sync", "background")[r % 2]
+                    core = cores[mode]
+                    if not core.slots:
+                        core.prewarm("m", [0]).loader.join()  # type: ignore[union-attr]
+                    assert core.kv_idle(600)
+                    t0 = time.perf_counter()
+                    inst, _ = core.activate("m", [0])
+                    t_act = time.perf_counter() - t0
+                    first_token(inst.endpoint)
+                    t_tok = time.perf_counter() - t0
+                    assert core.kv_idle(600)
+                    t_full = time.perf_counter() - t0
+                    kv_pages = inst.kv_pages_initial
+                    if r >= 2:  # one warm-up round per mode
+                        act[mode].append(t_act)
+                        tok[mode].append(t_tok)
+                        if mode == "background":
+                            full.append(t_full)
+                    core.begin_grace(inst.instance_id)
+                    core.end_instance(inst.instance_id)
+            finally:
+                for core in cores.values():
+                    core.shutdown()
+                    core.mm.close()
+            med = {m: statistics.median(v) for m, v in act.items()}
+            med_tok = {m: statistics.median(v) for m, v in tok.items()}
+            out["by_map_us"][str(us)] = {
+                "kv_pages": kv_pages,
+                "activate_s": act,
+                "activate_first_token_s": tok,
+                "activate_median_s": med,
+                "activate_first_token_median_s": med_tok,
+                "background_fully_mapped_median_s": statistics.median(full),
+                "saved_median_s": med["sync"] - med["background"],
+                "sync_over_background": med["sync"] / med["background"],
+            }
+    finally:
+        pool.close()
+    return out
+
+
 def bench_rtt(root: Path, tmp: Path, calls: int) -> dict:
     cfg = AgentConfig(
         model_dir=root,
@@ -329,8 +410,16 @@ def main() -> int:
     ap.add_argument(
         "--watch-cycles", type=int, default=200, help="prewarm+evict cycles per watch run (200)"
     )
+    ap.add_argument(
+        "--kv-map-us",
+        default="2,40",
+        help="simulated driver cost per page mapped/unmapped for the KV mapping part, "
+        "comma-separated microseconds (2: cuMemMap alone; 40: the paper's 10 GB in 0.2 s)",
+    )
+    ap.add_argument("--kv-gpu-gib", type=int, default=80, help="simulated GPU size (80 GiB)")
     ap.add_argument("--out", default="bench/results/agent_bench.json")
     args = ap.parse_args()
+    kv_map_us = tuple(float(x) for x in args.kv_map_us.split(",") if x)
     with tempfile.TemporaryDirectory(prefix="agent-bench-") as td:
         tmp = Path(td)
         root = tmp / "models"
@@ -340,6 +429,7 @@ def main() -> int:
         write_model(root, "big", 16, hidden)
         load = bench_load(root, tmp, args.rounds)
         act = bench_activation(root, tmp, args.rounds, args.copy_gbps)
+        kvmap = bench_kv_mapping(root, tmp, args.rounds, kv_map_us, args.kv_gpu_gib)
         rtt = bench_rtt(root, tmp, args.rtt_calls)
         watch = bench_watch(root, tmp, args.watch_cycles)
     timing = f"{args.copy_gbps} GB/s copies" if args.copy_gbps > 0 else "no timing model"
@@ -362,6 +452,24 @@ def main() -> int:
         print(f"{'activation, ' + k.replace('_', ' '):<36}{a_ms:>9.1f}ms{t_ms:>10.1f}ms")
     print(f"{'ratio fresh / pooled (Activate)':<36}{act['fresh_over_pooled']:>10.1f}x")
     print(f"{'ratio cold / hit (+1st token)':<36}{act['cold_over_hit_first_token']:>10.1f}x")
+    print(
+        f"KV mapping: {args.kv_gpu_gib} GiB simulated GPU, 2 MiB pages, prewarm hit, "
+        f"rounds={args.rounds}"
+    )
+    print(f"{'measure (median)':<36}{'Activate':>11}{'+1st token':>12}{'KV mapped':>12}")
+    for us, k in kvmap["by_map_us"].items():
+        for mode in ("sync", "background"):
+            a_ms = k["activate_median_s"][mode] * 1000
+            t_ms = k["activate_first_token_median_s"][mode] * 1000
+            f_ms = (
+                k["background_fully_mapped_median_s"] * 1000 if mode == "background" else a_ms
+            )
+            label = f"KV {mode}, {float(us):g} us/page ({k['kv_pages']} pages)"
+            print(f"{label:<36}{a_ms:>9.1f}ms{t_ms:>10.1f}ms{f_ms:>10.1f}ms")
+        print(
+            f"{'  activation time saved':<36}{k['saved_median_s'] * 1000:>9.1f}ms"
+            f"{'':>12}{k['sync_over_background']:>10.1f}x"
+        )
     for name, r in rtt.items():
         label = f"gRPC RTT {name} (p99 {r['p99_ms']:.2f}ms)"
         print(f"{label:<36}{r['median_ms']:>9.2f}ms")
@@ -381,6 +489,7 @@ def main() -> int:
         "watch": watch,
         "load": load,
         "activation": act,
+        "kv_mapping": kvmap,
         "copy_gbps": args.copy_gbps,
         "rtt": rtt,
         "python": sys.version.split()[0],

@@ -120,8 +120,7 @@ def _md(i: int, ns: str) -> dict[str, Any]:
 
 
 def _history_cm(ns: str, uid: str, model: str) -> dict[str, Any]:
-    import warmserve_operator.history as history_io
-
+    import warmserve.api.history as history_io
     from warmserve.control.history import LoadHistory
 
     h = LoadHistory(W)

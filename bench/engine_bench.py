@@ -141,7 +141,7 @@ def wait_for(pred, timeout_s: float, what: str, poll_s: float = 0.02):  # type: 
 
 def hit_round(client, model: str, layers: int, total: int, args: list[str], prompt) -> dict:  # type: ignore[no-untyped-def]
     """Prewarm ``layers`` (engine prepared meanwhile), then Activate + a 1-token request."""
-    from warmserve_agent.api.v1 import agent_pb2 as pb
+    from warmserve.api.agent.v1 import agent_pb2 as pb
 
     client.prewarm_wait(
         model, [0], 0 if layers >= total else layers, engine="vllm", engine_args=args
@@ -171,12 +171,14 @@ def hit_round(client, model: str, layers: int, total: int, args: list[str], prom
         (i,) = client.describe().instances
         return (
             i
+            # the KV range is mapped in the background: its stage may come after the token
             if i.stages.HasField("first_token_seconds")
             and i.stages.HasField("weights_resident_seconds")
+            and i.stages.HasField("kv_mapped_seconds")
             else None
         )
 
-    inst = wait_for(first_token, 120, "the first token's stage")
+    inst = wait_for(first_token, 120, "the first token's and the KV range's stages")
     st = inst.stages
     client.begin_grace(res.instance.instance_id)
     client.end_instance(res.instance.instance_id, evict_weights=True)
@@ -197,9 +199,10 @@ def hit_round(client, model: str, layers: int, total: int, args: list[str], prom
 
 
 def bench_model(name: str, model_dir: Path, root: Path, tmp: Path, gpu_bytes: int, a, args):  # type: ignore[no-untyped-def]
-    from warmserve_agent.client import SyncAgentClient
     from warmserve_agent.config import AgentConfig
     from warmserve_agent.testing import AgentThread
+
+    from warmserve.api.agent.client import SyncAgentClient
 
     total = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     cfg = AgentConfig(

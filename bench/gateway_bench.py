@@ -23,7 +23,8 @@
    agent's activation time.
 
     python bench/gateway_bench.py [--concurrency 64] [--seconds 8] [--rounds 3]
-                                  [--tracing [--trace-sample-ratio 1.0]]
+                                  [--tracing [--trace-sample-ratio 1.0]] [--stream]
+                                  [--baseline-pythonpath DIR/gateway:DIR]
                                   [--burst 16] [--no-burst] [--out bench/results/gateway_bench.json]
 """
 
@@ -151,7 +152,8 @@ def _wait_file(path: Path, what: str, log: Path) -> str:
 def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """One agent (simulated GPU per engine speed), one instance per speed, one gateway."""
     from gateway_stack import write_model
-    from warmserve_agent.client import SyncAgentClient
+
+    from warmserve.api.agent.client import SyncAgentClient
 
     models = tmp / "models"
     speeds = [float(x) for x in args.decode_tok_s.split(",")]
@@ -245,6 +247,18 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             )  # fmt: skip
             procs.append(traced)
             gw_traced = json.loads(_wait_file(addr2, "the traced gateway", log_path))["api"]
+        if args.baseline_pythonpath:  # the same gateway, as other code (e.g. an older commit)
+            addr3 = tmp / "gw-baseline.json"
+            baseline = subprocess.Popen(
+                [sys.executable, "-m", "warmserve", "gateway", "--models-file",
+                 str(tmp / "models.json"), "--host", "127.0.0.1", "--port", "0",
+                 "--admin-host", "127.0.0.1", "--admin-port", "0", "--address-file", str(addr3),
+                 "--anonymous-namespace", "bench", "--log-level", "warning"],
+                stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": args.baseline_pythonpath},
+            )  # fmt: skip
+            procs.append(baseline)
+            gw_baseline = json.loads(_wait_file(addr3, "the baseline gateway", log_path))["api"]
         for k, (speed, inst) in enumerate(zip(speeds, instances, strict=True)):
             port = free_port()
             bare = subprocess.Popen(
@@ -262,6 +276,8 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             pids = {"gateway": gateway.pid, "bare-proxy": bare.pid}
             if traced is not None:
                 urls["gw+tracing"], pids["gw+tracing"] = gw_traced, traced.pid
+            if args.baseline_pythonpath:
+                urls["gw-baseline"], pids["gw-baseline"] = gw_baseline, baseline.pid
             out[f"{speed:g}"] = _overhead_one(args, f"bench-{k}", urls, pids, agent.pid)
         if otel is not None:
             time.sleep(2.5)  # the batch processor exports every second
@@ -296,6 +312,7 @@ def _overhead_one(
             "model": model,
             "messages": [{"role": "user", "content": "how fast is the gateway"}],
             "max_tokens": args.max_tokens,
+            "stream": args.stream,
         }
     ).encode()
     for url in urls.values():  # warm up connections and caches
@@ -356,6 +373,9 @@ def _overhead_one(
     out["throughput_ratio"] = g["rps"] / d["rps"]
     out["p50_ratio"] = g["p50_ms"] / d["p50_ms"]
     out["p99_ratio"] = g["p99_ms"] / d["p99_ms"]
+    if "gw-baseline" in out:  # this code vs the baseline's, same rounds
+        out["baseline_cpu_us_per_request"] = statistics.median(cpu["gw-baseline"])
+        out["added_p99_ms_vs_baseline"] = g["p99_ms"] - out["gw-baseline"]["p99_ms"]
     if "gw+tracing" in out:  # tracing on vs off, same rounds
         t = out["gw+tracing"]
         out["tracing_added_p50_ms"] = t["p50_ms"] - g["p50_ms"]
@@ -514,6 +534,13 @@ def main() -> int:
     ap.add_argument(
         "--trace-sample-ratio", type=float, default=1.0, help="the traced gateway's ratio"
     )
+    ap.add_argument("--stream", action="store_true", help="streaming requests (SSE)")
+    ap.add_argument(
+        "--baseline-pythonpath",
+        default="",
+        help="PYTHONPATH of another gateway's code (e.g. an older commit unpacked with git "
+        "archive: DIR/gateway:DIR) run as a path of the same rounds, gw-baseline",
+    )
     ap.add_argument("--out", default="bench/results/gateway_bench.json")
     args = ap.parse_args()
     result: dict[str, Any] = {
@@ -545,7 +572,7 @@ def main() -> int:
     for speed, o in ov.items():
         if not isinstance(o, dict) or "direct" not in o:
             continue  # tracing_spans_exported
-        for name in ("direct", "gateway", "gw+tracing", "bare-proxy"):
+        for name in ("direct", "gateway", "gw-baseline", "gw+tracing", "bare-proxy"):
             if name not in o:
                 continue
             r = o[name]
@@ -566,6 +593,12 @@ def main() -> int:
             f"{'':<12}bare aiohttp proxy/direct: throughput "
             f"x{o['bare_proxy_throughput_ratio']:.2f}, p99 {o['bare_proxy_added_p99_ms']:+.2f} ms"
         )
+        if "gw-baseline" in o:
+            print(
+                f"{'':<12}gateway vs baseline: p99 {o['added_p99_ms_vs_baseline']:+.2f} ms; CPU "
+                f"per request {o['gateway_cpu_us_per_request']:.0f} us vs "
+                f"{o['baseline_cpu_us_per_request']:.0f} us"
+            )
         if "gw+tracing" in o:
             print(
                 f"{'':<12}tracing on/off (ratio {args.trace_sample_ratio:g}): throughput "

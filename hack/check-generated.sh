@@ -8,7 +8,7 @@ trap 'rm -rf "$tmp"' EXIT
 hack/gen-proto.sh "$tmp" >/dev/null
 status=0
 for f in agent_pb2.py agent_pb2.pyi agent_pb2_grpc.py; do
-  if ! diff -u "agent/warmserve_agent/api/v1/$f" "$tmp/warmserve_agent/api/v1/$f"; then
+  if ! diff -u "warmserve/api/agent/v1/$f" "$tmp/warmserve/api/agent/v1/$f"; then
     status=1
   fi
 done

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Generate the Python gRPC code for proto/ with grpcio-tools.
-# usage: hack/gen-proto.sh [OUT_ROOT]     (default: agent/, i.e. in place)
+# usage: hack/gen-proto.sh [OUT_ROOT]     (default: the repository root, i.e. in place)
 #
 # proto/warmserve/agent/v1/agent.proto is mapped to the virtual path
-# warmserve_agent/api/v1/agent.proto, so the generated files land in
-# agent/warmserve_agent/api/v1/ and import each other as `warmserve_agent.api.v1.agent_pb2`
-# (the proto package stays warmserve.agent.v1; mapping it under `warmserve/` would collide with
-# the core `warmserve` Python package).
+# warmserve/api/agent/v1/agent.proto, so the generated files land in warmserve/api/agent/v1/ (the
+# API package every component shares) and import each other as
+# `warmserve.api.agent.v1.agent_pb2`.  The proto package, and so every name on the wire, stays
+# warmserve.agent.v1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-agent}"
+out="${1:-.}"
 py="${PYTHON:-python}"
 [ -x .venv/bin/python ] && py=.venv/bin/python
-mkdir -p "$out/warmserve_agent/api/v1"
+mkdir -p "$out/warmserve/api/agent/v1"
 "$py" -m grpc_tools.protoc \
-  -Iwarmserve_agent/api/v1=proto/warmserve/agent/v1 \
+  -Iwarmserve/api/agent/v1=proto/warmserve/agent/v1 \
   --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
-  warmserve_agent/api/v1/agent.proto
+  warmserve/api/agent/v1/agent.proto

@@ -15,7 +15,7 @@ import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 need = ["warmserve/cli/__init__.py", "warmserve_operator/reconciler.py",
         "warmserve_agent/server.py", "warmserve_agent/sources/fetcher.py",
-        "warmserve_agent/api/v1/agent_pb2.py", "warmserve_gateway/__init__.py"]
+        "warmserve/api/agent/v1/agent_pb2.py", "warmserve_gateway/__init__.py"]
 missing = [n for n in need if n not in names]
 data = [n for n in names if n.startswith("warmserve/data/traces/") and n.endswith(".csv.gz")]
 if missing or not data or any(n.startswith("operator/") for n in names):

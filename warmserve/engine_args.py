@@ -1,7 +1,7 @@
 """``spec.engine.args``: vLLM's engine arguments, checked without vLLM installed.
 
-Home of the engine names and argument schema that the operator, the gateway (through the CRD
-types) and the agent share; it imports nothing of theirs.
+Home of the argument schema that the operator's admission and the agent's own check share; it
+imports nothing of theirs.  (The engine names are the CRD's enum: :mod:`warmserve.api.crd`.)
 
 The operator (which does not install vLLM) must refuse an unknown or invalid argument when a
 ModelDeployment is admitted, naming the argument — never at the first request.  So warmserve
@@ -38,7 +38,6 @@ from warmserve.engine_arg_policy import DEFAULT_POLICY, MANAGED, EngineArgPolicy
 
 __all__ = [
     "DEFAULT_POLICY",
-    "ENGINE_NAMES",
     "MANAGED",
     "EngineArgPolicy",
     "EngineArgsError",
@@ -48,9 +47,6 @@ __all__ = [
 ]
 
 SCHEMA_FILE = "vllm_engine_args.json"
-# Engine names of the node agent's registry (warmserve_agent.engines.ENGINES, checked equal by a
-# test): here so the operator and the gateway can validate spec.engine.name without the agent.
-ENGINE_NAMES = ("simulated", "vllm")
 
 
 class EngineArgsError(ValueError):

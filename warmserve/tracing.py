@@ -1,8 +1,9 @@
 """OpenTelemetry tracing shared by the gateway, the operator and the node agent's engines.
 
-Off by default.  ``--otlp-traces-endpoint URL`` (the chart's ``tracing.endpoint``) turns it on in
-each component; only then is the OpenTelemetry SDK imported (:func:`provider`), so a component
-with tracing off pays no import and has no SDK object on its request path.
+Off by default.  ``--otlp-traces-endpoint URL`` (the chart's ``tracing.endpoint``; the flags are
+:mod:`warmserve.flags.tracing`) turns it on in each component; only then is the OpenTelemetry
+SDK imported (:func:`provider`), so a component with tracing off pays no import and has no SDK
+object on its request path.
 
 Each component builds **its own** ``TracerProvider`` (never the process-global one): tests run a
 gateway, an operator and engines in one process, each with its own ``service.name``, and a
@@ -142,32 +143,6 @@ def span_context_of(traceparent: str) -> Any:
     return SpanContext(
         int(m.group(1), 16), int(m.group(2), 16), True, TraceFlags(int(m.group(3), 16))
     )
-
-
-def add_arguments(p: Any) -> None:
-    """The tracing flags of ``warmserve gateway``, ``operator`` and ``agent`` (argparse)."""
-    p.add_argument(
-        "--otlp-traces-endpoint",
-        default="",
-        metavar="URL",
-        help="send OpenTelemetry traces to this OTLP/HTTP receiver, e.g. "
-        "http://otel-collector:4318 (off when empty; the chart's tracing.endpoint)",
-    )
-    p.add_argument(
-        "--trace-sample-ratio",
-        type=float,
-        default=1.0,
-        metavar="R",
-        help="fraction of new traces sampled, 0-1 (a request with a sampled parent follows it)",
-    )
-
-
-def from_args(args: Any, service: str) -> TracingConfig | None:
-    """The flags as a :class:`TracingConfig` (``None``: tracing off); raises
-    :class:`TracingConfigError` with the flag named."""
-    if not args.otlp_traces_endpoint:
-        return None
-    return TracingConfig(args.otlp_traces_endpoint, args.trace_sample_ratio, service)
 
 
 def vllm_tracing_env(sample_ratio: float) -> dict[str, str]:

@@ -82,3 +82,12 @@ def format_size(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.1f}{unit}"
     return f"{n:.0f}B"
+
+
+def size_flag(n: int) -> str:
+    """Bytes as a size flag reads them, exactly: the largest binary unit that divides ``n``
+    (``2MiB``, ``16KiB``), else the number of bytes (``0``); :func:`parse_size` reads it back."""
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)

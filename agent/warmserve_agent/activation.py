@@ -1,14 +1,20 @@
 """Activation: starting a serving instance on a GPU group (WarmServe §4.2, Fig. 5-6).
 
 Activate moves workers to dedicated, from universal (a **prewarm hit**: a slot already holds the
-model's first layers) or idle (a cold start).  Every other slot touching the group is evicted,
-the chosen slot's weight range is mapped in full (the rest of a partial prewarm keeps loading
-while it serves) and every page left is mapped after the weights as KV cache.  The engine gets a
-typed :class:`~warmserve_agent.engines.spec.EngineSpec` of the slot — the engine prepared for the
-slot while it waited if there is one (:mod:`~warmserve_agent.prepared_engines`: then no engine is
-built here) —; if it fails, the instance is torn down along Figure 5's crash edges
-(:meth:`Activator.abort_instance`).  Each activation's stages are timed
-(:mod:`~warmserve_agent.activation_stages`).
+model's first layers) or idle (a cold start).  Every other slot touching the group is evicted
+(retired: its pages are unmapped in the background), the chosen slot's weight range is mapped in
+full (the rest of a partial prewarm keeps loading while it serves) and every page left is
+promised to the instance's KV range, which the KV pager maps **in the background** while the
+engine starts; the engine's capacity grows as chunks land
+(:class:`~warmserve_agent.kv_pager.KvMapping`; §4.2, "for the KV cache, mappings are performed
+in the background").  The engine gets a typed
+:class:`~warmserve_agent.engines.spec.EngineSpec` of the slot — the engine prepared for the slot
+while it waited if there is one (:mod:`~warmserve_agent.prepared_engines`: then no engine is
+built here; its KV follows the background mapping like any other's) —; if it fails, the instance
+is torn down along Figure 5's crash edges (:meth:`Activator.abort_instance`).  Each activation's
+stages are timed (:mod:`~warmserve_agent.activation_stages`); its KV stage is when the KV range
+is mapped in full and the engine's KV cache grown over it, which with background mapping may
+come after the endpoint is up.
 
 :class:`Activator` works on the node's records (:class:`~warmserve_agent.node_state.NodeState`)
 with this node's :class:`EngineSettings`, asks the
@@ -25,18 +31,19 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 
+from warmserve.api.agent.wire import SlotState
 from warmserve.engine_args import EngineArgsError, validate_engine_args
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent.activation_stages import Stage, StageHistograms, StartKind
 from warmserve_agent.engine import WeightsError
 from warmserve_agent.engines import ENGINES
 from warmserve_agent.engines.spec import EngineStats
+from warmserve_agent.kv_pager import KvMapping, KvPager
 from warmserve_agent.memory import MemoryManager, pages_for
 from warmserve_agent.node_records import EventKind, InstanceRec, Refusal, SlotRec
 from warmserve_agent.node_state import NodeState
 from warmserve_agent.prepared_engines import EnginePreparer, EngineSettings, slot_engine_spec
 from warmserve_agent.prewarm_slots import Prewarmer
-from warmserve_agent.wire import SlotState
 
 log = logging.getLogger("warmserve.agent.node")  # one logger for the whole node core
 
@@ -52,11 +59,13 @@ class Activator:
         prewarmer: Prewarmer,
         engines: EngineSettings,
         preparer: EnginePreparer,
+        kv: KvMapping | None = None,
     ) -> None:
         self._state = state
         self._prewarmer = prewarmer
         self._engines = engines
         self._preparer = preparer
+        self._kv = kv or KvMapping(KvPager(state.mm))
         self.activation_log: list[tuple[bool, float]] = []  # (hit, seconds) for metrics
         self.stage_histograms = StageHistograms()
         self._observe_lock = threading.Lock()
@@ -171,7 +180,6 @@ class Activator:
             mm.promise(chosen.slot_id, weight_pages - mm.mapped_prefix(chosen.slot_id, group[0]))
             mm.ensure_mapped(chosen.slot_id, weight_pages)
             mm.release_promise(chosen.slot_id)
-            kv_pages = mm.map_all_free(chosen.slot_id, weight_pages)
             iid = f"inst-{uuid.uuid4().hex[:12]}"
             engine_host = self._preparer.claim(chosen, engine_name, engine_args)
             if engine_host is None:
@@ -184,8 +192,8 @@ class Activator:
                 engine_host,
                 layout.model.profile.max_batch,
                 weight_pages,
-                kv_pages,
-                kv_pages,
+                0,
+                0,
                 prewarm_hit=hit,
                 engine_name=engine_name,
                 owner=owner,
@@ -194,6 +202,10 @@ class Activator:
             )
             if resident_before:
                 inst.stages.weights_resident = 0.0
+            kv = self._kv.reserve(inst)  # KV pages mapped in the background from now on
+            if kv.granted < kv.geometry.num_blocks:  # the engine's start gets the range if mapped
+                inst.stages.kv_in_background = True
+                kv.on_full = lambda: self._kv_mapped(inst)
             state.instances[iid] = inst
             for g in group:
                 state.gpus[g].instance_id = iid
@@ -208,7 +220,9 @@ class Activator:
                     engine=engine_name,
                     engine_args=engine_args,
                     instance_id=iid,
-                    kv_pages=kv_pages,
+                    kv_pages=kv.num_pages,
+                    kv_capacity_bytes=kv.capacity_bytes(kv.granted),
+                    events_addr=self._kv.events_addr,
                 )
                 taken = getattr(engine_host, "process_taken_at", t0)
                 inst.stages.process_taken = max(0.0, taken - t0)
@@ -219,6 +233,7 @@ class Activator:
                 )
                 stats = self.refresh_stats(inst)
                 inst.max_batch = stats.max_batch or inst.max_batch  # C of Eq. 1
+                self._kv.engine_started(inst, stats)
                 inst.phase = InstancePhase.SERVING
                 if chosen.layers_resident > 0:
                     engine_host.layers_ready(chosen.layers_resident)
@@ -270,6 +285,13 @@ class Activator:
             inst.stages.weights_resident = time.perf_counter() - inst.activated_at
             self._observe(inst, Stage.WEIGHTS_RESIDENT)
 
+    def _kv_mapped(self, inst: InstanceRec) -> None:
+        """The instance's KV range is mapped in full and granted to its engine (the pager's
+        thread): the KV stage, now that it happens in the background."""
+        if inst.stages.kv_mapped is None:
+            inst.stages.kv_mapped = time.perf_counter() - inst.activated_at
+            self._observe(inst, Stage.KV_MAPPED)
+
     def _observe(self, inst: InstanceRec, stage: Stage) -> None:
         """Count a stage of ``inst`` in the histograms, once."""
         with self._observe_lock:
@@ -295,7 +317,9 @@ class Activator:
             inst.engine.stop()
         slot = state.slots.get(inst.slot_id)
         if slot is not None and mm.has_slot(slot.slot_id):
-            mm.unmap_range(slot.slot_id, inst.weight_pages, mm.num_pages(inst.gpus[0]))
+            if inst.kv is not None:  # the engine is gone: its KV pages unmap in the background
+                inst.kv.release_all()
+                self._kv.pager.kick()
             with slot.lock:
                 slot.state = SlotState.LOADING if slot.loader_active else SlotState.READY
         for g in inst.gpus:

@@ -2,8 +2,10 @@
 
 Each :class:`ActivationStages` holds, in seconds since the agent received ``Activate``, when each
 :class:`Stage` completed: the group's worker process was ready for the instance, its engine existed
-(prepared at prewarm time, or built now), every layer was resident, the KV pages were mapped and
-the engine's KV cache grown over them, the endpoint accepted connections, the engine produced its
+(prepared at prewarm time, or built now), every layer was resident, the KV range was mapped in
+full and the engine's KV cache grown over it (during the engine's start when the range was mapped
+by then, else when the background mapping completes: possibly after the endpoint was up and the
+first token), the endpoint accepted connections, the engine produced its
 first token.  A stage reached before ``Activate`` (the weights of a full prewarm) is 0; one not
 reached yet is None (a partial prewarm's weights and the first token come after ``Activate``
 answered: ``Describe`` shows them later).  They go out as ``InstanceInfo.stages`` and as the
@@ -52,6 +54,7 @@ class ActivationStages:
     first_token: float | None = None
     engine_prepared: bool = False
     engine_call_s: float = 0.0
+    kv_in_background: bool = False  # the engine started before its KV range was all mapped
     observed: set[Stage] = field(default_factory=set)  # counted in the histograms already
 
     def known(self) -> dict[Stage, float]:
@@ -59,13 +62,16 @@ class ActivationStages:
         return {s: v for s in Stage if (v := getattr(self, s.value)) is not None}
 
     def from_engine(self, stats: EngineStats) -> list[Stage]:
-        """Take the engine's own stages (relative to its ``start``); returns those new here."""
+        """Take the engine's own stages (relative to its ``start``); returns those new here.
+        The engine's KV stage counts only when its start got the whole KV range; with the range
+        still mapping in the background the agent notes it when the pager completes it
+        (``Activator``), which may come after the endpoint is up."""
         st = stats.stages
         new: list[Stage] = []
         base = self.engine_call_s
         for stage, value in (
             (Stage.ENGINE_READY, st.engine_ready_s),
-            (Stage.KV_MAPPED, st.kv_mapped_s),
+            (Stage.KV_MAPPED, None if self.kv_in_background else st.kv_mapped_s),
             (Stage.ENDPOINT_UP, st.endpoint_up_s),
             (Stage.FIRST_TOKEN, st.first_token_s),
         ):

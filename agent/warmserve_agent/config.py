@@ -81,7 +81,9 @@ class AgentConfig:
     metrics_host: str = "127.0.0.1"  # 0.0.0.0 in a pod, so Prometheus can scrape it
     engine_host: str = "127.0.0.1"  # where engines bind their OpenAI endpoints
     advertise_host: str = ""  # host in the endpoints Activate returns (default: engine_host)
-    grace_interval_s: float = 0.25
+    # Eq. 1 is re-checked when a grace instance's request completes (the engine's event,
+    # engine_events.py); this timer is only the safety net for a lost event.
+    grace_interval_s: float = 5.0
     # Watch streams: events buffered per client, and how long a client may take to accept one
     # before it is dropped (it stopped reading).
     watch_queue_max: int = 1024

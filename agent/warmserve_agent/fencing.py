@@ -6,8 +6,9 @@ sent when it lost the Lease, or sent by a leader that was paused (GC, SIGSTOP, a
 between its check and its call, still reaches the agent after the standby took over.  So every
 mutating call (and ``Describe``) carries ``fencing_token``: the caller's leadership term, the
 Lease's ``creationTimestamp`` (unix seconds) in the high 32 bits and its ``leaseTransitions`` in
-the low 32 (``warmserve_operator.lease.fencing_token``), which only grows.  The agent keeps the
-highest token it has seen and refuses a lower one (:func:`admit`, pure and property-tested):
+the low 32 (the layout is an API type: :mod:`warmserve.api.agent.fencing`), which only grows.
+The agent keeps the highest token it has seen and refuses a lower one (:func:`admit`, pure and
+property-tested):
 
 * ``token > highest``: accepted, and the fence rises to it, if it is *plausible* (below);
 * ``token == highest``: accepted (the current leader's calls, retries included);
@@ -59,14 +60,12 @@ from pathlib import Path
 
 import grpc
 
+from warmserve.api.agent.errors import FENCED_PREFIX
+from warmserve.api.agent.fencing import MAX_TOKEN, split
 from warmserve_agent.safe_text import bounded
-from warmserve_agent.wire import FENCED_PREFIX
 
 log = logging.getLogger("warmserve.agent.fencing")
 
-MAX_TOKEN = 2**64 - 1  # uint64 on the wire
-TERM_BITS = 32  # leaseTransitions in the low bits (warmserve_operator.lease.TERM_BITS)
-TERM_MASK = (1 << TERM_BITS) - 1
 IMPLAUSIBLE_PREFIX = "implausible fencing token"
 
 
@@ -95,11 +94,6 @@ class Bounds:
             raise ValueError(
                 f"fencing bounds need max_skew_s >= 0 and max_term_jump >= 1, got {self}"
             )
-
-
-def split(token: int) -> tuple[int, int]:
-    """(Lease creation time in unix seconds, term) of a token."""
-    return token >> TERM_BITS, token & TERM_MASK
 
 
 @dataclass(frozen=True, slots=True)

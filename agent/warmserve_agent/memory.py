@@ -14,10 +14,9 @@ and enforces the invariants the agent relies on:
 * no page leaks: free + mapped = total on every GPU;
 * the backend's view of the mapping equals ours (checked by :meth:`MemoryManager.check`).
 
-The physical operations go through a :class:`MemoryBackend`: ``simulated`` (shared-memory files,
-runs in CI) or ``cuda`` (the CUDA driver VMM API through cuda-python).  Both see the same calls
-in the same order, so the page-table logic is tested once.
+Pages given up are unmapped off the critical path (:mod:`~warmserve_agent.memory_deferred`).
 
+The physical operations go through a :class:`~warmserve_agent.memory_backend.MemoryBackend`.
 Every mutating method validates everything first and then applies, so a refused call changes
 nothing (no half-applied mappings).
 """
@@ -25,84 +24,33 @@ nothing (no half-applied mappings).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Protocol
 
-from warmserve.policy.cluster import PAGE_BYTES
+from warmserve_agent.memory_backend import (
+    MemoryBackend,
+    OutOfPages,
+    PageError,
+    PageTableError,
+    pages_for,
+    runs,
+)
+from warmserve_agent.memory_deferred import DeferredUnmap
+from warmserve_agent.memory_tables import GpuPool, SlotData, SlotPages, check_tables
 
-
-class PageError(Exception):
-    """Base class for page-table refusals (the caller maps them to gRPC codes)."""
-
-
-class OutOfPages(PageError):
-    """Not enough free physical pages on some GPU."""
-
-
-class PageTableError(PageError):
-    """An operation that would break the page-table invariants (a bug in the caller)."""
-
-
-class MemoryBackend(Protocol):
-    """Physical memory operations on one node's GPUs (one implementation per backend)."""
-
-    name: str
-    page_bytes: int
-
-    def open_gpu(self, gpu: int, memory_bytes: int) -> int:
-        """Prepare ``gpu`` (create its page pool) and return its number of physical pages."""
-
-    def reserve(self, gpu: int, size: int) -> int:
-        """Reserve ``size`` bytes of virtual address space on ``gpu``; return the base."""
-
-    def free_reservation(self, gpu: int, va: int, size: int) -> None: ...
-
-    def map(self, gpu: int, va: int, ppages: Sequence[int]) -> None:
-        """Map consecutive virtual pages starting at ``va`` onto physical pages ``ppages``
-        and make them readable/writable."""
-
-    def unmap(self, gpu: int, va: int, npages: int) -> None:
-        """Unmap ``npages`` consecutive virtual pages starting at ``va``."""
-
-    def write(self, gpu: int, va: int, data: memoryview | bytes) -> None:
-        """Copy host bytes to mapped virtual addresses (small writes; weights use
-        ``load_ranges``)."""
-
-    def load_ranges(self, gpu: int, ranges: Sequence[tuple[int, str, int, int]]) -> int:
-        """Copy file ranges ``(va, path, offset, nbytes)`` to mapped virtual addresses, read by
-        the process that owns the memory through its staging ring; returns a ticket.  Copies
-        may still be in flight on return."""
-
-    def wait_loaded(self, gpu: int, ticket: int) -> None:
-        """Block until the copies of ``ticket`` landed (raises if they failed)."""
-
-    def read(self, gpu: int, va: int, nbytes: int) -> bytes: ...
-
-    def close(self) -> None: ...
+__all__ = [
+    "GpuPool",
+    "MemoryBackend",
+    "MemoryManager",
+    "OutOfPages",
+    "PageError",
+    "PageTableError",
+    "SlotPages",
+    "pages_for",
+]
 
 
-@dataclass
-class SlotPages:
-    """One slot's virtual range on one GPU and its vpage -> ppage table."""
-
-    gpu: int
-    va_base: int
-    num_vpages: int
-    table: dict[int, int] = field(default_factory=dict)
-
-
-@dataclass
-class GpuPool:
-    gpu: int
-    memory_bytes: int
-    num_pages: int
-    free: list[int]
-    owner: dict[int, tuple[str, int]] = field(default_factory=dict)  # ppage -> (slot, vpage)
-
-
-class MemoryManager:
+class MemoryManager(DeferredUnmap, SlotData):
     """Page tables of every slot on every GPU of one node (thread-safe)."""
 
     def __init__(self, backend: MemoryBackend) -> None:
@@ -111,6 +59,10 @@ class MemoryManager:
         self._lock = threading.RLock()
         self._gpus: dict[int, GpuPool] = {}
         self._slots: dict[str, dict[int, SlotPages]] = {}
+        # Slots given up whose pages are still being unmapped; their virtual ranges are freed
+        # once empty.  Keyed apart from live slots (a slot id may be reused meanwhile).
+        self._retired: dict[str, dict[int, SlotPages]] = {}
+        self._retired_seq = 0
         # Pages promised to a slot whose loader maps them lazily, page by page just ahead of the
         # copies (the §4.2 map/copy pipeline).  Other slots cannot take promised pages, so a
         # prewarm admitted with enough memory never runs out part-way.
@@ -118,12 +70,7 @@ class MemoryManager:
 
     # ---- GPUs ----------------------------------------------------------------------------
     def add_gpu(self, gpu: int, memory_bytes: int) -> None:
-        with self._lock:
-            if gpu in self._gpus:
-                raise PageTableError(f"gpu {gpu} already added")
-            n = self.backend.open_gpu(gpu, memory_bytes)
-            # LIFO free list popping the lowest page first keeps layouts easy to read in tests.
-            self._gpus[gpu] = GpuPool(gpu, memory_bytes, n, list(range(n - 1, -1, -1)))
+        self.add_gpus({gpu: memory_bytes})
 
     def add_gpus(self, sizes: Mapping[int, int]) -> None:
         """Open several GPUs **in parallel**: creating ~40k page handles per
@@ -160,13 +107,14 @@ class MemoryManager:
             return len(self._pool(gpu).free)
 
     def available_pages(self, gpu: int) -> int:
-        """Free pages not promised to any slot: what a new prewarm or activation may take."""
+        """Free or withdrawn pages not promised to any slot: what a new prewarm or activation
+        may take (withdrawn pages are unmapped first, when needed)."""
         with self._lock:
             promised = sum(q for s, q in self._quota.items() if gpu in self._slots[s])
-            return len(self._pool(gpu).free) - promised
+            return len(self._pool(gpu).free) + self.pending_pages(gpu) - promised
 
     def promise(self, slot_id: str, npages: int) -> None:
-        """Set aside ``npages`` free pages on each GPU of the slot for its lazy mapping."""
+        """Set aside ``npages`` available pages on each GPU of the slot for its lazy mapping."""
         with self._lock:
             slot = self._slot(slot_id)
             extra = npages - self._quota.get(slot_id, 0)
@@ -231,15 +179,22 @@ class MemoryManager:
         return self._slot(slot_id)[gpu].va_base
 
     def mapped_count(self, slot_id: str, gpu: int) -> int:
+        """Pages mapped in the slot on ``gpu``, withdrawn ones included."""
         with self._lock:
             return len(self._slot(slot_id)[gpu].table)
 
-    def mapped_prefix(self, slot_id: str, gpu: int) -> int:
-        """Length of the contiguous run of mapped pages starting at virtual page 0."""
+    def live_vpages(self, slot_id: str, gpu: int) -> set[int]:
+        """Virtual pages mapped and not withdrawn: what the slot's users may touch."""
         with self._lock:
-            table = self._slot(slot_id)[gpu].table
+            sp = self._slot(slot_id)[gpu]
+            return set(sp.table) - sp.withdrawn
+
+    def mapped_prefix(self, slot_id: str, gpu: int) -> int:
+        """Length of the contiguous run of live pages starting at virtual page 0."""
+        with self._lock:
+            sp = self._slot(slot_id)[gpu]
             n = 0
-            while n in table:
+            while n in sp.table and n not in sp.withdrawn:
                 n += 1
             return n
 
@@ -263,6 +218,10 @@ class MemoryManager:
                     raise OutOfPages(
                         f"gpu {g}: {npages} pages needed, {self.available_pages(g) + own} available"
                     )
+            for g in slot:  # withdrawn pages become free pages first where needed
+                short = npages - len(self._gpus[g].free)
+                if short > 0:
+                    self.flush(g, short)
             if slot_id in self._quota:
                 left = self._quota[slot_id] - npages
                 if left > 0:
@@ -281,55 +240,56 @@ class MemoryManager:
                     sp.table[vstart + i] = p
                     pool.owner[p] = (slot_id, vstart + i)
 
+    def map_pages(self, slot_id: str, vpages: Iterable[int]) -> int:
+        """Make ``vpages`` of the slot live on every GPU of its group: withdrawn ones are
+        restored as they are, the others mapped (one backend call per run).  Returns the pages
+        mapped now (restored ones not counted)."""
+        with self._lock:
+            want = sorted(set(vpages))
+            self.restore(slot_id, want)
+            sp = next(iter(self._slot(slot_id).values()))
+            missing = [v for v in want if v not in sp.table]
+            for first, n in runs(missing):
+                self.map_range(slot_id, first, n)
+            return len(missing)
+
     def ensure_mapped(self, slot_id: str, upto_vpage: int) -> int:
         """Map whatever is missing of virtual pages [0, upto_vpage); returns pages mapped now."""
         with self._lock:
             slot = self._slot(slot_id)
             start = min(self.mapped_prefix(slot_id, g) for g in slot)
-            need = upto_vpage - start
-            if need <= 0:
+            if upto_vpage <= start:
                 return 0
-            self.map_range(slot_id, start, need)
-            return need
+            return self.map_pages(slot_id, range(start, upto_vpage))
 
     def unmap_range(self, slot_id: str, vstart: int, npages: int) -> int:
-        """Unmap the mapped pages among [vstart, vstart+npages) and return them to the pool."""
+        """Unmap the mapped pages among [vstart, vstart+npages) now and return them to the
+        pool; returns the pages freed on one GPU."""
         freed = 0
         with self._lock:
-            slot = self._slot(slot_id)
-            for g, sp in slot.items():
-                pool = self._gpus[g]
-                run: list[int] = sorted(v for v in range(vstart, vstart + npages) if v in sp.table)
-                # Unmap maximal contiguous runs (one backend call each).
-                i = 0
-                while i < len(run):
-                    j = i
-                    while j + 1 < len(run) and run[j + 1] == run[j] + 1:
-                        j += 1
-                    self.backend.unmap(g, sp.va_base + run[i] * self.page_bytes, j - i + 1)
-                    for v in run[i : j + 1]:
-                        p = sp.table.pop(v)
-                        del pool.owner[p]
-                        pool.free.append(p)
-                        freed += 1
-                    i = j + 1
+            for sp in self._slot(slot_id).values():
+                vs = sorted(v for v in sp.table if vstart <= v < vstart + npages)
+                freed = self._unmap_vpages(sp, vs)
         return freed
 
     def map_all_free(self, slot_id: str, vstart: int) -> int:
-        """Map every free page of each GPU after ``vstart`` (activation's KV cache, Fig. 6a).
-
-        GPUs of a group may differ in free pages; the KV range is sized by the smallest so
-        every shard has the same KV capacity.  Returns pages mapped per GPU.
-        """
+        """Map every available page of each GPU after ``vstart`` (a KV cache mapped at once,
+        Fig. 6a).  GPUs of a group may differ in free pages; the KV range is sized by the
+        smallest so every shard has the same KV capacity.  Returns pages mapped per GPU."""
         with self._lock:
-            slot = self._slot(slot_id)
-            n = min(self.available_pages(g) for g in slot)
-            n = min(n, min(sp.num_vpages for sp in slot.values()) - vstart)
+            n = self.kv_pages_available(slot_id, vstart)
             self.map_range(slot_id, vstart, n)
             return n
 
+    def kv_pages_available(self, slot_id: str, vstart: int) -> int:
+        """Pages a KV range starting at ``vstart`` can take on every GPU of the slot."""
+        with self._lock:
+            slot = self._slot(slot_id)
+            n = min(self.available_pages(g) + self._quota.get(slot_id, 0) for g in slot)
+            return max(0, min(n, min(sp.num_vpages for sp in slot.values()) - vstart))
+
     def destroy_slot(self, slot_id: str) -> int:
-        """Unmap every page of the slot, free them and release its virtual range."""
+        """Unmap every page of the slot now, free them and release its virtual range."""
         with self._lock:
             slot = self._slot(slot_id)
             self._quota.pop(slot_id, None)
@@ -347,20 +307,19 @@ class MemoryManager:
         with self._lock:
             pool = self._pool(gpu)
             dropped = [sid for sid, slot in self._slots.items() if gpu in slot]
-            for sid in dropped:
-                slot = self._slots[sid]
-                slot.pop(gpu)
-                self._quota.pop(sid, None)
-                for g, sp in slot.items():
-                    other = self._gpus[g]
-                    run = sorted(sp.table)
-                    for v in run:
-                        self.backend.unmap(g, sp.va_base + v * self.page_bytes, 1)
-                        p = sp.table.pop(v)
-                        del other.owner[p]
-                        other.free.append(p)
-                    self.backend.free_reservation(g, sp.va_base, sp.num_vpages * self.page_bytes)
-                del self._slots[sid]
+            for tables, ids in (
+                (self._slots, dropped),
+                (self._retired, [k for k, s in self._retired.items() if gpu in s]),
+            ):
+                for sid in ids:
+                    slot = tables.pop(sid)
+                    slot.pop(gpu)
+                    self._quota.pop(sid, None)
+                    for g, sp in slot.items():
+                        self._unmap_vpages(sp, sorted(sp.table))
+                        self.backend.free_reservation(
+                            g, sp.va_base, sp.num_vpages * self.page_bytes
+                        )
             pool.owner.clear()
             pool.free = []
             pool.num_pages = 0  # unusable until reopened
@@ -373,100 +332,16 @@ class MemoryManager:
             n = self.backend.open_gpu(gpu, pool.memory_bytes)
             self._gpus[gpu] = GpuPool(gpu, pool.memory_bytes, n, list(range(n - 1, -1, -1)))
 
-    # ---- data ----------------------------------------------------------------------------
-    def write(self, slot_id: str, gpu: int, offset: int, data: memoryview | bytes) -> None:
-        with self._lock:
-            sp = self._slot(slot_id)[gpu]
-            self._check_mapped(slot_id, sp, offset, len(data))
-            va = sp.va_base + offset
-        self.backend.write(gpu, va, data)
-
-    def load(self, slot_id: str, gpu: int, items: Sequence[tuple[int, str, int, int]]) -> int:
-        """Copy file ranges ``(slot offset, path, file offset, nbytes)`` into the slot on
-        ``gpu`` (all must be mapped); returns the backend's ticket for :meth:`wait_loaded`."""
-        with self._lock:
-            sp = self._slot(slot_id)[gpu]
-            ranges = []
-            for off, path, foff, n in items:
-                self._check_mapped(slot_id, sp, off, n)
-                ranges.append((sp.va_base + off, path, foff, n))
-        return self.backend.load_ranges(gpu, ranges)
-
-    def wait_loaded(self, gpu: int, ticket: int) -> None:
-        self.backend.wait_loaded(gpu, ticket)
-
-    def read(self, slot_id: str, gpu: int, offset: int, nbytes: int) -> bytes:
-        with self._lock:
-            sp = self._slot(slot_id)[gpu]
-            self._check_mapped(slot_id, sp, offset, nbytes)
-            va = sp.va_base + offset
-        return self.backend.read(gpu, va, nbytes)
-
-    def _check_mapped(self, slot_id: str, sp: SlotPages, offset: int, nbytes: int) -> None:
-        if nbytes == 0:
-            return
-        first, last = offset // self.page_bytes, (offset + nbytes - 1) // self.page_bytes
-        for v in range(first, last + 1):
-            if v not in sp.table:
-                raise PageTableError(f"slot {slot_id} gpu {sp.gpu}: vpage {v} is not mapped")
-
-    def physical_pages(self, slot_id: str, gpu: int, vstart: int, npages: int) -> list[int]:
-        """The physical pages behind virtual pages [vstart, vstart+npages) (all must be mapped)."""
-        with self._lock:
-            table = self._slot(slot_id)[gpu].table
-            try:
-                return [table[v] for v in range(vstart, vstart + npages)]
-            except KeyError as exc:
-                raise PageTableError(f"slot {slot_id} gpu {gpu}: vpage {exc} not mapped") from None
-
     # ---- invariants ----------------------------------------------------------------------
     def check(self) -> None:
         """Raise PageTableError if any invariant is broken (used by tests and after recovery)."""
         with self._lock:
-            for g, pool in self._gpus.items():
-                free = set(pool.free)
-                if len(free) != len(pool.free):
-                    raise PageTableError(f"gpu {g}: a page is on the free list twice")
-                mapped: dict[int, tuple[str, int]] = {}
-                for sid, slot in self._slots.items():
-                    sp = slot.get(g)
-                    if sp is None:
-                        continue
-                    for v, p in sp.table.items():
-                        if p in mapped:
-                            raise PageTableError(
-                                f"gpu {g}: page {p} mapped twice ({mapped[p]} and {(sid, v)})"
-                            )
-                        mapped[p] = (sid, v)
-                if mapped != pool.owner:
-                    raise PageTableError(f"gpu {g}: owner map disagrees with slot tables")
-                if free & set(mapped):
-                    raise PageTableError(f"gpu {g}: a page is both free and mapped")
-                promised = sum(q for s, q in self._quota.items() if g in self._slots[s])
-                if promised > len(free):
-                    raise PageTableError(f"gpu {g}: {promised} pages promised, {len(free)} free")
-                if len(free) + len(mapped) != pool.num_pages:
-                    raise PageTableError(
-                        f"gpu {g}: {pool.num_pages - len(free) - len(mapped)} pages leaked"
-                    )
-                translation = getattr(self.backend, "translation", None)
-                if translation is not None:
-                    expect = {
-                        sp.va_base // self.page_bytes + v: p
-                        for slot in self._slots.values()
-                        if (sp := slot.get(g)) is not None
-                        for v, p in sp.table.items()
-                    }
-                    if translation(g) != expect:
-                        raise PageTableError(f"gpu {g}: backend mapping differs from page tables")
+            check_tables(self._gpus, {**self._slots, **self._retired}, self._quota, self)
 
     def close(self) -> None:
         """Unmap every slot, then release the backend (handles must not be freed mapped)."""
         with self._lock:
             for slot_id in list(self._slots):
                 self.destroy_slot(slot_id)
+            self.flush()
         self.backend.close()
-
-
-def pages_for(nbytes: int, page_bytes: int = PAGE_BYTES) -> int:
-    return -(-nbytes // page_bytes)

@@ -55,6 +55,8 @@ class AgentCollector(Collector):
             free = core.mm.free_pages(g)
             pages.add_metric([node, str(g), "free"], free)
             pages.add_metric([node, str(g), "mapped"], core.mm.num_pages(g) - free)
+            # of the mapped: given up, waiting for the background unmap (memory_deferred.py)
+            pages.add_metric([node, str(g), "withdrawn"], core.mm.pending_pages(g))
             restarts.add_metric([node, str(g)], self.restarts(g))
         yield ws
         yield pages

@@ -21,6 +21,9 @@ paper (each call's memory rules, §4.2, are in its module's docstring), that it 
 * :mod:`~warmserve_agent.prewarm_slots`: prewarm admission, loader threads, eviction.
 * :mod:`~warmserve_agent.activation`: prewarm hits and cold starts, their stage timings.
 * :mod:`~warmserve_agent.prepared_engines`: a slot's engine built while it waits, the engine spec.
+* :mod:`~warmserve_agent.kv_pager`: the page-table work kept off the critical path (KV ranges
+  mapped in the background, given-up pages unmapped in the background), shared by the above;
+  :mod:`~warmserve_agent.engine_events`: the socket engines report request completions on.
 * this module: the facade, worker and GPU failures (Figure 5's crash edges), invariants,
   shutdown.
 """
@@ -36,8 +39,10 @@ from typing import Any
 from warmserve.engine_args import DEFAULT_POLICY, EngineArgPolicy
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent.activation import Activator, EngineSettings
+from warmserve_agent.engine_events import EventListener
 from warmserve_agent.engines import DEFAULT_ENGINE
 from warmserve_agent.grace_lending import GraceLender
+from warmserve_agent.kv_pager import KvMapping, KvPager
 from warmserve_agent.memory import MemoryManager
 from warmserve_agent.node_records import (
     EngineFactory,
@@ -72,6 +77,8 @@ class NodeCore:
         engines: Sequence[str] = (DEFAULT_ENGINE,),
         default_engine: str = "",
         engine_policy: EngineArgPolicy = DEFAULT_POLICY,
+        kv_background: bool = True,
+        kv_pager_thread: bool = True,
     ) -> None:
         # The engine settings are checked before any GPU is opened.
         self.engine_settings = EngineSettings(
@@ -84,11 +91,27 @@ class NodeCore:
             traces,
         )
         self.state = NodeState(mm, store, gpu_memory, node_name=node_name)
-        self.lender = GraceLender(self.state)
+        # KV page-table work off the critical path (kv_background=False: the synchronous
+        # baseline, bench/agent_bench.py), and the socket engines report completions on
+        self.pager = KvPager(mm, thread=kv_pager_thread)  # False: driven by hand (tests)
+        self.state.kick_unmap = self.pager.kick
+        self.lender = GraceLender(self.state, self.pager)
+        try:
+            self.events: EventListener | None = EventListener(self.lender.on_events)
+        except OSError as exc:  # no writable temp dir: lending falls back to the slow timer
+            log.warning("event=engine_events_unavailable err=%s", exc)
+            self.events = None
         self.prewarmer = Prewarmer(self.state, self.lender)
+        self.lender.restart_loader = self.prewarmer.start_loader
         self.preparer = EnginePreparer(self.state, self.engine_settings)
         self.state.on_slot_gone = self.preparer.forget
-        self.activator = Activator(self.state, self.prewarmer, self.engine_settings, self.preparer)
+        self.activator = Activator(
+            self.state,
+            self.prewarmer,
+            self.engine_settings,
+            self.preparer,
+            KvMapping(self.pager, kv_background, self.events.address if self.events else ""),
+        )
 
     # ---- the records, read by the service, metrics and tests -------------------------------
     @property
@@ -220,6 +243,10 @@ class NodeCore:
     def refresh_grace_all(self) -> None:
         self.lender.refresh_all()
 
+    def kv_idle(self, timeout: float = 30.0) -> bool:
+        """Wait until no KV range grows and no given-up page waits to be unmapped."""
+        return self.pager.idle(timeout)
+
     # ---- failures --------------------------------------------------------------------------
     def worker_died(self, gpu: int) -> str | None:
         """The worker process of ``gpu`` died: drop the instance it hosted (if any)."""
@@ -250,6 +277,8 @@ class NodeCore:
                     state.gpus[g].instance_id = ""
                 with contextlib.suppress(Exception):  # its engine may live on the dead worker
                     inst.engine.stop()
+                if inst.kv is not None:
+                    inst.kv.release_all()
                 lost_insts.append(inst.instance_id)
                 state.emit(EventKind.INSTANCE_REMOVED, inst.instance_id, f"GPU {gpu}'s worker died")
             touched = [s for s in state.slots.values() if gpu in s.gpus]
@@ -307,11 +336,16 @@ class NodeCore:
             for inst in state.instances.values():
                 slot = state.slots[inst.slot_id]
                 for g in inst.gpus:
-                    assert mm.mapped_prefix(slot.slot_id, g) >= inst.weight_pages + inst.kv_pages
-                    assert mm.mapped_count(slot.slot_id, g) == inst.weight_pages + inst.kv_pages
+                    assert mm.mapped_prefix(slot.slot_id, g) >= inst.weight_pages
+                    live = mm.live_vpages(slot.slot_id, g)
+                    assert len(live) == inst.weight_pages + inst.kv_pages, f"gpu {g}: {live}"
+                assert inst.kv is not None
+                inst.kv.check()  # granted blocks touch mapped pages only
 
     def shutdown(self) -> None:
         state: NodeState = self.state
+        if self.events is not None:
+            self.events.close()
         with state.lock:
             for inst in list(state.instances.values()):
                 with contextlib.suppress(Exception):
@@ -321,3 +355,4 @@ class NodeCore:
             for slot in state.slots.values():
                 if slot.loader is not None:
                     slot.loader.join(10)
+        self.pager.close()

@@ -7,9 +7,9 @@ one prewarm slot (a CUDA VMM virtual range on a GPU group, filled layer by layer
 :class:`InstanceRec` one serving instance with its KV pages and Eq. 1 reservation target.
 :class:`Refusal` is how every call of the node core says no (a gRPC status name and an actionable
 message); the id patterns are the wire forms the gRPC service validates too.  States are enums
-here (:class:`~warmserve.policy.cluster.WorkerState`, :class:`~warmserve_agent.wire.SlotState`,
+here (:class:`~warmserve.policy.cluster.WorkerState`, :class:`~warmserve.api.agent.wire.SlotState`,
 :class:`~warmserve.policy.cluster.InstancePhase`, :class:`EventKind`); they become protobuf values
-only in :mod:`~warmserve_agent.wire`.
+only in :mod:`~warmserve.api.agent.wire`.
 """
 
 from __future__ import annotations
@@ -20,14 +20,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
+from warmserve.api.agent.wire import SlotState
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent.activation_stages import ActivationStages
 from warmserve_agent.engine import EngineHost
 from warmserve_agent.engines import DEFAULT_ENGINE
 from warmserve_agent.engines.spec import EngineStats
 from warmserve_agent.store import SlotLayout
-from warmserve_agent.wire import SlotState
+
+if TYPE_CHECKING:
+    from warmserve_agent.kv_range import KvRange
 
 ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 SLOT_ID_RE = re.compile(r"^slot-[0-9a-f]{12}$")
@@ -102,6 +106,9 @@ class InstanceRec:
     engine_args: tuple[str, ...] = ()
     stages: ActivationStages = field(default_factory=ActivationStages)
     activated_at: float = 0.0  # time.perf_counter() when Activate began (stages count from it)
+    # the KV range: pages mapped in the background, capacity granted (kv_range.py); kv_pages
+    # above is how many of its pages are mapped now
+    kv: KvRange | None = None
 
 
 @dataclass

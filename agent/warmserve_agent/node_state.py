@@ -82,6 +82,8 @@ class NodeState:
         self.instances: dict[str, InstanceRec] = {}
         self.generation = 0
         self.lock = threading.RLock()  # every change of the records, by every collaborator
+        # Wakes the KV pager to unmap what was given up (NodeCore sets it)
+        self.kick_unmap: Callable[[], None] = lambda: None
         self._listeners: list[Callable[[Event], None]] = []
         self._emit_lock = threading.Lock()
         # Called with a slot's id when it is gone (its prepared engine goes with it).
@@ -210,13 +212,16 @@ class NodeState:
         return None
 
     def destroy_slot(self, slot: SlotRec) -> None:
+        """Drop a slot; its pages are unmapped in the background (§4.2: unmapping does not
+        block what follows) and count as available meanwhile."""
         slot.cancel.set()
         if slot.loader is not None and slot.loader is not threading.current_thread():
             slot.loader.join()
-        self.mm.destroy_slot(slot.slot_id)
+        self.mm.retire_slot(slot.slot_id)
         del self.slots[slot.slot_id]
         self.on_slot_gone(slot.slot_id)
         self.emit(EventKind.SLOT_REMOVED, slot.slot_id)
+        self.kick_unmap()
 
     def models_in_use(self) -> set[str]:
         """Models a slot or an instance holds (the fetcher never evicts or replaces them)."""

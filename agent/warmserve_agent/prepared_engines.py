@@ -6,9 +6,10 @@ gives the engine: after a ``Prewarm`` (which names the engine and its arguments,
 default), the worker of the slot's first GPU builds that engine over the slot
 (``Engine.prepare``: parameters as views of the slot, a KV cache sized for the pages the slot will
 get at activation but none of its blocks usable, the HTTP app not listening).  ``Activate`` of the
-slot with the same engine and arguments then only maps the KV pages, grows the KV cache and opens
-the endpoint (``Engine.start``); other arguments, or a slot without one, build at activation as
-before.
+slot with the same engine and arguments then only maps the rest of the weights, takes the KV the
+agent mapped already and opens the endpoint (``Engine.start``); its KV range is mapped in the
+background as for any activation and its KV cache grows as the pages land.  Other arguments, or
+a slot without one, build at activation as before.
 
 Rules (mechanics, not policy; the cost each prepared engine holds is reported so the placement
 policy can account for it):
@@ -34,6 +35,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from warmserve.api.agent.wire import SlotState
 from warmserve.engine_args import DEFAULT_POLICY, EngineArgPolicy
 from warmserve.policy.cluster import WorkerState
 from warmserve_agent.engine import EngineHost
@@ -50,7 +52,6 @@ from warmserve_agent.engines.spec import (
 from warmserve_agent.memory import pages_for
 from warmserve_agent.node_records import EngineFactory, EventKind, Refusal, SlotRec
 from warmserve_agent.node_state import NodeState
-from warmserve_agent.wire import SlotState
 
 log = logging.getLogger("warmserve.agent.node")  # one logger for the whole node core
 
@@ -90,10 +91,14 @@ def slot_engine_spec(
     engine_args: Sequence[str],
     instance_id: str,
     kv_pages: int,
+    kv_capacity_bytes: int,
+    events_addr: str = "",
 ) -> EngineSpec:
-    """What an engine needs to serve ``slot`` with ``kv_pages`` KV pages per GPU after its
-    weights (typed; see engines/spec.py).  Pages the slot has not mapped yet (a preparation)
-    are :data:`~warmserve_agent.engines.slotmem.UNMAPPED` in the shared-file page lists."""
+    """What an engine needs to serve ``slot`` with a KV range of ``kv_pages`` pages per GPU
+    after its weights, of which it may use ``kv_capacity_bytes`` at start (typed; see
+    engines/spec.py).  Weight pages the slot has not mapped yet (a preparation) and every KV
+    page are :data:`~warmserve_agent.engines.slotmem.UNMAPPED` in the shared-file page lists: KV
+    pages are mapped in the background and found through the shared page table once granted."""
     page = state.page
     mm = state.mm
     backend = mm.backend
@@ -109,12 +114,14 @@ def slot_engine_spec(
     tp = len(slot.gpus)
     digests = [state.store.digests(layout, r) for r in range(tp)]
     prof = layout.model.profile
-    mapped = pages_for(layout.total_bytes, page) + kv_pages
+    weight_pages = pages_for(layout.total_bytes, page)
+    mapped = weight_pages + kv_pages
+    pt_path = getattr(mm.backend, "page_table_path", None)
 
     def ppages(g: int) -> tuple[int, ...]:
         if in_workers:  # only the owner reads it (by address)
             return ()
-        have = min(mapped, mm.mapped_prefix(slot.slot_id, g))
+        have = min(weight_pages, mm.mapped_prefix(slot.slot_id, g))
         known = mm.physical_pages(slot.slot_id, g, 0, have)
         return tuple(known) + (UNMAPPED,) * (mapped - have)
 
@@ -130,6 +137,7 @@ def slot_engine_spec(
             # agent owns the memory; with memory in workers only the owner reads it.
             host_file="" if in_workers else str(path(g)),  # type: ignore[misc]
             ppages=ppages(g),
+            page_table="" if pt_path is None else str(pt_path(g, mm.va_base(slot.slot_id, g))),
         )
         for r, g in enumerate(slot.gpus)
     )
@@ -140,7 +148,7 @@ def slot_engine_spec(
         model_dir=str(layout.model.path),
         layers_total=layout.model.num_layers,
         layers_resident=slot.layers_resident,
-        kv_capacity_bytes=kv_pages * page * tp,
+        kv_capacity_bytes=kv_capacity_bytes,
         regions=regions,
         tensors=tuple(
             TensorPlacement(
@@ -167,6 +175,7 @@ def slot_engine_spec(
         traces_endpoint=settings.traces[0],
         trace_sample_ratio=settings.traces[1],
         slot_id=slot.slot_id,
+        events_addr=events_addr,
     )
 
 
@@ -237,6 +246,7 @@ class EnginePreparer:
                 engine_args=args,
                 instance_id="",
                 kv_pages=kv_pages,
+                kv_capacity_bytes=0,  # none of its KV is mapped before the activation
             )
             host = self._settings.factory(slot.gpus)
         except Exception as exc:  # an agent-owned backend, a worker gone: no engine ahead

@@ -20,6 +20,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable
 
+from warmserve.api.agent.wire import SlotState
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent.engine import WeightsMismatch
 from warmserve_agent.grace_lending import GraceLender
@@ -27,7 +28,6 @@ from warmserve_agent.loader import LoadCancelled, load_layers
 from warmserve_agent.memory import MemoryManager, pages_for
 from warmserve_agent.node_records import EventKind, Refusal, SlotRec
 from warmserve_agent.node_state import NodeState
-from warmserve_agent.wire import SlotState
 
 log = logging.getLogger("warmserve.agent.node")  # one logger for the whole node core
 

@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
+from warmserve.api.agent.v1 import agent_pb2_grpc as pb_grpc
 from warmserve_agent.auth import (
     ClientIdentities,
     IdentityInterceptor,
@@ -312,7 +312,9 @@ class AgentServer:
         self.metrics_port = self._metrics_server.server_port
 
     async def _grace_loop(self) -> None:
-        """Release surplus KV pages of grace instances as their requests finish (§4.1)."""
+        """Safety net for grace lending (§4.1): Eq. 1 is re-checked on each request completion
+        (the engine's event, ``engine_events.py``); this slow timer catches an event lost on
+        the way (a full socket buffer, an engine without events)."""
         assert self.core is not None
         while True:
             await asyncio.sleep(self.cfg.grace_interval_s)

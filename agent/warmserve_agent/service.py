@@ -47,8 +47,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from warmserve_agent.api.v1 import agent_pb2 as pb
-from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
+from warmserve.api.agent.v1 import agent_pb2 as pb
+from warmserve.api.agent.v1 import agent_pb2_grpc as pb_grpc
 from warmserve_agent.fencing import Fence, enforce
 from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import Event

@@ -17,14 +17,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from warmserve.api.agent.v1 import agent_pb2 as pb
+from warmserve.api.agent.wire import PHASE_TO_PB, SLOT_TO_PB, WORKER_TO_PB
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent import __version__
-from warmserve_agent.api.v1 import agent_pb2 as pb
+from warmserve_agent.activation_stages import ActivationStages
+from warmserve_agent.engines.spec import PreparedReport, PreparedState
 from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import InstanceRec, SlotRec
 from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.sources.wire import fetch_pb, store_pb
-from warmserve_agent.wire import PHASE_TO_PB, SLOT_TO_PB, WORKER_TO_PB, prepared_pb, stages_pb
 
 log = logging.getLogger("warmserve.agent.service")  # one logger for the whole service
 
@@ -33,6 +35,32 @@ CATALOG_TTL_S = 10.0  # see Describer._catalog
 _WS = WORKER_TO_PB
 _SS = SLOT_TO_PB
 _IP = PHASE_TO_PB
+# The prepared engine's state and the stage timings are encoded here, not in
+# warmserve.api.agent.wire: their values are the agent's own types, which the API may not import.
+PREPARED_TO_PB = {
+    PreparedState.NONE: pb.PREPARED_ENGINE_STATE_UNSPECIFIED,
+    PreparedState.PREPARING: pb.PREPARED_ENGINE_STATE_PREPARING,
+    PreparedState.READY: pb.PREPARED_ENGINE_STATE_READY,
+    PreparedState.FAILED: pb.PREPARED_ENGINE_STATE_FAILED,
+}
+
+
+def prepared_pb(engine: str, gpu: int, r: PreparedReport) -> pb.PreparedEngine:
+    return pb.PreparedEngine(
+        state=PREPARED_TO_PB[r.state],
+        engine=engine,
+        worker_gpu=gpu,
+        host_bytes=r.host_bytes,
+        build_seconds=r.seconds,
+        message=r.message[:1000],
+    )
+
+
+def stages_pb(st: ActivationStages) -> pb.ActivationStages:
+    out = pb.ActivationStages(engine_prepared=st.engine_prepared)
+    for stage, seconds in st.known().items():
+        setattr(out, f"{stage.value}_seconds", seconds)
+    return out
 
 
 @dataclass

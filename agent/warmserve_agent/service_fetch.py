@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from warmserve_agent.api.v1 import agent_pb2 as pb
+from warmserve.api.agent.v1 import agent_pb2 as pb
 from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import Refusal
 from warmserve_agent.sources.fetch_records import FetchFailed

@@ -20,14 +20,14 @@ from typing import Any
 
 import grpc
 
-from warmserve_agent.api.v1 import agent_pb2 as pb
+from warmserve.api.agent.v1 import agent_pb2 as pb
+from warmserve.api.agent.wire import SlotState
 from warmserve_agent.fencing import enforce
 from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import Refusal
 from warmserve_agent.service_describe import Describer
 from warmserve_agent.service_fetch import FetchCoordinator
 from warmserve_agent.service_idempotency import IdempotentCalls, abort
-from warmserve_agent.wire import SlotState
 
 
 class PrewarmHandler:

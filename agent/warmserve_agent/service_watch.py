@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from warmserve_agent.api.v1 import agent_pb2 as pb
+from warmserve.api.agent.v1 import agent_pb2 as pb
 from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import Event, EventKind
 from warmserve_agent.service_describe import Describer

@@ -7,6 +7,7 @@ operator counts them as demand (scale from zero).  ``docs/gateway.md`` describes
 
 Layout (layers top-down; import-linter keeps them):
 
+* :mod:`.cli` — ``warmserve gateway``: the flags (defaults from :mod:`.config`) and the handler;
 * :mod:`.server` — the aiohttp applications (public API, admin port) and request handling;
 * :mod:`.proxy` — forwarding to an engine, streaming the answer back, retry before the first byte;
 * :mod:`.discovery` — ModelDeployments from the Kubernetes API (watch) or a static file;

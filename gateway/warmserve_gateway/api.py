@@ -37,6 +37,7 @@ from .holding import Dispatcher, Rejected
 from .hygiene import BadJson, normalise_path, parse_json_object, request_headers
 from .metrics import NO_MODEL, UNKNOWN_MODEL, Metrics
 from .proxy import Outgoing, Proxy, UpstreamError, UpstreamTimeout
+from .usage import ASK_ROUTES, ask_for_usage
 
 log = logging.getLogger("warmserve.gateway.api")
 
@@ -313,14 +314,19 @@ class Api:
         if doc is not None and doc.get("model") != dep.model:
             doc["model"] = dep.model  # engines serve the weights' name (spec.model.name)
             body = json.dumps(doc).encode()
+        # Only a JSON true streams; anything else gets the non-streaming first-byte limit.
+        stream = doc is not None and doc.get("stream") is True
+        strip = False
+        if stream and doc is not None and path in ASK_ROUTES:  # the usage chunk (usage.py)
+            body, strip = ask_for_usage(doc, body)
         out = Outgoing(
             request.method,
             path,
             body,
             request_headers(request.headers, request.remote, cfg.trusted_proxy_hops),
-            # Only a JSON true streams; anything else gets the non-streaming first-byte limit.
-            doc is not None and doc.get("stream") is True,
+            stream,
             caller.key_id,
+            strip,
         )
         deadline = t0 + dep.spec.max_hold_s
         status = 499  # the client went away before an answer (nginx's convention)

@@ -1,15 +1,16 @@
 """ModelDeployments as the gateway sees them, and how a request's ``model`` finds one (pure).
 
-The spec is parsed by the operator's own parser
-(:func:`warmserve_operator.spec.parse_model_deployment`, the one home of the CRD types) and
-duplicates are resolved by the same rule
-(:func:`~warmserve_operator.spec.dedupe_models`: one deployment per ``spec.model.name``, the
-oldest wins), so the gateway routes to exactly the deployment the operator serves.  Instances
-come from ``status.instances`` (written by the operator from the agents' reports): only those in
-phase ``serving`` get requests; ``starting`` ones are not ready and ``grace`` ones get no new
-requests (WarmServe §4.1).  An instance is kept only when the gateway can tie it to an agent's
-record in a GPUNode's status (:mod:`.records`): a status a tenant wrote never makes the gateway
-contact an address no agent reported.
+The spec is parsed by the API types' parser (:func:`warmserve.api.crd.parse_model_deployment`,
+the one home of the CRD types, which the operator uses too) and duplicates are resolved by the
+same rule (:func:`~warmserve.api.crd.dedupe_models`: one deployment per ``spec.model.name``, the
+oldest wins), so the gateway routes to the deployment the operator serves.  Whether vLLM takes a
+deployment's ``spec.engine.args`` is the operator's admission: a refused deployment carries the
+Ready reason ``InvalidSpec``, which the gateway answers at once (:data:`PERMANENT_REASONS`).
+Instances come from ``status.instances`` (written by the operator from the agents' reports):
+only those in phase ``serving`` get requests; ``starting`` ones are not ready and ``grace`` ones
+get no new requests (WarmServe §4.1).  An instance is kept only when the gateway can tie it to an
+agent's record in a GPUNode's status (:mod:`.records`): a status a tenant wrote never makes the
+gateway contact an address no agent reported.
 
 A request's ``model`` is resolved per caller: among the deployments of the caller's namespaces,
 then the admin's cluster-wide names (:mod:`.names`).
@@ -22,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from warmserve_operator.spec import (
+from warmserve.api.crd import (
     NODE_PLURAL,
     ModelDeploymentSpec,
     SpecError,

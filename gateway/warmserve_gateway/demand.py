@@ -1,9 +1,9 @@
 """What this gateway replica reports to the operator: requests held per model (``/demand``).
 
-The wire format and the operator's side are in :mod:`warmserve_operator.gateway_demand` (its
-docstring has the whole design).  This replica
+The wire format is an API type, :mod:`warmserve.api.demand`; the operator polls and sums the
+replicas' reports (docs/gateway.md, "Demand", has the whole design).  This replica
 
-* answers ``GET /demand`` with a :class:`~warmserve_operator.gateway_demand.DemandReport` of its
+* answers ``GET /demand`` with a :class:`~warmserve.api.demand.DemandReport` of its
   own counts (held per model; forwarded and unfinished ones as ``inflight``);
 * streams reports on ``GET /demand?watch=1`` (newline-delimited JSON): the current report at
   once, then one whenever a model's held count rises from 0 or reaches twice the level last
@@ -34,7 +34,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 from aiohttp import web
-from warmserve_operator.gateway_demand import HEARTBEAT_S, DemandReport, ModelDemand
+
+from warmserve.api.demand import HEARTBEAT_S, DemandReport, ModelDemand
 
 from .errors import openai_error
 

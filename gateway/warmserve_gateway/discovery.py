@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from warmserve_operator.spec import GROUP, MD_PLURAL, NODE_KIND, NODE_PLURAL, VERSION
+from warmserve.api.crd import GROUP, MD_PLURAL, NODE_KIND, NODE_PLURAL, VERSION
 
 log = logging.getLogger("warmserve.gateway.discovery")
 

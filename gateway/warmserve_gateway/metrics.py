@@ -1,4 +1,5 @@
-"""Prometheus metrics of the gateway (prefix ``warmserve_gateway_``; listed in docs/gateway.md).
+"""Prometheus metrics of the gateway (prefix ``warmserve_gateway_``, and the OpenTelemetry GenAI
+conventions' names in Prometheus form, ``gen_ai_*``; listed in docs/gateway.md).
 
 A private registry per :class:`Metrics`, served on the admin port's ``/metrics``.  The ``model``
 label is always a served ``spec.model.name`` (or ``_unknown`` / ``_none``), never a string a
@@ -19,6 +20,13 @@ NO_MODEL = "_none"  # a request rejected before its model was known (400, 401, 4
 # From a few ms (a warm route) to minutes (a cold start held in the queue).
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+# The GenAI conventions' advised buckets (token counts; request duration, holding included, up
+# to the hold limit; time per output token).
+_TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
+_DURATION_BUCKETS = (
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92, 300,
+)  # fmt: skip
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +131,47 @@ class Metrics:
             "Requests forwarded or held per API key id (the Secret's data key name, never the "
             "key; _anonymous without keys) and the model's namespace",
             ["key", "namespace"],
+            registry=r,
+        )
+
+        # Tokens, from the engines' usage (usage.py; docs/gateway.md "Token metrics").
+        self.tokens = Counter(
+            f"{PREFIX}_tokens_total",
+            "Tokens of answers from engines, by model, the model's namespace, API key id (never "
+            "the key; _anonymous without keys, as key_requests_total) and type (input: prompt, "
+            "output: completion)",
+            ["model", "namespace", "key", "type"],
+            registry=r,
+        )
+        self.usage_errors = Counter(
+            f"{PREFIX}_usage_errors_total",
+            "Answers whose usage was not counted, by reason (malformed, invalid, oversized, "
+            "encoded)",
+            ["model", "reason"],
+            registry=r,
+        )
+        genai = ["gen_ai_operation_name", "gen_ai_request_model"]
+        self.token_usage = Histogram(
+            "gen_ai_client_token_usage",
+            "Tokens per answer from an engine (gen_ai.client.token.usage), by type",
+            [*genai, "gen_ai_token_type"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "gen_ai_server_request_duration_seconds",
+            "Time from arrival to the last byte of an engine's answer, holding included "
+            '(gen_ai.server.request.duration); error_type: the HTTP status from 400, else ""',
+            [*genai, "error_type"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            "gen_ai_server_time_per_output_token_seconds",
+            "Time per output token after the first of a streamed answer (first to last byte / "
+            "(output tokens - 1); gen_ai.server.time_per_output_token)",
+            genai,
+            buckets=_TPOT_BUCKETS,
             registry=r,
         )
 

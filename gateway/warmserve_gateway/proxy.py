@@ -28,6 +28,8 @@
   without an instance — its held demand starts one — until the hold deadline.
 * Ejections double per consecutive failure of an instance, up to ``max_eject_s``
   (:meth:`.routing.Endpoint.ejection_s`); an answer resets the count.
+* **Token usage** (:mod:`.usage`): read from a whole answer's JSON, or from a stream's usage
+  chunk as it passes (taken out when the gateway asked for it, ``Outgoing.strip_usage``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from .hygiene import response_headers
 from .metrics import Metrics
 from .routing import Endpoint
 from .tracing import current as current_trace
+from .usage import Meter, RequestMeter, StreamUsage, UsageError, usage_of_answer
 
 log = logging.getLogger("warmserve.gateway.proxy")
 
@@ -54,6 +57,10 @@ _RETRY_STATUS = frozenset({502, 503, 504})
 _BROKEN = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
 # Nothing reached the engine: refused, or no connection within --connect-timeout.
 _UNREACHED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+
+
+def _encoded(up: aiohttp.ClientResponse) -> bool:
+    return up.headers.get("Content-Encoding", "identity").lower() not in ("identity", "")
 
 
 class UpstreamError(Exception):
@@ -73,7 +80,8 @@ class Outgoing:
     body: bytes
     headers: Sequence[tuple[str, str]]
     stream: bool  # the client asked for SSE: the first byte comes after the prefill
-    key: str = ""  # the caller's API key id (per-key cap on held requests)
+    key: str = ""  # the caller's API key id (per-key cap on held requests, token counts)
+    strip_usage: bool = False  # the gateway asked for the stream's usage: not the client's
 
 
 def new_session(connect_timeout_s: float, read_timeout_s: float) -> aiohttp.ClientSession:
@@ -109,6 +117,7 @@ class Proxy:
         self.session = session
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.meter = Meter(metrics)
         self.eject_s = eject_s
         self.max_eject_s = max_eject_s
         self.ttfb_s = ttfb_s
@@ -128,6 +137,9 @@ class Proxy:
         avoid: frozenset[str] = frozenset()
         mm = self.metrics.model(st.model)
         tr = current_trace()  # None unless tracing is on
+        meter = self.meter.request(
+            st.model, st.dep.spec.namespace, out.key or "_anonymous", out.path
+        )
         retried = first = False
         while True:
             try:
@@ -145,7 +157,7 @@ class Proxy:
             try:
                 sent = out if tr is None else tr.upstream(ep, out)  # + the engine's traceparent
                 result = await self._attempt(
-                    request, st, ep, sent, t0, last=retried, refusable=self.clock() < deadline
+                    request, st, ep, sent, t0, meter, retried, self.clock() < deadline
                 )
                 if tr is not None:
                     tr.upstream_done(getattr(result, "status", None))
@@ -163,13 +175,15 @@ class Proxy:
             assert isinstance(result, web.StreamResponse)
             return result
 
-    def _ttft(self, model: str, stream: bool, t0: float) -> None:
+    def _ttft(self, model: str, stream: bool, t0: float) -> float:
         mm = self.metrics.model(model)
-        ttft = self.clock() - t0
+        now = self.clock()
+        ttft = now - t0
         (mm.ttft_stream if stream else mm.ttft_unary).observe(ttft)
         tr = current_trace()
         if tr is not None:
             tr.first_byte(ttft)
+        return now
 
     def _failed(self, st: ModelState, ep: Endpoint, kind: str, exc: BaseException | str) -> None:
         self.metrics.upstream_errors.labels(st.model, kind).inc()
@@ -222,6 +236,7 @@ class Proxy:
         ep: Endpoint,
         out: Outgoing,
         t0: float,
+        meter: RequestMeter,
         last: bool,
         refusable: bool = False,
     ) -> Any:
@@ -245,7 +260,14 @@ class Proxy:
                 if length is not None and length <= BUFFER_MAX:
                     data = await up.read()
                     ep.failures = 0
-                    self._ttft(st.model, out.stream, t0)
+                    end = self._ttft(st.model, out.stream, t0)
+                    meter.answered(up.status, end - t0)
+                    if up.status == 200:
+                        got = UsageError.ENCODED if _encoded(up) else usage_of_answer(data)
+                        if isinstance(got, UsageError):
+                            meter.usage(None, (got,))
+                        else:
+                            meter.usage(got, trace=current_trace())
                     return web.Response(
                         status=up.status, body=data, headers=response_headers(up.headers)
                     )
@@ -258,7 +280,7 @@ class Proxy:
                 if proto is not None:  # the first byte came: silence limit back to normal
                     proto.read_timeout = self.read_timeout_s
                     proto.start_timeout()
-            return await self._relay(request, st, ep, up, first, out, t0)
+            return await self._relay(request, st, ep, up, first, out, t0, meter)
         finally:
             if up is not None:
                 up.release()
@@ -272,23 +294,42 @@ class Proxy:
         first: bytes,
         out: Outgoing,
         t0: float,
+        meter: RequestMeter,
     ) -> web.StreamResponse:
+        scan: StreamUsage | None = None
+        if out.stream and up.status == 200:  # a whole answer relayed as it comes is not read
+            if _encoded(up):
+                meter.usage(None, (UsageError.ENCODED,))
+            else:
+                scan = StreamUsage(out.strip_usage)
+                first = scan.feed(first)
         resp = web.StreamResponse(status=up.status, headers=response_headers(up.headers))
         await resp.prepare(request)
         if first:
             await resp.write(first)
-        self._ttft(st.model, out.stream, t0)
+        first_at = self._ttft(st.model, out.stream, t0)
         try:
             while True:
                 chunk = await up.content.readany()
                 if not chunk:
                     break
+                if scan is not None:
+                    chunk = scan.feed(chunk)
+                    if not chunk:
+                        continue
                 await resp.write(chunk)
+            if scan is not None:
+                await resp.write(scan.end())
         except _BROKEN as exc:
             self._failed(st, ep, "mid_stream", exc)
             # Abort rather than end the chunked body cleanly: the client must see the break.
             if request.transport is not None:
                 request.transport.abort()
             return resp
+        finally:  # the usage chunk comes last: once seen it counts, even if the client left
+            if scan is not None:
+                decode_s = self.clock() - first_at
+                meter.usage(scan.usage, scan.errors, decode_s, current_trace())
         await resp.write_eof()
+        meter.answered(up.status, self.clock() - t0)
         return resp

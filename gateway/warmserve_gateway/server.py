@@ -36,8 +36,8 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import generate_latest
-from warmserve_operator.gateway_demand import ModelDemand
 
+from warmserve.api.demand import ModelDemand
 from warmserve.tracing import TracingConfig
 
 from .api import Api

@@ -9,7 +9,7 @@ a valid one:
 * a child **``gateway.hold``** span while the request waits in its model's queue (only when it is
   held): how long, how it ended, the instance it got and whether that instance's start was a
   prewarm hit.  Its context goes into this replica's ``/demand`` report (at most
-  :data:`~warmserve_operator.gateway_demand.MAX_TRACES` per model), so the operator's start span
+  :data:`~warmserve.api.demand.MAX_TRACES` per model), so the operator's start span
   links to the requests that woke it;
 * the **routing** decision as an event ``gateway.routed`` (instance id, endpoint) on the server
   span, or, when the gateway answers itself (a hold cap's 429, the hold deadline's 503),
@@ -18,7 +18,9 @@ a valid one:
   upstream time, ``warmserve.ttft_s`` (arrival at the gateway to the first byte) and an event at
   the first byte.  Its context is what the engine receives as ``traceparent`` (the client's own
   ``traceparent``/``tracestate`` are replaced, never passed on), so vLLM started with
-  ``--otlp-traces-endpoint`` (and the simulated engine) continue the trace.
+  ``--otlp-traces-endpoint`` (and the simulated engine) continue the trace;
+* ``gen_ai.usage.input_tokens`` / ``gen_ai.usage.output_tokens`` on the server span and the
+  client span of the answered attempt, when the engine reported usage (:mod:`.usage`).
 
 With tracing off none of this exists: the server does not install :meth:`middleware`, and
 :func:`current` returns ``None`` to every hook (a context-variable read), so no span, no SDK
@@ -35,8 +37,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from aiohttp import web
-from warmserve_operator.gateway_demand import MAX_TRACES
 
+from warmserve.api.demand import MAX_TRACES
 from warmserve.tracing import TracingConfig, provider, traceparent_of
 
 if TYPE_CHECKING:
@@ -257,6 +259,17 @@ class RequestTrace:
         if self._upstream is not None:
             self._upstream.set_attribute("warmserve.ttft_s", ttft_s)
             self._upstream.add_event("gateway.first_byte")
+
+    def usage(self, input_tokens: int, output_tokens: int) -> None:
+        """The engine's token counts (GenAI conventions), on the request's span and the
+        attempt's."""
+        attrs = {
+            "gen_ai.usage.input_tokens": input_tokens,
+            "gen_ai.usage.output_tokens": output_tokens,
+        }
+        self.span.set_attributes(attrs)
+        if self._upstream is not None:
+            self._upstream.set_attributes(attrs)
 
     def upstream_done(self, status: int | None) -> None:
         """The attempt ended: the engine's status, or ``None`` (refused or broken: retried)."""

@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from warmserve.api.crd import ModelDeploymentSpec
 from warmserve.control.decisions import Decision, Drain, EndGrace, Evict, Prewarm, Start
 
 from .context import PollContext
 from .identity import gpus_str, request_id
 from .ports import ObjRef, md_ref
 from .snapshot import NodeSnapshot
-from .spec import ModelDeploymentSpec
 
 VERB = {Start: "activate", Drain: "grace", EndGrace: "end", Prewarm: "prewarm", Evict: "evict"}
 

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .model_spec import CatalogEntry
 from .snapshot import (
     ActivateResult,
     AgentCallError,
@@ -35,7 +36,6 @@ from .snapshot import (
     slot_from_pb,
     snapshot_from_pb,
 )
-from .spec import CatalogEntry
 
 log = logging.getLogger("warmserve.operator.agents")
 
@@ -121,12 +121,12 @@ class AgentAuth:
 
 
 class GrpcAgent:
-    """:class:`AgentPort` over the agent's gRPC API (``warmserve_agent.client.AgentClient``)."""
+    """:class:`AgentPort` over the agent's gRPC API (``warmserve.api.agent.client``)."""
 
     def __init__(
         self, node: str, address: str, auth: AgentAuth, fencing: Fencing | None = None
     ) -> None:
-        from warmserve_agent.client import AgentClient
+        from warmserve.api.agent.client import AgentClient
 
         self.node = node
         self.address = address
@@ -144,7 +144,7 @@ class GrpcAgent:
     async def _call(self, call: Callable[[int], Any]) -> Any:
         """``call(fencing_token)``: the client call; a fenced refusal is reported to
         :attr:`fencing` with the token this call carried."""
-        from warmserve_agent.client import AgentError
+        from warmserve.api.agent.client import AgentError
 
         token = self.fencing.token()
         try:
@@ -246,7 +246,7 @@ class GrpcAgent:
 
     async def watch(self) -> AsyncIterator[str]:
         """The agent's state-change stream, as event kind names (``KIND_INSTANCE_REMOVED``...)."""
-        from warmserve_agent.client import pb
+        from warmserve.api.agent.client import pb
 
         async for ev in self._client.watch(include_snapshot=False):
             yield pb.WatchEvent.Kind.Name(ev.kind)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from warmserve.control.controller import ControlConfig
 from warmserve.engine_args import DEFAULT_POLICY, EngineArgPolicy
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import PolicyInputError
 from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
 
-from .spec import DEFAULT_LOAD_BANDWIDTH
+from .model_spec import DEFAULT_LOAD_BANDWIDTH
 from .tenancy import SourcePolicy
+
+if TYPE_CHECKING:  # the control layer (numpy, the predictors) loads with the loop, not the flags
+    from warmserve.control.controller import ControlConfig
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,8 @@ class OperatorConfig:
         self.control()
 
     def control(self) -> ControlConfig:
+        from warmserve.control.controller import ControlConfig
+
         return ControlConfig(
             window_s=self.window_s,
             day_s=self.day_s,

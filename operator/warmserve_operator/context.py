@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol
 
+from warmserve.api.crd import ModelDeploymentSpec
+
 from .agents import AgentPort
 from .snapshot import NodeSnapshot
-from .spec import ModelDeploymentSpec
 
 
 class Fence(Protocol):

@@ -8,16 +8,18 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from warmserve.api import history as history_io
+from warmserve.api.crd import ModelDeploymentSpec, SpecError
 from warmserve.control.controller import Controller, ModelEntry
 from warmserve.control.decisions import Decisions
 
-from . import history as history_io
+from .engine import admit_model_deployment
 from .metrics import Metrics
+from .model_spec import resolve_model
 from .ports import KubePort
 from .report import REPORT_CONCURRENCY, Deployment, Reporter
 from .snapshot import NodeSnapshot
 from .sources import SourceCatalog
-from .spec import ModelDeploymentSpec, SpecError, parse_model_deployment, resolve_model
 from .status import Condition
 
 log = logging.getLogger("warmserve.operator")
@@ -58,7 +60,7 @@ class DeploymentBook:
             meta = body.get("metadata", {})
             try:
                 # admission: the tenant allowlist applies before anything starts
-                md = parse_model_deployment(body, self.cfg.engine_policy)
+                md = admit_model_deployment(body, self.cfg.engine_policy)
             except SpecError as exc:
                 invalid = True  # do not treat its model's slots as orphans
                 await self.reporter.problem(

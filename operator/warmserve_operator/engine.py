@@ -1,12 +1,14 @@
 """The operator's side of the engine boundary: ``spec.engine`` at admission, TTFT in status.
 
-* :func:`parse_engine` validates ``spec.engine.name`` against the agent's engine registry and
-  ``spec.engine.args`` against the schema of vLLM's engine arguments that warmserve ships
-  (``warmserve.engine_args``; the operator does not install vLLM) and, at admission, against the
-  tenant allowlist as the admin widened it (``warmserve.engine_arg_policy``).  A bad or
-  disallowed argument raises :class:`SpecError` naming it, so the deployment is refused when it
-  is admitted (``Degraded`` with reason ``InvalidSpec``, and a Warning Event) and no instance
-  ever starts with it.
+* :func:`admit_model_deployment` is the operator's admission of a ModelDeployment: the API
+  type's parser (:mod:`warmserve.api.crd`: ``spec.engine.name`` one of the engines,
+  ``spec.engine.args`` a bounded list of strings), then the arguments against the schema of
+  vLLM's engine arguments that warmserve ships (``warmserve.engine_args``; the operator does not
+  install vLLM) and the tenant allowlist as the admin widened it
+  (``warmserve.engine_arg_policy``).  A bad or disallowed argument raises :class:`SpecError`
+  naming it, so the deployment is refused when it is admitted (``Degraded`` with reason
+  ``InvalidSpec``, and a Warning Event) and no instance ever starts with it.  The gateway reads
+  that reason from the deployment's Ready condition instead of judging vLLM's arguments itself.
 * :func:`ttft_report` compares the engines' observed time to first token with
   ``spec.ttftObjectiveSeconds`` for ``status.ttft`` and the ``TTFTObjectiveMet`` condition.
   The observation is each instance's p95 over the agent's TTFT window (engines measure it; a
@@ -19,14 +21,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from warmserve.engine_args import (
-    ENGINE_NAMES,
-    EngineArgPolicy,
-    EngineArgsError,
-    parse_engine_args,
+from warmserve.api.crd import (
+    ModelDeploymentSpec,
+    SpecError,
+    parse_engine_spec,
+    parse_model_deployment,
 )
-
-from .spec import SpecError
+from warmserve.engine_args import EngineArgPolicy, EngineArgsError, parse_engine_args
 
 TTFT_CONDITION = "TTFTObjectiveMet"
 
@@ -34,25 +35,33 @@ TTFT_CONDITION = "TTFTObjectiveMet"
 def parse_engine(
     spec: Mapping[str, Any], policy: EngineArgPolicy | None = None
 ) -> tuple[str, tuple[str, ...]]:
-    """(engine name or "" for the agent's default, engine args) of a ModelDeployment spec;
-    ``policy``: the tenant allowlist to apply (None: vLLM's schema and the arguments warmserve
-    sets itself only)."""
-    eng = spec.get("engine") or {}
-    if not isinstance(eng, Mapping):
-        raise SpecError("spec.engine must be an object")
-    name = eng.get("name") or ""
-    if not isinstance(name, str) or (name and name not in ENGINE_NAMES):
-        raise SpecError(
-            f"spec.engine.name {name!r} is not an engine; choose from {list(ENGINE_NAMES)}"
-        )
-    args = eng.get("args") or []
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise SpecError("spec.engine.args must be a list of strings")
+    """(engine name or "" for the agent's default, engine args) of a ModelDeployment spec,
+    admitted; ``policy``: the tenant allowlist to apply (None: vLLM's schema and the arguments
+    warmserve sets itself only)."""
+    name, args = parse_engine_spec(spec)
+    admit_engine_args(args, policy)
+    return name, args
+
+
+def admit_engine_args(args: Sequence[str], policy: EngineArgPolicy | None = None) -> None:
+    """Raise :class:`SpecError` naming the first argument vLLM's schema or ``policy`` refuses."""
     try:
-        parse_engine_args(args, policy=policy)
+        parse_engine_args(list(args), policy=policy)
     except EngineArgsError as exc:
         raise SpecError(str(exc)) from None
-    return name, tuple(args)
+
+
+def admit_model_deployment(
+    body: Mapping[str, Any], policy: EngineArgPolicy | None = None
+) -> ModelDeploymentSpec:
+    """Parse a ModelDeployment and admit its engine arguments or raise :class:`SpecError`.
+
+    ``policy``: the engine-argument allowlist of the operator's ``--allow-engine-arg`` flags,
+    applied when deployments are admitted; the finalizer leaves it out and checks vLLM's schema
+    only, so it never misreads a deployment the admin widened."""
+    md = parse_model_deployment(body)
+    admit_engine_args(md.engine_args, policy)
+    return md
 
 
 def ttft_report(

@@ -1,7 +1,7 @@
 """kopf registrations (thin) and the operator's one composition root.
 
 Importing this module registers the handlers in kopf's default registry; ``warmserve operator``
-(:mod:`warmserve.cli.operator_cmd`) collects the flags into kopf's memo, imports it and runs
+(:mod:`warmserve_operator.cli`) collects the flags into kopf's memo, imports it and runs
 kopf.  :func:`startup` builds every object of the process once (API port, agent pool,
 metrics, the loop).  The handlers only
 
@@ -29,12 +29,14 @@ from typing import Any
 
 import kopf
 
+from warmserve.api.crd import GROUP, MD_PLURAL, NODE_PLURAL, VERSION, SpecError
+
 from .agents import AgentAuth, AgentPool
 from .config import OperatorConfig
+from .engine import admit_model_deployment
 from .kube import KubeApi
 from .metrics import Metrics
 from .reconciler import Reconciler
-from .spec import GROUP, MD_PLURAL, NODE_PLURAL, VERSION, SpecError, parse_model_deployment
 
 log = logging.getLogger("warmserve.operator")
 
@@ -261,7 +263,7 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 async def model_deployment_deleted(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """The finalizer: remove everything the deployment owns before the object goes."""
     try:
-        md = parse_model_deployment(body)
+        md = admit_model_deployment(body)
     except SpecError:
         return  # never accepted, so nothing was started for it
     reconciler: Reconciler = memo["reconciler"]

@@ -25,9 +25,10 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from warmserve.api.crd import API_VERSION, GROUP, MD_PLURAL, NODE_KIND, NODE_PLURAL, VERSION
+
 from .leader import ElectionTiming, Elector, LeaseTarget, NotLeader
 from .ports import AgentDiscovery, ClusterView, ObjRef
-from .spec import API_VERSION, GROUP, MD_PLURAL, NODE_KIND, NODE_PLURAL, VERSION
 
 log = logging.getLogger("warmserve.operator.kube")
 
@@ -193,7 +194,7 @@ class KubeApi:
     async def read_histories(self, uids: list[str]) -> dict[str, dict[str, str]]:
         """The stored histories of ``uids`` (missing ones left out), in one LIST of the
         operator's namespace: a restart with 1,000 deployments makes one call, not 1,000."""
-        from .history import OWNER_LABEL
+        from warmserve.api.history import OWNER_LABEL
 
         want = set(uids)
         res = await self._t(
@@ -208,7 +209,7 @@ class KubeApi:
         }
 
     async def write_history(self, uid: str, data: dict[str, str], owner_key: str) -> None:
-        from .history import OWNER_LABEL, configmap_name
+        from warmserve.api.history import OWNER_LABEL, configmap_name
 
         name, ns = configmap_name(uid), self.history_namespace
         body = {
@@ -230,7 +231,7 @@ class KubeApi:
             await self._write(self._core.create_namespaced_config_map, ns, body)
 
     async def delete_history(self, uid: str) -> None:
-        from .history import configmap_name
+        from warmserve.api.history import configmap_name
 
         self._fence()
         try:
@@ -244,7 +245,7 @@ class KubeApi:
                 raise
 
     async def list_history_uids(self) -> list[str]:
-        from .history import OWNER_LABEL
+        from warmserve.api.history import OWNER_LABEL
 
         res = await self._t(
             self._core.list_namespaced_config_map,

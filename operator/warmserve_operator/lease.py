@@ -11,21 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from warmserve.api.agent.fencing import fencing_token
+
 PRIORITY_ANNOTATION = "warmserve.io/priority"
 PREEMPT_ANNOTATION = "warmserve.io/preempt-by"
-TERM_BITS = 32  # leaseTransitions in the low bits of a fencing token
-
-
-def fencing_token(created_s: int, transitions: int) -> int:
-    """The fencing token of a term: the Lease's ``creationTimestamp`` (unix seconds) in the high
-    bits, its ``leaseTransitions`` in the low 32.  ``leaseTransitions`` orders the terms of one
-    Lease; the creation time orders Leases, so a Lease deleted and created again (a reinstall, a
-    new ``--peering``, a fresh cluster over the same nodes) starts above every token of the old
-    one instead of at 1, which agents that remember the old tokens (their ``--fencing-file``)
-    would refuse for good.  A uint64 (the wire type) until the year 2106."""
-    if not 0 <= transitions < 2**TERM_BITS or not 0 <= created_s < 2**32:
-        raise ValueError(f"no fencing token for created={created_s} transitions={transitions}")
-    return (created_s << TERM_BITS) | transitions
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
+from warmserve.api.crd import GPUNodeSpec, SpecError, parse_gpu_node
 from warmserve.control.observation import GpuObs, InstanceObs, Observation, SlotObs
 from warmserve.policy.cluster import InstancePhase
 
@@ -29,7 +30,6 @@ from .context import NodePort
 from .identity import Ownership, gpus_str, ownership
 from .ports import KubePort, ObjRef, node_ref
 from .snapshot import AgentCallError, NodeSnapshot
-from .spec import GPUNodeSpec, SpecError, parse_gpu_node
 
 log = logging.getLogger("warmserve.operator")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .spec import API_VERSION, MD_KIND, NODE_KIND
+from warmserve.api.crd import API_VERSION, MD_KIND, NODE_KIND
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from warmserve.api.crd import ModelDeploymentSpec, dedupe_models
 from warmserve.control.controller import Controller
 from warmserve.control.decisions import Decisions
 from warmserve.policy.cluster import ModelSpec
@@ -46,7 +47,6 @@ from .observe import Observer, note_grace, observation
 from .ports import KubePort, ObjRef, md_ref
 from .report import Deployment, Reporter
 from .snapshot import NodeSnapshot
-from .spec import ModelDeploymentSpec, dedupe_models
 from .status import Condition
 from .watchers import AgentWatchers
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from warmserve.api.crd import ModelDeploymentSpec
 from warmserve.control.controller import Controller
 from warmserve.policy.cluster import ModelSpec, Replica
 
@@ -23,7 +24,6 @@ from .metrics import Metrics
 from .observe import NodeRuntime
 from .ports import KubePort, ObjRef, md_ref
 from .snapshot import NodeSnapshot
-from .spec import ModelDeploymentSpec
 from .status import (
     Condition,
     ModelView,

@@ -11,17 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from warmserve_agent.wire import (
-    FENCED_PREFIX,
-    SlotState,
-    instance_phase,
-    slot_state,
-    worker_state,
-)
-
+from warmserve.api.agent.errors import FENCED_PREFIX
+from warmserve.api.agent.wire import SlotState, instance_phase, slot_state, worker_state
 from warmserve.policy.cluster import InstancePhase, WorkerState
 
-from .spec import CatalogEntry
+from .model_spec import CatalogEntry
 
 
 class AgentCallError(Exception):

@@ -17,9 +17,11 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from warmserve.api.crd import ModelDeploymentSpec
+
 from .agents import AgentPort
+from .model_spec import CatalogEntry
 from .snapshot import AgentCallError, FetchView
-from .spec import CatalogEntry, ModelDeploymentSpec
 
 log = logging.getLogger("warmserve.operator.sources")
 

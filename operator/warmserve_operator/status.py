@@ -17,10 +17,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from warmserve.api.history import OWNER_LABEL
 from warmserve.policy.cluster import Replica, WorkerState
 
 from .engine import ttft_report
-from .history import OWNER_LABEL
 from .snapshot import NodeSnapshot
 
 # The scale subresource's selector (labelSelectorPath .status.selector): the owner the agents

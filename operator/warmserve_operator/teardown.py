@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from warmserve.api.crd import ModelDeploymentSpec
 from warmserve.control.decisions import EndGrace
 
 from .act import Actor, call
@@ -26,7 +27,6 @@ from .identity import teardown as teardown_decisions
 from .observe import NodeRuntime, Observer
 from .ports import KubePort
 from .snapshot import AgentCallError, NodeSnapshot
-from .spec import ModelDeploymentSpec
 
 
 class Reconciler(Protocol):

@@ -48,7 +48,7 @@ def test_agent_cli_runs_and_inspects(model_root: Path, tmp_path: Path, capsys) -
         m = re.search(r"serving on (\S+) \(2 GPUs\)", line)
         assert m, f"unexpected first line {line!r}; stderr: {proc.stderr.read()}"
         addr = m.group(1)
-        from warmserve_agent.client import SyncAgentClient
+        from warmserve.api.agent.client import SyncAgentClient
 
         with SyncAgentClient(addr) as c:
             c.prewarm_wait("alpha", [0, 1], layers=2)
@@ -128,7 +128,8 @@ def test_agent_cli_without_an_nvidia_driver(capsys) -> None:
 def test_gpu_reserve_reaches_the_config() -> None:
     import argparse
 
-    from warmserve.cli.agent import _config, register
+    from warmserve_agent.cli import register
+    from warmserve_agent.cli.run import _config
 
     ap = argparse.ArgumentParser()
     register(ap.add_subparsers())
@@ -139,9 +140,9 @@ def test_gpu_reserve_reaches_the_config() -> None:
 def test_store_reserve_reaches_the_config() -> None:
     import argparse
 
+    from warmserve_agent.cli import register
+    from warmserve_agent.cli.run import _config
     from warmserve_agent.sources.disk_reserve import DEFAULT_RESERVE, DiskReserve
-
-    from warmserve.cli.agent import _config, register
 
     ap = argparse.ArgumentParser()
     register(ap.add_subparsers())

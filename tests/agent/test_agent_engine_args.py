@@ -10,9 +10,9 @@ import pytest
 from conftest import cfg_for
 from test_agent_grpc import code_of
 from tls_support import WarmservePki, warmserve_pki
-from warmserve_agent.client import SyncAgentClient, pb
 from warmserve_agent.testing import AgentThread
 
+from warmserve.api.agent.client import SyncAgentClient, pb
 from warmserve.cli import main
 
 

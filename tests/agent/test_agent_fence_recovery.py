@@ -16,9 +16,10 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import cfg_for
-from warmserve_agent.client import AgentClient, AgentError
 from warmserve_agent.testing import AgentThread
 from warmserve_operator.lease import fencing_token as token_of
+
+from warmserve.api.agent.client import AgentClient, AgentError
 
 MAX_TOKEN = 2**64 - 1  # the uint64 maximum on the wire
 J = 1024  # the agent's default --fencing-max-term-jump

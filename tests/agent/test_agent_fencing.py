@@ -16,10 +16,11 @@ import pytest
 from conftest import cfg_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from warmserve_agent.client import AgentClient, AgentError
 from warmserve_agent.config import ConfigError
 from warmserve_agent.fencing import MAX_TOKEN, Bounds, Fence, FenceError, Refused, admit, split
 from warmserve_agent.testing import AgentThread
+
+from warmserve.api.agent.client import AgentClient, AgentError
 
 NOW = 1_750_000_000  # the agent's clock in the pure rule's tests (unix seconds)
 BOUNDS = Bounds()
@@ -257,7 +258,8 @@ def test_an_unreadable_fencing_file_stops_the_agent_with_one_line(
 def test_the_cli_flags_reach_the_config(tmp_path: Path) -> None:
     import argparse
 
-    from warmserve.cli.agent import _config, register
+    from warmserve_agent.cli import register
+    from warmserve_agent.cli.run import _config
 
     ap = argparse.ArgumentParser()
     register(ap.add_subparsers())

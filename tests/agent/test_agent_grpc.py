@@ -15,8 +15,9 @@ import grpc
 import pytest
 from conftest import MiB, cfg_for, wait_for, write_model
 from tls_support import warmserve_pki
-from warmserve_agent.client import AgentError, SyncAgentClient, pb
 from warmserve_agent.testing import AgentThread
+
+from warmserve.api.agent.client import AgentError, SyncAgentClient, pb
 
 
 def http(url: str, body: dict | None = None) -> bytes:
@@ -225,7 +226,7 @@ def test_requests_are_idempotent(fast_agent) -> None:
 
 def test_watch_streams_changes(fast_agent) -> None:
     a, c = fast_agent
-    from warmserve_agent.client import AgentClient
+    from warmserve.api.agent.client import AgentClient
 
     async def watch_some() -> list[pb.WatchEvent]:
         out: list[pb.WatchEvent] = []

@@ -17,11 +17,12 @@ import grpc
 import pytest
 from conftest import cfg_for as agent_cfg
 from conftest import wait_for
-from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
-from warmserve_agent.client import AgentError, SyncAgentClient, pb
 from warmserve_agent.config import AgentConfig, ConfigError
 from warmserve_agent.shm import MemoryDir, remove_stale
 from warmserve_agent.testing import AgentThread
+
+from warmserve.api.agent.client import AgentError, SyncAgentClient, pb
+from warmserve.api.agent.v1 import agent_pb2_grpc as pb_grpc
 
 
 def cfg_for(tmp_path: Path, model_root: Path, **kw) -> AgentConfig:

@@ -19,9 +19,10 @@ import grpc
 import pytest
 from conftest import cfg_for
 from tls_support import Cert, WarmservePki, warmserve_pki
-from warmserve_agent.client import AgentClient, AgentError, SyncAgentClient
 from warmserve_agent.config import ConfigError
 from warmserve_agent.testing import AgentThread
+
+from warmserve.api.agent.client import AgentClient, AgentError, SyncAgentClient
 
 SERVER_NAME = "warmserve-agent"
 
@@ -211,8 +212,10 @@ def test_identities_are_parsed_strictly_and_need_mutual_tls(
 def test_the_cli_flags_reach_the_config(tmp_path: Path, pki: WarmservePki) -> None:
     import argparse
 
+    from warmserve_agent.cli import register
+    from warmserve_agent.cli.run import _config
+
     from warmserve.cli import CliError
-    from warmserve.cli.agent import _config, register
 
     ap = argparse.ArgumentParser()
     register(ap.add_subparsers())

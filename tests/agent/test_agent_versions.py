@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-GEN = ROOT / "agent" / "warmserve_agent" / "api" / "v1"
+GEN = ROOT / "warmserve" / "api" / "agent" / "v1"
 
 
 def _ver(text: str) -> tuple[int, ...]:

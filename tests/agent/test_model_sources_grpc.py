@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 from conftest import PAGE, MiB, write_model
-from warmserve_agent.client import AgentClient, AgentError, SyncAgentClient, pb
 from warmserve_agent.config import AgentConfig
 from warmserve_agent.testing import AgentThread
 
 from tests.model_sources_support import HubServer, repo_from_dir
+from warmserve.api.agent.client import AgentClient, AgentError, SyncAgentClient, pb
 
 NAME = "org/" + "long-model-name-" * 12  # 196 characters with the slash
 
@@ -88,7 +88,7 @@ def test_prewarm_fetches_a_missing_model_with_progress(tmp_path: Path, hub: HubS
         assert m.disk_bytes > 0 and m.last_used_unix > 0
         assert d.store.used_bytes >= m.disk_bytes
         assert d.fetches[0].state == pb.FETCH_STATE_DONE
-        from warmserve.cli.agent_inspect import render  # `warmserve agent inspect`
+        from warmserve_agent.cli.inspect import render  # `warmserve agent inspect`
 
         text = render(d)
         assert "STORE  used" in text and "budget none" in text

@@ -20,13 +20,14 @@ import hypothesis.strategies as st
 import pytest
 from conftest import cfg_for
 from hypothesis import given
-from warmserve_agent.api.v1 import agent_pb2 as pb
-from warmserve_agent.client import AgentError, SyncAgentClient
 from warmserve_agent.engine import EngineError, WeightsMismatch, WeightVerificationError
 from warmserve_agent.engines.spec import EngineSpec, SlotRegion, TensorPlacement
 from warmserve_agent.testing import AgentThread
 from warmserve_agent.worker import WorkerError, WorkerHandle
 from warmserve_agent.worker_errors import PIPE_VERSION, ErrorKind, WorkerFault
+
+from warmserve.api.agent.client import AgentError, SyncAgentClient
+from warmserve.api.agent.v1 import agent_pb2 as pb
 
 PAGE = 4096
 LAYER_BYTES = 3000

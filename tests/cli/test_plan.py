@@ -20,7 +20,7 @@ EXAMPLE = Path(str(resources.files("warmserve") / "data" / "examples" / "cluster
 @pytest.fixture(autouse=True)
 def _only_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     # Exercise cli.main without depending on other subcommands' modules.
-    monkeypatch.setattr(cli, "SUBCOMMANDS", ("plan",))
+    monkeypatch.setattr(cli, "SUBCOMMANDS", ("warmserve.cli.plan",))
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

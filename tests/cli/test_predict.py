@@ -18,7 +18,7 @@ from warmserve.policy.predictor import PREDICTORS
 
 @pytest.fixture(autouse=True)
 def _only_predict(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "SUBCOMMANDS", ("predict",))
+    monkeypatch.setattr(cli, "SUBCOMMANDS", ("warmserve.cli.predict",))
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

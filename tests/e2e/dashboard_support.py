@@ -133,7 +133,7 @@ def render_png(prom: Prometheus, start: float, end: float, out: Path) -> None:
         fontsize=13,
         fontweight="bold",
     )
-    grid = fig.add_gridspec(rows, 24, hspace=0.6, wspace=0.8)
+    grid = fig.add_gridspec(rows, 24, hspace=0.6, wspace=0.8, top=1 - 0.5 / rows)
     units = {"Bps": 1 / 1024**2, "bytes": 1 / 1024**2}
     ylabels = {"Bps": "MiB/s", "bytes": "MiB", "s": "seconds", "percentunit": "ratio"}
     for p in ps:
@@ -161,7 +161,8 @@ def render_png(prom: Prometheus, start: float, end: float, out: Path) -> None:
                     ax.bar(label[:28], ys[-1], color=plt.get_cmap("tab20")(2 * drawn))
                     ax.text(drawn, ys[-1], f"{ys[-1]:.0%}", ha="center", va="bottom", fontsize=8)
                 else:
-                    ax.plot(xs, ys, label=label[:40], linewidth=1.4)
+                    short = label if len(label) <= 40 else "…" + label[-39:]  # keep the end
+                    ax.plot(xs, ys, label=short, linewidth=1.4)
                 drawn += 1
         if p["type"] == "stat":
             ax.set_ylim(0, 1.15)

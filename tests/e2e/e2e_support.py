@@ -96,9 +96,8 @@ def seed_history(kubectl: Any, ns: str, md: str, model: str, avg: float, peak: f
 
     Stored where the operator keeps it: in its own namespace (here the same ``ns``), named by
     the deployment's UID."""
-    import warmserve_operator.history as history_io
-    from warmserve_operator.history import OWNER_LABEL, configmap_name
-
+    import warmserve.api.history as history_io
+    from warmserve.api.history import OWNER_LABEL, configmap_name
     from warmserve.control.history import LoadHistory
 
     uid = get_json(kubectl, "wsmd", md, "-n", ns)["metadata"]["uid"]
@@ -125,8 +124,9 @@ def get_json(kubectl: Any, *args: str) -> Any:
 
 
 def describe_agents(addresses: dict[str, str]) -> dict[str, Any]:
-    from warmserve_agent.client import SyncAgentClient
     from warmserve_operator.snapshot import snapshot_from_pb
+
+    from warmserve.api.agent.client import SyncAgentClient
 
     out = {}
     for node, addr in addresses.items():

@@ -4,10 +4,10 @@ A local installation as the chart wires it (tests/e2e/gateway_stack.py: real kub
 operator and a gateway under their chart ServiceAccounts, two agents with simulated GPUs, a model
 fetched from a local Hub-protocol server) is driven through what the panels show — a forecast
 and prewarmed replicas, a cold start, requests held at the gateway until a prewarm hit serves
-them, a model download — while Prometheus (built from the Go module proxy,
-tests/e2e/dashboard_support.py) scrapes the operator's, the agents' and the gateway's /metrics
-every second.  Then every query of every panel
-(Grafana macros filled in as Grafana would) must return finite data over the test's range.
+them (streamed and whole answers under two API keys: the token panels), a model download —
+while Prometheus (built from the Go module proxy, tests/e2e/dashboard_support.py) scrapes the
+operator's, the agents' and the gateway's /metrics every second.  Then every query of every
+panel (Grafana macros filled in as Grafana would) must return finite data over the test's range.
 
 ``WARMSERVE_DASHBOARD_PNG=docs/dashboard.png WARMSERVE_DASHBOARD_SECONDS=150 pytest
 tests/e2e/test_dashboard_e2e.py`` also draws the dashboard from the same queries (matplotlib) into
@@ -43,17 +43,17 @@ from tests.model_sources_support import HubServer, built_server, repo_from_dir
 SETTLE_S = 60.0
 
 
-def _chat(api: str, model: str, n: int) -> None:
-    """``n`` chat requests through the gateway, in threads (held while no instance has room)."""
+def _chat(api: str, model: str, n: int, key: str, stream: bool = True) -> None:
+    """``n`` chat requests through the gateway with the API key ``key``, in threads (held
+    while no instance has room)."""
 
     def one() -> None:
         body = json.dumps(
             {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
-             "stream": True}
+             "stream": stream}
         ).encode()  # fmt: skip
-        req = urllib.request.Request(
-            f"{api}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+        req = urllib.request.Request(f"{api}/v1/chat/completions", data=body, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
                 while r.read(256):
@@ -113,7 +113,11 @@ def test_every_dashboard_panel_has_data_on_a_real_prometheus(
                 "operator", 100, poll_s=0.5, window_s=W,
                 extra=("--metrics-port", str(op_port), "--metrics-address", "127.0.0.1"),
             )  # fmt: skip
-            gw = st.start_gateway("gw-a")
+            keys = tmp_path / "api-keys"  # the token panels show tokens per key id
+            keys.mkdir()
+            (keys / f"{ns}.alice").write_text("sk-dashboard-alice")
+            (keys / f"{ns}.bob").write_text("sk-dashboard-bob")
+            gw = st.start_gateway("gw-a", "--api-keys", str(keys))
             targets["gateway"] = gw.admin.removeprefix("http://")
             prom = start_prometheus(prom_bin, tmp_path, targets)
             logs = st.logs
@@ -138,8 +142,10 @@ def test_every_dashboard_panel_has_data_on_a_real_prometheus(
 
             wait_for(settled, "replicas prewarmed, code started, fresh fetched", SETTLE_S, logs)
             # Requests for chat (no instance: minInstances 0) through the gateway: held, then a
-            # start on a prewarmed replica (a hit) serves them; the gateway measures TTFT.
-            _chat(gw.api, "tiny-chat", 6)
+            # start on a prewarmed replica (a hit) serves them; the gateway measures TTFT, and
+            # counts the tokens of streamed and whole answers per key.
+            _chat(gw.api, "tiny-chat", 3, "sk-dashboard-alice")
+            _chat(gw.api, "tiny-chat", 3, "sk-dashboard-bob", stream=False)
             wait_for(
                 lambda: (st.get("wsmd", "chat").get("status") or {}).get("instanceCount"),
                 "chat started for the held requests",
@@ -156,7 +162,8 @@ def test_every_dashboard_panel_has_data_on_a_real_prometheus(
             for i in range(int(extra // 15)):
                 if waves[i % len(waves)]:
                     Load(inst.endpoint, "tiny-code", waves[i % len(waves)], max_tokens=250)
-                    _chat(gw.api, "tiny-chat", waves[i % len(waves)])
+                    _chat(gw.api, "tiny-chat", waves[i % len(waves)], "sk-dashboard-alice")
+                    _chat(gw.api, "tiny-chat", 1, "sk-dashboard-bob", stream=False)
                 time.sleep(15)
             time.sleep(8)  # a few more scrapes after the last change
             end = time.time()
@@ -168,7 +175,7 @@ def test_every_dashboard_panel_has_data_on_a_real_prometheus(
                     if not finite_points(series):
                         dead.append(f"{p['title']} / {t['legendFormat']}: {t['expr']}")
             assert not dead, "panels without data:\n" + "\n".join(dead)
-            assert checked == sum(len(p["targets"]) for p in panels()) >= 18, checked
+            assert checked == sum(len(p["targets"]) for p in panels()) >= 30, checked
             if os.environ.get("WARMSERVE_DASHBOARD_PNG"):
                 render_png(prom, t0, end, Path(os.environ["WARMSERVE_DASHBOARD_PNG"]))
         finally:

@@ -119,7 +119,7 @@ def test_hf_source_prewarm_with_progress_corruption_retry_and_lru_budget(
 
         # The node's store before the operator comes: two cold models (fetched, then their slots
         # evicted; cold-old used first) and a model serving an instance.
-        from warmserve_agent.client import SyncAgentClient
+        from warmserve.api.agent.client import SyncAgentClient
 
         with SyncAgentClient(addr) as c:
             for name in ("cold-old", "cold-new"):

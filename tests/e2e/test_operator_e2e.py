@@ -53,9 +53,10 @@ def policy_replicas(kubectl: Any, ns: str, snaps: dict[str, Any]) -> tuple[Any, 
     """
     from dataclasses import replace
 
+    from warmserve_operator.model_spec import resolve_model
     from warmserve_operator.observe import observation
-    from warmserve_operator.spec import parse_model_deployment, resolve_model
 
+    from warmserve.api.crd import parse_model_deployment
     from warmserve.control.snapshot import build_state
     from warmserve.policy.cluster import LoadForecast, WorkerState
     from warmserve.policy.evict_aware_placement import plan_prewarm
@@ -296,7 +297,7 @@ def test_operator_end_to_end(
         assert len(chat_slots) == 3 and len(set(chat_slots)) == 3, chat_slots
 
         # The load history is persisted by the operator (here: under the chart's RBAC).
-        import warmserve_operator.history as history_io
+        import warmserve.api.history as history_io
 
         code_uid = get_json(kubectl, "wsmd", "code", "-n", ns)["metadata"]["uid"]
         chat_uid = get_json(kubectl, "wsmd", "chat", "-n", ns)["metadata"]["uid"]

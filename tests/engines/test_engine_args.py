@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 from warmserve_operator.engine import parse_engine, ttft_report
-from warmserve_operator.spec import SpecError
 
+from warmserve.api.crd import SpecError
 from warmserve.engine_arg_policy import CODE, TENANT, WIDENABLE, EngineArgPolicyError
 from warmserve.engine_args import (
     DEFAULT_POLICY,
@@ -262,6 +262,6 @@ def test_ttft_report() -> None:
 def test_engine_names_match_the_agent_registry() -> None:
     from warmserve_agent.engines import ENGINES
 
-    from warmserve.engine_args import ENGINE_NAMES
+    from warmserve.api.crd import ENGINE_NAMES
 
     assert set(ENGINE_NAMES) == set(ENGINES)

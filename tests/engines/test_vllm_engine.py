@@ -10,6 +10,8 @@ A tiny random-weight Llama and tokenizer are made offline at test time.  The ref
 * no copy: every vLLM parameter and KV cache tensor lies inside the slot's mapping;
 * the OpenAI API (vLLM's own server) through a pooled worker, engine args passed through, a bad
   one refused before anything changes, stats from vLLM's scheduler, TTFT, grace lending.
+
+KV mapped in the background, lending and growing back: ``test_vllm_kv.py``.
 """
 
 from __future__ import annotations
@@ -178,34 +180,14 @@ def test_partially_prewarmed_slot_equals_plain_vllm(
         core.mm.close()
 
 
-def test_grace_lending_takes_vllm_blocks_out_of_the_pool(
-    make_core: Callable[..., NodeCore], tiny_root: Path, reference: list[int]
-) -> None:
-    core = make_core(gpus=1, gpu_bytes=GPU, page=PAGE, root=tiny_root, engines=("vllm",))
-    inst, _ = core.activate("tiny", [0], engine="vllm", engine_args=ARGS)
-    eng = inst.engine.engine
-    before = eng.stats()
-    assert before.kv_capacity_bytes > 0 and before.max_batch > 0
-    bp = eng._client.engine_core.scheduler.kv_cache_manager.block_pool
-    free0 = bp.get_num_free_blocks()
-    accepted = eng.set_kv_capacity(before.kv_capacity_bytes // 4)
-    after = eng.stats()
-    assert after.kv_capacity_bytes <= before.kv_capacity_bytes // 4 + eng._block_bytes
-    assert bp.get_num_free_blocks() < free0, "lent blocks left vLLM's free queue"
-    assert 0 < accepted <= inst.kv_pages * PAGE
-    assert _tokens(inst.endpoint) == reference, "still serves from the blocks it kept"
-    # the agent-owned shared file cannot follow a remap: growth stops at what stayed mapped
-    eng.set_kv_capacity(before.kv_capacity_bytes)
-    assert eng.stats().kv_capacity_bytes >= after.kv_capacity_bytes
-
-
 def test_openai_api_through_a_pooled_worker(tmp_path: Path, tiny_root: Path) -> None:
     """The agent as deployed: gRPC, a pooled worker that preloaded vLLM, memory owned by the
     worker; vLLM's own OpenAI server answers on the endpoint Activate returns."""
     import grpc
-    from warmserve_agent.client import AgentError, SyncAgentClient
     from warmserve_agent.config import AgentConfig
     from warmserve_agent.testing import AgentThread
+
+    from warmserve.api.agent.client import AgentError, SyncAgentClient
 
     cfg = AgentConfig(
         model_dir=tiny_root,

@@ -17,11 +17,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 from gw_support import Engines, ListSource, write_model
-from warmserve_agent.client import SyncAgentClient
 from warmserve_agent.config import AgentConfig, parse_simulated_gpus
 from warmserve_agent.testing import AgentThread
 from warmserve_gateway.config import GatewayConfig
 from warmserve_gateway.server import Gateway
+
+from warmserve.api.agent.client import SyncAgentClient
 
 
 @pytest.fixture(scope="module")

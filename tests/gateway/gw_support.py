@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from warmserve_agent.client import SyncAgentClient
 from warmserve_agent.testing import AgentThread
+
+from warmserve.api.agent.client import SyncAgentClient
 
 REPO = Path(__file__).resolve().parents[2]
 

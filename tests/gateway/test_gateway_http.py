@@ -462,7 +462,8 @@ async def test_an_engine_dying_mid_stream_aborts_the_client_connection(
     import sys
 
     from gw_support import REPO, write_model
-    from warmserve_agent.client import SyncAgentClient
+
+    from warmserve.api.agent.client import SyncAgentClient
 
     write_model(tmp_path / "m", "doomed", layers=2, hidden=32, profile={"decode_tok_s": 20.0})
     addr_file = tmp_path / "agent.addr"

@@ -17,7 +17,9 @@ from warmserve_gateway.catalog import Catalog, parse_deployment
 from warmserve_gateway.holding import Dispatcher, QueueFull
 from warmserve_gateway.names import Ambiguous, Named, NameIndex, parse_global, resolve, visible
 from warmserve_gateway.records import endpoint_problem
-from warmserve_operator.gateway_demand import DemandReport, ModelDemand, sum_held
+from warmserve_operator.gateway_demand import sum_held
+
+from warmserve.api.demand import DemandReport, ModelDemand
 
 # ------------------------------------------------------------------------------ name resolution
 

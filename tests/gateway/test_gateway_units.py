@@ -18,7 +18,8 @@ from warmserve_gateway.catalog import Ambiguous, Catalog, parse_deployment
 from warmserve_gateway.demand import DemandTracker
 from warmserve_gateway.holding import Dispatcher, HoldTimeout, QueueFull
 from warmserve_gateway.routing import Endpoint, pick
-from warmserve_operator.spec import dedupe_models, parse_model_deployment
+
+from warmserve.api.crd import dedupe_models, parse_model_deployment
 
 # ------------------------------------------------------------------------------------ routing
 

@@ -20,17 +20,15 @@ from hypothesis import strategies as st
 from warmserve_operator.agents import AgentPool
 from warmserve_operator.config import OperatorConfig
 from warmserve_operator.gateway_demand import (
-    DemandError,
-    DemandReport,
     GatewayDemand,
     GatewaySources,
-    ModelDemand,
     StaticEndpoints,
     endpoints_from_slices,
     sum_held,
 )
 from warmserve_operator.reconciler import Reconciler
 
+from warmserve.api.demand import DemandError, DemandReport, ModelDemand
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import GiB
 

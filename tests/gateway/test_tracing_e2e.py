@@ -24,7 +24,6 @@ import aiohttp
 import pytest
 from gw_support import REPO, Engines, ListSource, demand_headers, md, write_model
 from tracing_support import CLIENT, SERVER, Collector, collector, in_trace, one
-from warmserve_agent.client import SyncAgentClient
 from warmserve_agent.config import AgentConfig, parse_simulated_gpus
 from warmserve_agent.testing import AgentThread
 from warmserve_gateway.config import GatewayConfig
@@ -35,6 +34,7 @@ from warmserve_operator.config import OperatorConfig
 from warmserve_operator.gateway_demand import GatewayDemand, StaticEndpoints
 from warmserve_operator.reconciler import Reconciler
 
+from warmserve.api.agent.client import SyncAgentClient
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.tracing import TRACEPARENT_RE, TracingConfig
 
@@ -173,6 +173,8 @@ async def test_a_request_is_traced_from_the_gateway_into_the_engine(
     assert a["http.route"] == "/v1/chat/completions" and a["http.request.method"] == "POST"
     assert a["gen_ai.request.model"] == "tiny" and a["http.response.status_code"] == 200
     assert a["warmserve.ttft_s"] > 0
+    # the stream's usage chunk, asked for by the gateway (gen_ai.usage.*; usage.py)
+    assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (2, 4)
     assert "gateway.routed" in server.events
     assert not [x for x in spans if x.name == "gateway.hold"]  # an instance had room: no hold
     up = one(spans, service="warmserve-gateway", kind=CLIENT)
@@ -180,6 +182,7 @@ async def test_a_request_is_traced_from_the_gateway_into_the_engine(
     assert up.attributes["warmserve.instance.id"] == iid
     assert up.attributes["gen_ai.operation.name"] == "chat"
     assert up.attributes["http.response.status_code"] == 200
+    assert up.attributes["gen_ai.usage.output_tokens"] == 4
     assert "gateway.first_byte" in up.events
     engine = one(spans, service="warmserve-engine")
     assert engine.parent == up.span_id  # the gateway's traceparent, not the client's
@@ -475,7 +478,7 @@ def test_tracing_off_imports_no_opentelemetry() -> None:
         "from warmserve_gateway.config import GatewayConfig\n"
         "import warmserve_operator.reconciler, warmserve_operator.handlers\n"
         "import warmserve_agent.server, warmserve_agent.engines.simulated\n"
-        "import warmserve.cli.gateway, warmserve.cli.operator_cmd, warmserve.cli.agent\n"
+        "import warmserve_gateway.cli, warmserve_operator.cli, warmserve_agent.cli\n"
         "class Src:\n"
         "    scopes = (None,)\n"
         "gw = Gateway(GatewayConfig(port=0, admin_port=0), Src())\n"

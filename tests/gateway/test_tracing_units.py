@@ -10,15 +10,9 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from warmserve_operator.gateway_demand import (
-    MAX_TRACES,
-    DemandError,
-    DemandReport,
-    ModelDemand,
-    held_traces,
-    sum_held,
-)
+from warmserve_operator.gateway_demand import held_traces, sum_held
 
+from warmserve.api.demand import MAX_TRACES, DemandError, DemandReport, ModelDemand
 from warmserve.cli import main
 from warmserve.engine_arg_policy import EngineArgPolicyError
 from warmserve.engine_args import (

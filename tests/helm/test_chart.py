@@ -348,7 +348,7 @@ def test_agent_engines_and_metrics_are_reachable_from_other_pods(k8s_bin_dir: Pa
     assert "checksum/tls" in ann
 
     # The args build an AgentConfig with those hosts once kubelet has substituted $(POD_IP).
-    from warmserve.cli.agent import _config
+    from warmserve_agent.cli.run import _config
 
     ns.advertise_host = ns.advertise_host.replace("$(POD_IP)", "10.1.2.3")
     ns.engine_host = ns.engine_host.replace("$(POD_IP)", "10.1.2.3")

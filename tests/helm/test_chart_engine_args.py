@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 from test_chart import CHART, _find, _helm, _parse_cli, _render
 
-from warmserve.cli import CliError, engine_arg_flags
 from warmserve.engine_args import DEFAULT_POLICY
+from warmserve.flags import CliError
+from warmserve.flags import engine_args as engine_arg_flags
 
 
 def _args(docs: list[dict[str, Any]]) -> dict[str, list[str]]:

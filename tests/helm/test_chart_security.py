@@ -54,9 +54,10 @@ def test_generated_certificates_are_split_and_only_the_operator_drives_an_agent(
     """Mode generate: Helm cannot choose usages (genSignedCert gives both), so each side has
     its own CA; an agent started as the chart starts it accepts the rendered operator
     certificate and refuses an agent's certificate and another install's operator."""
-    from warmserve_agent.client import AgentError, SyncAgentClient
     from warmserve_agent.config import AgentConfig
     from warmserve_agent.testing import AgentThread
+
+    from warmserve.api.agent.client import AgentError, SyncAgentClient
 
     docs = _render(k8s_bin_dir)
     server = _secret_files(docs, "-agent-server-tls", tmp_path / "server")

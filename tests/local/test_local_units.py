@@ -239,7 +239,7 @@ def test_port_free() -> None:
 
 # ---- history seed ------------------------------------------------------------------------------
 def test_history_seed_is_read_back_by_the_operator() -> None:
-    from warmserve_operator.history import configmap_name, from_data
+    from warmserve.api.history import configmap_name, from_data
 
     avg = [1.0, 2.5, 0.0, 4.25]
     peak = [2.0, 3.0, 1.0, 6.0]

@@ -24,6 +24,7 @@ from typing import Any
 
 from warmserve_agent.fencing import Fence
 from warmserve_operator.agents import Fencing, Unfenced
+from warmserve_operator.model_spec import CatalogEntry
 from warmserve_operator.ports import ObjRef
 from warmserve_operator.snapshot import (
     ActivateResult,
@@ -34,7 +35,6 @@ from warmserve_operator.snapshot import (
     NodeSnapshot,
     SlotView,
 )
-from warmserve_operator.spec import CatalogEntry
 
 from warmserve.engine_args import DEFAULT_POLICY, EngineArgsError, validate_engine_args
 from warmserve.policy.cluster import GiB, InstancePhase, WorkerState

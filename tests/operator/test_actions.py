@@ -14,8 +14,8 @@ from warmserve_operator.context import NodePort, PollContext
 from warmserve_operator.identity import request_id
 from warmserve_operator.ports import md_ref
 from warmserve_operator.snapshot import FetchView
-from warmserve_operator.spec import ModelDeploymentSpec, parse_model_deployment
 
+from warmserve.api.crd import ModelDeploymentSpec, parse_model_deployment
 from warmserve.control.decisions import Drain, Evict, Prewarm, Start
 from warmserve.policy.cluster import GiB, ReplicaKind
 

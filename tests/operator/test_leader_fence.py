@@ -466,9 +466,10 @@ def test_the_elector_carries_its_terms_token_and_a_refusal_of_it_ends_the_term(
 def test_a_fenced_refusal_reaches_the_elector_through_the_grpc_port() -> None:
     """GrpcAgent sends the Elector's token and reports the agent's refusal of it back."""
     import grpc
-    from warmserve_agent.client import AgentError
     from warmserve_operator.agents import AgentAuth, GrpcAgent
     from warmserve_operator.snapshot import AgentCallError
+
+    from warmserve.api.agent.client import AgentError
 
     sent: list[int] = []
     refused: list[int] = []

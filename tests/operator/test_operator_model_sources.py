@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from operator_fakes import FakeAgent
 from test_reconciler import Harness, seed_history
-from warmserve_operator.spec import SpecError, parse_model_deployment
 
+from warmserve.api.crd import SpecError, parse_model_deployment
 from warmserve.policy.cluster import GiB
 
 NAME = "meta-llama/Llama-3.1-8B-Instruct"

@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 from operator_fakes import FakeAgent
 from test_reconciler import Harness
-from warmserve_operator.spec import MAX_QUEUE_LIMIT, SpecError, parse_model_deployment
 from warmserve_operator.tenancy import SourcePolicy, TenancyError, prefix_matches
 
+from warmserve.api.crd import MAX_QUEUE_LIMIT, SpecError, parse_model_deployment
 from warmserve.policy.cluster import GiB
 
 PRIVATE = "s3://models/team-a/llama"

@@ -9,24 +9,18 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import warmserve_operator.history as history_io
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from warmserve_operator.history import F16_MAX
 from warmserve_operator.identity import MAX_ID, orphans, request_id, teardown
 from warmserve_operator.leader import LeaseRecord, next_lease
+from warmserve_operator.model_spec import CatalogEntry, resolve_model
 from warmserve_operator.observe import observation
 from warmserve_operator.snapshot import GpuView, InstanceView, NodeSnapshot, SlotView
-from warmserve_operator.spec import (
-    CatalogEntry,
-    SpecError,
-    dedupe_models,
-    parse_gpu_node,
-    parse_model_deployment,
-    resolve_model,
-)
 from warmserve_operator.status import Condition, merge_conditions, node_status
 
+import warmserve.api.history as history_io
+from warmserve.api.crd import SpecError, dedupe_models, parse_gpu_node, parse_model_deployment
+from warmserve.api.history import F16_MAX
 from warmserve.control.history import HistoryError, LoadHistory
 from warmserve.policy.cluster import GiB, InstancePhase, WorkerState
 
@@ -351,7 +345,7 @@ def test_operator_cli_defaults_are_safe_outside_the_chart() -> None:
     peering lifetime, bounds a leader handover (issue 16)."""
     import argparse
 
-    from warmserve.cli import operator_cmd
+    from warmserve_operator import cli as operator_cmd
 
     parser = argparse.ArgumentParser()
     operator_cmd.register(parser.add_subparsers())

@@ -27,12 +27,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-import warmserve_operator.history as history_io
 from operator_fakes import Clock, FakeAgent, FakeKube
 from warmserve_operator.agents import AgentPool
 from warmserve_operator.config import OperatorConfig
 from warmserve_operator.reconciler import Reconciler
 
+import warmserve.api.history as history_io
 from warmserve.control.decisions import Decisions, canonical
 from warmserve.control.history import LoadHistory
 from warmserve.policy.autoscaler import AutoscalerConfig

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import warmserve_operator.history as history_io
 from operator_fakes import FakeKube
 from warmserve_operator.agents import AgentAuth, AgentPool, GrpcAgent
 from warmserve_operator.config import OperatorConfig
 from warmserve_operator.reconciler import Reconciler
 
+import warmserve.api.history as history_io
 from warmserve.control.history import LoadHistory
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import WorkerState

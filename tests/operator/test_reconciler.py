@@ -7,13 +7,13 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-import warmserve_operator.history as history_io
 from operator_fakes import Clock, FakeAgent, FakeKube
 from warmserve_operator.agents import AgentPool
 from warmserve_operator.leader import NotLeader
 from warmserve_operator.observe import observation
 from warmserve_operator.reconciler import OperatorConfig, Reconciler
 
+import warmserve.api.history as history_io
 from warmserve.control.history import LoadHistory
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import GiB
@@ -231,7 +231,7 @@ async def test_deleting_a_duplicate_in_another_namespace_touches_nothing_of_the_
     before = (h.slots("llama-a"), h.instances("llama-a"))
     assert before[0] and before[1]
     assert md_of(h, "llama-a").key == "demo/code"
-    from warmserve_operator.spec import parse_model_deployment
+    from warmserve.api.crd import parse_model_deployment
 
     b16 = parse_model_deployment(h.kube.mds[("bad", "b16")])
     calls = sum(len(a.calls) for a in h.agents.values())

@@ -431,7 +431,7 @@ def test_rebuild_replaces_a_good_directory(tmp_path: Path, index: tuple, built: 
 
 @pytest.fixture
 def _only_models(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "SUBCOMMANDS", ("models",))
+    monkeypatch.setattr(cli, "SUBCOMMANDS", ("warmserve.cli.models",))
 
 
 @pytest.mark.usefixtures("_only_models")

@@ -1,10 +1,14 @@
-"""The ``warmserve`` command line.
+"""The ``warmserve`` command line: the registry of its subcommands.
 
-Each subcommand lives in its own module under ``warmserve.cli`` and exposes
-``register(subparsers)``, which adds its parser and sets ``func`` to a handler taking the parsed
-arguments and returning an exit status.  ``register`` must stay cheap (argparse only): handlers
-import heavy dependencies (grpc, kopf, statsmodels, matplotlib) themselves, so ``warmserve --help``
-is instant.
+Each subcommand lives in a module of its own that exposes ``register(subparsers)``, which adds
+its parser and sets ``func`` to a handler taking the parsed arguments and returning an exit
+status.  A component's command lives next to the component (``warmserve_operator.cli``,
+``warmserve_agent.cli``, ``warmserve_gateway.cli``); the others (``up``/``down``, ``predict``,
+``plan``, ``simulate``, ``status``, ``models``) under ``warmserve.cli``.  :data:`SUBCOMMANDS`
+names them by dotted path, as strings: this registry is the only place in ``warmserve/`` that
+names a component, and it imports none (an import-linter contract keeps ``warmserve`` free of the
+components).  ``register`` must stay cheap (argparse only): handlers import heavy dependencies
+(grpc, kopf, statsmodels, matplotlib) themselves, so ``warmserve --help`` is instant.
 
 Errors a person can fix (bad input, missing files) raise :class:`CliError` or the policy's
 :class:`~warmserve.policy.cluster.PolicyInputError`; ``main`` prints them as one line on stderr
@@ -18,43 +22,25 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from warmserve.flags import CliError, DefaultsHelpFormatter
 from warmserve.policy.cluster import PolicyInputError
+
+__all__ = ["SUBCOMMANDS", "CliError", "DefaultsHelpFormatter", "build_parser", "main"]
 
 EXIT_USAGE = 2
 
-# Subcommand modules, in the order ``--help`` lists them.
+# Subcommand modules by dotted path, in the order ``--help`` lists them.
 SUBCOMMANDS: tuple[str, ...] = (
-    "up",
-    "predict",
-    "plan",
-    "simulate",
-    "operator_cmd",
-    "status",
-    "agent",
-    "gateway",
-    "models",
+    "warmserve.cli.up",
+    "warmserve.cli.predict",
+    "warmserve.cli.plan",
+    "warmserve.cli.simulate",
+    "warmserve_operator.cli",
+    "warmserve.cli.status",
+    "warmserve_agent.cli",
+    "warmserve_gateway.cli",
+    "warmserve.cli.models",
 )
-
-
-class CliError(Exception):
-    """An error the user can act on; printed as one line, exit status 2."""
-
-
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Adds "(default: X)" to an option's help once: only when the help does not already say
-    what the default is, and never for defaults that mean "not set" (None, False, empty)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if (
-            "default" in text.lower()
-            or default in (None, False, "", [], argparse.SUPPRESS)
-            or action.option_strings == []
-            or isinstance(action, argparse._HelpAction | argparse._VersionAction)
-        ):
-            return text
-        return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"warmserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMANDS:
-        importlib.import_module(f"warmserve.cli.{name}").register(sub)
+    for module in SUBCOMMANDS:
+        importlib.import_module(module).register(sub)
     return parser
 
 

@@ -17,11 +17,10 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from warmserve.cli import CliError
-from warmserve.cli.predict_report import default_summary, json_safe, print_table
+from warmserve.cli.predict_report import WindowedTrace, default_summary, json_safe, print_table
 
 DEFAULT_WINDOW_S = 300.0
 
@@ -88,19 +87,6 @@ def register(subparsers: Any) -> None:
         "--quiet", action="store_true", help="no progress lines on stderr"
     )
     parser.set_defaults(func=run)
-
-
-@dataclass
-class WindowedTrace:
-    """Per-window actual load of the chosen series, and how to read it."""
-
-    label: str
-    unit: str
-    window_s: float
-    windows_per_day: int
-    avg: list[float]
-    peak: list[float]
-    notes: list[str]
 
 
 def windowed(args: argparse.Namespace) -> WindowedTrace:

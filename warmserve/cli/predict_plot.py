@@ -5,7 +5,7 @@ history windows (not evaluated) shaded, and the zoomed day marked.  Below: one p
 predictor over that day, each with the actual load drawn the same way and only that predictor's
 forecasts on top: average (blue), peak (red, dashed), and a red mark on each window whose actual
 peak went above the predicted peak (a burst the burst replicas would not have covered).  Six
-forecasts over seven days in one axis hid the actual load (issue 14); one predictor per panel
+forecasts over seven days in one axis hid the actual load; one predictor per panel
 over one day keeps every line readable.
 """
 
@@ -56,7 +56,7 @@ def plot(
 ) -> None:
     """Write the figure to ``path`` (PNG).
 
-    ``data`` is a :class:`~warmserve.cli.predict.WindowedTrace`; ``predictions[name]`` the
+    ``data`` is a :class:`~warmserve.cli.predict_report.WindowedTrace`; ``predictions[name]`` the
     average and peak forecasts per window; ``results[name]`` that predictor's metrics.
     """
     import matplotlib

@@ -1,19 +1,17 @@
-"""``warmserve predict``'s verdict and table: the default predictor against issue 12's goals.
+"""``warmserve predict``'s verdict and table: the default predictor against its goals.
 
-Split from :mod:`warmserve.cli.predict` (which reads the trace and runs the predictors); pure
-formatting and arithmetic over the per-predictor results of
+Split from :mod:`warmserve.cli.predict` (which reads the trace into a :class:`WindowedTrace` and
+runs the predictors); pure formatting and arithmetic over the per-predictor results of
 :mod:`warmserve.policy.forecast_quality`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from warmserve.textfmt import columns
-
-if TYPE_CHECKING:
-    from warmserve.cli.predict import WindowedTrace
 
 BASELINES = ("csp", "persistence")
 GOAL_COVERAGE = 0.90
@@ -21,8 +19,21 @@ GOAL_OVER_FORECAST = 0.30
 GOAL_VWE_RATIO = 0.85
 
 
+@dataclass
+class WindowedTrace:
+    """Per-window actual load of the chosen series, and how to read it."""
+
+    label: str
+    unit: str
+    window_s: float
+    windows_per_day: int
+    avg: list[float]
+    peak: list[float]
+    notes: list[str]
+
+
 def default_summary(results: dict[str, dict[str, Any]], default: str) -> dict[str, Any] | None:
-    """The default against issue 12's goals (needs ``csp`` and ``persistence`` in ``results``).
+    """The default against its goals (needs ``csp`` and ``persistence`` in ``results``).
 
     Peak coverage >= 90 % with mean (volume-weighted) over-forecast <= 30 %, and average
     volume-weighted error <= 0.85x the better of CSP and persistence.

@@ -13,8 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from warmserve_operator.spec import GROUP, VERSION  # the CRDs' one home
-
+from warmserve.api.crd import GROUP, VERSION  # the CRDs' one home
 from warmserve.textfmt import columns
 from warmserve.units import format_size
 

@@ -7,7 +7,7 @@ missed.  Missed windows are stored as NaN and imputed at prediction time (same w
 previous day, else the last known value) because the predictors require a contiguous series.
 At most ``DEFAULT_DAYS`` days are kept.
 
-Pure (no I/O): the operator persists it (``warmserve_operator.history``: float16 in a
+Pure (no I/O): the operator persists it (``warmserve.api.history``: float16 in a
 ConfigMap), the simulator seeds it from the trace's history.
 """
 

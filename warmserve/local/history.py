@@ -3,9 +3,9 @@ operator had watched the models then (so the predictor has its seasons from the 
 
 The operator keeps each model's per-window average and peak load in a ConfigMap in its own
 namespace, ``warmserve-history-<deployment UID>``, format ``warmserve.io/load-history/v1``
-(docs/operator.md).  The data is written with the operator's own encoder
-(:func:`warmserve_operator.history.to_data`), so the seed is exactly what the operator would
-have stored; ``tests/local`` reads it back with the operator's reader.
+(docs/operator.md).  The data is written with the format's one encoder
+(:func:`warmserve.api.history.to_data`, the operator's too), so the seed is exactly what the
+operator would have stored; ``tests/local`` reads it back with the format's reader.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from warmserve_operator.history import OWNER_LABEL, configmap_name, to_data
 
+from warmserve.api.history import OWNER_LABEL, configmap_name, to_data
 from warmserve.control.history import LoadHistory
 
 

@@ -9,6 +9,13 @@ Physical page ``p`` of GPU ``g`` is bytes ``[p*P, (p+1)*P)`` of ``<dir>/gpu<g>.m
 addresses are plain integers handed out per GPU; :meth:`SimulatedBackend.translation` exposes the
 emulated MMU (virtual page -> physical page) so tests can compare it with the page tables.
 
+The MMU is also **shared**: each reservation (a slot's range on one GPU) has a page-table file
+``<dir>/gpu<g>-<va hex>.pt`` (one uint32 per virtual page: 0 unmapped, else physical page + 1),
+written on every map and unmap.  An engine in any process reads it (:class:`PageTableView`) to
+find the physical pages of KV pages mapped after it started, and to check that every KV page it
+touches is mapped right now, to the page it thinks: the simulated counterpart of a GPU's
+page-fault on an unmapped address.
+
 Weights are loaded with :meth:`SimulatedBackend.load_ranges`: the same staging ring as the
 ``cuda`` backend (:mod:`~warmserve_agent.backends.staging`) reads the safetensors file ranges
 into host buffers and copies them in (synchronously here), so CI runs the GPU data path.
@@ -36,6 +43,33 @@ from warmserve_agent.backends.staging import (
 
 _VA_START = 0x7F00_0000_0000
 _VA_ALIGN = 1 << 30
+
+
+def page_table_file(directory: str | Path, gpu: int, va: int) -> Path:
+    """The shared page-table file of the reservation at ``va`` on ``gpu`` (module docstring)."""
+    return Path(directory) / f"gpu{gpu}-{va:x}.pt"
+
+
+class _Reservation:
+    """One reserved virtual range and its shared page-table file."""
+
+    def __init__(self, path: Path, va: int, npages: int) -> None:
+        self.path, self.va, self.npages = path, va, npages
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, max(1, npages) * 4)
+            self._mm = mmap.mmap(fd, max(1, npages) * 4)
+        finally:
+            os.close(fd)
+        self.table = memoryview(self._mm).cast("I")
+
+    def set(self, vpage: int, ppage: int | None) -> None:
+        self.table[vpage] = 0 if ppage is None else ppage + 1
+
+    def close(self) -> None:
+        self.table.release()
+        self._mm.close()
+        self.path.unlink(missing_ok=True)
 
 
 class SimulatedBackend:
@@ -66,7 +100,9 @@ class SimulatedBackend:
         self._mm: dict[int, mmap.mmap] = {}
         self._files: dict[int, Path] = {}
         self._mmu: dict[int, dict[int, int]] = {}  # gpu -> {virtual page number: ppage}
+        self._used: dict[int, set[int]] = {}  # gpu -> physical pages mapped somewhere
         self._next_va: dict[int, int] = {}
+        self._res: dict[int, dict[int, _Reservation]] = {}  # gpu -> {va: reservation}
         self._lock = threading.Lock()
         self._staging = (staging_chunk_bytes, staging_depth, staging_readers)
         self._rings: dict[int, StagingRing] = {}
@@ -89,6 +125,8 @@ class SimulatedBackend:
             os.close(fd)
         self._files[gpu] = path
         self._mmu[gpu] = {}
+        self._used[gpu] = set()
+        self._res[gpu] = {}
         self._next_va[gpu] = _VA_START
         return n
 
@@ -96,7 +134,12 @@ class SimulatedBackend:
         with self._lock:
             va = self._next_va[gpu]
             self._next_va[gpu] = va + -(-size // _VA_ALIGN) * _VA_ALIGN + _VA_ALIGN
+            path = page_table_file(self.dir, gpu, va)
+            self._res[gpu][va] = _Reservation(path, va, size // self.page_bytes)
             return va
+
+    def page_table_path(self, gpu: int, va: int) -> Path:
+        return page_table_file(self.dir, gpu, va)
 
     def free_reservation(self, gpu: int, va: int, size: int) -> None:
         first, n = va // self.page_bytes, size // self.page_bytes
@@ -105,19 +148,35 @@ class SimulatedBackend:
             still = [v for v in mmu if first <= v < first + n]
             if still:
                 raise RuntimeError(f"gpu {gpu}: freeing a reservation with {len(still)} mapped")
+            res = self._res[gpu].pop(va, None)
+            if res is not None:
+                res.close()
+
+    def _note(self, gpu: int, vfirst: int, ppages: Sequence[int | None]) -> None:
+        """Mirror MMU changes into the shared page-table file (caller holds the lock)."""
+        va = vfirst * self.page_bytes
+        for res in self._res[gpu].values():
+            if res.va <= va < res.va + res.npages * self.page_bytes:
+                first = (va - res.va) // self.page_bytes
+                for i, p in enumerate(ppages):
+                    res.set(first + i, p)
+                return
 
     def map(self, gpu: int, va: int, ppages: Sequence[int]) -> None:
         vfirst = va // self.page_bytes
         with self._lock:
-            mmu = self._mmu[gpu]
-            used = set(mmu.values())
+            mmu, used = self._mmu[gpu], self._used[gpu]
             for i, p in enumerate(ppages):
                 if vfirst + i in mmu:
                     raise RuntimeError(f"gpu {gpu}: virtual page {vfirst + i} already mapped")
                 if p in used:
                     raise RuntimeError(f"gpu {gpu}: physical page {p} already mapped")
+            if len(set(ppages)) != len(ppages):
+                raise RuntimeError(f"gpu {gpu}: a physical page mapped twice in one call")
             for i, p in enumerate(ppages):
                 mmu[vfirst + i] = p
+            used.update(ppages)
+            self._note(gpu, vfirst, ppages)
         if self.map_s_per_page:
             time.sleep(self.map_s_per_page * len(ppages))
 
@@ -128,8 +187,12 @@ class SimulatedBackend:
             for v in range(vfirst, vfirst + npages):
                 if v not in mmu:
                     raise RuntimeError(f"gpu {gpu}: virtual page {v} is not mapped")
+            used = self._used[gpu]
             for v in range(vfirst, vfirst + npages):
-                del mmu[v]
+                used.discard(mmu.pop(v))
+            self._note(gpu, vfirst, [None] * npages)
+        if self.map_s_per_page:  # the driver's cost per page, as for map
+            time.sleep(self.map_s_per_page * npages)
 
     def _spans(self, gpu: int, va: int, nbytes: int) -> list[tuple[int, int, int]]:
         """(file offset, buffer offset, length) pieces of a virtual byte range."""
@@ -195,6 +258,10 @@ class SimulatedBackend:
         for ring in self._rings.values():
             ring.close()
         self._rings.clear()
+        for reservations in self._res.values():
+            for res in reservations.values():
+                res.close()
+        self._res.clear()
         for mm in self._mm.values():
             mm.close()
         self._mm.clear()
@@ -227,4 +294,28 @@ class PhysicalReader:
         return bytes(out)
 
     def close(self) -> None:
+        self._mm.close()
+
+
+class PageTableView:
+    """Read-only view of a reservation's shared page-table file (module docstring), opened by
+    an engine in any process: the physical page behind each virtual page of its slot, now."""
+
+    def __init__(self, path: str | Path) -> None:
+        with open(path, "rb") as f:
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._table = memoryview(self._mm).cast("I")
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def ppage(self, vpage: int) -> int | None:
+        """The physical page mapped at virtual page ``vpage`` of the range, or None."""
+        if not 0 <= vpage < len(self._table):
+            return None
+        e = self._table[vpage]
+        return e - 1 if e else None
+
+    def close(self) -> None:
+        self._table.release()
         self._mm.close()

@@ -45,6 +45,7 @@ class WorkerMemoryBackend:
         if kind != "simulated":  # only the simulated MMU can be inspected; no shared file
             self.translation = None  # type: ignore[assignment]
             self.path = None  # type: ignore[assignment]
+            self.page_table_path = None  # type: ignore[assignment]
 
     def _call(self, gpu: int, op: str, *args: Any, timeout_s: float = 120.0) -> Any:
         return self.pool.worker(gpu).call("mem", timeout_s=timeout_s, op=op, args=args)
@@ -53,6 +54,14 @@ class WorkerMemoryBackend:
         """Simulated only: the shared file of ``gpu`` (the engine reads it by physical page)."""
         assert self._dir is not None
         return self._dir / f"gpu{gpu}.mem"
+
+    def page_table_path(self, gpu: int, va: int) -> Path:
+        """Simulated only: the reservation's shared page-table file the worker's backend keeps
+        (``backends/simulated.py``)."""
+        from warmserve_agent.backends.simulated import page_table_file
+
+        assert self._dir is not None
+        return page_table_file(self._dir, gpu, va)
 
     def open_gpu(self, gpu: int, memory_bytes: int) -> int:
         self.pool.worker(gpu).call("mem_init", kind=self.name, options=self._options)

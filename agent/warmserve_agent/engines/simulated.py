@@ -6,12 +6,20 @@ weights from the slot (never from files), verifies every tensor against the stor
 digests (wrong bytes: a failed start, not silent output) and derives its output tokens from them.
 
 Simplifications (docs/agent.md): one request's decode is paced independently of the batch;
-admission reserves KV for prompt + max_tokens (so growth never overruns a shrunk cache).  Prefill
-runs layer by layer, each layer waiting only until it is resident (as the ``vllm`` engine does).
+admission reserves KV pages for prompt + max_tokens (so growth never overruns a shrunk cache).
+Prefill runs layer by layer, each layer waiting only until it is resident (as the ``vllm`` engine
+does).
+
+KV cache (``simulated_kv.py``): real pages of the slot's KV range, granted as the agent maps them
+(``set_kv_capacity``), written and read back by requests with a page-table check on every
+access.  A finished request and a request waiting for KV pages are reported to the agent
+(``engine_events.py``): the agent re-checks Eq. 1 for a grace instance on completion and grows
+its lent KV back when a request needs it.
 
 Lifecycle: ``prepare(spec)`` (prewarm time) parses the arguments, opens the slot and sets up the
-HTTP app without listening; ``start(spec)`` verifies the resident layers, takes the KV capacity
-and opens the endpoint (it prepares first when nothing was prepared).
+HTTP app without listening; ``start(spec)`` maps the weights loaded since, verifies the resident
+layers, takes the KV the agent mapped already and opens the endpoint (it prepares first when
+nothing was prepared).
 
 Queue: at most ``profile.max_waiting`` requests wait for admission (default 4 x the
 batch limit); more are refused at once with 429, and a request whose client disconnects while it
@@ -35,6 +43,8 @@ from warmserve_agent.engine import (
     WeightsMismatch,
     WeightVerificationError,
 )
+from warmserve_agent.engine_events import EventSender
+from warmserve_agent.engines.simulated_kv import SimKvCache
 from warmserve_agent.engines.simulated_openai import EngineState, OpenAIServing
 from warmserve_agent.engines.slotmem import SlotMemory
 from warmserve_agent.engines.spec import EngineSpec, EngineStages, EngineStats
@@ -67,6 +77,8 @@ class SimulatedEngine(OpenAIServing):
         self._t_start = 0.0
         self._t_first_token: float | None = None
         self._stages = EngineStages()
+        self._kv: SimKvCache | None = None  # type: ignore[assignment]
+        self._events = EventSender("", "")
 
     # ---- weights ---------------------------------------------------------------------------
     def _verify(self, start: int, end: int) -> list[str]:
@@ -126,6 +138,8 @@ class SimulatedEngine(OpenAIServing):
         self._prepared = False
         t_ready = time.perf_counter() - t0
         st = self._st
+        self._kv = SimKvCache(spec, self._mem)
+        self._events = EventSender(spec.events_addr, spec.instance_id)
         bad = self._verify(0, spec.layers_resident)
         if bad:
             raise WeightVerificationError(
@@ -134,7 +148,7 @@ class SimulatedEngine(OpenAIServing):
                 tensors=bad,
             )
         st.layers_resident = spec.layers_resident
-        st.kv_capacity = spec.kv_capacity_bytes
+        st.kv_capacity = self._kv.grant(spec.kv_capacity_bytes)  # what is mapped already
         t_kv = time.perf_counter() - t0
         self._on_loop(self._listen(), timeout=30)
         self._stages = EngineStages(prepared, t_ready, t_kv, time.perf_counter() - t0)
@@ -157,7 +171,8 @@ class SimulatedEngine(OpenAIServing):
     def set_kv_capacity(self, nbytes: int) -> int:
         async def apply() -> int:
             st = self._st
-            st.kv_capacity = max(int(nbytes), st.kv_reserved)
+            # never below the pages in use; before start there is no range to map
+            st.kv_capacity = int(nbytes) if self._kv is None else self._kv.grant(int(nbytes))
             await self._notify()
             return st.kv_capacity
 
@@ -195,16 +210,24 @@ class SimulatedEngine(OpenAIServing):
                 self._stages.endpoint_up_s,
                 None if self._t_first_token is None else self._t_first_token - self._t_start,
             ),
+            kv_wanted_bytes=self._kv.wanted_bytes() if self._kv is not None else 0,
+            kv_geometry=self._kv.geometry if self._kv is not None else None,
         )
+
+    def kv_violations(self) -> int:
+        """KV accesses refused because their page was not mapped to this engine (tests)."""
+        return 0 if self._kv is None else self._kv.violations
 
     def stop(self) -> None:
         if self._loop is not None and self._runner is not None and not self._stopping:
-            self._on_loop(self._runner.cleanup())
-            with self._loop_lock:
-                self._stopping = True
-                self._loop.call_soon_threadsafe(self._loop.stop)
+            with self._loop_lock:  # nothing new is scheduled from here on (a loader thread's
+                self._stopping = True  # layers_ready racing stop must not be left pending)
+                done = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+            done.result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
             self._thread.join(10)
+        self._events.close()
         for m in self._mem.values():
             m.close()
         self._mem = {}

@@ -2,7 +2,10 @@
 :class:`~warmserve_agent.engines.simulated.SimulatedEngine`): the aiohttp server on its own
 thread's loop, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming),
 ``/metrics`` (vLLM's metric names) and ``/health``; admission against the batch limit, the
-bounded queue and the KV capacity; tokens paced from the model's profile.  The engine's state
+bounded queue and the KV capacity; tokens paced from the model's profile; ``usage`` as vLLM
+0.32 reports it (always in a whole answer; in a stream only with
+``stream_options.include_usage``, as a last chunk without choices that takes the
+``system_fingerprint`` from the finish chunk).  The engine's state
 (:class:`EngineState`) is shared with the engine side, which owns weights and the Engine
 protocol.  Behaviour and simplifications: :mod:`warmserve_agent.engines.simulated`.
 """
@@ -20,39 +23,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from warmserve_agent.engine import TtftWindow
+from warmserve_agent.engine_events import EngineEventKind, EventSender
+from warmserve_agent.engines.simulated_kv import SimKvCache
 from warmserve_agent.engines.spec import EngineSpec
 
 log = logging.getLogger("warmserve.agent.engine")
 
-_VOCAB = (
-    "the",
-    "a",
-    "warm",
-    "serve",
-    "model",
-    "token",
-    "cache",
-    "page",
-    "slot",
-    "layer",
-    "prefill",
-    "decode",
-    "batch",
-    "grace",
-    "prewarm",
-    "universal",
-    "dedicated",
-    "idle",
-    "worker",
-    "memory",
-    "gpu",
-    "weights",
-    "kv",
-    "request",
-    "load",
-    "window",
-    "peak",
+_WORDS = (
+    "the a warm serve model token cache page slot layer prefill decode batch grace "
+    "prewarm universal dedicated idle worker memory gpu weights kv request load window peak"
 )
+_VOCAB = tuple(_WORDS.split())
 
 
 @dataclass
@@ -76,6 +57,8 @@ class OpenAIServing:
 
     spec: EngineSpec | None
     _st: EngineState
+    _kv: SimKvCache
+    _events: EventSender
     _loop: asyncio.AbstractEventLoop | None
     _runner: Any
     _metrics: Any
@@ -186,6 +169,9 @@ class OpenAIServing:
         mt = body.get("max_tokens", 16)
         if not isinstance(mt, int) or not 1 <= mt <= 4096:
             return None, self._error(400, "max_tokens must be an integer in [1, 4096]")
+        bad = _stream_options_error(body)
+        if bad:
+            return None, self._error(400, bad)
         return body, None
 
     async def _completions(self, request: Any) -> Any:
@@ -217,21 +203,35 @@ class OpenAIServing:
         )
         return _VOCAB[int.from_bytes(h.digest(), "little") % len(_VOCAB)]
 
-    async def _admit(self, need: int) -> None:
-        st = self._st
+    async def _admit(self, need: int, rid: str) -> list[int]:
+        st, kv = self._st, self._kv
         assert st.cond is not None
+        npages = kv.pages_for(need)
+
+        def ready() -> bool:
+            # not the layers: prefill waits per layer (_prefill), so a partial prewarm serves
+            if st.running >= self.max_batch:
+                return False
+            if kv.free_pages() >= npages:
+                return True
+            if kv.wait_for_pages(rid, npages):  # only KV is missing: tell the agent
+                self._events.send(EngineEventKind.KV_WANTED)
+            return False
+
         st.waiting += 1
         try:
             async with st.cond:
-                await st.cond.wait_for(
-                    lambda: st.running < self.max_batch and st.kv_reserved + need <= st.kv_capacity
-                )
+                await st.cond.wait_for(ready)
+                pages = kv.alloc(rid, npages)
+                assert pages is not None
                 st.running += 1
                 st.kv_reserved += need
+                return pages
         except asyncio.CancelledError:
             st.dropped += 1  # the client went away while queued
             raise
         finally:
+            kv.waiting.pop(rid, None)
             st.waiting -= 1
 
     async def _prefill(self, n_prompt: int) -> None:
@@ -253,13 +253,15 @@ class OpenAIServing:
             owed += per_layer
         await asyncio.sleep(owed)
 
-    async def _release(self, need: int, used: int) -> None:
+    async def _release(self, need: int, used: int, rid: str, pages: list[int]) -> None:
         st = self._st
+        self._kv.release(rid, pages)
         st.running -= 1
         st.kv_reserved -= need
         st.kv_used -= used
         st.served += 1
         await self._notify()
+        self._events.send(EngineEventKind.FINISHED)  # Eq. 1 is re-checked on completion
 
     async def _generate(self, request: Any, body: dict[str, Any], prompt: str, chat: bool) -> Any:
         from aiohttp import web
@@ -269,6 +271,7 @@ class OpenAIServing:
         n_prompt = max(1, len(prompt.split()))
         max_tokens = body.get("max_tokens", 16)
         stream = bool(body.get("stream", False))
+        include_usage, continuous = _include_usage(body)
         kvt = prof.kv_bytes_per_token
         need = (n_prompt + max_tokens) * kvt
         if self.max_model_len and n_prompt + max_tokens > self.max_model_len:
@@ -278,7 +281,7 @@ class OpenAIServing:
                 f"request asks for {n_prompt + max_tokens} ({n_prompt} in the prompt, "
                 f"{max_tokens} to generate)",
             )
-        if need > self._st.kv_capacity:
+        if self._kv.pages_for(need) > self._kv.total:
             return self._error(
                 400, f"prompt + max_tokens need {need} KV bytes, more than the cache"
             )
@@ -291,14 +294,15 @@ class OpenAIServing:
                 kind="rate_limit_error",
             )
         t_arrive = time.perf_counter()
-        await self._admit(need)
+        rid = f"cmpl-{uuid.uuid4().hex[:12]}"
+        pages = await self._admit(need, rid)
         used = n_prompt * kvt
         self._st.kv_used += used
-        rid = f"cmpl-{uuid.uuid4().hex[:12]}"
         created = int(time.time())
         resp: web.StreamResponse | None = None
         words: list[str] = []
         try:
+            self._kv.prefill(rid, pages)
             await self._prefill(n_prompt)
             ttft = time.perf_counter() - t_arrive
             self._first_token()
@@ -316,29 +320,38 @@ class OpenAIServing:
                     await asyncio.sleep(1.0 / prof.decode_tok_s)
                 w = self._token(prompt, i)
                 words.append(w)
+                self._kv.token(pages, n_prompt + i, kvt)
                 self._st.kv_used += kvt
                 used += kvt
                 if resp is not None:
                     piece = ("" if i == 0 else " ") + w
                     chunk = self._chunk(rid, created, piece, chat, None)
+                    if continuous:
+                        chunk["usage"] = _usage(n_prompt, i + 1)
                     await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         except asyncio.CancelledError:
             self._st.dropped += 1  # the client went away mid-generation
             raise
         finally:
-            await self._release(need, used)
+            await self._release(need, used, rid, pages)
             self._metrics.prompt_tokens.inc(n_prompt)
             self._metrics.gen_tokens.inc(len(words))
             self._metrics.e2e.observe(time.perf_counter() - t_arrive)
-        usage = {
-            "prompt_tokens": n_prompt,
-            "completion_tokens": len(words),
-            "total_tokens": n_prompt + len(words),
-        }
+        usage = _usage(n_prompt, len(words))
         if resp is not None:
+            # As vLLM: usage only when stream_options.include_usage asked for it, in a chunk of
+            # its own without choices after the last one, which then carries the fingerprint.
+            fingerprint = f"warmserve-sim-{self._st.seed[:4].hex()}"
             final = self._chunk(rid, created, "", chat, "length")
-            final["usage"] = usage
+            if continuous:
+                final["usage"] = usage
+            if not include_usage:
+                final["system_fingerprint"] = fingerprint
             await resp.write(f"data: {json.dumps(final)}\n\n".encode())
+            if include_usage:
+                last = {**self._chunk(rid, created, "", chat, None), "choices": []}
+                last.update(usage=usage, system_fingerprint=fingerprint)
+                await resp.write(f"data: {json.dumps(last)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
@@ -382,6 +395,53 @@ class OpenAIServing:
             "model": self.spec.model,
             "choices": [choice],
         }
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _lax_bool(value: Any) -> bool | None:
+    """A boolean field as vLLM's request model (pydantic, lax) reads it; ValueError if none."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+        return value.lower() in _TRUE
+    raise ValueError(value)
+
+
+def _stream_options_error(body: dict[str, Any]) -> str:
+    """vLLM's checks of ``stream_options`` (its request model), or "" when they pass."""
+    opts = body.get("stream_options")
+    if opts and not body.get("stream"):
+        return "Stream options can only be defined when `stream=True`."
+    if opts is None:
+        return ""
+    if not isinstance(opts, dict):
+        return "stream_options must be an object"
+    for name in ("include_usage", "continuous_usage_stats"):
+        try:
+            _lax_bool(opts.get(name))
+        except ValueError:
+            return f"stream_options.{name} must be a boolean"
+    return ""
+
+
+def _include_usage(body: dict[str, Any]) -> tuple[bool, bool]:
+    """vLLM's ``should_include_usage``: (a final usage chunk, usage on every chunk too)."""
+    opts = body.get("stream_options") or {}
+    include = bool(_lax_bool(opts.get("include_usage")))
+    return include, include and bool(_lax_bool(opts.get("continuous_usage_stats")))
 
 
 class _Metrics:

@@ -15,8 +15,13 @@ How, per memory backend (the seam with ``warmserve_agent.backends``):
   process's address space and ``mmap(MAP_FIXED | MAP_SHARED)`` each run of consecutive physical
   pages of the file into it, in virtual-page order — a host MMU doing what ``cuMemMap`` does on a
   GPU.  Weights are mapped read-only (an engine that wrote into them would fault, not corrupt the
-  prewarmed bytes); KV pages read-write.  Pages the agent later unmaps (grace lending) can be
-  made inaccessible with :meth:`HostSlotMapping.revoke`.
+  prewarmed bytes); KV pages read-write, and **only the KV pages the engine was granted**: the
+  agent maps the KV range in the background and raises the engine's capacity as pages land, so
+  the engine maps newly granted pages (:meth:`SlotMemory.grant_pages`, their physical pages read
+  from the backend's shared page table) and makes withdrawn ones inaccessible
+  (:meth:`SlotMemory.revoke_pages`) before the agent unmaps them.  A KV access through
+  :meth:`SlotMemory.kv_write`/:meth:`SlotMemory.kv_read` is checked against the backend's page
+  table first (:class:`KvAccessError`): the engine never touches a page that is not mapped.
 * **cuda** (the worker owns a ``CudaBackend``): the slot's virtual address *is* device memory
   mapped by the backend (``cuMemMap``).  ``torch.as_tensor`` over ``__cuda_array_interface__``
   wraps it without a copy (vllm-integration note §7.3).  A backend may provide
@@ -31,7 +36,7 @@ import ctypes
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -46,6 +51,10 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 class SlotMemoryError(RuntimeError):
     pass
+
+
+class KvAccessError(SlotMemoryError):
+    """An engine touched (or was granted) a KV page the backend does not map to it now."""
 
 
 def _libc() -> Any:
@@ -69,16 +78,27 @@ UNMAPPED = -1  # a virtual page with no physical page (yet): inaccessible in the
 
 def _runs(ppages: Sequence[int]) -> list[tuple[int, int, int]]:
     """(first virtual page, first physical page, count) runs of consecutive physical pages;
-    :data:`UNMAPPED` pages belong to no run."""
+    :data:`UNMAPPED` pages (any entry < 0) belong to no run."""
     out: list[tuple[int, int, int]] = []
     for v, p in enumerate(ppages):
-        if p == UNMAPPED:
+        if p < 0:
             continue
         if out and out[-1][1] + out[-1][2] == p and out[-1][0] + out[-1][2] == v:
             v0, p0, n = out[-1]
             out[-1] = (v0, p0, n + 1)
         else:
             out.append((v, p, 1))
+    return out
+
+
+def _vruns(vpages: Sequence[int]) -> list[tuple[int, int]]:
+    """(first, count) runs of consecutive pages in sorted ``vpages``."""
+    out: list[tuple[int, int]] = []
+    for v in vpages:
+        if out and out[-1][0] + out[-1][1] == v:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((v, 1))
     return out
 
 
@@ -92,6 +112,8 @@ class HostSlotMapping:
         page_bytes: int,
         weight_bytes: int,
         npages: int | None = None,
+        *,
+        partial: bool = False,
     ) -> None:
         self.page_bytes = page_bytes
         self.npages = len(ppages) if npages is None else npages
@@ -109,47 +131,37 @@ class HostSlotMapping:
                     f"reserving {self.size} bytes: {os.strerror(ctypes.get_errno())}"
                 )
             self.base = int(base)
-            self._wpages = -(-weight_bytes // page_bytes)
-            self._phys = [UNMAPPED] * self.npages
-            self.update(ppages)
+            self.wpages = -(-weight_bytes // page_bytes)
+            if not partial and any(p < 0 for p in ppages[: self.wpages]):
+                raise SlotMemoryError("a weight page of the slot is not mapped")
+            # the physical page behind every weight page mapped here (map_weights follows it)
+            self._weights = [UNMAPPED] * self.wpages
+            self.map_weights(ppages[: self.wpages])
+            self._map(ppages, self.wpages, self.npages, _PROT_READ | _PROT_WRITE)
+            # the physical page behind every KV page mapped here (access checks compare it)
+            self.kv: dict[int, int] = {
+                v: p for v, p in enumerate(ppages) if v >= self.wpages and p >= 0
+            }
         except BaseException:
             self.close()
             raise
 
-    def update(self, ppages: Sequence[int]) -> None:
-        """Make the mapping follow ``ppages`` (one entry per virtual page of the reservation,
-        :data:`UNMAPPED` for none): pages whose physical page changed are mapped in place
-        (weights read-only, KV read-write) or made inaccessible; addresses never move, so
-        tensors over the mapping stay valid.  A prepared engine's slot is mapped this way as
-        the agent maps its pages."""
-        if len(ppages) > self.npages:
-            raise SlotMemoryError(
-                f"{len(ppages)} pages do not fit the {self.npages}-page reservation"
-            )
-        new = list(ppages) + [UNMAPPED] * (self.npages - len(ppages))
-        changed = [v for v in range(self.npages) if new[v] != self._phys[v]]
-        i = 0
-        while i < len(changed):  # runs of consecutive changed virtual pages
-            j = i
-            while j + 1 < len(changed) and changed[j + 1] == changed[j] + 1:
-                j += 1
-            lo, hi = changed[i], changed[j] + 1
-            for start, end, prot in (
-                (lo, min(hi, self._wpages), _PROT_READ),
-                (max(lo, self._wpages), hi, _PROT_READ | _PROT_WRITE),
-            ):
-                if start >= end:
-                    continue
-                gone = [v for v in range(start, end) if new[v] == UNMAPPED]
-                for v in gone:
-                    self.revoke(v, 1)
-                self._map(new, start, end, prot)
-            i = j + 1
-        self._phys = new
-
-    @property
-    def mapped_pages(self) -> int:
-        return sum(1 for p in self._phys if p != UNMAPPED)
+    def map_weights(self, ppages: Sequence[int]) -> None:
+        """Make the weight pages follow ``ppages`` (one entry per weight page, :data:`UNMAPPED`
+        for none), read-only and in place: addresses never move, so tensors over the mapping
+        stay valid.  An engine prepared while its slot still loaded maps the rest of its
+        weights this way at activation (KV pages are granted one by one: :meth:`map_kv`)."""
+        new = list(ppages[: self.wpages]) + [UNMAPPED] * (self.wpages - len(ppages))
+        for v in range(self.wpages):
+            if new[v] < 0 <= self._weights[v]:
+                self.revoke(v, 1)
+                self._weights[v] = UNMAPPED
+        changed = [UNMAPPED] * self.wpages
+        for v in range(self.wpages):
+            if new[v] >= 0 and new[v] != self._weights[v]:
+                changed[v] = new[v]
+        self._map(changed, 0, self.wpages, _PROT_READ)
+        self._weights = new
 
     def _map(self, ppages: Sequence[int], start: int, end: int, prot: int) -> None:
         P = self.page_bytes
@@ -175,14 +187,25 @@ class HostSlotMapping:
         )
         if got != addr:
             raise SlotMemoryError(f"revoking pages: {os.strerror(ctypes.get_errno())}")
-        if hasattr(self, "_phys"):
-            self._phys[first_page : first_page + npages] = [UNMAPPED] * npages
+        for v in range(first_page, first_page + npages):
+            self.kv.pop(v, None)
+
+    def map_kv(self, pages: dict[int, int]) -> None:
+        """Map KV virtual pages onto their physical pages read-write (``{vpage: ppage}``)."""
+        if not pages:
+            return
+        top = max(pages) + 1
+        full = [-1] * top
+        for v, p in pages.items():
+            if v < self.wpages or v >= self.npages:
+                raise SlotMemoryError(f"page {v} is not a KV page of this slot")
+            full[v] = p
+        self._map(full, 0, top, _PROT_READ | _PROT_WRITE)
+        self.kv.update(pages)
 
     def remap(self, first_page: int, ppages: Sequence[int]) -> None:
         """Map physical pages at virtual pages [first, first+len) read-write (taken back)."""
-        full = [UNMAPPED] * first_page + list(ppages)
-        self._map(full, first_page, first_page + len(ppages), _PROT_READ | _PROT_WRITE)
-        self._phys[first_page : first_page + len(ppages)] = list(ppages)
+        self.map_kv({first_page + i: p for i, p in enumerate(ppages)})
 
     def close(self) -> None:
         if getattr(self, "base", 0):
@@ -210,9 +233,9 @@ class SlotMemory:
     crashed the process with SIGSEGV).  A ``tensor()`` view is not guarded: its engine must be
     done with it before it closes the slot.
 
-    ``partial``: the region may have pages not mapped yet (an engine prepared at prewarm time:
-    its KV pages, and weights still loading); they stay inaccessible until :meth:`update` maps
-    them.  Without it every page must be mapped."""
+    ``partial``: weight pages may not be mapped yet (an engine prepared at prewarm time while
+    its slot still loads); they stay inaccessible until :meth:`update` maps them.  Without it
+    every weight page must be mapped.  KV pages are mapped only when granted, either way."""
 
     def __init__(self, region: SlotRegion, backend: Any = None, *, partial: bool = False) -> None:
         self.region = region
@@ -221,8 +244,10 @@ class SlotMemory:
         self.size = region.mapped_bytes  # the reservation: tensors over it never move
         self._host: HostSlotMapping | None = None
         self._tensor: Any = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._closed = False
+        self._pt: Any = None  # the backend's shared page table (simulated), opened lazily
+        self.violations = 0  # KV accesses refused by check_pages
         if region.host_file:
             self.kind = SlotMemoryKind.HOST_FILE
         elif backend is not None and region.local and backend.name == "simulated":
@@ -235,27 +260,107 @@ class SlotMemory:
                 "its virtual address (its memory belongs to another worker)"
             )
 
-    def _ppages(self, upto: int | None = None) -> tuple[str, list[int]]:
-        """(file, physical page of each of the slot's first ``upto`` virtual pages)."""
+    def _ppages(self) -> tuple[str, list[int]]:
+        """(file, physical page of each of the slot's virtual pages: the weights', and -1 for
+        every KV page — KV pages are mapped here only when granted, :meth:`grant_pages`)."""
         r = self.region
-        n = -(-r.mapped_bytes // r.page_bytes) if upto is None else upto
-        if self.kind == SlotMemoryKind.HOST_FILE:
-            return r.host_file, list(r.ppages[:n])
-        tr = self.backend.translation(r.gpu)
-        first = r.va // r.page_bytes
-        if self.partial:
-            return str(self.backend.path(r.gpu)), [tr.get(first + i, UNMAPPED) for i in range(n)]
-        try:
-            return str(self.backend.path(r.gpu)), [tr[first + i] for i in range(n)]
-        except KeyError as exc:
-            raise SlotMemoryError(f"slot page {exc} is not mapped") from None
+        n = -(-self.size // r.page_bytes)
+        w = -(-r.weight_bytes // r.page_bytes)
+        found = self._lookup(range(w))
+        if not self.partial and any(p is None for p in found.values()):
+            raise SlotMemoryError("a weight page of the slot is not mapped")
+        path = r.host_file or str(self.backend.path(r.gpu))
+        return path, [
+            UNMAPPED if v >= w or found[v] is None else found[v]  # type: ignore[misc]
+            for v in range(n)
+        ]
+
+    def _lookup(self, vpages: Iterable[int]) -> dict[int, int | None]:
+        """The physical page the backend maps at each of the slot's ``vpages`` now (None: not
+        mapped).  Read from the shared page table when there is one."""
+        r = self.region
+        vs = list(vpages)
+        if r.page_table:
+            if self._pt is None:
+                from warmserve_agent.backends.simulated import PageTableView
+
+                self._pt = PageTableView(r.page_table)
+            return {v: self._pt.ppage(v) for v in vs}
+        if self.kind == SlotMemoryKind.HOST_BACKEND:
+            tr = self.backend.translation(r.gpu)
+            first = r.va // r.page_bytes
+            return {v: tr.get(first + v) for v in vs}
+        return {v: (r.ppages[v] if v < len(r.ppages) and r.ppages[v] >= 0 else None) for v in vs}
+
+    # ---- KV pages: granted, withdrawn, checked -------------------------------------------------
+    def grant_pages(self, vpages: Iterable[int]) -> None:
+        """The engine may now use these KV pages (the agent mapped them): map them here."""
+        with self._lock:
+            if self.kind == SlotMemoryKind.DEVICE or self._closed:
+                return
+            m = self.host_mapping()
+            want = [v for v in vpages if v not in m.kv]
+            found = self._lookup(want)
+            gone = sorted(v for v, p in found.items() if p is None)
+            if gone:
+                self.violations += 1
+                raise KvAccessError(
+                    f"GPU {self.region.gpu}: KV pages {gone[:4]} granted but not mapped"
+                )
+            m.map_kv({v: p for v, p in found.items() if p is not None})
+
+    def revoke_pages(self, vpages: Iterable[int]) -> None:
+        """The engine gave these KV pages up (the agent unmaps them next): make them
+        inaccessible here first."""
+        with self._lock:
+            if self.kind == SlotMemoryKind.DEVICE or self._host is None:
+                return
+            for first, n in _vruns(sorted(v for v in vpages if v in self._host.kv)):
+                self._host.revoke(first, n)
+
+    def check_pages(self, vpages: Iterable[int]) -> None:
+        """Raise :class:`KvAccessError` unless every page is mapped by the backend right now,
+        to the physical page this process reaches it through: the page-fault check of the
+        simulated backend (a GPU's MMU does it on CUDA)."""
+        vs = list(vpages)
+        if self.kind == SlotMemoryKind.DEVICE or not vs:
+            return
+        found = self._lookup(vs)
+        mine = self._host.kv if self._host is not None else {}
+        bad = [v for v in vs if found[v] is None or mine.get(v) != found[v]]
+        if bad:
+            self.violations += 1
+            raise KvAccessError(
+                f"GPU {self.region.gpu}: KV access to page {bad[0]}, which is "
+                + ("not mapped" if found[bad[0]] is None else "not granted to this engine")
+            )
+
+    def _pages_of(self, offset: int, nbytes: int) -> range:
+        P = self.region.page_bytes
+        return range(offset // P, (offset + max(nbytes, 1) - 1) // P + 1)
+
+    def kv_write(self, offset: int, data: bytes) -> None:
+        """Write KV bytes at slot ``offset`` (page-checked first)."""
+        self.check_pages(self._pages_of(offset, len(data)))
+        if self.kind == SlotMemoryKind.DEVICE:
+            self.backend.write(self.region.gpu, self.region.va + offset, data)
+            return
+        with self._lock:
+            m = self.host_mapping()
+            ctypes.memmove(m.base + offset, data, len(data))
+
+    def kv_read(self, offset: int, nbytes: int) -> bytes:
+        """Read KV bytes at slot ``offset`` (page-checked first)."""
+        self.check_pages(self._pages_of(offset, nbytes))
+        return self.read(offset, nbytes)
 
     def update(self, region: SlotRegion) -> None:
-        """The agent mapped (or unmapped) pages of this slot: follow ``region`` in place.
+        """The agent mapped more of this slot's weights: follow ``region`` in place.
 
-        Used when a prepared engine's slot is activated (the rest of the weights and the KV
-        pages are mapped by then).  A region larger than the reservation, or another slot, is
-        an error; CUDA needs nothing (the worker's own VMM mappings are the memory)."""
+        Used when a prepared engine's slot is activated (the rest of the weights are mapped by
+        then; its KV pages are granted as the agent maps them, :meth:`grant_pages`).  A region
+        larger than the reservation, or another slot, is an error; CUDA needs nothing (the
+        worker's own VMM mappings are the memory)."""
         old = self.region
         if (region.gpu, region.va, region.page_bytes, region.weight_bytes) != (
             old.gpu,
@@ -269,12 +374,16 @@ class SlotMemory:
             )
         with self._lock:
             self.region = region
+            if self._pt is not None and region.page_table != old.page_table:
+                self._pt.close()
+                self._pt = None
             if self.kind == SlotMemoryKind.DEVICE or self._host is None:
                 return
             _, ppages = self._ppages()
-            if not self.partial and UNMAPPED in ppages:
-                raise SlotMemoryError(f"slot page {ppages.index(UNMAPPED)} is not mapped")
-            self._host.update(ppages)
+            w = self._host.wpages
+            if not self.partial and any(p < 0 for p in ppages[:w]):
+                raise SlotMemoryError("a weight page of the slot is not mapped")
+            self._host.map_weights(ppages[:w])
 
     def host_mapping(self) -> HostSlotMapping:
         if self.kind == SlotMemoryKind.DEVICE:
@@ -282,10 +391,14 @@ class SlotMemory:
         if self._closed:
             raise SlotMemoryError("the slot memory is closed (its engine stopped)")
         if self._host is None:
-            npages = -(-self.size // self.region.page_bytes)
-            path, ppages = self._ppages(npages)
+            path, ppages = self._ppages()
             self._host = HostSlotMapping(
-                path, ppages, self.region.page_bytes, self.region.weight_bytes, npages
+                path,
+                ppages,
+                self.region.page_bytes,
+                self.region.weight_bytes,
+                len(ppages),
+                partial=self.partial,
             )
         return self._host
 
@@ -334,6 +447,9 @@ class SlotMemory:
             if self._host is not None:
                 self._host.close()
                 self._host = None
+            if self._pt is not None:
+                self._pt.close()
+                self._pt = None
 
 
 class _CudaArray:

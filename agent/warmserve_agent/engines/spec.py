@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from warmserve_agent.engines.kv_geometry import KvGeometry
+
 
 class PreparedState(StrEnum):
     """Where a slot's prepared engine is (wire: ``PreparedEngineState``)."""
@@ -36,6 +38,10 @@ class SlotRegion:
     ``p`` is bytes ``[p * page_bytes, (p + 1) * page_bytes)`` of ``host_file``; ``ppages[i]``
     backs virtual page ``i`` of the slot (weights then KV pages, as mapped at activation).
     ``local`` is true for the rank whose worker hosts the engine (it owns ``va`` itself).
+    ``page_table`` (simulated backend) is the slot's shared page-table file on that GPU: the
+    physical page behind each virtual page *now*, for KV pages mapped after the engine started
+    and for the engine's page-access checks (``backends/simulated.py``).  A ``ppages`` entry of
+    -1 is a page not mapped when the spec was made.
     """
 
     gpu: int
@@ -46,6 +52,7 @@ class SlotRegion:
     local: bool = False
     host_file: str = ""
     ppages: tuple[int, ...] = ()
+    page_table: str = ""
 
     @property
     def mapped_bytes(self) -> int:
@@ -87,7 +94,9 @@ class EngineSpec:
     model_dir: str  # config.json, tokenizer files; the weights are read from the slot only
     layers_total: int
     layers_resident: int
-    kv_capacity_bytes: int  # summed over the group (M of Eq. 1)
+    # KV the engine may use at start, summed over the group; the KV range (``regions[r].kv_bytes``)
+    # is mapped in the background and ``set_kv_capacity`` raises this as pages land
+    kv_capacity_bytes: int
     regions: tuple[SlotRegion, ...]  # one per tensor-parallel rank
     tensors: tuple[TensorPlacement, ...]
     digests: tuple[tuple[str, ...], ...]  # per rank, blake2b-128 hex of each tensor's shard
@@ -104,6 +113,8 @@ class EngineSpec:
     # instance yet (``instance_id`` empty), KV pages not mapped (``ppages`` -1) and the KV bytes
     # the slot will get at activation; Activate's spec names the same slot.
     slot_id: str = ""
+    # the agent's engine-event socket (engine_events.py: request completions, KV wanted); "" off
+    events_addr: str = ""
 
     @property
     def tp_size(self) -> int:
@@ -143,8 +154,10 @@ class EngineStages:
     """How an engine's ``start`` spent its time, in seconds since ``start`` was called.
 
     ``prepared``: the engine was built before (``Engine.prepare``, at prewarm) and ``start`` only
-    grew its KV cache and opened the endpoint.  ``first_token_s`` is None until the engine
-    produced its first output token."""
+    took the KV the agent had mapped and opened the endpoint.  ``kv_mapped_s``: when ``start``
+    had grown the KV cache over what the spec granted — the activation's KV stage only when that
+    was the whole range (else the agent's pager completes it later: ``activation_stages.py``).
+    ``first_token_s`` is None until the engine produced its first output token."""
 
     prepared: bool = False
     engine_ready_s: float = 0.0
@@ -186,3 +199,8 @@ class EngineStats:
     ttft_window_s: float = 0.0
     bad_tensors: tuple[str, ...] = ()
     stages: EngineStages = field(default_factory=EngineStages)
+    # KV bytes (summed over the group) waiting requests need beyond the free capacity: a grace
+    # instance whose lent KV must grow back (Eq. 1 plus demand, grace_lending.py)
+    kv_wanted_bytes: int = 0
+    # where the engine's KV blocks lie in its KV range (None: one block per page from the start)
+    kv_geometry: KvGeometry | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from warmserve_agent.api.v1 import agent_pb2 as pb
+from warmserve.api.agent.v1 import agent_pb2 as pb
 from warmserve_agent.sources.fetch_records import FetchState, FetchStatus, StoreUsage
 
 FETCH_STATE = {

@@ -8,11 +8,11 @@ Two halves (``build.py``), so a prewarm hit builds nothing on its critical path:
   (``loader.py``) and the KV cache sized for the pages the slot will get at activation — but with
   every KV block held out of the scheduler's reach (its pages are not mapped) — and vLLM's OpenAI
   app.  Nothing is read from the slot and nothing listens.
-* ``start(spec)`` — at activation: maps the rest of the slot into this process and gives vLLM
-  its KV blocks (:meth:`VllmEngine.grow_kv_cache`), then serves the app with uvicorn on an
-  ephemeral port (``/v1/completions``, ``/v1/chat/completions`` with streaming, ``/v1/models``,
-  ``/metrics`` with vLLM's metric names, ``/health``).  Without a prepared engine (a cold start,
-  other engine arguments) ``start`` builds first, as before.
+* ``start(spec)`` — at activation: maps the rest of the weights into this process and gives
+  vLLM the KV blocks the agent mapped already (:meth:`VllmEngine.grow_kv_cache`), then serves
+  the app with uvicorn on an ephemeral port (``/v1/completions``, ``/v1/chat/completions`` with
+  streaming, ``/v1/models``, ``/metrics`` with vLLM's metric names, ``/health``).  Without a
+  prepared engine (a cold start, other engine arguments) ``start`` builds first, as before.
 
 Per-layer readiness: a partially prewarmed slot serves at once; the agent keeps streaming the
 missing layers into it and ``layers_ready(n)`` advances a
@@ -20,13 +20,18 @@ missing layers into it and ``layers_ready(n)`` advances a
 own layer (``hooks.install_layer_gates``): layer ``i``'s forward runs as soon as layer ``i`` is
 resident, and the first token comes once the last layer lands.
 
-Grace lending (Eq. 1): vLLM fixes its KV block count at start.  ``set_kv_capacity`` takes free
-blocks with the highest ids out of the block pool's free queue between engine steps (the
-scheduler can never allocate them; prefix-cache hashes are evicted first) and gives them back on
-growth.  Physically, the agent can only unmap the slot's *tail*: the engine answers the bytes up
-to the last byte any still-usable block touches (computed from the KV tensors' real strides), so
-the agent never unmaps memory vLLM may use.  Stats: R, waiting, K, M from vLLM's scheduler and
-block pool; TTFT from vLLM's iteration stats.
+KV cache (``kv.py``): vLLM sizes its block pool for the whole KV range when it is built, but the
+agent maps that range in the background and raises the capacity as pages land — a prepared
+engine's as any other's.  Every growth goes through :meth:`VllmEngine.grow_kv_cache` (at start,
+what was mapped already; then each ``set_kv_capacity`` that raises it), which keeps usable
+exactly the blocks the capacity allows, maps their pages in this process first and zeroes them.
+The engine reports its layout (vLLM's is layer-major: a little of every layer's region per
+block) so the agent maps pages in the order blocks need them and, when lending in grace (Eq. 1),
+takes back exactly the pages no kept block touches.  Finished requests and requests waiting for
+blocks are reported to the agent on its engine-event socket (hooked where the engine core
+finishes a step, ``inproc.py``), so the agent re-checks Eq. 1 on each completion and grows lent
+KV back.  Stats: R, waiting, K, M from vLLM's scheduler and block pool; TTFT from vLLM's
+iteration stats.
 """
 
 from __future__ import annotations
@@ -34,20 +39,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 import time
 from typing import Any
 
 from warmserve_agent.engine import EngineError, TtftWindow
+from warmserve_agent.engine_events import EventSender
 from warmserve_agent.engines.layer_gate import LayerGate
 from warmserve_agent.engines.slotmem import SlotMemory, SlotMemoryKind
-from warmserve_agent.engines.spec import EngineSpec, EngineStages, EngineStats, SlotRegion
+from warmserve_agent.engines.spec import EngineSpec, EngineStages, EngineStats
 from warmserve_agent.engines.vllm.hooks import (
     cleanup_vllm_process_state,
     extent,
     zero_kv_blocks_on_allocation,
 )
+from warmserve_agent.engines.vllm.kv import SlotKvPool
 from warmserve_agent.engines.vllm.loop import LoopThread
 
 log = logging.getLogger("warmserve.agent.engine.vllm")
@@ -78,8 +84,8 @@ class VllmEngine:
         self._server: Any = None
         self._serve_task: asyncio.Task[Any] | None = None
         self._gate: LayerGate | None = None
-        self._lent: list[Any] = []
-        self._phys_limit = 0  # KV bytes (from the KV start) this process may still touch
+        self._kv: SlotKvPool | None = None
+        self._events = EventSender("", "")
         self._prepared = False  # built by prepare() and not started yet
         self._t_start = 0.0
         self._t_first_token: float | None = None
@@ -91,12 +97,9 @@ class VllmEngine:
     # ---- Engine protocol -------------------------------------------------------------------
     def prepare(self, spec: EngineSpec) -> None:
         """Build vLLM's engine and app over the slot now (prewarm time), serving nothing; every
-        KV block stays held until :meth:`start` maps the KV pages (see module docstring)."""
+        KV block stays held until the agent maps its pages after :meth:`start`."""
         with _PROCESS_LOCK:
             self._build_over(spec, partial=True)
-        # Nothing of the KV range is mapped here yet: no block may be handed out.
-        self._phys_limit = 0
-        self._client.call_sync(self._hold_all_blocks)
         self._prepared = True
 
     def start(self, spec: EngineSpec) -> str:
@@ -111,8 +114,13 @@ class VllmEngine:
                 self._build_over(spec, partial=False)
         self.spec = spec
         t_ready = time.perf_counter() - t0
-        self.grow_kv_cache(spec.regions[0])
+        assert self._mem is not None and self._kv is not None and self._client is not None
+        self._mem.update(spec.regions[0])  # the weights mapped since the engine was prepared
+        # completions and KV waits go to the agent (the instance exists only now)
+        self._events = self._kv.events = EventSender(spec.events_addr, spec.instance_id)
+        self.grow_kv_cache(spec.kv_capacity_bytes)  # the KV the agent mapped already
         t_kv = time.perf_counter() - t0
+        self._client.on_step = self._kv.after_step
         assert self._gate is not None
         self._gate.advance(spec.layers_resident)
         self.endpoint = self._loop.run(self._open_endpoint(spec), 60)
@@ -133,20 +141,18 @@ class VllmEngine:
         self._gate.advance(n)
 
     def stats(self) -> EngineStats:
-        assert self._client is not None and self._gate is not None
+        assert self._client is not None and self._gate is not None and self._kv is not None
         sched = self._client.engine_core.scheduler
         running, waiting = sched.get_request_counts()
-        bp = sched.kv_cache_manager.block_pool
-        usable = bp.num_gpu_blocks - 1 - len(self._lent)  # block 0 is vLLM's null block
-        used = max(0, usable - (bp.get_num_free_blocks()))
+        capacity, used = self._kv.usage()
         p95, n = self.ttft.p95()
         first = self._t_first_token
         st = self._stages
         return EngineStats(
             running=running,
             waiting=waiting,
-            kv_used_bytes=used * self._block_bytes,
-            kv_capacity_bytes=usable * self._block_bytes,
+            kv_used_bytes=used,
+            kv_capacity_bytes=capacity,
             layers_resident=self._gate.resident,
             max_batch=int(self._llm.vllm_config.scheduler_config.max_num_seqs),
             ttft_p95_s=p95,
@@ -159,22 +165,30 @@ class VllmEngine:
                 st.endpoint_up_s,
                 None if first is None else first - self._t_start,
             ),
+            kv_wanted_bytes=self._kv.wanted,
+            kv_geometry=self._kv.geometry,
         )
 
     def set_kv_capacity(self, nbytes: int) -> int:
-        assert self._client is not None
-        return int(self._client.call_sync(lambda: self._resize(int(nbytes))))
+        """The agent's capacity for this engine: raised as its background mapping lands (and
+        when lent KV grows back) through :meth:`grow_kv_cache`, lowered before it lends pages
+        (Eq. 1).  Answers the capacity kept, in bytes."""
+        assert self._client is not None and self._kv is not None
+        kv = self._kv
+        if int(nbytes) >= kv.granted * kv.geometry.block_bytes:
+            return self.grow_kv_cache(nbytes)
+        return int(self._client.call_sync(lambda: kv.resize(int(nbytes))))
 
-    def grow_kv_cache(self, region: SlotRegion) -> int:
-        """Activation: follow the agent's mapping of the slot (the rest of the weights, the KV
-        pages) in this process and hand vLLM's KV blocks within the mapped pages back to its
-        scheduler.  Returns the KV bytes vLLM may use.  The one place the KV cache grows at
-        activation; lending shrinks and regrows it with :meth:`set_kv_capacity`."""
-        assert self._mem is not None and self._client is not None
-        self._mem.update(region)
-        start, end = self._slot.kv_range
-        self._phys_limit = max(0, min(region.mapped_bytes, end) - start)
-        return self.set_kv_capacity(self._phys_limit)
+    def grow_kv_cache(self, nbytes: int) -> int:
+        """Raise the KV capacity to ``nbytes``: the newly usable blocks' pages are mapped in
+        this process (checked against the agent's page table on the simulated backend) and
+        zeroed, then handed to vLLM's scheduler (engine thread, between steps; ``kv.py``).  The
+        one place the KV cache grows: at :meth:`start` (what the agent mapped already: a
+        prepared engine's blocks are all held until then) and whenever the agent's background
+        mapping raises the capacity.  Returns the capacity kept, in bytes."""
+        assert self._client is not None and self._kv is not None
+        kv = self._kv
+        return int(self._client.call_sync(lambda: kv.resize(int(nbytes))))
 
     def stop(self) -> None:
         from warmserve_agent.engines.vllm.loader import release_slot
@@ -186,6 +200,8 @@ class VllmEngine:
             release_slot(self._key)
         self._slot = None
         self._llm = self._client = self._server = self._app = None
+        self._kv = None
+        self._events.close()
         if self._mem is not None:
             self._mem.close()
             self._mem = None
@@ -248,8 +264,10 @@ class VllmEngine:
         self._llm, self._client, self._app = b.llm, b.client, b.server_config
         VllmEngine.builds += 1
         self._client.call_sync(lambda: zero_kv_blocks_on_allocation(self._client))
-        start, end = self._slot.kv_range
-        self._phys_limit = end - start
+        # vLLM built its pool with every block free: hold them all; the agent maps the KV range
+        # after start and each growth hands blocks back (grow_kv_cache).
+        kv = self._kv = SlotKvPool(self._slot, self._mem, self._client, self._events)
+        self._client.call_sync(lambda: kv.start(0))
         self.timings["engine_s"] = time.perf_counter() - t0
         log.info(
             "event=vllm_built model=%s slot=%s prepared=%s engine_s=%.2f kv_bytes=%d",
@@ -259,15 +277,6 @@ class VllmEngine:
             self.timings["engine_s"],
             kv_bytes,
         )
-
-    def _hold_all_blocks(self) -> None:
-        """Take every free KV block out of the free queue (engine thread; see prepare)."""
-        bp = self._client.engine_core.scheduler.kv_cache_manager.block_pool
-        take = list(bp.free_block_queue.get_all_free_blocks())
-        for b in take:
-            bp._maybe_evict_cached_block(b)
-            bp.free_block_queue.remove(b)
-        self._lent.extend(take)
 
     def _first_token(self) -> None:
         if self._t_first_token is None:
@@ -290,108 +299,6 @@ class VllmEngine:
             "kv_range": self._slot.kv_range,
             "kv": {n: (t.data_ptr(), extent(t)) for n, t in self._slot.kv.items()},
         }
-
-    # ---- KV capacity (engine thread) -----------------------------------------------------------
-    @property
-    def _block_bytes(self) -> int:
-        start, end = self._slot.kv_range
-        bp = self._client.engine_core.scheduler.kv_cache_manager.block_pool
-        return (end - start) // bp.num_gpu_blocks
-
-    def _touched_bytes(self, blocks: int) -> int:
-        """Bytes from the KV start up to the last byte blocks [0, blocks) touch."""
-        start, end = self._slot.kv_range
-        if blocks <= 0:
-            return 0
-        nb = self._client.engine_core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
-        base = self._mem.tensor().data_ptr() + start
-        hi = 0
-        for t in self._slot.kv.values():
-            dims = [i for i, s in enumerate(t.shape) if s == nb]
-            if len(dims) != 1:  # cannot tell the block dimension: the whole buffer is in use
-                return end - start
-            d = dims[0]
-            last = sum(
-                (s - 1) * st
-                for i, (s, st) in enumerate(zip(t.shape, t.stride(), strict=True))
-                if i != d
-            )
-            last += (blocks - 1) * t.stride(d)
-            off = t.data_ptr() - base + (last + 1) * t.element_size()
-            hi = max(hi, off)
-        return min(hi, end - start)
-
-    def _resize(self, nbytes: int) -> int:
-        """Keep usable exactly the blocks whose bytes lie within ``nbytes`` of the KV start (and
-        every block in use); lend the others.  Answers the KV bytes the engine may still touch.
-        Runs between engine steps (on the engine thread)."""
-        bp = self._client.engine_core.scheduler.kv_cache_manager.block_pool
-        nb = bp.num_gpu_blocks
-        top = nb - len(self._lent)  # usable blocks are [1, top); block 0 is vLLM's null block
-        in_use = max((b.block_id for b in bp.blocks[1:] if b.ref_cnt > 0), default=0)
-        # Growth reaches only pages this process can see: with a shared file opened by its
-        # physical page list, pages the agent maps back later are other physical pages.
-        limit = nbytes if self._can_regrow() else min(nbytes, self._phys_limit)
-        target = max(self._blocks_within(limit), in_use + 1, 2)
-        if target < top:  # lend free blocks at and above target (all free: target > in_use)
-            lent_ids = {b.block_id for b in self._lent}
-            take = [
-                b
-                for b in bp.free_block_queue.get_all_free_blocks()
-                if b.block_id >= target and b.block_id not in lent_ids
-            ]
-            for b in take:
-                bp._maybe_evict_cached_block(b)
-                bp.free_block_queue.remove(b)
-            self._lent.extend(take)
-        elif target > top:  # map first, then hand the blocks back to the scheduler
-            self._follow_mapping(self._touched_bytes(target))
-            back = sorted((b for b in self._lent if b.block_id < target), key=lambda b: b.block_id)
-            self._lent = [b for b in self._lent if b.block_id >= target]
-            bp.free_block_queue.append_n(back)
-        touched = self._touched_bytes(nb - len(self._lent))
-        self._follow_mapping(touched)
-        return touched
-
-    def _blocks_within(self, limit: int) -> int:
-        """The largest ``t`` such that blocks [0, t) touch no byte at or beyond ``limit``."""
-        nb = self._client.engine_core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
-        lo, hi = 0, nb  # touched(lo) <= limit; binary search (touched grows with blocks)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._touched_bytes(mid) <= limit:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def _can_regrow(self) -> bool:
-        """Pages the agent maps back after lending are visible here only when this process owns
-        the memory (a CUDA VA, or the simulated backend in this worker); a shared-file slot
-        opened by physical page list cannot follow a remap."""
-        follows = (SlotMemoryKind.DEVICE, SlotMemoryKind.HOST_BACKEND)
-        return self._mem is not None and self._mem.kind in follows
-
-    def _follow_mapping(self, touched: int) -> None:
-        """Make this process's view of the KV pages match what the engine may touch: pages
-        beyond it may be unmapped and lent by the agent (made inaccessible here, so a bug
-        faults instead of corrupting a neighbour); pages regained are mapped again from the
-        backend's MMU.  CUDA VAs need nothing: the worker's own mappings are the memory."""
-        mem = self._mem
-        assert mem is not None
-        if mem.kind == SlotMemoryKind.DEVICE or touched == self._phys_limit:
-            self._phys_limit = touched
-            return
-        start, _ = self._slot.kv_range
-        page = mem.region.page_bytes
-        new_hi = math.ceil((start + touched) / page)
-        old_hi = math.ceil((start + self._phys_limit) / page)
-        if new_hi < old_hi:
-            mem.host_mapping().revoke(new_hi, old_hi - new_hi)
-        elif new_hi > old_hi:
-            _, ppages = mem._ppages(new_hi)  # host-backend only (_can_regrow)
-            mem.host_mapping().remap(old_hi, ppages[old_hi:new_hi])
-        self._phys_limit = touched
 
     # ---- on the engine's loop ------------------------------------------------------------------
     async def _open_endpoint(self, spec: EngineSpec) -> str:

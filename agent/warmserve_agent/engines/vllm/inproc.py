@@ -44,6 +44,9 @@ class AsyncInprocClient(InprocClient):
         self._calls = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
+        # Called on the engine thread after every step with its outputs, and after aborts with
+        # None: the vllm engine reports finished requests and KV waits to the agent from here.
+        self.on_step: Callable[[EngineCoreOutputs | None], None] | None = None
         # AsyncLLM reads ``engine_core.resources.engine_dead`` (MPClient's BackgroundResources)
         self.resources = types.SimpleNamespace(engine_dead=False)
         self._thread = threading.Thread(target=self._busy_loop, name="vllm-engine", daemon=True)
@@ -59,6 +62,7 @@ class AsyncInprocClient(InprocClient):
                     outputs = self.get_output()  # one vLLM step
                     if outputs.outputs or outputs.scheduler_stats is not None:
                         self._loop.call_soon_threadsafe(self._outputs.put_nowait, outputs)
+                    self._after(outputs)
                 else:
                     self._wake.wait(0.05)
                     self._wake.clear()
@@ -68,6 +72,13 @@ class AsyncInprocClient(InprocClient):
             self._loop.call_soon_threadsafe(self._outputs.put_nowait, exc)
         finally:
             self._run_calls(fail=True)
+
+    def _after(self, outputs: EngineCoreOutputs | None) -> None:
+        if self.on_step is not None:
+            try:
+                self.on_step(outputs)
+            except Exception:  # a report must never stop the engine
+                log.exception("event=vllm_step_hook_failed")
 
     def _run_calls(self, fail: bool = False) -> None:
         while True:
@@ -128,7 +139,11 @@ class AsyncInprocClient(InprocClient):
         await self.call_in_engine_thread(lambda: self.add_request(request))
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        await self.call_in_engine_thread(lambda: self.abort_requests(request_ids))
+        def abort() -> None:
+            self.abort_requests(request_ids)
+            self._after(None)  # aborted requests free their blocks too
+
+        await self.call_in_engine_thread(abort)
 
     async def get_supported_tasks_async(self) -> Any:
         return await self.call_in_engine_thread(self.get_supported_tasks)

@@ -31,9 +31,10 @@ Per-layer readiness: every module holding parameters gets a forward pre-hook wai
 
 The KV cache: :func:`slot_kv_cache` makes vLLM's KV cache tensors views of the slot's pages after
 the weights (``allocate_kv_cache`` computes the layout on ``meta``, the views are taken over the
-slot), so weights and KV are the one contiguous range of Figure 6a.  They are not zeroed here (a
-prepared engine's KV pages are not even mapped when it is built): every block is zeroed when vLLM
-hands it to a request (``hooks.zero_kv_blocks_on_allocation``).
+slot), so weights and KV are the one contiguous range of Figure 6a.  They are not zeroed here (the
+KV pages are mapped in the background, after the engine is built): a block's pages are mapped in
+this process and zeroed when the agent grants it (``kv.py``), and vLLM zeroes a block again when
+it hands it to a request (``hooks.zero_kv_blocks_on_allocation``).
 
 Which slot: the engine registers an :class:`ActiveSlot` under a key (the slot id) and passes it in
 ``model_loader_extra_config``; the loader runs in the same process (the engine core is
@@ -347,7 +348,9 @@ def _kv_views(slot: ActiveSlot, meta: dict[str, torch.Tensor]) -> dict[str, torc
             f"vLLM's KV cache needs {need} bytes; the slot has {region.mapped_bytes - start} "
             "after the weights"
         )
-    kv = slot.mem.tensor()[start : start + need]  # not touched: maybe not mapped yet
+    # Not zeroed here: the pages are mapped (and zeroed, as vLLM does) block by block as the
+    # agent grants them (engines/vllm/kv.py); touching them now could fault.
+    kv = slot.mem.tensor()[start : start + need]
     out = {}
     for name, t in meta.items():
         typed = kv.view(t.dtype)  # as_strided's offset is absolute in the slot's storage

@@ -10,6 +10,8 @@ import argparse
 import logging
 from typing import Any
 
+from warmserve.flags import CliError
+
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
@@ -40,7 +42,6 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 def policy(args: argparse.Namespace) -> Any:
     """The :class:`~warmserve.engine_args.EngineArgPolicy` of the flags (CliError if bad)."""
-    from warmserve.cli import CliError
     from warmserve.engine_arg_policy import EngineArgPolicy, EngineArgPolicyError
     from warmserve.engine_args import load_schema
 

@@ -1,4 +1,4 @@
-"""One home for the agent API's enums and their policy-side values (issue 11).
+"""One home for the agent API's enums and their policy-side values.
 
 The protobuf enums of ``warmserve.agent.v1`` (``WorkerState``, ``SlotState``,
 ``InstancePhase``) map to :class:`~warmserve.policy.cluster.WorkerState`,
@@ -12,14 +12,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from warmserve.api.agent.v1 import agent_pb2 as pb
 from warmserve.policy.cluster import InstancePhase, WorkerState
-from warmserve_agent.activation_stages import ActivationStages
-from warmserve_agent.api.v1 import agent_pb2 as pb
-from warmserve_agent.engines.spec import PreparedReport, PreparedState
-
-# Every fencing refusal's message starts with this (FAILED_PRECONDITION; warmserve_agent.fencing):
-# the operator tells a deposed-leader refusal from any other precondition by it.
-FENCED_PREFIX = "fenced:"
 
 
 class SlotState(StrEnum):
@@ -49,16 +43,9 @@ PHASE_TO_PB = {
     InstancePhase.SERVING: pb.INSTANCE_PHASE_SERVING,
     InstancePhase.GRACE: pb.INSTANCE_PHASE_GRACE,
 }
-PREPARED_TO_PB = {
-    PreparedState.NONE: pb.PREPARED_ENGINE_STATE_UNSPECIFIED,
-    PreparedState.PREPARING: pb.PREPARED_ENGINE_STATE_PREPARING,
-    PreparedState.READY: pb.PREPARED_ENGINE_STATE_READY,
-    PreparedState.FAILED: pb.PREPARED_ENGINE_STATE_FAILED,
-}
 PB_TO_WORKER = {v: k for k, v in WORKER_TO_PB.items()}
 PB_TO_SLOT = {v: k for k, v in SLOT_TO_PB.items()}
 PB_TO_PHASE = {v: k for k, v in PHASE_TO_PB.items()}
-PB_TO_PREPARED = {v: k for k, v in PREPARED_TO_PB.items()}
 
 
 def worker_state(value: int) -> WorkerState:
@@ -71,25 +58,3 @@ def slot_state(value: int) -> SlotState:
 
 def instance_phase(value: int) -> InstancePhase:
     return PB_TO_PHASE.get(value, InstancePhase.STARTING)
-
-
-def prepared_state(value: int) -> PreparedState:
-    return PB_TO_PREPARED.get(value, PreparedState.NONE)
-
-
-def prepared_pb(engine: str, gpu: int, r: PreparedReport) -> pb.PreparedEngine:
-    return pb.PreparedEngine(
-        state=PREPARED_TO_PB[r.state],
-        engine=engine,
-        worker_gpu=gpu,
-        host_bytes=r.host_bytes,
-        build_seconds=r.seconds,
-        message=r.message[:1000],
-    )
-
-
-def stages_pb(st: ActivationStages) -> pb.ActivationStages:
-    out = pb.ActivationStages(engine_prepared=st.engine_prepared)
-    for stage, seconds in st.known().items():
-        setattr(out, f"{stage.value}_seconds", seconds)
-    return out

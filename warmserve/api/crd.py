@@ -1,15 +1,22 @@
 """ModelDeployment and GPUNode custom resources as typed values.
 
 The API server already validates specs against the CRD's OpenAPI schema (ranges, enums, CEL
-rules), so what reaches the operator is well formed.  We still parse defensively here: an
+rules), so what reaches a component is well formed.  We still parse defensively here: an
 object stored before a schema change, or a test that bypasses the API server, must yield a
-clear ``SpecError`` naming the field, never a ``KeyError`` deep in the reconciler.
+clear ``SpecError`` naming the field, never a ``KeyError`` deep in a component.
+
+This parser checks what the schema states, nothing a component knows better: ``spec.engine.args``
+is a list of at most :data:`MAX_ENGINE_ARGS` strings of at most :data:`MAX_ENGINE_ARG_CHARS`
+characters each; whether vLLM takes them, and whether a tenant may set them, is the operator's
+admission, which reports a refusal as the ``InvalidSpec``
+reason of the deployment's Ready condition, and the agent's own check before an instance starts.
 
 Model identity: the policy core keys models by name, and agents name models by their directory
 in the node's weight cache.  We therefore use ``spec.model.name`` as the policy key and require
 it to be unique across ModelDeployments cluster-wide (two deployments of the same weights would
-otherwise fight over the same slots); the older deployment wins, the newer one is reported with
-a ``Degraded`` condition (reason ``DuplicateModel``).
+otherwise fight over the same slots); the older deployment wins (:func:`dedupe_models`, which the
+operator and the gateway both apply), the newer one is reported with a ``Degraded`` condition
+(reason ``DuplicateModel``).
 """
 
 from __future__ import annotations
@@ -19,9 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from warmserve.engine_args import EngineArgPolicy
 from warmserve.modelref import SourceURIError, parse_source
-from warmserve.policy.cluster import ModelSpec, PolicyInputError
 
 GROUP = "warmserve.io"
 VERSION = "v1alpha1"
@@ -31,15 +36,20 @@ MD_KIND = "ModelDeployment"
 NODE_PLURAL = "gpunodes"
 NODE_KIND = "GPUNode"
 
-DEFAULT_LOAD_BANDWIDTH = 2 * 1024**3  # bytes/s host->GPU, for T_c when the spec gives none
 # spec.gateway.maxQueue's ceiling: a gateway replica's default --max-held (the CRD's maximum
 # too), so one deployment cannot claim more held slots than a replica has; the gateway also
 # clamps it to its own --max-held and per-namespace cap.
 MAX_QUEUE_LIMIT = 10_000
+# spec.engine.name's enum: the node agent's engine registry (checked equal by a test), here so
+# that no reader of the CRD needs the agent.
+ENGINE_NAMES = ("simulated", "vllm")
+# spec.engine.args: the schema's maxItems and items.maxLength.
+MAX_ENGINE_ARGS = 64
+MAX_ENGINE_ARG_CHARS = 1024
 
 
 class SpecError(ValueError):
-    """A custom resource the operator cannot act on; the message names the field."""
+    """A custom resource a component cannot act on; the message names the field."""
 
 
 def _get(obj: Mapping[str, Any], path: str, default: Any = None) -> Any:
@@ -108,15 +118,34 @@ class ModelDeploymentSpec:
         return f"{self.namespace}/{self.name}"
 
 
-def parse_model_deployment(
-    body: Mapping[str, Any], engine_policy: EngineArgPolicy | None = None
-) -> ModelDeploymentSpec:
-    """Parse a ModelDeployment object (as the API returns it) or raise :class:`SpecError`.
+def parse_engine_spec(spec: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
+    """(engine name or "" for the agent's default, engine args) of a ModelDeployment spec, as
+    the schema states them (module docstring: the arguments' meaning is the operator's to
+    judge)."""
+    eng = spec.get("engine") or {}
+    if not isinstance(eng, Mapping):
+        raise SpecError("spec.engine must be an object")
+    name = eng.get("name") or ""
+    if not isinstance(name, str) or (name and name not in ENGINE_NAMES):
+        raise SpecError(
+            f"spec.engine.name {name!r} is not an engine; choose from {list(ENGINE_NAMES)}"
+        )
+    args = eng.get("args") or []
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise SpecError("spec.engine.args must be a list of strings")
+    if len(args) > MAX_ENGINE_ARGS:
+        raise SpecError(f"spec.engine.args has {len(args)} items, at most {MAX_ENGINE_ARGS}")
+    for i, a in enumerate(args):
+        if len(a) > MAX_ENGINE_ARG_CHARS:
+            raise SpecError(
+                f"spec.engine.args[{i}] is {len(a)} characters long, at most "
+                f"{MAX_ENGINE_ARG_CHARS}"
+            )
+    return name, tuple(args)
 
-    ``engine_policy``: the engine-argument allowlist the operator's admission applies (its
-    ``--allow-engine-arg`` flags).  Readers that start nothing (the gateway, the finalizer) leave
-    it out and check ``spec.engine.args`` against vLLM's schema only, so they never misread a
-    deployment the admin widened; a refused one carries the operator's ``InvalidSpec``."""
+
+def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
+    """Parse a ModelDeployment object (as the API returns it) or raise :class:`SpecError`."""
     meta = body.get("metadata") or {}
     spec = body.get("spec")
     if not isinstance(spec, Mapping):
@@ -129,9 +158,7 @@ def parse_model_deployment(
     assert min_i is not None and max_i is not None
     if min_i > max_i:
         raise SpecError(f"spec.minInstances ({min_i}) must be <= spec.maxInstances ({max_i})")
-    from .engine import parse_engine  # spec.engine.name/args, checked against vLLM's schema
-
-    engine, args = parse_engine(spec, engine_policy)
+    engine, args = parse_engine_spec(spec)
     source = _get(spec, "model.source", "") or ""
     if source:
         try:
@@ -168,57 +195,6 @@ def parse_model_deployment(
     if out.num_layers and out.prewarm_layers and out.prewarm_layers > out.num_layers:
         raise SpecError("spec.prewarm.layers must be <= spec.model.numLayers")
     return out
-
-
-@dataclass(frozen=True, slots=True)
-class CatalogEntry:
-    """What a node's weight store reports about a model."""
-
-    name: str
-    weight_bytes: int
-    num_layers: int
-    source: str = ""  # where the node fetched it from ("" = pre-filled or not fetched)
-    disk_bytes: int = 0
-
-
-def resolve_model(
-    md: ModelDeploymentSpec,
-    catalog: Mapping[str, CatalogEntry],
-    load_bandwidth: float = DEFAULT_LOAD_BANDWIDTH,
-) -> ModelSpec:
-    """The policy's :class:`ModelSpec` for a deployment: spec fields, else the weight store.
-
-    ``cold_start_s`` (T_c of Eq. 7-8) should come from offline profiling; without it we estimate
-    weight bytes / ``load_bandwidth`` — a documented approximation, reported in status.
-    Raises :class:`SpecError` when the weights are in no agent's cache and the spec does not
-    give their size.
-    """
-    entry = catalog.get(md.model)
-    weight = md.weight_bytes or (entry.weight_bytes if entry else None)
-    layers = md.num_layers or (entry.num_layers if entry else None)
-    if not weight or not layers:
-        raise SpecError(
-            f"model {md.model!r} is in no node agent's weight cache and spec.model.weightBytes/"
-            "numLayers are not set: set spec.model.source (agents fetch it), copy the weights "
-            "to the nodes, or set them"
-        )
-    if md.prewarm_layers and md.prewarm_layers > layers:
-        raise SpecError(
-            f"spec.prewarm.layers ({md.prewarm_layers}) exceeds the model's {layers} layers"
-        )
-    cold = md.cold_start_s if md.cold_start_s is not None else weight / load_bandwidth
-    try:
-        return ModelSpec(
-            name=md.model,
-            weight_bytes=int(weight),
-            tp=md.tp,
-            max_batch=md.max_batch,
-            cold_start_s=float(cold),
-            num_layers=int(layers),
-            prewarm_layers=md.prewarm_layers,
-        )
-    except PolicyInputError as exc:  # pragma: no cover - ranges are checked above
-        raise SpecError(str(exc)) from exc
 
 
 def dedupe_models(

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from warmserve_agent.api.v1 import agent_pb2 as warmserve__agent_dot_api_dot_v1_dot_agent__pb2
+from warmserve.api.agent.v1 import agent_pb2 as warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in warmserve_agent/api/v1/agent_pb2_grpc.py depends on'
+        + ' but the generated code in warmserve/api/agent/v1/agent_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,48 +36,48 @@ class NodeAgentStub:
         """
         self.Describe = channel.unary_unary(
                 '/warmserve.agent.v1.NodeAgent/Describe',
-                request_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.DescribeRequest.SerializeToString,
-                response_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.NodeDescription.FromString,
+                request_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.NodeDescription.FromString,
                 _registered_method=True)
         self.Prewarm = channel.unary_stream(
                 '/warmserve.agent.v1.NodeAgent/Prewarm',
-                request_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.PrewarmRequest.SerializeToString,
-                response_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.PrewarmProgress.FromString,
+                request_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.PrewarmRequest.SerializeToString,
+                response_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.PrewarmProgress.FromString,
                 _registered_method=True)
         self.Evict = channel.unary_unary(
                 '/warmserve.agent.v1.NodeAgent/Evict',
-                request_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.EvictRequest.SerializeToString,
-                response_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.EvictResponse.FromString,
+                request_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.EvictRequest.SerializeToString,
+                response_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.EvictResponse.FromString,
                 _registered_method=True)
         self.Activate = channel.unary_unary(
                 '/warmserve.agent.v1.NodeAgent/Activate',
-                request_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.ActivateRequest.SerializeToString,
-                response_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.ActivateResponse.FromString,
+                request_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.ActivateRequest.SerializeToString,
+                response_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.ActivateResponse.FromString,
                 _registered_method=True)
         self.BeginGrace = channel.unary_unary(
                 '/warmserve.agent.v1.NodeAgent/BeginGrace',
-                request_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.BeginGraceRequest.SerializeToString,
-                response_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.BeginGraceResponse.FromString,
+                request_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.BeginGraceRequest.SerializeToString,
+                response_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.BeginGraceResponse.FromString,
                 _registered_method=True)
         self.EndInstance = channel.unary_unary(
                 '/warmserve.agent.v1.NodeAgent/EndInstance',
-                request_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.EndInstanceRequest.SerializeToString,
-                response_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.EndInstanceResponse.FromString,
+                request_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.EndInstanceRequest.SerializeToString,
+                response_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.EndInstanceResponse.FromString,
                 _registered_method=True)
         self.GetLendable = channel.unary_unary(
                 '/warmserve.agent.v1.NodeAgent/GetLendable',
-                request_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.LendableRequest.SerializeToString,
-                response_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.LendableResponse.FromString,
+                request_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.LendableRequest.SerializeToString,
+                response_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.LendableResponse.FromString,
                 _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/warmserve.agent.v1.NodeAgent/Watch',
-                request_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.WatchRequest.SerializeToString,
-                response_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.WatchEvent.FromString,
+                request_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.WatchRequest.SerializeToString,
+                response_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.WatchEvent.FromString,
                 _registered_method=True)
         self.InspectModel = channel.unary_unary(
                 '/warmserve.agent.v1.NodeAgent/InspectModel',
-                request_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.InspectModelRequest.SerializeToString,
-                response_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.ModelInfo.FromString,
+                request_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.InspectModelRequest.SerializeToString,
+                response_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.ModelInfo.FromString,
                 _registered_method=True)
 
 
@@ -145,48 +145,48 @@ def add_NodeAgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Describe': grpc.unary_unary_rpc_method_handler(
                     servicer.Describe,
-                    request_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.DescribeRequest.FromString,
-                    response_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.NodeDescription.SerializeToString,
+                    request_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.DescribeRequest.FromString,
+                    response_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.NodeDescription.SerializeToString,
             ),
             'Prewarm': grpc.unary_stream_rpc_method_handler(
                     servicer.Prewarm,
-                    request_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.PrewarmRequest.FromString,
-                    response_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.PrewarmProgress.SerializeToString,
+                    request_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.PrewarmRequest.FromString,
+                    response_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.PrewarmProgress.SerializeToString,
             ),
             'Evict': grpc.unary_unary_rpc_method_handler(
                     servicer.Evict,
-                    request_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.EvictRequest.FromString,
-                    response_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.EvictResponse.SerializeToString,
+                    request_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.EvictRequest.FromString,
+                    response_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.EvictResponse.SerializeToString,
             ),
             'Activate': grpc.unary_unary_rpc_method_handler(
                     servicer.Activate,
-                    request_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.ActivateRequest.FromString,
-                    response_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.ActivateResponse.SerializeToString,
+                    request_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.ActivateRequest.FromString,
+                    response_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.ActivateResponse.SerializeToString,
             ),
             'BeginGrace': grpc.unary_unary_rpc_method_handler(
                     servicer.BeginGrace,
-                    request_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.BeginGraceRequest.FromString,
-                    response_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.BeginGraceResponse.SerializeToString,
+                    request_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.BeginGraceRequest.FromString,
+                    response_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.BeginGraceResponse.SerializeToString,
             ),
             'EndInstance': grpc.unary_unary_rpc_method_handler(
                     servicer.EndInstance,
-                    request_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.EndInstanceRequest.FromString,
-                    response_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.EndInstanceResponse.SerializeToString,
+                    request_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.EndInstanceRequest.FromString,
+                    response_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.EndInstanceResponse.SerializeToString,
             ),
             'GetLendable': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLendable,
-                    request_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.LendableRequest.FromString,
-                    response_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.LendableResponse.SerializeToString,
+                    request_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.LendableRequest.FromString,
+                    response_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.LendableResponse.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
-                    request_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.WatchRequest.FromString,
-                    response_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.WatchEvent.SerializeToString,
+                    request_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.WatchRequest.FromString,
+                    response_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.WatchEvent.SerializeToString,
             ),
             'InspectModel': grpc.unary_unary_rpc_method_handler(
                     servicer.InspectModel,
-                    request_deserializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.InspectModelRequest.FromString,
-                    response_serializer=warmserve__agent_dot_api_dot_v1_dot_agent__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.InspectModelRequest.FromString,
+                    response_serializer=warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -214,8 +214,8 @@ class NodeAgent:
             request,
             target,
             '/warmserve.agent.v1.NodeAgent/Describe',
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.DescribeRequest.SerializeToString,
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.NodeDescription.FromString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.DescribeRequest.SerializeToString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.NodeDescription.FromString,
             options,
             channel_credentials,
             insecure,
@@ -241,8 +241,8 @@ class NodeAgent:
             request,
             target,
             '/warmserve.agent.v1.NodeAgent/Prewarm',
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.PrewarmRequest.SerializeToString,
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.PrewarmProgress.FromString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.PrewarmRequest.SerializeToString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.PrewarmProgress.FromString,
             options,
             channel_credentials,
             insecure,
@@ -268,8 +268,8 @@ class NodeAgent:
             request,
             target,
             '/warmserve.agent.v1.NodeAgent/Evict',
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.EvictRequest.SerializeToString,
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.EvictResponse.FromString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.EvictRequest.SerializeToString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.EvictResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -295,8 +295,8 @@ class NodeAgent:
             request,
             target,
             '/warmserve.agent.v1.NodeAgent/Activate',
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.ActivateRequest.SerializeToString,
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.ActivateResponse.FromString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.ActivateRequest.SerializeToString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.ActivateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -322,8 +322,8 @@ class NodeAgent:
             request,
             target,
             '/warmserve.agent.v1.NodeAgent/BeginGrace',
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.BeginGraceRequest.SerializeToString,
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.BeginGraceResponse.FromString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.BeginGraceRequest.SerializeToString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.BeginGraceResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -349,8 +349,8 @@ class NodeAgent:
             request,
             target,
             '/warmserve.agent.v1.NodeAgent/EndInstance',
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.EndInstanceRequest.SerializeToString,
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.EndInstanceResponse.FromString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.EndInstanceRequest.SerializeToString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.EndInstanceResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -376,8 +376,8 @@ class NodeAgent:
             request,
             target,
             '/warmserve.agent.v1.NodeAgent/GetLendable',
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.LendableRequest.SerializeToString,
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.LendableResponse.FromString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.LendableRequest.SerializeToString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.LendableResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -403,8 +403,8 @@ class NodeAgent:
             request,
             target,
             '/warmserve.agent.v1.NodeAgent/Watch',
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.WatchRequest.SerializeToString,
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.WatchEvent.FromString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.WatchRequest.SerializeToString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.WatchEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -430,8 +430,8 @@ class NodeAgent:
             request,
             target,
             '/warmserve.agent.v1.NodeAgent/InspectModel',
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.InspectModelRequest.SerializeToString,
-            warmserve__agent_dot_api_dot_v1_dot_agent__pb2.ModelInfo.FromString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.InspectModelRequest.SerializeToString,
+            warmserve_dot_api_dot_agent_dot_v1_dot_agent__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,12 +1,15 @@
-"""Persisting a model's load history in the cluster (the operator's side of
-:mod:`warmserve.control.history`).
+"""The load-history ConfigMap: how a model's load history (:mod:`warmserve.control.history`) is
+stored in the cluster, format ``warmserve.io/load-history/v1``.
+
+The operator writes and reads it; ``warmserve up`` seeds it with the days of a trace before the
+replay, with the same encoder, so the seed is exactly what the operator would have stored.
 
 Where and why: one ConfigMap per ModelDeployment, ``warmserve-history-<deployment UID>`` in
 the *operator's own namespace* (the chart's release namespace), with the two series as base64
-of little-endian float16 arrays.  Least privilege (issue 16, H3): the operator may write
-ConfigMaps only there (a namespaced Role), never in the namespaces its users own; the UID names
-it uniquely across namespaces.  No ownerReference can cross namespaces, so the teardown deletes
-it with the deployment and the loop removes any whose UID no deployment has.
+of little-endian float16 arrays.  Least privilege: the operator may write ConfigMaps only there
+(a namespaced Role), never in the namespaces its users own; the UID names it uniquely across
+namespaces.  No ownerReference can cross namespaces, so the teardown deletes it with the
+deployment and the loop removes any whose UID no deployment has.
 
 * Compact: 8 days of 5-minute windows are 2 x 2,304 values x 2 bytes = 9 KiB (12 KiB as base64),
   far below the 1 MiB object limit; float16 keeps ~3 significant digits, plenty for "requests in

@@ -19,7 +19,7 @@ import os
 import socket
 from typing import Any
 
-from warmserve.cli import CliError
+from warmserve.flags import CliError
 
 
 def register(sub: Any) -> None:
@@ -50,8 +50,8 @@ def register(sub: Any) -> None:
 def reset_fence_cmd(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from warmserve_agent.config import FENCING_FILE
-    from warmserve_agent.fencing import FenceError, reset_fence
+    from ..config import FENCING_FILE
+    from ..fencing import FenceError, reset_fence
 
     logging.basicConfig(level="INFO", format="ts=%(asctime)s level=%(levelname)s %(message)s")
     if args.fencing_file:

@@ -1,28 +1,36 @@
 """``warmserve operator``: run the kopf operator (ModelDeployment reconciliation, window loop).
 
-(The module is not called ``operator.py``: that name would shadow the standard library.)
+The flags are here; :mod:`.run` checks them and runs kopf.  Every default that a settings
+dataclass holds is read from it (:func:`warmserve.flags.default`): the loop's
+(:class:`~warmserve_operator.config.OperatorConfig`, the policy's ``AutoscalerConfig``), the
+leader election's (:class:`~warmserve_operator.leader.ElectionTiming`), the agents' discovery
+(:class:`~warmserve_operator.ports.AgentDiscovery`) and the gateways' (``GatewaySources``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import random
-import socket
-import uuid
 from typing import Any
 
-from warmserve import tracing
-from warmserve.cli import DefaultsHelpFormatter, engine_arg_flags
-from warmserve.policy.overshoot import DEFAULT_OVERSHOOT_HEADROOM, DEFAULT_OVERSHOOT_SPARES
+from warmserve.flags import DefaultsHelpFormatter, default, engine_args, tracing
+from warmserve.policy.autoscaler import AutoscalerConfig
+
+from ..config import OperatorConfig
+from ..gateway_demand import GatewaySources
+from ..leader import RENEW_DEADLINE_SHARE, RETRY_SHARE, ElectionTiming
+from ..ports import AgentDiscovery
+from .run import run
+
+__all__ = ["register", "run"]
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_float(name: str, fallback: float) -> float:
     value = os.environ.get(name)
-    return float(value) if value else default
+    return float(value) if value else fallback
 
 
 def register(subparsers: Any) -> None:
+    timing = ElectionTiming()
     p = subparsers.add_parser(
         "operator",
         help="run the Kubernetes operator (kopf)",
@@ -39,7 +47,7 @@ def register(subparsers: Any) -> None:
         "--window",
         dest="window",
         type=float,
-        default=_env_float("WARMSERVE_WINDOW_S", 300.0),
+        default=_env_float("WARMSERVE_WINDOW_S", default(OperatorConfig, "window_s")),
         help="prediction window W in seconds (must divide a day; env WARMSERVE_WINDOW_S)",
     )
     p.add_argument(
@@ -47,58 +55,58 @@ def register(subparsers: Any) -> None:
         "--poll",
         dest="poll",
         type=float,
-        default=_env_float("WARMSERVE_POLL_S", 5.0),
+        default=_env_float("WARMSERVE_POLL_S", default(OperatorConfig, "poll_s")),
         help="agent poll / autoscaling interval in seconds (env WARMSERVE_POLL_S)",
     )
     p.add_argument(
         "--day-seconds",
         dest="day",
         type=float,
-        default=_env_float("WARMSERVE_DAY_S", 86400.0),
+        default=_env_float("WARMSERVE_DAY_S", default(OperatorConfig, "day_s")),
         help="length of the predictor's seasonal day in seconds: 86400, except for a "
         "time-compressed trace replay (`warmserve up --speed 20` passes 4320); the window must "
         "divide it (env WARMSERVE_DAY_S)",
     )
     p.add_argument(
         "--predictor",
-        default=os.environ.get("WARMSERVE_PREDICTOR") or None,
+        default=os.environ.get("WARMSERVE_PREDICTOR") or default(OperatorConfig, "predictor"),
         help="predictor name (default: the policy core's default)",
     )
     p.add_argument(
         "--load-bandwidth-gib",
         type=float,
-        default=2.0,
+        default=default(OperatorConfig, "load_bandwidth") / 1024**3,
         help="host->GPU GiB/s used to estimate T_c when a spec gives no coldStartSeconds",
     )
     p.add_argument(
         "--agent-lost-after",
         type=int,
-        default=3,
+        default=default(OperatorConfig, "agent_lost_after"),
         help="failed polls after which an agent counts as lost",
     )
     p.add_argument(
         "--scale-down-delay",
         type=float,
-        default=60.0,
+        default=default(AutoscalerConfig, "scale_down_delay_s"),
         help="seconds the load must stay low before an instance is drained",
     )
     p.add_argument(
         "--max-grace",
         type=float,
-        default=300.0,
+        default=default(AutoscalerConfig, "max_grace_s"),
         help="longest grace period (seconds) of a drained instance",
     )
     p.add_argument(
         "--spare-replicas",
         type=int,
-        default=0,
+        default=default(OperatorConfig, "spare_replicas"),
         help="extra burst prewarm replicas per model beyond Eq. 6, kept warm behind each start "
         "(docs/policy.md 'Spare replicas'; 0: the paper's Eq. 6)",
     )
     p.add_argument(
         "--overshoot-spares",
         type=int,
-        default=DEFAULT_OVERSHOOT_SPARES,
+        default=default(OperatorConfig, "overshoot_spares"),
         help="extra burst prewarm replicas for a model whose demand passed its forecast peak "
         "this window or the last (docs/policy.md 'Overshoot spares'; 0: off; default "
         "%(default)s)",
@@ -106,7 +114,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--overshoot-headroom",
         type=float,
-        default=DEFAULT_OVERSHOOT_HEADROOM,
+        default=default(OperatorConfig, "overshoot_headroom"),
         help="... and for a model whose forecast peak leaves less than this share of a batch of "
         "room in the instances Eq. 6 sizes for (0: never; default %(default)s)",
     )
@@ -144,7 +152,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--lease-seconds",
         type=float,
-        default=10.0,
+        default=timing.lease_s,
         help="duration of the loop's leader Lease (whole seconds): a replacement takes over at "
         "most this long (plus one retry period) after a leader dies",
     )
@@ -154,7 +162,7 @@ def register(subparsers: Any) -> None:
         default=None,
         help="the leader stops acting (fences itself) when it has not renewed its Lease for "
         "this long; must be shorter than --lease-seconds (client-go's renewDeadline; default: "
-        "0.7 x --lease-seconds, 7 s)",
+        f"{RENEW_DEADLINE_SHARE:g} x --lease-seconds, {timing.renew_deadline_s:g} s)",
     )
     p.add_argument(
         "--retry-period-seconds",
@@ -162,8 +170,8 @@ def register(subparsers: Any) -> None:
         default=None,
         help="time between Lease renewals by the leader and acquisition attempts by the other "
         "replicas, on their own schedule whatever a poll takes; must be shorter than "
-        "--renew-deadline-seconds (client-go's retryPeriod; default: 0.2 x --lease-seconds, "
-        "2 s)",
+        "--renew-deadline-seconds (client-go's retryPeriod; default: "
+        f"{RETRY_SHARE:g} x --lease-seconds, {timing.retry_s:g} s)",
     )
     p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port (0: off)")
     p.add_argument(
@@ -196,10 +204,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--agent-pod-selector",
-        default="app.kubernetes.io/part-of=warmserve,app.kubernetes.io/component=agent",
+        default=default(AgentDiscovery, "selector"),
         help="label selector of the agent pods",
     )
-    p.add_argument("--agent-port", type=int, default=50051, help="agents' gRPC port")
+    p.add_argument(
+        "--agent-port", type=int, default=default(AgentDiscovery, "port"), help="agents' gRPC port"
+    )
     p.add_argument(
         "--gateway-service",
         default=os.environ.get("WARMSERVE_GATEWAY_SERVICE") or None,
@@ -210,7 +220,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--gateway-port-name",
-        default="admin",
+        default=default(GatewaySources, "port_name"),
         help="name of the Service port that serves the gateways' /demand",
     )
     p.add_argument(
@@ -225,7 +235,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--gateway-timeout",
         type=float,
-        default=1.0,
+        default=default(GatewaySources, "timeout_s"),
         help="seconds a gateway replica may take to report its held requests",
     )
     p.add_argument(
@@ -267,175 +277,5 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--verbose", action="store_true", help="debug logging (= --log-level debug)")
     tracing.add_arguments(p)  # its decisions as spans, linked to the held requests
-    engine_arg_flags.add_flags(p)
+    engine_args.add_flags(p)
     p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    import asyncio
-    import logging
-
-    from warmserve.cli import CliError
-    from warmserve.policy.autoscaler import AutoscalerConfig
-    from warmserve.policy.cluster import PolicyInputError
-
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else getattr(logging, args.log_level.upper()),
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-    )
-    for path in (
-        args.agent_token_file, args.agent_ca, args.agent_cert, args.agent_key,
-        args.gateway_token_file,
-    ):
-        if path and not os.path.isfile(path):
-            raise CliError(f"file not found: {path}")
-    gateway_service = _gateway_service(args.gateway_service)
-    for url in args.gateway_urls:
-        if not url.startswith(("http://", "https://")):
-            raise CliError(f"--gateway-url must be an http(s) URL, got {url!r}")
-    if not args.gateway_timeout > 0:
-        raise CliError(f"--gateway-timeout must be > 0, got {args.gateway_timeout}")
-    engine_policy = engine_arg_flags.policy(args)
-    engine_arg_flags.log_policy(engine_policy, logging.getLogger("warmserve.operator"))
-    if args.held_demand_per_namespace is not None and args.held_demand_per_namespace < 0:
-        raise CliError(
-            f"--held-demand-per-namespace must be >= 0, got {args.held_demand_per_namespace}"
-        )
-    from warmserve_operator.tenancy import SourcePolicy, TenancyError
-
-    try:
-        sources = SourcePolicy.parse(args.model_sources)
-    except TenancyError as exc:
-        raise CliError(str(exc)) from exc
-    try:
-        traces = tracing.from_args(args, "warmserve-operator")
-    except tracing.TracingConfigError as exc:
-        raise CliError(str(exc)) from None
-    try:
-        from warmserve_operator.reconciler import OperatorConfig
-
-        config = OperatorConfig(
-            window_s=args.window,
-            poll_s=min(args.poll, args.window),
-            day_s=args.day,
-            predictor=args.predictor,
-            load_bandwidth=args.load_bandwidth_gib * 1024**3,
-            agent_lost_after=args.agent_lost_after,
-            spare_replicas=args.spare_replicas,
-            overshoot_spares=args.overshoot_spares,
-            overshoot_headroom=args.overshoot_headroom,
-            autoscaler=AutoscalerConfig(
-                scale_down_delay_s=args.scale_down_delay, max_grace_s=args.max_grace
-            ),
-            engine_policy=engine_policy,
-            model_sources=sources,
-        )
-        from warmserve.policy.predictor import make_predictor
-
-        make_predictor(args.predictor)
-    except (PolicyInputError, KeyError, ValueError) as exc:
-        raise CliError(str(exc).strip("'\"")) from exc
-    election = _election(args)
-    _check_cluster()
-
-    import kopf
-    import warmserve_operator.handlers  # noqa: F401  (registers the handlers)
-    from warmserve_operator.agents import AgentAuth
-    from warmserve_operator.gateway_demand import GatewaySources
-    from warmserve_operator.ports import AgentDiscovery
-
-    if traces is not None:
-        from warmserve_operator import tracing as operator_tracing
-
-        operator_tracing.enable(traces)
-    identity = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
-    priority = args.priority if args.priority is not None else random.randint(1, 2**30)
-    peering = None if args.standalone else args.peering
-    memo = kopf.Memo(
-        config=config,
-        identity=identity,
-        priority=priority,
-        peering=peering,
-        peering_lifetime=args.peering_lifetime,
-        election=election,
-        namespaces=tuple(args.namespaces),
-        history_namespace=args.history_namespace,
-        metrics_port=args.metrics_port,
-        metrics_address=args.metrics_address,
-        agent_auth=AgentAuth(
-            token_file=args.agent_token_file,
-            ca_cert=args.agent_ca,
-            client_cert=args.agent_cert,
-            client_key=args.agent_key,
-            server_name=args.agent_server_name,
-        ),
-        discovery=(
-            AgentDiscovery(args.agent_namespace, args.agent_pod_selector, args.agent_port)
-            if args.agent_namespace
-            else None
-        ),
-        gateways=GatewaySources(
-            gateway_service, args.gateway_port_name, tuple(args.gateway_urls), args.gateway_timeout,
-            token_file=args.gateway_token_file,
-            held_per_namespace=args.held_demand_per_namespace,
-        ),
-    )
-    asyncio.run(
-        kopf.operator(
-            clusterwide=not args.namespaces,
-            namespaces=args.namespaces,
-            standalone=args.standalone,
-            peering_name=peering,
-            priority=priority,
-            identity=identity,  # type: ignore[arg-type]
-            liveness_endpoint=args.liveness,
-            memo=memo,
-        )
-    )
-    return 0
-
-
-def _election(args: argparse.Namespace) -> Any:
-    """The leader-election timings, checked (a renew deadline not shorter than the Lease would
-    let two replicas act at once)."""
-    from warmserve_operator.leader import ElectionConfigError, ElectionTiming
-
-    from warmserve.cli import CliError
-
-    try:
-        return ElectionTiming.for_lease(
-            args.lease_seconds, args.renew_deadline_seconds, args.retry_period_seconds
-        )
-    except ElectionConfigError as exc:
-        raise CliError(f"{exc}; see --lease-seconds, --renew-deadline-seconds") from exc
-
-
-def _gateway_service(value: str | None) -> tuple[str, str] | None:
-    from warmserve.cli import CliError
-
-    if not value:
-        return None
-    ns, sep, name = value.partition("/")
-    if not sep or not ns or not name or "/" in name:
-        raise CliError(f"--gateway-service must be NAMESPACE/NAME, got {value!r}")
-    return ns, name
-
-
-def _check_cluster() -> None:
-    """A clear one-line error when there is no kubeconfig and no in-cluster service account."""
-    from kubernetes import config
-
-    from warmserve.cli import CliError
-
-    try:
-        config.load_incluster_config()
-        return
-    except config.ConfigException:
-        pass
-    try:
-        # $KUBECONFIG read now, not at import time (the client caches its default path).
-        config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
-    except (config.ConfigException, FileNotFoundError, TypeError) as exc:
-        raise CliError(
-            f"no Kubernetes cluster configured ({exc}); set KUBECONFIG or run in a cluster"
-        ) from exc

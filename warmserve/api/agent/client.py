@@ -2,16 +2,16 @@
 
 :class:`AgentClient` is asyncio (``grpc.aio``) because the operator is kopf/asyncio;
 :class:`SyncAgentClient` wraps it for the CLI and scripts.  Both return the generated protobuf
-messages (``warmserve_agent.api.v1.agent_pb2``) so callers see every field the agent reports.
+messages (``warmserve.api.agent.v1.agent_pb2``) so callers see every field the agent reports.
 
 Every mutating call (and ``describe``) takes an optional ``fencing_token`` (the operator's
-leadership term, :mod:`warmserve_agent.fencing`; 0: unfenced).  Every mutating call takes an
+leadership term, checked by the agent's fence; 0: unfenced).  Every mutating call takes an
 optional ``request_id``; pass the same id when retrying after a lost
 answer and the agent returns the first result without redoing the work (idempotency).  When
 omitted, a fresh id is generated (retries are then *not* deduplicated).
 
-Failures raise :class:`AgentError` carrying the gRPC status code and the agent's message, e.g.
-``AgentError(NOT_FOUND, "unknown model 'x': the weight store has ...")``.
+Failures raise :class:`~.errors.AgentError` carrying the gRPC status code and the agent's
+message, e.g. ``AgentError(NOT_FOUND, "unknown model 'x': the weight store has ...")``.
 """
 
 from __future__ import annotations
@@ -25,19 +25,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from warmserve_agent.api.v1 import agent_pb2 as pb
-from warmserve_agent.api.v1 import agent_pb2_grpc as pb_grpc
+from warmserve.api.agent.errors import AgentError
+from warmserve.api.agent.v1 import agent_pb2 as pb
+from warmserve.api.agent.v1 import agent_pb2_grpc as pb_grpc
 
 __all__ = ["AgentClient", "AgentError", "SyncAgentClient", "new_request_id", "pb"]
-
-
-class AgentError(Exception):
-    """A call the agent refused or could not complete (``code`` is a ``grpc.StatusCode``)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
 
 
 def new_request_id(prefix: str = "req") -> str:

@@ -10,7 +10,7 @@ import argparse
 import json
 from typing import Any
 
-from warmserve.cli import CliError
+from warmserve.flags import CliError
 from warmserve.textfmt import columns
 
 
@@ -24,8 +24,8 @@ def _gib(n: int) -> str:
 
 def render(d: Any) -> str:
     """Human-readable view of a NodeDescription."""
-    from warmserve_agent.client import pb
-    from warmserve_agent.wire import instance_phase, slot_state, worker_state
+    from warmserve.api.agent.client import pb
+    from warmserve.api.agent.wire import instance_phase, slot_state, worker_state
 
     state = {v: worker_state(v).value for v in pb.WorkerState.values()}
     sstate = {v: slot_state(v).value for v in pb.SlotState.values()}
@@ -116,7 +116,8 @@ def render(d: Any) -> str:
 
 def inspect_agent(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
-    from warmserve_agent.client import AgentError, SyncAgentClient
+
+    from warmserve.api.agent.client import AgentError, SyncAgentClient
 
     try:
         with SyncAgentClient(
