@@ -88,6 +88,8 @@ class NodeState:
         self.kick_unmap: Callable[[], None] = lambda: None
         self._listeners: list[Callable[[Event], None]] = []
         self._emit_lock = threading.Lock()
+        # Called with a slot's id when it is gone (its prepared engine goes with it).
+        self.on_slot_gone: Callable[[str], None] = lambda slot_id: None
 
     # ---- events ----------------------------------------------------------------------------
     def subscribe(self, fn: Callable[[Event], None]) -> Callable[[], None]:
@@ -219,6 +221,7 @@ class NodeState:
             slot.loader.join()
         self.mm.retire_slot(slot.slot_id)
         del self.slots[slot.slot_id]
+        self.on_slot_gone(slot.slot_id)
         self.emit(EventKind.SLOT_REMOVED, slot.slot_id)
         self.kick_unmap()
 

@@ -339,6 +339,7 @@ class AgentServer:
                     iid = await asyncio.to_thread(self.core.worker_died, g) or ""
                     new = await asyncio.to_thread(self.pool.replace, g)
                     msg = f"worker of GPU {g} died; replaced by pid {new.pid}"
+                await asyncio.to_thread(self.core.worker_replaced, g)
                 if iid:
                     msg += f"; instance(s) {iid} lost"
                 log.warning("event=worker_died gpu=%d instance=%s new_pid=%d", g, iid, new.pid)

@@ -1,6 +1,6 @@
 """``bench/engine_bench.py --smoke`` (real vLLM, so in the vllm group; every other bench's smoke
-is ``tests/bench/test_bench_smoke.py``): one round of a tiny model, pooled worker against a fresh
-process, its JSON in a temp dir and not in ``bench/results``."""
+is ``tests/bench/test_bench_smoke.py``): one prewarm hit of the tiny model with its engine prepared,
+its JSON in a temp dir and not in ``bench/results``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def test_engine_bench_smoke_runs(tmp_path: Path) -> None:
     saved = list(tmp_path.rglob("engine_bench.json"))
     assert len(saved) == 1, proc.stdout[-2000:]
     doc = json.loads(saved[0].read_text())
-    assert doc["rounds"] == 1 and len(doc["pooled"]) == len(doc["fresh"]) == 1
+    assert doc["smoke"] is True and doc["rounds"] == 1
+    assert [m["model"] for m in doc["models"]] == ["tiny"] and "tiny" in doc["summary"]
     after = {p.name: p.stat().st_mtime for p in results.iterdir()} if results.is_dir() else {}
     assert after == before

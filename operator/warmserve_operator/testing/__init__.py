@@ -55,6 +55,7 @@ class _Slot:
     total: int
     active: bool = False
     owner: str = ""
+    prepared: tuple[str, tuple[str, ...]] | None = None  # the engine prepared for it at prewarm
 
 
 @dataclass
@@ -279,15 +280,21 @@ class FakeAgent:
         *,
         source: str = "",
         on_fetch: Callable[[FetchView], Any] | None = None,
+        engine: str = "",
+        engine_args: tuple[str, ...] = (),
     ) -> SlotView:
         self._check_up()
         self._fenced("Prewarm")
         self.calls.append(("prewarm", request_id))
-        key = ("prewarm", model, tuple(sorted(gpus)), layers, owner, source)
+        key = ("prewarm", model, tuple(sorted(gpus)), layers, owner, source, engine, engine_args)
         if (prev := self._idem(request_id, key)) is not None:
             return prev
         self._check_owner(request_id, key, owner)
         group = self._group(request_id, key, gpus)
+        try:  # the real agent checks the engine and its arguments first, as Activate's
+            validate_engine_args(engine_args, self.engine_policy)
+        except EngineArgsError as exc:
+            self._refuse(request_id, key, "INVALID_ARGUMENT", str(exc))
         self._fetch(request_id, key, model, source, on_fetch)
         if model not in self.catalog:
             self._refuse(request_id, key, "NOT_FOUND", f"unknown model {model}")
@@ -309,7 +316,16 @@ class FakeAgent:
             if self.memory - self._used(g) < per_gpu:
                 self._refuse(request_id, key, "RESOURCE_EXHAUSTED", f"gpu {g} lacks memory")
         sid = self._new_id("slot")
-        self.slots[sid] = _Slot(sid, model, group, per_gpu, n_layers, total, owner=owner)
+        self.slots[sid] = _Slot(
+            sid,
+            model,
+            group,
+            per_gpu,
+            n_layers,
+            total,
+            owner=owner,
+            prepared=(engine or "simulated", tuple(engine_args)),
+        )
         self.generation += 1
         view = (await self.describe()).slot(sid)
         self.done[request_id] = (key, view)
@@ -392,6 +408,10 @@ class FakeAgent:
         )
         for sid in evicted:
             del self.slots[sid]
+        prepared = hit_slot and self.slots[hit_slot].prepared == (
+            engine or "simulated",
+            tuple(engine_args),
+        )
         if not hit_slot:
             weight, total = self.catalog[model]
             hit_slot = self._new_id("slot")
@@ -411,7 +431,14 @@ class FakeAgent:
         self.generation += 1
         snap = await self.describe()
         inst = next(i for i in snap.instances if i.instance_id == iid)
-        res = ActivateResult(inst, hit, 0.1 if hit else 2.0, evicted)
+        stages = (
+            ("process", 0.0),
+            ("engine", 0.0 if prepared else 1.0),
+            ("weights", 0.0),
+            ("KV", 0.01),
+            ("endpoint", 0.05),
+        )
+        res = ActivateResult(inst, hit, 0.1 if hit else 2.0, evicted, stages, bool(prepared))
         self.done[request_id] = (key, res)
         return res
 
