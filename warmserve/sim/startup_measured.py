@@ -11,12 +11,13 @@ own start, medians over rounds (``summary.<model>.figure8``):
   all): the rest of the weights loaded at activation;
 * ``weights``: the full prewarm hit.
 
-Partial hits (``summary.<model>.hits``, 0 < layers resident < all) and the ``engine`` start put
-time to first token against the bytes still to load; a least-squares line through those points
-gives the weight path: its slope is 1 / ``load.bw``, its intercept minus the full hit is
-``load.setup_s``.  The stages are then the differences of the starts under that weight path
-(:func:`engine_bench_profile`).  Every constant's source names the file, its command and the
-fields it came from.  Measured on CPU: a model of the start-up of *this* machine's engine, not
+The weight path comes from the prewarms before those starts, not from their first tokens: each
+prewarm's time (store to slot, ``prewarm_p50_s`` of the engine start and of every hit) against
+the bytes it loaded; a least-squares line through those points has slope 1 / ``load.bw`` and
+intercept ``load.setup_s``.  (Not from partial starts' first tokens: those also carry what the
+request waits for beside the weights.)  The stages are then the differences of the starts under
+that weight path (:func:`engine_bench_profile`).  Every constant's source names the file, its
+command and the fields it came from.  Measured on CPU: a model of the start-up of *this* machine's engine, not
 of a GPU.
 """
 
@@ -83,30 +84,31 @@ def engine_bench_profile(data: dict[str, Any], origin: str, name: str) -> Startu
     f8 = ("summary", model, "figure8")
     t = {k: _pos(data, origin, *f8, k, "ttft_p50_s") for k in _STARTS}
     import_s = _pos(data, origin, *f8, "no_prewarm", "import_p50_s")
-    # the weight path: TTFT against the bytes still to load, the engine start and partial hits
+    # the weight path: each prewarm's time (store -> slot) against the bytes it loaded
     points: list[tuple[float, float]] = []
     used: list[str] = []
-    eng_res = _pos(data, origin, *f8, "engine", "layers_resident", strict=False)
-    points.append(((layers - eng_res) / layers * wbytes, t["engine"]))
-    used.append(f"figure8.engine ({eng_res:g}/{layers} layers)")
-    for frac, h in sorted(_get(data, origin, "summary", model, "hits").items()):
-        res = _pos(h, origin, "layers_resident")
-        if 0 < res < layers:
-            points.append(((layers - res) / layers * wbytes, _pos(h, origin, "ttft_p50_s")))
-            used.append(f"hits.{frac} ({res:g}/{layers} layers)")
+    eng = ("summary", model, "figure8", "engine")
+    sizes = [(eng, "figure8.engine")] + [
+        (("summary", model, "hits", f), f"hits.{f}")
+        for f in sorted(_get(data, origin, "summary", model, "hits"))
+    ]
+    for keys, label in sizes:
+        res = _pos(data, origin, *keys, "layers_resident")
+        points.append((res / layers * wbytes, _pos(data, origin, *keys, "prewarm_p50_s")))
+        used.append(f"{label} ({res:g}/{layers} layers)")
     if len({x for x, _ in points}) < 2:
         raise ProfileError(
-            f"{origin}: summary.{model}.hits: need at least one partial hit beside the engine "
-            "start to fit the weight path (run the bench with --fractions 1,0.5,0.25)"
+            f"{origin}: summary.{model}: need prewarms of at least two sizes to fit the weight "
+            "path (the engine start's and a hit's)"
         )
     a, b = _fit(points)
     if b <= 0:
         raise ProfileError(
-            f"{origin}: summary.{model}: the measured TTFTs {[round(y, 3) for _, y in points]} do "
-            "not grow with the bytes to load: no weight-path bandwidth can be fitted"
+            f"{origin}: summary.{model}: the prewarm times {[round(y, 3) for _, y in points]} do "
+            "not grow with the bytes loaded: no weight-path bandwidth can be fitted"
         )
     bw = 1.0 / b
-    setup = max(0.0, a - t["weights"])
+    setup = max(0.0, a)
     load_full = setup + wbytes / bw
     engine_init = max(0.0, t["process_pool"] - t["weights"] - load_full)
     stock_load = t["no_prewarm"] - import_s - engine_init - t["weights"]
@@ -118,8 +120,9 @@ def engine_bench_profile(data: dict[str, Any], origin: str, name: str) -> Startu
     )
     fig = f"summary.{model}.figure8"
     fit_how = (
-        f"least-squares line of TTFT p50 against the bytes still to load ({wbytes:.0f} B x missing "
-        f"layers / {layers}) over {', '.join(used)}: slope {b:.4g} s/B, intercept {a:.3f} s"
+        f"least-squares line of the prewarm time p50 (store to slot) against the bytes it loaded "
+        f"({wbytes:.0f} B x layers / {layers}) over {', '.join(used)}: slope {b:.4g} s/B, "
+        f"intercept {a:.3f} s"
     )
     sources = {
         "stages.process_start_s": (
@@ -145,7 +148,7 @@ def engine_bench_profile(data: dict[str, Any], origin: str, name: str) -> Startu
         ),
         "load.bw": f"{cite}: fitted, 1 / slope of the {fit_how}",
         "load.setup_s": (
-            f"{cite}: fitted, intercept of the {fit_how}, minus the full hit {t['weights']:.3f} s"
+            f"{cite}: fitted, intercept of the {fit_how}"
             + (" (clamped at 0)" if setup == 0 else "")
         ),
         "load.stock_slowdown": (
