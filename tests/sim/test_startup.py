@@ -134,21 +134,27 @@ def _engine_result(**over) -> dict:
     def missing(res: int) -> float:
         return hit + setup + (30 - res) / 30 * w / bw
 
+    def pre(res: int) -> float:  # a prewarm of res layers: the weight path
+        return setup + res / 30 * w / bw
+
     data = {
         "date": "2026-11-27 19:00:00 UTC", "machine": "vm", "cpu_count": 2,
         "command": "python bench/engine_bench.py --models smollm2 --figure8",
         "vllm_version": "0.0-test", "smoke": False,
         "models": [{"model": "smollm2", "layers": 30, "weight_bytes": int(w)}],
         "summary": {"smollm2": {
-            "hits": {"1.0": {"layers_resident": 30, "ttft_p50_s": hit,
+            "hits": {"1.0": {"layers_resident": 30, "ttft_p50_s": hit, "prewarm_p50_s": pre(30),
                              "prepared_host_bytes_p50": 4.5e7},
-                     "0.5": {"layers_resident": 15, "ttft_p50_s": missing(15)},
-                     "0.25": {"layers_resident": 8, "ttft_p50_s": missing(8)}},
+                     "0.5": {"layers_resident": 15, "ttft_p50_s": missing(15),
+                             "prewarm_p50_s": pre(15)},
+                     "0.25": {"layers_resident": 8, "ttft_p50_s": missing(8),
+                              "prewarm_p50_s": pre(8)}},
             "figure8": {
                 "no_prewarm": {"ttft_p50_s": imp + eng + slow * (setup + w / bw) + hit,
                                "import_p50_s": imp},
                 "process_pool": {"ttft_p50_s": hit + eng + setup + w / bw},
-                "engine": {"ttft_p50_s": missing(1), "layers_resident": 1},
+                "engine": {"ttft_p50_s": missing(1), "layers_resident": 1,
+                           "prewarm_p50_s": pre(1)},
                 "weights": {"ttft_p50_s": hit, "layers_resident": 30},
             },
         }},
@@ -216,9 +222,12 @@ def test_measured_cpu_refuses_a_smoke_run_with_a_clear_error(tmp_path):
          r"summary\.smollm2\.figure8\.weights\.ttft_p50_s: must be > 0"),
         (lambda d: d["models"][0].update(weight_bytes=float("nan")),
          r"weight_bytes: must be finite"),
-        (lambda d: d["summary"]["smollm2"]["hits"].clear(), "at least one partial hit"),
-        (lambda d: [h.update(ttft_p50_s=0.05) for h in d["summary"]["smollm2"]["hits"].values()]
-         and d["summary"]["smollm2"]["figure8"]["engine"].update(ttft_p50_s=0.01),
+        (lambda d: [d["summary"]["smollm2"]["hits"].pop(f) for f in ("0.5", "0.25", "1.0")],
+         "prewarms of at least two sizes"),
+        (lambda d: d["summary"]["smollm2"]["hits"]["0.5"].pop("prewarm_p50_s"),
+         r"missing field summary\.smollm2\.hits\.0\.5\.prewarm_p50_s"),
+        (lambda d: [h.update(prewarm_p50_s=0.05) for h in d["summary"]["smollm2"]["hits"].values()]
+         and d["summary"]["smollm2"]["figure8"]["engine"].update(prewarm_p50_s=0.5),
          "do not grow with the bytes"),
         (lambda d: d["summary"]["smollm2"].pop("figure8"), "exactly one model"),
     ],
@@ -230,3 +239,26 @@ def test_measured_cpu_names_the_bad_field(tmp_path, edit, field):
     with pytest.raises(ProfileError, match=field):
         load_startup("measured-cpu", H800, results_dir=tmp_path)
 
+
+
+def test_committed_measured_cpu_is_a_real_engine_run_reproduced_by_its_constants():
+    data = json.loads(RESULT.read_text())
+    assert data["smoke"] is False and "--figure8" in data["command"]
+    assert "--smoke" not in data["command"]
+    assert "measured-cpu" in list_startup_profiles()
+    sp = load_startup("measured-cpu", H800)
+    for k, v in sp.sources.items():
+        assert "engine-cpu.json" in v and data["command"] in v, k
+    # the profile's constants give back the measured starts they were derived from
+    (model,) = [m for m in data["models"] if "figure8" in data["summary"][m["model"]]]
+    f8 = data["summary"][model["model"]]["figure8"]
+    st, load_all = sp.stages, sp.load_setup_s + model["weight_bytes"] / sp.load_bw
+    assert st.activation_s == f8["weights"]["ttft_p50_s"]
+    assert st.import_s == f8["no_prewarm"]["import_p50_s"]
+    assert st.activation_s + st.engine_init_s + load_all == pytest.approx(
+        f8["process_pool"]["ttft_p50_s"], rel=0.02)
+    assert (st.import_s + st.engine_init_s + sp.stock_slowdown * load_all + st.activation_s
+            == pytest.approx(f8["no_prewarm"]["ttft_p50_s"], rel=0.02))
+    missing = (model["layers"] - f8["engine"]["layers_resident"]) / model["layers"]
+    engine_start = st.activation_s + sp.load_setup_s + missing * model["weight_bytes"] / sp.load_bw
+    assert engine_start == pytest.approx(f8["engine"]["ttft_p50_s"], rel=0.25)  # a fitted line

@@ -17,8 +17,8 @@ the bytes it loaded; a least-squares line through those points has slope 1 / ``l
 intercept ``load.setup_s``.  (Not from partial starts' first tokens: those also carry what the
 request waits for beside the weights.)  The stages are then the differences of the starts under
 that weight path (:func:`engine_bench_profile`).  Every constant's source names the file, its
-command and the fields it came from.  Measured on CPU: a model of the start-up of *this* machine's engine, not
-of a GPU.
+command and the fields it came from.  Measured on CPU: a model of the start-up of *this*
+machine's engine, not of a GPU.
 """
 
 from __future__ import annotations
