@@ -15,6 +15,11 @@ hits with part of the layers resident, and a fresh vLLM process for comparison.
   in a new process — the cold path a user gets: interpreter start, ``import vllm``, engine build,
   weights read from the files, first token.  (Conservative: a real ``vllm serve`` also spawns its
   engine-core process and starts an API server.)
+* **Figure 8's starts** (``--figure8``), each its own start: the fresh process (no prewarm), a
+  cold start in the pooled worker (+process pool), a prepared engine over one resident layer
+  (+engine), the full hit (+weights resident); each prewarm is timed too (the weight path).  The
+  JSON a ``measured-<name>`` start-up profile is built from (``warmserve/sim/startup_measured.py``,
+  ``--out bench/results/engine-<name>.json``).
 * **prepared engine's cost**: the worker's anonymous resident memory with the engine prepared
   minus after it was torn down, and the growth the worker measured while building it.
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,6 @@ from warmserve.sim.startup import (
 )
 
 H800 = load_profile("h800")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _table(name: str) -> list[dict]:
@@ -121,9 +119,6 @@ def test_measured_profile_only_from_a_real_gpu_result(tmp_path):
 
 
 # --- measured-<name> from the engine benchmark (bench/engine_bench.py --figure8) ---
-
-RESULT = REPO / "bench" / "results" / "engine-cpu.json"
-
 
 def _engine_result(**over) -> dict:
     """A synthetic (test-only) engine-bench result built from known constants: load 3e8 B at
@@ -240,25 +235,3 @@ def test_measured_cpu_names_the_bad_field(tmp_path, edit, field):
         load_startup("measured-cpu", H800, results_dir=tmp_path)
 
 
-
-def test_committed_measured_cpu_is_a_real_engine_run_reproduced_by_its_constants():
-    data = json.loads(RESULT.read_text())
-    assert data["smoke"] is False and "--figure8" in data["command"]
-    assert "--smoke" not in data["command"]
-    assert "measured-cpu" in list_startup_profiles()
-    sp = load_startup("measured-cpu", H800)
-    for k, v in sp.sources.items():
-        assert "engine-cpu.json" in v and data["command"] in v, k
-    # the profile's constants give back the measured starts they were derived from
-    (model,) = [m for m in data["models"] if "figure8" in data["summary"][m["model"]]]
-    f8 = data["summary"][model["model"]]["figure8"]
-    st, load_all = sp.stages, sp.load_setup_s + model["weight_bytes"] / sp.load_bw
-    assert st.activation_s == f8["weights"]["ttft_p50_s"]
-    assert st.import_s == f8["no_prewarm"]["import_p50_s"]
-    assert st.activation_s + st.engine_init_s + load_all == pytest.approx(
-        f8["process_pool"]["ttft_p50_s"], rel=0.02)
-    assert (st.import_s + st.engine_init_s + sp.stock_slowdown * load_all + st.activation_s
-            == pytest.approx(f8["no_prewarm"]["ttft_p50_s"], rel=0.02))
-    missing = (model["layers"] - f8["engine"]["layers_resident"]) / model["layers"]
-    engine_start = st.activation_s + sp.load_setup_s + missing * model["weight_bytes"] / sp.load_bw
-    assert engine_start == pytest.approx(f8["engine"]["ttft_p50_s"], rel=0.25)  # a fitted line

@@ -20,7 +20,7 @@ these exist:
   of every constant says which: the worker path's load rate, the pooled process's prewarm-hit
   activation (first token included), and the fresh process's imports.  Engine initialisation
   is not measured by that benchmark (it runs transformers, not vLLM) and stays ``fast-path``'s.
-* ``measured-<name>`` from ``bench/results/engine-<name>.json`` (``measured-cpu``: the committed
+* ``measured-<name>`` from ``bench/results/engine-<name>.json`` (``measured-cpu`` from
   ``engine-cpu.json``): the engine benchmark's Figure 8 starts on real vLLM
   (``bench/engine_bench.py --figure8``, smoke runs refused); every constant from that file, the
   weight path fitted (:mod:`warmserve.sim.startup_measured`).  A CPU engine: a model of this
