@@ -70,6 +70,19 @@ def _point(args: tuple[str, dict[str, Any], list[str]]) -> dict[str, Any]:
     return res
 
 
+KEPT = "\n## Under measured costs"  # run by its own commands, which the section gives
+
+
+def kept_sections(page: Path) -> str:
+    """The page's sections from ``KEPT`` on, kept across a re-render."""
+    try:
+        text = page.read_text()
+    except OSError:
+        return ""
+    i = text.find(KEPT)
+    return text[i:] if i >= 0 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                               "json": str(ROOT / "bench/results/paper_eval.json")})
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
-        Path(args.out).write_text(render(saved))
+        Path(args.out).write_text(render(saved) + kept_sections(Path(args.out)))
         print(f"wrote {args.out} from {args.from_json}", file=sys.stderr)
         return 0
 
@@ -174,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(saved, indent=1, default=float) + "\n")
-    Path(args.out).write_text(render(saved))
+    Path(args.out).write_text(render(saved) + kept_sections(Path(args.out)))
     print(f"wrote {args.out} and {args.json} in {total:.0f} s", file=sys.stderr)
     return 0
 

@@ -58,6 +58,10 @@ def test_paper_eval_writes_markdown_and_json_and_rerenders(tmp_path):
     again = tmp_path / "again.md"
     assert mod.main(["--from-json", str(res), "--out", str(again)]) == 0
     assert again.read_text() == text
+    # a section run by its own commands at the end of the page survives a re-render
+    again.write_text(text + "\n## Under measured costs\n\nkept\n")
+    assert mod.main(["--from-json", str(res), "--out", str(again)]) == 0
+    assert again.read_text() == text + "\n## Under measured costs\n\nkept\n"
 
     # each ablation differs from WarmServe wherever its mechanism acted; the ones that never
     # acted are reported as such on the page (not hidden)

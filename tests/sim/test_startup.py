@@ -4,12 +4,14 @@ profile built only from a real GPU benchmark result."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from warmserve.sim.hardware import ProfileError, load_profile
 from warmserve.sim.physics_table import physics_table
 from warmserve.sim.startup import (
+    STARTUP_DIR,
     list_startup_profiles,
     load_startup,
     measured_results,
@@ -24,16 +26,33 @@ def _table(name: str) -> list[dict]:
     return physics_table(sp.apply(H800), load_setup_s=sp.load_setup_s)
 
 
-def test_paper_profile_reproduces_figure_8_for_every_model():
+def _cited_ranges() -> dict[str, tuple[float, float]]:
+    """The Figure 8 ranges paper.yaml cites: its description's three stage ratios and its
+    header's total, read from the file rather than restated here."""
+    text = (STARTUP_DIR / "paper.yaml").read_text()
+    desc = load_startup("paper").description
+    stage = re.search(r"stage ratios ([\d.]+)-([\d.]+)x / ([\d.]+)-([\d.]+)x / ([\d.]+)-([\d.]+)x",
+                      desc)
+    total = re.search(r"in total ([\d.]+)-([\d.]+)x", text)
+    assert stage and total, "paper.yaml no longer cites Figure 8's ranges"
+    v = [float(x) for x in stage.groups()]
+    return {"device_x": (v[0], v[1]), "engine_x": (v[2], v[3]), "weights_comm_x": (v[4], v[5]),
+            "total_reduction": (float(total[1]), float(total[2]))}
+
+
+def test_paper_profile_reproduces_the_figure_8_ratios_it_cites():
+    # What paper.yaml was calibrated against is Figure 8's printed ranges; the 665 ms 70B hit
+    # is its own calibration target (activation_s is solved from it), so checking it back would
+    # be circular: only the ranges, each model in each.
+    ranges = _cited_ranges()
+    assert ranges == {"device_x": (1.6, 1.7), "engine_x": (2.3, 4.7),
+                      "weights_comm_x": (7.0, 7.8), "total_reduction": (29.8, 54.8)}
     rows = _table("paper")
     assert [r["model"] for r in rows] == ["llama2-7b (TP1)", "llama2-13b (TP2)",
                                           "llama2-70b (TP4)"]
     for r in rows:
-        assert 1.6 <= r["device_x"] <= 1.7, r
-        assert 2.3 <= r["engine_x"] <= 4.7, r
-        assert 7.0 <= r["weights_comm_x"] <= 7.8, r
-        assert 29.8 <= r["total_reduction"] <= 54.8, r
-    assert rows[2]["ttft_commgroup_s"] == pytest.approx(0.665, abs=0.005)  # §7.2: ~665 ms
+        for key, (lo, hi) in ranges.items():
+            assert lo <= r[key] <= hi, (key, r)
 
 
 def test_fast_path_is_the_gpu_profiles_own_reading():
@@ -97,3 +116,122 @@ def test_measured_profile_only_from_a_real_gpu_result(tmp_path):
     assert "gpu-testgpu.json" in sp.sources["load.bw"]
     assert "gpu-testgpu.json" in sp.sources["stages.activation_s"]
     assert "fast-path" in sp.sources["stages.engine_init_s"]
+
+
+# --- measured-<name> from the engine benchmark (bench/engine_bench.py --figure8) ---
+
+def _engine_result(**over) -> dict:
+    """A synthetic (test-only) engine-bench result built from known constants: load 3e8 B at
+    1 GB/s after 0.2 s of set-up, hit 0.1 s, engine build 5 s, imports 30 s, stock loader 2x
+    slower; 30 layers."""
+    w, bw, setup, hit, eng, imp, slow = 3e8, 1e9, 0.2, 0.1, 5.0, 30.0, 2.0
+
+    def missing(res: int) -> float:
+        return hit + setup + (30 - res) / 30 * w / bw
+
+    def pre(res: int) -> float:  # a prewarm of res layers: the weight path
+        return setup + res / 30 * w / bw
+
+    data = {
+        "date": "2026-11-27 19:00:00 UTC", "machine": "vm", "cpu_count": 2,
+        "command": "python bench/engine_bench.py --models smollm2 --figure8",
+        "vllm_version": "0.0-test", "smoke": False,
+        "models": [{"model": "smollm2", "layers": 30, "weight_bytes": int(w)}],
+        "summary": {"smollm2": {
+            "hits": {"1.0": {"layers_resident": 30, "ttft_p50_s": hit, "prewarm_p50_s": pre(30),
+                             "prepared_host_bytes_p50": 4.5e7},
+                     "0.5": {"layers_resident": 15, "ttft_p50_s": missing(15),
+                             "prewarm_p50_s": pre(15)},
+                     "0.25": {"layers_resident": 8, "ttft_p50_s": missing(8),
+                              "prewarm_p50_s": pre(8)}},
+            "figure8": {
+                "no_prewarm": {"ttft_p50_s": imp + eng + slow * (setup + w / bw) + hit,
+                               "import_p50_s": imp},
+                "process_pool": {"ttft_p50_s": hit + eng + setup + w / bw},
+                "engine": {"ttft_p50_s": missing(1), "layers_resident": 1,
+                           "prewarm_p50_s": pre(1)},
+                "weights": {"ttft_p50_s": hit, "layers_resident": 30},
+            },
+        }},
+    }
+    data.update(over)
+    return data
+
+
+def _write(tmp_path, data, name="engine-cpu.json"):
+    (tmp_path / name).write_text(json.dumps(data))
+
+
+def test_measured_cpu_recovers_the_constants_of_an_engine_result(tmp_path):
+    _write(tmp_path, _engine_result())
+    assert list(measured_results(tmp_path)) == ["measured-cpu"]
+    assert "measured-cpu" in list_startup_profiles(tmp_path)
+    sp = load_startup("measured-cpu", H800, results_dir=tmp_path)
+    assert sp.name == "measured-cpu"
+    assert sp.load_bw == pytest.approx(1e9) and sp.load_setup_s == pytest.approx(0.2)
+    assert sp.stock_slowdown == pytest.approx(2.0)
+    st = sp.stages
+    assert st.activation_s == pytest.approx(0.1) and st.engine_init_s == pytest.approx(5.0)
+    assert st.import_s == pytest.approx(30.0)
+    assert st.process_start_s == st.device_init_s == st.comm_group_s == 0.0
+    assert sp.engine_overhead_bytes == 45_000_000
+    # every constant cited to the file and its command, none to another profile
+    assert set(sp.sources) == {f"stages.{k}" for k in (
+        "process_start_s", "import_s", "device_init_s", "engine_init_s", "comm_group_s",
+        "activation_s")} | {"load.bw", "load.setup_s", "load.stock_slowdown",
+                            "prepared_engine.overhead_bytes"}
+    for k, v in sp.sources.items():
+        assert "engine-cpu.json" in v and "bench/engine_bench.py --models smollm2 --figure8" in v, k
+    assert "least-squares" in sp.sources["load.bw"]
+    # the same code path as measured-<gpu>: the GPU profile's stages are replaced
+    assert sp.apply(H800).startup == st and sp.apply(H800).host_to_gpu_bw == pytest.approx(1e9)
+
+
+def test_measured_cpu_refuses_a_smoke_run_with_a_clear_error(tmp_path):
+    _write(tmp_path, _engine_result(smoke=True))
+    assert measured_results(tmp_path) == {}
+    assert "measured-cpu" not in list_startup_profiles(tmp_path)
+    with pytest.raises(ProfileError, match=r"engine-cpu\.json: a --smoke run"):
+        load_startup("measured-cpu", H800, results_dir=tmp_path)
+    # no smoke field at all: not known to be a real run either
+    data = _engine_result()
+    del data["smoke"]
+    _write(tmp_path, data)
+    with pytest.raises(ProfileError, match="--smoke run"):
+        load_startup("measured-cpu", H800, results_dir=tmp_path)
+    _write(tmp_path, {"dry_run": True}, "gpu-fake.json")
+    with pytest.raises(ProfileError, match=r"gpu-fake\.json: a dry run"):
+        load_startup("measured-fake", H800, results_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda d: d.pop("command"), "missing field command"),
+        (lambda d: d.pop("vllm_version"), "missing field vllm_version"),
+        (lambda d: d["summary"]["smollm2"]["figure8"]["engine"].pop("ttft_p50_s"),
+         r"missing field summary\.smollm2\.figure8\.engine\.ttft_p50_s"),
+        (lambda d: d["summary"]["smollm2"]["figure8"]["no_prewarm"].update(import_p50_s="x"),
+         r"summary\.smollm2\.figure8\.no_prewarm\.import_p50_s: expected a number"),
+        (lambda d: d["summary"]["smollm2"]["figure8"]["weights"].update(ttft_p50_s=-1),
+         r"summary\.smollm2\.figure8\.weights\.ttft_p50_s: must be > 0"),
+        (lambda d: d["models"][0].update(weight_bytes=float("nan")),
+         r"weight_bytes: must be finite"),
+        (lambda d: [d["summary"]["smollm2"]["hits"].pop(f) for f in ("0.5", "0.25", "1.0")],
+         "prewarms of at least two sizes"),
+        (lambda d: d["summary"]["smollm2"]["hits"]["0.5"].pop("prewarm_p50_s"),
+         r"missing field summary\.smollm2\.hits\.0\.5\.prewarm_p50_s"),
+        (lambda d: [h.update(prewarm_p50_s=0.05) for h in d["summary"]["smollm2"]["hits"].values()]
+         and d["summary"]["smollm2"]["figure8"]["engine"].update(prewarm_p50_s=0.5),
+         "do not grow with the bytes"),
+        (lambda d: d["summary"]["smollm2"].pop("figure8"), "exactly one model"),
+    ],
+)
+def test_measured_cpu_names_the_bad_field(tmp_path, edit, field):
+    data = _engine_result()
+    edit(data)
+    (tmp_path / "engine-cpu.json").write_text(json.dumps(data, allow_nan=True))
+    with pytest.raises(ProfileError, match=field):
+        load_startup("measured-cpu", H800, results_dir=tmp_path)
+
+

@@ -47,7 +47,7 @@ def register(subparsers: Any) -> None:
         "--startup",
         metavar="PROFILE",
         help="override cluster.startup: a start-up profile name (paper, fast-path, "
-        "measured-<gpu>) or a profile YAML path (docs/simulator.md)",
+        "measured-<gpu>, measured-cpu) or a profile YAML path (docs/simulator.md)",
     )
     p.add_argument("--json", metavar="OUT.json", help="write rows, per-model breakdown and facts")
     p.add_argument("--plot", metavar="OUT.png", help="TTFT CDFs and GPU-state timelines")

@@ -20,6 +20,11 @@ these exist:
   of every constant says which: the worker path's load rate, the pooled process's prewarm-hit
   activation (first token included), and the fresh process's imports.  Engine initialisation
   is not measured by that benchmark (it runs transformers, not vLLM) and stays ``fast-path``'s.
+* ``measured-<name>`` from ``bench/results/engine-<name>.json`` (``measured-cpu`` from
+  ``engine-cpu.json``): the engine benchmark's Figure 8 starts on real vLLM
+  (``bench/engine_bench.py --figure8``, smoke runs refused); every constant from that file, the
+  weight path fitted (:mod:`warmserve.sim.startup_measured`).  A CPU engine: a model of this
+  machine's start-up, not of a GPU's.
 
 :func:`load_startup` reads one (a name, or a path to a YAML file of the same shape);
 :func:`list_startup_profiles` lists what exists, ``measured-*`` included.  Bad files fail with
@@ -159,28 +164,70 @@ def parse_startup(data: Any, origin: str = "<startup profile>") -> StartupProfil
     )
 
 
-def measured_results(results_dir: Path = RESULTS_DIR) -> dict[str, Path]:
-    """``measured-<gpu>`` names of the real GPU benchmark results present (dry runs skipped)."""
+_RESULT_KINDS = {"gpu-": "gpu_bench", "engine-": "engine_bench"}
+
+
+def _result_files(results_dir: Path) -> dict[str, Path]:
+    """``measured-<name>`` -> file for every ``gpu-<name>.json`` / ``engine-<name>.json``."""
     out: dict[str, Path] = {}
-    for p in sorted(results_dir.glob("gpu-*.json")):
+    for prefix in _RESULT_KINDS:
+        for p in sorted(results_dir.glob(f"{prefix}*.json")):
+            out[f"measured-{p.stem.removeprefix(prefix)}"] = p
+    return out
+
+
+def _refusal(path: Path, data: Any) -> str | None:
+    """Why ``data`` is not a measurement (``None``: it is one)."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    if path.name.startswith("gpu-"):
+        if data.get("dry_run", True):
+            return "a dry run (or not a gpu_bench result): no GPU figure in it"
+    elif data.get("smoke", True) is not False:
+        return "a --smoke run (or not an engine_bench result): tiny sizes, not a measurement"
+    return None
+
+
+def measured_results(results_dir: Path = RESULTS_DIR) -> dict[str, Path]:
+    """``measured-<name>`` names of the real benchmark results present: the GPU benchmark's
+    ``gpu-<gpu>.json`` and the engine benchmark's ``engine-<name>.json`` (dry and smoke runs
+    skipped)."""
+    out: dict[str, Path] = {}
+    for name, p in _result_files(results_dir).items():
         try:
             data = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(data, dict) and not data.get("dry_run", True):
-            out[f"measured-{p.stem.removeprefix('gpu-')}"] = p
+        if _refusal(p, data) is None:
+            out[name] = p
     return out
 
 
 def measured_profile(path: Path, base: StartupProfile, gpu: GpuProfile) -> StartupProfile:
-    """A ``measured-<gpu>`` profile: ``base`` (``fast-path``) with what ``path`` measured."""
-    origin = str(path)
+    """A ``measured-<name>`` profile from a real benchmark result at ``path``.
+
+    ``gpu-<gpu>.json`` (``bench/gpu_bench.py``): ``base`` (``fast-path``) with what it measured.
+    ``engine-<name>.json`` (``bench/engine_bench.py --figure8``): every constant from the
+    engine's measured Figure 8 starts (:mod:`warmserve.sim.startup_measured`).  A dry or smoke
+    run is refused; a missing or bad field is named."""
+    try:  # cite a committed result by its place in the repository, not this checkout's path
+        origin = str(path.resolve().relative_to(RESULTS_DIR.parents[1]))
+    except ValueError:
+        origin = str(path)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ProfileError(f"{origin}: not a readable JSON result: {exc}") from None
-    if not isinstance(data, dict) or data.get("dry_run", True):
-        raise ProfileError(f"{origin}: a dry run (or not a gpu_bench result): no GPU figure in it")
+    why = _refusal(path, data)
+    if why:
+        raise ProfileError(f"{origin}: {why}; a measured profile needs a real run")
+    name = "measured-" + next(
+        path.stem.removeprefix(k) for k in _RESULT_KINDS if path.name.startswith(k)
+    )
+    if path.name.startswith("engine-"):
+        from warmserve.sim.startup_measured import engine_bench_profile
+
+        return engine_bench_profile(data, origin, name)
     stages = base.stages or gpu.startup
     sources = {f"stages.{k}": f"{base.name}: {base.sources.get('stages', '')}" for k in _STAGES}
     sources.update({k: f"{base.name}: {v}" for k, v in base.sources.items()})
@@ -207,7 +254,7 @@ def measured_profile(path: Path, base: StartupProfile, gpu: GpuProfile) -> Start
         stages = replace(stages, import_s=_num(origin, "llama.fresh.import_s", fresh["import_s"]))
         sources["stages.import_s"] = f"{origin}: llama.fresh.import_s (torch + transformers)"
     return StartupProfile(
-        path.stem.replace("gpu-", "measured-", 1), stages, bw, base.load_setup_s,
+        name, stages, bw, base.load_setup_s,
         base.stock_slowdown,
         f"fast-path with the values measured on {gpu_name} ({path.name})", sources,
         base.engine_overhead_bytes,
@@ -215,7 +262,7 @@ def measured_profile(path: Path, base: StartupProfile, gpu: GpuProfile) -> Start
 
 
 def list_startup_profiles(results_dir: Path = RESULTS_DIR) -> list[str]:
-    """Bundled start-up profiles plus a ``measured-<gpu>`` per real GPU result present."""
+    """Bundled start-up profiles plus a ``measured-<name>`` per real benchmark result present."""
     bundled = [p.stem for p in STARTUP_DIR.glob("*.yaml")]
     return sorted(bundled + list(measured_results(results_dir)))
 
@@ -223,20 +270,22 @@ def list_startup_profiles(results_dir: Path = RESULTS_DIR) -> list[str]:
 def load_startup(
     name: str = DEFAULT_STARTUP, gpu: GpuProfile | None = None, results_dir: Path = RESULTS_DIR
 ) -> StartupProfile:
-    """A start-up profile by name (``paper``, ``fast-path``, ``measured-<gpu>``) or YAML path."""
+    """A start-up profile by name (``paper``, ``fast-path``, ``measured-<name>``) or YAML path."""
     if not isinstance(name, str) or not name.strip():
         raise ProfileError("start-up profile name must be a non-empty string")
     name = name.strip()
     if name.startswith("measured-"):
-        found = measured_results(results_dir)
-        if name not in found:
-            have = ", ".join(found) or "none: no real bench/results/gpu-*.json yet"
+        files = _result_files(results_dir)
+        if name not in files:  # a present dry/smoke file is refused by measured_profile
+            have = ", ".join(measured_results(results_dir)) or (
+                "none: no real bench/results/gpu-*.json or engine-*.json yet"
+            )
             raise ProfileError(f"unknown start-up profile {name!r}; measured profiles: {have}")
         if gpu is None:
             from warmserve.sim.hardware import load_profile
 
             gpu = load_profile()
-        return measured_profile(found[name], load_startup("fast-path"), gpu)
+        return measured_profile(files[name], load_startup("fast-path"), gpu)
     if name.endswith((".yaml", ".yml")) or "/" in name:
         path = Path(name)
         if not path.is_file():
