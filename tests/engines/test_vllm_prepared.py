@@ -200,11 +200,11 @@ def test_a_partial_hit_in_a_pooled_worker_is_not_held_by_its_kv_growth(
     tiny_root: Path,  # noqa: F811
     reference: list[int],  # noqa: F811
 ) -> None:
-    """The engine in a pooled worker, 1 of 4 layers resident, the rest copied at 1.5 MB/s, KV
-    mapped in the background: the pager's KV raises reach the worker while the request's forward
-    waits for a layer, which arrives through the same worker's command pipe.  A raise that waited
-    for the engine thread held that pipe until the forward gave up (~30 s, kv_grow_failed); the
-    tokens come now within seconds, identical to plain vLLM's."""
+    """The engine in a pooled worker, 1 of 4 layers resident, the rest copied at 0.5 MB/s, KV
+    mapped in the background at 10 ms a page: the pager's KV raises reach the worker while the
+    request's forward waits for a layer, which arrives through the same worker's command pipe.
+    A raise that waited for the engine thread held that pipe until the forward gave up (~30 s,
+    kv_grow_failed); the tokens come now within seconds, identical to plain vLLM's."""
     from warmserve_agent.config import AgentConfig
     from warmserve_agent.testing import AgentThread
 
@@ -218,7 +218,8 @@ def test_a_partial_hit_in_a_pooled_worker_is_not_held_by_its_kv_growth(
         memory_dir=tmp_path / "mem",
         spare_workers=0,
         engines=("vllm",),
-        sim_copy_bytes_per_s=1.5e6,
+        sim_copy_bytes_per_s=0.5e6,  # the missing layers land over a few seconds
+        sim_map_s_per_page=0.01,  # and KV pages map meanwhile, raising the engine's capacity
     )
     with AgentThread(cfg) as agent, SyncAgentClient(agent.address) as c:
         sid = c.prewarm_wait("tiny", [0], layers=1, engine="vllm", engine_args=ARGS).slot_id
@@ -235,5 +236,5 @@ def test_a_partial_hit_in_a_pooled_worker_is_not_held_by_its_kv_growth(
         t0 = time.monotonic()
         assert _tokens(res.instance.endpoint) == reference
         took = time.monotonic() - t0
-        # the rest of the model (3 layers) streams in ~1 s at 1.5 MB/s; 30 s was the stall
+        # the rest of the model streams in within seconds; a held pipe stalls for 30 s
         assert took < 20, f"first answer took {took:.1f}s: the forward waited on a held pipe"
