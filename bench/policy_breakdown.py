@@ -32,7 +32,7 @@ from pathlib import Path
 
 from warmserve.sim import core, executor, runner
 from warmserve.sim.cluster import STOPPED
-from warmserve.sim.metrics import summarize
+from warmserve.sim.result_rows import summarize
 from warmserve.sim.scenario import load_scenario
 from warmserve.testing.smoke import add_smoke_flag, apply_smoke
 

@@ -50,7 +50,7 @@ def _stats(st: Any) -> dict[str, Any]:
 
 
 def dump(args: argparse.Namespace) -> dict[str, Any]:
-    from warmserve.sim import metrics
+    from warmserve.sim import result_rows
     from warmserve.sim.runner import describe, prepare, run_system
     from warmserve.sim.scenario import load_scenario
     from warmserve.sim.systems import DEFAULT_SYSTEMS, parse_systems
@@ -69,7 +69,7 @@ def dump(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"facts": describe(prep), "systems": {}}
     for s in systems:
         res, wall = run_system(prep, s)
-        row = metrics.summarize(res, names, wall)
+        row = result_rows.summarize(res, names, wall)
         out["systems"][s] = {
             "row": row,
             "starts": [list(astuple(r)) for r in res.starts],

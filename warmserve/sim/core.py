@@ -8,7 +8,7 @@ instance events are skipped by a version number.
 What is simulated (the physics; what *decides* is elsewhere), one module per concept, mixed
 into :class:`Simulation` (which owns the state, the clock and the loop):
 
-- **Gateway** (:mod:`warmserve.sim.gateway`): a request goes to the least-loaded *serving*
+- **RequestRouting** (:mod:`warmserve.sim.routing`): a request goes to the least-loaded *serving*
   instance of its model with a free batch slot and KV room; otherwise it waits in the model's
   FIFO queue (also while an instance starts).  Waiting requests are the gateway's *held* demand.
 - **Engine** (:mod:`warmserve.sim.batching`): continuous batching per instance, analytically
@@ -21,7 +21,7 @@ into :class:`Simulation` (which owns the state, the clock and the loop):
 Streaming (issue 12 §5): requests arrive chunk by chunk from a
 :class:`~warmserve.sim.workload.RequestStream` (or from arrays, for tests), live as
 :class:`~warmserve.sim.cluster.Req` objects only while queued or running, and leave their
-latencies in online histograms (:mod:`warmserve.sim.metrics`).  ``record=True`` also keeps
+latencies in online histograms (:mod:`warmserve.sim.result_rows`).  ``record=True`` also keeps
 per-request outcome arrays (tests).
 
 Who decides (:mod:`warmserve.sim.hooks`): for controlled systems (WarmServe and the autoscaling
@@ -56,7 +56,6 @@ from warmserve.sim.cluster import (
     SimInstance,
 )
 from warmserve.sim.executor import ControlExecutor
-from warmserve.sim.gateway import Gateway
 from warmserve.sim.hooks import Controlled, SystemHooks
 from warmserve.sim.lifecycle import EV_READY, Lifecycle
 from warmserve.sim.model import (
@@ -68,6 +67,7 @@ from warmserve.sim.model import (
     SimOutput,
     StartRecord,
 )
+from warmserve.sim.routing import RequestRouting
 from warmserve.sim.stats import ModelStats
 from warmserve.sim.systems import SystemConfig
 from warmserve.sim.workload import Requests
@@ -87,7 +87,7 @@ __all__ = [
 ]
 
 
-class Simulation(Gateway, Batching, Lifecycle):
+class Simulation(RequestRouting, Batching, Lifecycle):
     """One run of one system.  Deterministic: no randomness after the workload is drawn.
 
     Requests come from ``source`` (an iterable of :class:`~warmserve.sim.workload.Requests`

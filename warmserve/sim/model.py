@@ -80,9 +80,9 @@ class StartRecord:
 
 @dataclass
 class SimOutput:
-    """Raw results of one run (turned into a row by :mod:`warmserve.sim.metrics`).
+    """Raw results of one run (turned into a row by :mod:`warmserve.sim.result_rows`).
 
-    ``stats``: one :class:`warmserve.sim.metrics.ModelStats` per model (online metrics).  The
+    ``stats``: one :class:`warmserve.sim.stats.ModelStats` per model (online metrics).  The
     per-request arrays (``first_token``, ``finish``, ``assigned``, ``drop``, indexed by request
     in arrival order) exist only for runs made with ``record=True`` (tests, small runs).
     """
