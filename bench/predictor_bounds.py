@@ -62,7 +62,7 @@ TRACES = [
 ]
 TARGET_COVERAGE = 0.9
 # the shortest trace: tables 1-2 whole, table 3's trees stop at "too few windows" (their fit is
-# minutes; tests/test_predictor_bounds.py runs it on a small series)
+# minutes; tests/bench/test_predictor_bounds.py runs it on a small series)
 SMOKE = {"rows": "burstgpt daily 61 d"}
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
-from conftest import write_model
 from hypothesis import HealthCheck, given, settings
 from warmserve_agent.sources import SourceError, SourceSettings, open_source
 from warmserve_agent.sources.base import RemoteFile, select
@@ -26,6 +25,7 @@ from warmserve_agent.sources.fetch_records import FetchFailed
 from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.sources.hf import HfSource
 from warmserve_agent.store import StoreError, WeightStore
+from warmserve_agent.testing import write_model
 
 from tests.model_sources_support import HubServer, Repo, repo_from_dir
 from warmserve.modelref import MODEL_NAME_MAX, MODEL_NAME_PATTERN, HfRef

@@ -29,8 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import REPO, describe_agents, register_gpu_node, start_sim_agent, write_models
 
+from tests.e2e.e2e_support import (
+    REPO,
+    describe_agents,
+    register_gpu_node,
+    start_sim_agent,
+    write_models,
+)
 from warmserve.testing.k8s import ControlPlane, apply_chart_operator_rbac
 from warmserve.testing.procs import Procs
 

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from up_support import REPO, warmserve
 
+from tests.local.up_support import REPO, warmserve
 from warmserve.local.procs import free_port
 
 

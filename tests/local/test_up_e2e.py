@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from up_support import warmserve
 
+from tests.local.up_support import warmserve
 from warmserve.local import procs
 
 

@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from operator_fakes import Clock, FakeKube
 from warmserve_operator.agents import AgentPool
 from warmserve_operator.config import OperatorConfig
 from warmserve_operator.reconciler import Reconciler
 from warmserve_operator.testing import FakeAgent
 
 import warmserve.api.history as history_io
+from tests.operator.operator_fakes import Clock, FakeKube
 from warmserve.control.decisions import Decisions, canonical
 from warmserve.control.history import LoadHistory
 from warmserve.policy.autoscaler import AutoscalerConfig

@@ -7,7 +7,6 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from operator_fakes import Clock, FakeKube
 from warmserve_operator.agents import AgentPool
 from warmserve_operator.leader import NotLeader
 from warmserve_operator.observe import observation
@@ -15,6 +14,7 @@ from warmserve_operator.reconciler import OperatorConfig, Reconciler
 from warmserve_operator.testing import FakeAgent
 
 import warmserve.api.history as history_io
+from tests.operator.operator_fakes import Clock, FakeKube
 from warmserve.control.history import LoadHistory
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import GiB

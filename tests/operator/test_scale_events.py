@@ -13,8 +13,9 @@ import asyncio
 import kopf
 import pytest
 import warmserve_operator.report as report
-from test_reconciler import Harness, seed_history
 from warmserve_operator.handlers import NoDiffBase
+
+from tests.operator.test_reconciler import Harness, seed_history
 
 
 async def settle() -> None:

@@ -10,7 +10,7 @@ Incremental (issue 12 §5): a snapshot of 1,024 GPUs changes a few nodes between
 and :class:`~warmserve.policy.cluster.Node` objects are immutable and reused by the snapshot
 memo while their facts stay.  A node whose object is the one its remembered minimum was last
 computed from cannot have grown, and its minimum cannot change: it is skipped.  The result is
-the rule's, node for node (``tests/policy/test_free_growth.py`` checks it against the rule
+the rule's, node for node (``tests/control/test_free_growth.py`` checks it against the rule
 computed in full).
 """
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_snapshot_memo import SPECS, observations  # same folder (rootdir sys.path)
 
+from tests.control.test_snapshot_memo import SPECS, observations
 from warmserve.control.free_growth import FREE_GROWTH_BYTES, FreeGrowth
 from warmserve.control.snapshot import SnapshotMemo, build_state
 from warmserve.policy.cluster import ClusterState, LoadForecast, WorkerState
