@@ -1,4 +1,4 @@
-"""Continuous batching per instance: prefill and decode as events (issue 3 §1).
+"""Continuous batching per instance: prefill and decode as events.
 
 Analytic between membership changes (:mod:`warmserve.sim.cluster`'s virtual step counter):
 one event per prefill end or decode finish, not per token.  Prefill-first without chunking

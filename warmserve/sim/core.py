@@ -1,4 +1,4 @@
-"""The discrete-event loop: requests, engines, GPU accounting (issue 3 §1; issues 11, 12).
+"""The discrete-event loop: requests, engines, GPU accounting.
 
 One :class:`Simulation` runs one system on one workload.  Time is seconds from the start of the
 simulated period.  Events live in one ``heapq`` (time, sequence number, kind, object, version);
@@ -18,7 +18,7 @@ into :class:`Simulation` (which owns the state, the clock and the loop):
 - **Start-up and loading** (§6, Fig. 8) are carried out by :mod:`warmserve.sim.executor`.
 - Here: the event loop, the control ticks and windows, GPU-hour accounting, invariants.
 
-Streaming (issue 12 §5): requests arrive chunk by chunk from a
+Streaming: requests arrive chunk by chunk from a
 :class:`~warmserve.sim.workload.RequestStream` (or from arrays, for tests), live as
 :class:`~warmserve.sim.cluster.Req` objects only while queued or running, and leave their
 latencies in online histograms (:mod:`warmserve.sim.result_rows`).  ``record=True`` also keeps
@@ -29,6 +29,9 @@ baselines) the loop is an executor of :class:`warmserve.control.Controller` deci
 controller, rules and snapshot the operator runs (:mod:`warmserve.sim.executor`); fixed-layout
 baselines create their instances at setup; Prism activates instances from its plug-in.  No
 baseline code lives here.
+
+Over 400 lines: the event loop is one class compiled by mypyc; its parts (routing, batching,
+lifecycle) are already traits of their own.
 """
 
 from __future__ import annotations

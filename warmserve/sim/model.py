@@ -1,8 +1,7 @@
 """Plain data of a simulator run, shared by the event loop, the baselines and the runner.
 
 A low module (it imports only the scenario, hardware and workload readers), so that
-baselines can build static layouts and the runner can compose a run without an import circle
-(issue 11).
+baselines can build static layouts and the runner can compose a run without an import circle.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ DROP_GRACE_CUTOFF = "grace-cutoff"  # still running when its instance's grace pe
 class SimModel:
     """Static facts about one served model in a run (built by :mod:`warmserve.sim.runner`).
 
-    (Called ``ModelRuntime`` before issue 11; the operator had a class of that name too.)
     """
 
     idx: int

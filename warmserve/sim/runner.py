@@ -239,7 +239,7 @@ GC_GEN0_THRESHOLD = 100_000
 
 @contextmanager
 def few_collections() -> Iterator[None]:
-    """Run a simulation with the cyclic garbage collector seldom in the way (issue 12 §5).
+    """Run a simulation with the cyclic garbage collector seldom in the way.
 
     A run allocates a few objects per event (requests, heap entries, observations) over a
     large, long-lived state (the prepared workload, the cluster, the controller's memos), and

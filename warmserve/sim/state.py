@@ -1,4 +1,4 @@
-"""The event loop's state, declared once for its parts (issue 12 §5: the compiled simulator).
+"""The event loop's state, declared once for its parts (for the compiled simulator).
 
 :class:`warmserve.sim.core.Simulation` is assembled from parts
 (:class:`~warmserve.sim.routing.RequestRouting`, :class:`~warmserve.sim.batching.Batching`,
