@@ -78,7 +78,7 @@ def repos(tmp_path: Path) -> dict[str, Repo]:
     }
 
 
-# ---- H2: names never nest ---------------------------------------------------------------------
+# ---- names never nest ---------------------------------------------------------------------------
 def test_a_one_part_name_never_touches_the_models_under_its_org(tmp_path: Path, repos) -> None:
     """A deployment whose model is named ``meta-llama`` used to be stored at the directory that
     holds every ``meta-llama/...`` model, and fetching or retiring it removed them all."""
@@ -184,7 +184,7 @@ def test_a_name_in_both_layouts_stops_the_upgrade_with_the_fix(tmp_path: Path) -
     assert (root / "acme" / "chat" / "config.json").is_file()  # nothing lost
 
 
-# ---- H3 (all sources): listed paths never leave staging, writes never follow links ----------
+# ---- all sources: listed paths never leave staging, writes never follow links ----------
 @pytest.mark.parametrize(
     ("path", "why"),
     [

@@ -1,4 +1,4 @@
-"""Rough edges a first user hit (issue 15), each pinned by a test: clear errors instead of
+"""Rough edges a first user hit, each pinned by a test: clear errors instead of
 tracebacks, --help that states each default once, one size parser for every caller."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The incremental free-memory re-plan trigger (:mod:`warmserve.control.free_growth`, issue 12
-§5) answers exactly as the rule computed over every GPU, with the snapshot memo reusing node
+"""The incremental free-memory re-plan trigger (:mod:`warmserve.control.free_growth`)
+answers exactly as the rule computed over every GPU, with the snapshot memo reusing node
 objects between snapshots as the controller's does."""
 
 from __future__ import annotations

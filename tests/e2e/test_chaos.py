@@ -1,4 +1,4 @@
-"""Chaos suite (issue 16): faults injected into a running system, invariants checked after each.
+"""Chaos suite: faults injected into a running system, invariants checked after each.
 
 A dedicated kube-apiserver + etcd (so etcd can be paused without disturbing other tests), two
 agent processes with simulated GPUs, and the operator as processes under the chart's

@@ -280,7 +280,7 @@ def test_operator_end_to_end(
         assert (new[0]["node"], tuple(new[0]["gpus"])) in replica_groups
         events = get_json(kubectl, "events", "-n", ns)["items"]
         accepted = {e["involvedObject"]["name"] for e in events if e["reason"] == "Accepted"}
-        assert {"chat", "code"} <= accepted, "the loop posts Accepted (issue 16)"
+        assert {"chat", "code"} <= accepted, "the loop posts Accepted"
         hits = [
             e
             for e in events

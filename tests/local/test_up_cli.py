@@ -1,5 +1,5 @@
 """Bad input to ``warmserve up`` / ``down``: each is one line on stderr and exit status 2,
-before anything is started (issue 14, "Done when" 4)."""
+before anything is started."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Parity: the operator and the simulator, driven through the same scripted scenario, make the
-same decisions (issue 11, "decide once, do twice").
+same decisions ("decide once, do twice").
 
 One script — a clock, each model's load, which started instances are serving — drives
 

@@ -1,4 +1,4 @@
-"""Issue 16, scale: what the operator writes per deployment, against in-memory agents and API.
+"""Scale: what the operator writes per deployment, against in-memory agents and API.
 
 * ``Accepted`` / ``SpecChanged`` come from the loop, once per spec generation (also across
   restarts, from ``status.observedGeneration``), queued within the Event budget, never dropped;

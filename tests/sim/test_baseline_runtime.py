@@ -80,7 +80,7 @@ def test_muxserve_instances_cap_at_the_scenarios_batch_and_adbs_keeps_its_own():
     prep = _fake_prep(rates, TPS)
     loads = muxserve.average_loads(prep)
     spec_batch = {m.spec.name: m.spec.max_batch for m in prep.models}
-    # default (issue 12's fair comparison): MuxServe's quota capped at the scenario's batch
+    # default (a fair comparison): MuxServe's quota capped at the scenario's batch
     for inst in muxserve.static_instances(prep):
         own = muxserve.adbs_max_num_seqs(inst.kv_cap_tokens, loads[inst.model])
         assert inst.max_batch == min(own, spec_batch[inst.model])

@@ -1,4 +1,4 @@
-"""Online metrics (issue 12 §4, §5): histogram percentiles against numpy, the "delayed by a
+"""Result rows from online statistics: histogram percentiles against numpy, the "delayed by a
 start" definition, the no-capacity wake cache changing nothing, dedicated's best allocation."""
 
 from __future__ import annotations
