@@ -1,4 +1,5 @@
-"""Why WarmServe's starts miss a prewarm replica, and where its GPU-hours go (issue 12 §6).
+"""Why WarmServe's starts miss a prewarm replica, and where its GPU-hours go
+(docs/policy.md, "Diagnosis and changes").
 
 Runs one system (default ``warmserve``) on grid points of a scenario with read-only probes on
 the simulator and prints, per point:

@@ -1,4 +1,4 @@
-"""Identical results, value by value (issue 12 §5): the compiled simulator against pure Python,
+"""Identical results, value by value: the compiled simulator against pure Python,
 or a branch against main.
 
     # dump every result of a run: each system's row (warmserve simulate --json's), its starts,
