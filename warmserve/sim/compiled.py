@@ -33,7 +33,7 @@ from pathlib import Path
 MODULES: tuple[str, ...] = (
     "warmserve/sim/core.py",
     "warmserve/sim/state.py",
-    "warmserve/sim/routing.py",
+    "warmserve/sim/request_queues.py",
     "warmserve/sim/batching.py",
     "warmserve/sim/lifecycle.py",
     "warmserve/sim/cluster.py",

@@ -8,9 +8,10 @@ instance events are skipped by a version number.
 What is simulated (the physics; what *decides* is elsewhere), one module per concept, mixed
 into :class:`Simulation` (which owns the state, the clock and the loop):
 
-- **RequestRouting** (:mod:`warmserve.sim.routing`): a request goes to the least-loaded *serving*
-  instance of its model with a free batch slot and KV room; otherwise it waits in the model's
-  FIFO queue (also while an instance starts).  Waiting requests are the gateway's *held* demand.
+- **Request queues** (:mod:`warmserve.sim.request_queues`): a request goes to the least-loaded
+  *serving* instance of its model with a free batch slot and KV room; otherwise it waits in the
+  model's FIFO queue (also while an instance starts).  Waiting requests are the gateway's *held*
+  demand.
 - **Engine** (:mod:`warmserve.sim.batching`): continuous batching per instance, analytically
   between membership changes (see :mod:`warmserve.sim.cluster`); a grace instance's lent
   replicas are evicted if its KV use grows into them (§4.1).
@@ -30,8 +31,8 @@ controller, rules and snapshot the operator runs (:mod:`warmserve.sim.executor`)
 baselines create their instances at setup; Prism activates instances from its plug-in.  No
 baseline code lives here.
 
-Over 400 lines: the event loop is one class compiled by mypyc; its parts (routing, batching,
-lifecycle) are already traits of their own.
+Over 400 lines: the event loop is one class compiled by mypyc; its parts (request queues,
+batching, lifecycle) are already traits of their own.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ from warmserve.sim.model import (
     SimOutput,
     StartRecord,
 )
-from warmserve.sim.routing import RequestRouting
+from warmserve.sim.request_queues import RequestQueues
 from warmserve.sim.stats import ModelStats
 from warmserve.sim.systems import SystemConfig
 from warmserve.sim.workload import Requests
@@ -90,7 +91,7 @@ __all__ = [
 ]
 
 
-class Simulation(RequestRouting, Batching, Lifecycle):
+class Simulation(RequestQueues, Batching, Lifecycle):
     """One run of one system.  Deterministic: no randomness after the workload is drawn.
 
     Requests come from ``source`` (an iterable of :class:`~warmserve.sim.workload.Requests`

@@ -1,7 +1,7 @@
 """The event loop's state, declared once for its parts (for the compiled simulator).
 
 :class:`warmserve.sim.core.Simulation` is assembled from parts
-(:class:`~warmserve.sim.routing.RequestRouting`, :class:`~warmserve.sim.batching.Batching`,
+(:class:`~warmserve.sim.request_queues.RequestQueues`, :class:`~warmserve.sim.batching.Batching`,
 :class:`~warmserve.sim.lifecycle.Lifecycle`) that read and write state the event loop owns and
 call each other's methods.  This base declares that state and those methods with their types, so
 that the type checker, and mypyc when the simulator is compiled (:mod:`warmserve.sim.compiled`),
@@ -72,7 +72,7 @@ class SimState:
     def sample(self, t: float) -> None:
         raise NotImplementedError
 
-    # defined by the request routing (warmserve.sim.routing)
+    # defined by the request queues (warmserve.sim.request_queues)
     def _set_inflight(self, midx: int, t: float, delta: int) -> None:
         raise NotImplementedError
 
