@@ -5,7 +5,7 @@ from a pooled worker vs a freshly started process, and the gRPC round-trip time.
 Load: a model is prewarmed into a slot whose memory a GPU worker process owns (simulated backend
 in the worker, as ``--gpus auto`` runs the cuda backend there).  "file ranges" is the current
 path (the worker reads the safetensors ranges itself through its staging ring); "pickled" is the
-path before issue 13 (the agent reads the bytes and sends them through the worker's pipe), kept
+earlier path (the agent reads the bytes and sends them through the worker's pipe), kept
 here only as the baseline.  Interleaved rounds, medians, ratio.
 
 Activation = ``NodeCore.activate`` of a prewarmed model (a prewarm hit): map the KV cache, hand
@@ -25,6 +25,8 @@ RTT: ``Describe`` and the standard health ``Check`` over loopback gRPC to a runn
 
     python bench/agent_bench.py [--rounds 5] [--rtt-calls 200] [--load-mib 256] [--out FILE.json]
     python bench/agent_bench.py --smoke    # seconds: tiny sizes, JSON to a temp dir
+
+Over 400 lines: a benchmark script: its measurements and their set-up run as one command.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def write_model(root: Path, name: str, layers: int, hidden: int) -> None:
 
 
 def load_pickled(mm: MemoryManager, store: WeightStore, layout, slot_id: str, gpus) -> None:
-    """The pre-issue-13 data path, verbatim in effect: the agent reads each tensor from its host
+    """The earlier data path, verbatim in effect: the agent reads each tensor from its host
     cache and ``MemoryManager.write`` pickles the bytes through the worker's pipe."""
     for layer in range(layout.model.num_layers):
         for pl in layout.layer_placements(layer):
@@ -246,7 +248,7 @@ def _rss_bytes() -> int:
 
 def bench_watch(root: Path, tmp: Path, cycles: int, stalled: int = 20) -> dict:
     """Prewarm+evict cycles over gRPC with no Watch clients, then with ``stalled`` clients that
-    opened a Watch and never read it (issue 16: they made the agent ~4x slower and held 8 MB).
+    opened a Watch and never read it (they once made the agent ~4x slower and held 8 MB).
     The agent runs in this process, so RSS growth is the agent's."""
     cfg = AgentConfig(
         model_dir=root,

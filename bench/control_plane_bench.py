@@ -25,6 +25,8 @@ saves JSON.  Absolute times depend on the machine (2 shared cores here): compare
 The operator or the control plane failing ends the bench at once with its last log lines
 (status 1); SIGTERM/SIGINT stop everything it started.  (Over 400 lines: one script, its setup,
 its measures and their table, read top to bottom.)
+
+Over 400 lines: a benchmark script: its measurements and their set-up run as one command.
 """
 
 from __future__ import annotations

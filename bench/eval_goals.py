@@ -1,4 +1,4 @@
-"""Goals and ablations of ``docs/evaluation.md`` (issue 12): the goal table and verdicts per
+"""Goals and ablations of ``docs/evaluation.md``: the goal table and verdicts per
 start-up profile, the free-starts reference column, and which ablation's mechanism acted and
 changed anything.  Pure: rows in, markdown lines out; :mod:`eval_tables` assembles the page.
 """
@@ -9,7 +9,7 @@ from typing import Any
 
 from warmserve.sim.report import fmt_seconds
 
-# issue 12's goals for the `paper` profile on the paper grid
+# the evaluation's goals for the `paper` profile on the paper grid (docs/evaluation.md)
 GOAL_GAIN, GOAL_HIT, GOAL_VS_DED, GOAL_GPUH = 10.0, 0.90, 2.0, 0.60
 CAPACITY_BOUND_S = 5.0  # `dedicated` P99 above this: the point is capacity-bound at its batch
 
@@ -21,7 +21,7 @@ ABLATIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "warmserve-no-evict-aware": ("evict-aware placement (Alg. 1, §5.2)",
                                  ("evict_aware_choices",)),
     "warmserve-no-prediction": ("prediction-driven prewarm replicas (§5)", ("prewarms",)),
-    "warmserve-no-reclaim": ("reclaim for a starving model (issue 12)", ("reclaim_drains",)),
+    "warmserve-no-reclaim": ("reclaim for a starving model", ("reclaim_drains",)),
     "warmserve-no-proactive": ("both halves of §4.1 (the paper's §7.5 ablation)",
                                ("lent_placements", "kept_replica_hits")),
 }

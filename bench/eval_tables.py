@@ -260,7 +260,7 @@ def render(saved: dict[str, Any]) -> str:
     for prof in profiles:
         pts = by_profile(points, prof)
         parts += [
-            f"## Goals, profile `{prof}` (issue 12; alpha in {{0.5, 2}}, RPS in {{10..25}})",
+            f"## Goals, profile `{prof}` (alpha in {{0.5, 2}}, RPS in {{10..25}})",
             "",
             "P99 gain = SLLM-GPU P99 / WarmServe P99 (the paper's \"x reduction\").  GPU-h: GPUs "
             "held by instances (starting, serving, grace) over the 2 h; `dedicated` holds its "

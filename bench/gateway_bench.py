@@ -31,6 +31,8 @@
 A child (agent, gateway, operator, proxy) or the control plane failing ends the bench at once
 with its last log lines (status 1); SIGTERM/SIGINT stop everything it started.  (Over 400 lines:
 one script, its two parts and their table, read top to bottom.)
+
+Over 400 lines: a benchmark script: its measurements and their set-up run as one command.
 """
 
 from __future__ import annotations

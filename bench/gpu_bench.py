@@ -26,6 +26,8 @@ lines: the GPU machine gets one script with its three phases, their children and
 
     python bench/gpu_bench.py --out bench/results/gpu-<name>.json [--budget-s 420]
     python bench/gpu_bench.py --dry-run        # --smoke: the same, JSON to a temp dir
+
+Over 400 lines: a benchmark script: its measurements and their set-up run as one command.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Why WarmServe's starts miss a prewarm replica, and where its GPU-hours go (issue 12 §6).
+"""Why WarmServe's starts miss a prewarm replica, and where its GPU-hours go
+(docs/policy.md, "Diagnosis and changes").
 
 Runs one system (default ``warmserve``) on grid points of a scenario with read-only probes on
 the simulator and prints, per point:
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from warmserve.sim import core, executor, runner
 from warmserve.sim.cluster import STOPPED
-from warmserve.sim.metrics import summarize
+from warmserve.sim.result_rows import summarize
 from warmserve.sim.scenario import load_scenario
 from warmserve.testing.smoke import add_smoke_flag, apply_smoke
 

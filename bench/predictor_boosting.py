@@ -1,4 +1,5 @@
-"""Nonlinear forecasters for the bounds behind issue 12's goals (``bench/predictor_bounds.py``).
+"""Nonlinear forecasters for the bounds behind the predictor's goals
+(``bench/predictor_bounds.py``).
 
 Gradient-boosted trees (scikit-learn's ``HistGradientBoostingRegressor``) on the log change of
 the load, with the features a linear model on lags would miss: ``warm``'s six members, lags of

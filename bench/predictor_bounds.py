@@ -1,6 +1,6 @@
 """How far can a forecaster of these traces get?  The bounds behind docs/prediction.md.
 
-Issue 12 asks the default predictor for (a) an average volume-weighted error (VWE) <= 0.85x the
+The goals ask the default predictor for (a) an average volume-weighted error (VWE) <= 0.85x the
 better of CSP and persistence and (b) peak coverage >= 90 % with a mean over-forecast <= 30 %,
 on every multi-day bundled trace.  Three tables, one row per trace of the goals table:
 
@@ -62,7 +62,7 @@ TRACES = [
 ]
 TARGET_COVERAGE = 0.9
 # the shortest trace: tables 1-2 whole, table 3's trees stop at "too few windows" (their fit is
-# minutes; tests/test_predictor_bounds.py runs it on a small series)
+# minutes; tests/bench/test_predictor_bounds.py runs it on a small series)
 SMOKE = {"rows": "burstgpt daily 61 d"}
 
 

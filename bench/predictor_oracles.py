@@ -1,4 +1,4 @@
-"""Oracle lower bounds for issue 12's predictor goals (used by ``bench/predictor_bounds.py``).
+"""Oracle lower bounds for the predictor's goals (used by ``bench/predictor_bounds.py``).
 
 Every function here is an *optimistic* forecaster: it is handed information no forecaster has
 when the window starts (the window's own average, or the load's smooth rate computed from the

@@ -1,4 +1,4 @@
-"""Identical results, value by value (issue 12 §5): the compiled simulator against pure Python,
+"""Identical results, value by value: the compiled simulator against pure Python,
 or a branch against main.
 
     # dump every result of a run: each system's row (warmserve simulate --json's), its starts,
@@ -50,7 +50,7 @@ def _stats(st: Any) -> dict[str, Any]:
 
 
 def dump(args: argparse.Namespace) -> dict[str, Any]:
-    from warmserve.sim import metrics
+    from warmserve.sim import result_rows
     from warmserve.sim.runner import describe, prepare, run_system
     from warmserve.sim.scenario import load_scenario
     from warmserve.sim.systems import DEFAULT_SYSTEMS, parse_systems
@@ -69,7 +69,7 @@ def dump(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"facts": describe(prep), "systems": {}}
     for s in systems:
         res, wall = run_system(prep, s)
-        row = metrics.summarize(res, names, wall)
+        row = result_rows.summarize(res, names, wall)
         out["systems"][s] = {
             "row": row,
             "starts": [list(astuple(r)) for r in res.starts],

@@ -1,4 +1,4 @@
-"""Simulator speed (issue 12 §5): simulated requests per second of one core, unsaturated and
+"""Simulator speed: simulated requests per second of one core, unsaturated and
 saturated, and a 1,024-GPU / 200-model / 24-hour run.
 
     python bench/sim_speed.py                 # all three parts (the 24 h run takes a while)
@@ -29,7 +29,7 @@ Wall seconds are printed too, with the load average, because the machine this ru
 "prepare") and setting it up (folding the predictor over the history, placing the initial
 instances: "set-up CPU s"; the fold is checkpointed, so only a process's first run from a
 history pays it) are reported separately from simulating it; the scale run's time includes
-both.  Goals (issue 12): >= 20,000 requests/s unsaturated, >= 10,000 saturated (judged on
+both.  Goals: >= 20,000 requests/s unsaturated, >= 10,000 saturated (judged on
 WarmServe's own rate), the 24-hour 1,024-GPU run within 15 minutes.
 """
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command that validates and measures everything GPU-side (issue 13), in one go of < 10 min.
+# One command that validates and measures everything GPU-side (the agent's CUDA path), in one go of < 10 min.
 #
 #   hack/gpu-check.sh                   on a machine with an NVIDIA GPU (no network needed if
 #                                       .gpu-wheels/ came along): installs what this Python lacks

@@ -7,4 +7,4 @@ The real Kubernetes control plane fixtures (``k8s_control_plane``, ``k8s_namespa
 them start nothing.
 """
 
-pytest_plugins = ["k8s_support", "real_model_support"]
+pytest_plugins = ["tests.k8s_support", "tests.real_model_support"]

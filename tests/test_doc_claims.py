@@ -1,6 +1,5 @@
 """What the README and the Helm chart's README say about the running system is checked against
-the code (issue 15: they stated wrong bind addresses, CUDA IPC handles that do not exist, and
-leader election through Leases the operator never used)."""
+the code: bind addresses, CUDA IPC handles, leader election through Leases."""
 
 from __future__ import annotations
 

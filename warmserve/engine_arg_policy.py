@@ -20,6 +20,8 @@ A dest the schema has but this module does not classify (a newer vLLM) is treate
 :data:`CODE`.  The operator applies the policy at admission and the agent again before an
 instance starts (``warmserve.engine_args.validate_engine_args``).  Most of this module is the
 classification table, hence its length.
+
+Over 400 lines: most of it is the rule tables, what a tenant may set per vLLM argument.
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ Every violation raises ``AssertionError`` (and is kept in ``violations``).  Noth
 GPU claim; ``hack/gpu-check.sh`` runs the same contract tests against a real device.  A test
 double for the tests, ``hack/gpu-check.sh --dry-run`` and ``bench/gpu_bench.py --smoke``; never
 used in production.
+
+Over 400 lines: one FakeDriver models the driver state every call checks (contexts, VMM reservations
+and mappings, streams, events); split, the checks would lose that shared state.
 """
 
 from __future__ import annotations

@@ -305,7 +305,7 @@ class AgentServer:
         restarts = (lambda g: self.pool.restarts[g]) if self.pool is not None else (lambda g: 0)
         reg.register(AgentCollector(self.core, restarts, self.fence))
         if self.fetcher is not None:
-            from warmserve_agent.sources.metrics import FetchCollector
+            from warmserve_agent.sources.fetch_metrics import FetchCollector
 
             reg.register(FetchCollector(self.fetcher, self.core.node_name))
         self._metrics_server, _ = start_http_server(port, addr=self.cfg.metrics_host, registry=reg)

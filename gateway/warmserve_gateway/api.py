@@ -62,7 +62,7 @@ def _model_card(dep: Deployment, now: int, listed: str | None = None) -> dict[st
     }
 
 
-class Gateway(Protocol):
+class GatewayView(Protocol):
     """What the handlers use of :class:`warmserve_gateway.server.Gateway`."""
 
     config: GatewayConfig
@@ -78,7 +78,7 @@ class Gateway(Protocol):
 
 
 class Api:
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: GatewayView) -> None:
         self.gw = gw
         self.m = gw.metrics
         self.active = 0  # forwarded requests being handled (held, at an engine, or relayed)

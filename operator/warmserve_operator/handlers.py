@@ -6,7 +6,7 @@ kopf.  :func:`startup` builds every object of the process once (API port, agent 
 metrics, the loop).  The handlers only
 
 * keep two kopf indexes, of ModelDeployments (by UID) and GPUNodes (by name): the loop reads
-  them instead of listing the API every poll (issue 11);
+  them instead of listing the API every poll;
 * (validation and the ``Accepted`` / ``SpecChanged`` Events are the loop's, :mod:`.deployments`:
   a kopf create/update handler made kopf write a diff-base annotation on every new object, one
   more write and watch event per deployment, which throttled 1,000 deployments at startup);
@@ -135,7 +135,7 @@ def _keys(items: Collection[dict[str, Any]], field: str) -> set[str]:
 # kopf's API requests at once, besides its watch streams.  kopf's own HTTP session has no
 # limit: with 1,000 new deployments it opened ~1,000 TLS connections at once to add their
 # finalizers, the API server answered hundreds of them 429 (API Priority and Fairness: one flow,
-# its queues full) and both sides spent their CPU on TLS handshakes (issue 16, scale).
+# its queues full) and both sides spent their CPU on TLS handshakes.
 KOPF_API_CONNECTIONS = 32
 
 
@@ -192,7 +192,7 @@ async def startup(
     settings.peering.clusterwide = True
     settings.watching.server_timeout = 60
     # Retry API errors forever (capped at 30 s apart): kopf's default gives up after ~1 min of
-    # retries per request and the operator then exited with etcd down for long (issue 16).
+    # retries per request and the operator then exited with etcd down for long.
     settings.networking.error_backoffs = RetryForever()
     config: OperatorConfig = memo["config"]
     view = IndexView(model_deployments, gpu_nodes)

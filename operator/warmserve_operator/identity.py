@@ -1,6 +1,6 @@
 """Who owns what on the agents, request ids, and removing what a deployment no longer owns.
 
-* **Ownership** (issue 16, H2): what belongs to a deployment is what the agents recorded with
+* **Ownership**: what belongs to a deployment is what the agents recorded with
   its *UID* as owner (``SlotView.owner`` / ``InstanceView.owner``, set by the Prewarm/Activate
   calls), never what merely has the same model name: a ``DuplicateModel`` deployment owns
   nothing, so deleting it touches nothing.  Slots and instances without an owner (made before
@@ -8,7 +8,7 @@
 * **Request ids** are deterministic (:func:`request_id`): a restarted operator that sees the
   same agent state decides the same call with the same id, and the agent's idempotency table
   answers it without doing the work twice; a changed agent state gives a new id.
-* **Removal drains** (issue 16, H1): the agent refuses ``EndInstance`` for a serving instance,
+* **Removal drains**: the agent refuses ``EndInstance`` for a serving instance,
   so orphan removal and teardown ``BeginGrace`` first and end the instance (evicting its
   weights) once it is idle or its grace is over (:func:`removal`).
 """

@@ -1,8 +1,8 @@
 """Which replica runs the loop: a ``coordination.k8s.io/v1`` Lease.
 
-The loop used to read kopf's internal ``ClusterKopfPeering`` status; now it holds a standard
-Lease in the operator's namespace (the one ``kubectl get lease`` shows, like every controller
-built on client-go).  kopf's peering still pauses kopf's own handlers on non-leaders; the two
+The loop holds a standard Lease in the operator's namespace (the one ``kubectl get lease``
+shows, like every controller built on client-go), not kopf's internal ``ClusterKopfPeering``
+status.  kopf's peering still pauses kopf's own handlers on non-leaders; the two
 agree because both prefer the live replica with the highest priority.
 
 The rule (:func:`next_lease`, pure, unit-tested):

@@ -3,6 +3,8 @@
 Statuses are written only when something a person reads changed (:func:`.status.strip_volatile`),
 Events for decisions come from :mod:`.act`, and a condition posts an Event only when its reason
 changes, never every poll.
+
+Over 400 lines: Reporter builds both kinds' statuses and their Events from one poll's snapshot.
 """
 
 from __future__ import annotations
@@ -205,7 +207,7 @@ class Reporter:
         elif active >= desired and active > 0:
             ready = Condition("Ready", True, "Serving", f"{active} of {desired} desired serving")
         elif desired == 0 and active == 0:
-            # Nothing can serve right now: a request waits for a start (issue 16).
+            # Nothing can serve right now: a request waits for a start.
             ready = Condition(
                 "Ready",
                 False,
@@ -325,7 +327,7 @@ class Reporter:
         window_s: float,
     ) -> None:
         """Every deployment's status; the writes of a poll go out together, not one after the
-        other, and their Events after all of them (issue 16: 1,000 deployments)."""
+        other, and their Events after all of them (1,000 deployments in one poll)."""
         owned = by_owner(snaps, [d.md.uid for d in deployments])
         gate = asyncio.Semaphore(REPORT_CONCURRENCY)
         events: list[tuple[ObjRef, str, str, str]] = []

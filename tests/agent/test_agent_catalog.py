@@ -7,10 +7,10 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import write_model
 from warmserve_agent.node import NodeCore
 from warmserve_agent.service import AgentService
 from warmserve_agent.service_describe import ServiceInfo
+from warmserve_agent.testing import write_model
 
 from warmserve.modelref import store_dirname
 

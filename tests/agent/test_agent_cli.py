@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import write_model
+from warmserve_agent.testing import write_model
 
 from warmserve.cli import main
 

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PAGE, MiB
 from warmserve_agent.backends.staging import (
     FileRange,
     LoadError,
@@ -33,6 +32,8 @@ from warmserve_agent.memory import MemoryManager
 from warmserve_agent.node import NodeCore
 from warmserve_agent.store import WeightStore
 from warmserve_agent.worker import WorkerPool, timeout_for_bytes
+
+from tests.agent.agent_support import PAGE, MiB
 
 
 class PipeMeter:

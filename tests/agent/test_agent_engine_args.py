@@ -7,11 +7,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import cfg_for
-from test_agent_grpc import code_of
-from tls_support import WarmservePki, warmserve_pki
 from warmserve_agent.testing import AgentThread
 
+from tests.agent.agent_support import cfg_for
+from tests.agent.test_agent_grpc import code_of
+from tests.tls_support import WarmservePki, warmserve_pki
 from warmserve.api.agent.client import SyncAgentClient, pb
 from warmserve.cli import main
 

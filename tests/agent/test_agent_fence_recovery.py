@@ -15,10 +15,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import cfg_for
 from warmserve_agent.testing import AgentThread
 from warmserve_operator.lease import fencing_token as token_of
 
+from tests.agent.agent_support import cfg_for
 from warmserve.api.agent.client import AgentClient, AgentError
 
 MAX_TOKEN = 2**64 - 1  # the uint64 maximum on the wire

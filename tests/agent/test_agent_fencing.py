@@ -13,13 +13,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import cfg_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from warmserve_agent.config import ConfigError
 from warmserve_agent.fencing import MAX_TOKEN, Bounds, Fence, FenceError, Refused, admit, split
 from warmserve_agent.testing import AgentThread
 
+from tests.agent.agent_support import cfg_for
 from warmserve.api.agent.client import AgentClient, AgentError
 
 NOW = 1_750_000_000  # the agent's clock in the pure rule's tests (unix seconds)

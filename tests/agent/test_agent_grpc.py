@@ -13,10 +13,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import MiB, cfg_for, wait_for, write_model
-from tls_support import warmserve_pki
-from warmserve_agent.testing import AgentThread
+from warmserve_agent.testing import AgentThread, write_model
 
+from tests.agent.agent_support import MiB, cfg_for, wait_for
+from tests.tls_support import warmserve_pki
 from warmserve.api.agent.client import AgentError, SyncAgentClient, pb
 
 

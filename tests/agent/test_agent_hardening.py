@@ -15,12 +15,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import cfg_for as agent_cfg
-from conftest import wait_for
 from warmserve_agent.config import AgentConfig, ConfigError
 from warmserve_agent.shm import MemoryDir, remove_stale
 from warmserve_agent.testing import AgentThread
 
+from tests.agent.agent_support import cfg_for as agent_cfg
+from tests.agent.agent_support import wait_for
 from warmserve.api.agent.client import AgentError, SyncAgentClient, pb
 from warmserve.api.agent.v1 import agent_pb2_grpc as pb_grpc
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import cfg_for
-from tls_support import Cert, WarmservePki, warmserve_pki
 from warmserve_agent.config import ConfigError
 from warmserve_agent.testing import AgentThread
 
+from tests.agent.agent_support import cfg_for
+from tests.tls_support import Cert, WarmservePki, warmserve_pki
 from warmserve.api.agent.client import AgentClient, AgentError, SyncAgentClient
 
 SERVER_NAME = "warmserve-agent"

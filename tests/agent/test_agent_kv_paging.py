@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import PAGE, write_model
 from warmserve_agent.backends.simulated import SimulatedBackend
 from warmserve_agent.engine_host import InProcessEngine
 from warmserve_agent.engines.simulated import SimulatedEngine
@@ -34,7 +33,9 @@ from warmserve_agent.memory import MemoryManager
 from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import Event, EventKind, InstanceRec
 from warmserve_agent.store import WeightStore
+from warmserve_agent.testing import write_model
 
+from tests.agent.agent_support import PAGE
 from tests.engines.helpers import post_json
 
 MiB = 1024**2

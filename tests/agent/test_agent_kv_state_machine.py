@@ -23,7 +23,6 @@ import os
 from pathlib import Path
 
 import hypothesis.strategies as st
-from conftest import PAGE, write_model
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from warmserve_agent.backends.simulated import SimulatedBackend
@@ -36,6 +35,9 @@ from warmserve_agent.memory import MemoryManager
 from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import Refusal
 from warmserve_agent.store import WeightStore
+from warmserve_agent.testing import write_model
+
+from tests.agent.agent_support import PAGE
 
 GROUPS = [(0,), (1,), (0, 1), (2,), (3,), (2, 3), (0, 1, 2, 3)]
 MODELS = ["alpha", "beta", "gamma"]

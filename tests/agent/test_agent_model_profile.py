@@ -8,10 +8,10 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import cfg_for, wait_for, write_model
 from warmserve_agent.model_profile import PROBE_PROMPT_TOKENS, ModelProfiles
-from warmserve_agent.testing import AgentThread
+from warmserve_agent.testing import AgentThread, write_model
 
+from tests.agent.agent_support import cfg_for, wait_for
 from warmserve.api.agent.client import SyncAgentClient
 
 PREFILL_TOK_S = 1000.0  # the simulated engine's prefill pace: what the timed forward measures

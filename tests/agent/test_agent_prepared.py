@@ -12,9 +12,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import cfg_for, wait_for
 from warmserve_agent.testing import AgentThread
 
+from tests.agent.agent_support import cfg_for, wait_for
 from warmserve.api.agent.client import AgentError, SyncAgentClient, pb
 
 ARGS = ["--max-model-len", "512"]

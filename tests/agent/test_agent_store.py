@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import write_model
 from safetensors.numpy import load_file
 from warmserve_agent.backends.simulated import PhysicalReader, SimulatedBackend
 from warmserve_agent.loader import load_layers, verify_layers
 from warmserve_agent.memory import MemoryManager, pages_for
 from warmserve_agent.store import StoreError, UnknownModel, WeightStore
+from warmserve_agent.testing import write_model
 
 P = 64 * 1024
 

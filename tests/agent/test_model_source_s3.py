@@ -20,13 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import write_model
 from warmserve_agent.sources import SourceSettings, open_source
 from warmserve_agent.sources.base import inspect
 from warmserve_agent.sources.disk_reserve import DiskReserve
 from warmserve_agent.sources.fetch_records import FetchFailed
 from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.store import WeightStore
+from warmserve_agent.testing import write_model
 
 from tests.model_sources_support import S3Relay
 from warmserve.testing.testbin import built_server

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import write_model
 from warmserve_agent.sources import SourceError, SourceSettings, inspect, open_source
 from warmserve_agent.sources.disk_reserve import DiskReserve
 from warmserve_agent.sources.fetch_records import MANIFEST, FetchFailed, FetchState
 from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.store import StoreError, WeightStore
+from warmserve_agent.testing import write_model
 
 from tests.model_sources_support import HubServer, Repo, repo_from_dir
 from warmserve.modelref import (

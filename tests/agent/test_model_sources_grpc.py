@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PAGE, MiB, write_model
 from warmserve_agent.config import AgentConfig
 from warmserve_agent.sources.disk_reserve import DiskReserve
-from warmserve_agent.testing import AgentThread
+from warmserve_agent.testing import AgentThread, write_model
 
+from tests.agent.agent_support import PAGE, MiB
 from tests.model_sources_support import HubServer, repo_from_dir
 from warmserve.api.agent.client import AgentClient, AgentError, SyncAgentClient, pb
 

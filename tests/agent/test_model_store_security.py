@@ -18,7 +18,6 @@ from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
-from conftest import write_model
 from hypothesis import HealthCheck, given, settings
 from warmserve_agent.sources import SourceError, SourceSettings, open_source
 from warmserve_agent.sources.base import RemoteFile, select
@@ -27,6 +26,7 @@ from warmserve_agent.sources.fetch_records import FetchFailed
 from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.sources.hf import HfSource
 from warmserve_agent.store import StoreError, WeightStore
+from warmserve_agent.testing import write_model
 
 from tests.model_sources_support import HubServer, Repo, repo_from_dir
 from warmserve.modelref import MODEL_NAME_MAX, MODEL_NAME_PATTERN, HfRef
@@ -81,7 +81,7 @@ def repos(tmp_path: Path) -> dict[str, Repo]:
     }
 
 
-# ---- H2: names never nest ---------------------------------------------------------------------
+# ---- names never nest ---------------------------------------------------------------------------
 def test_a_one_part_name_never_touches_the_models_under_its_org(tmp_path: Path, repos) -> None:
     """A deployment whose model is named ``meta-llama`` used to be stored at the directory that
     holds every ``meta-llama/...`` model, and fetching or retiring it removed them all."""
@@ -187,7 +187,7 @@ def test_a_name_in_both_layouts_stops_the_upgrade_with_the_fix(tmp_path: Path) -
     assert (root / "acme" / "chat" / "config.json").is_file()  # nothing lost
 
 
-# ---- H3 (all sources): listed paths never leave staging, writes never follow links ----------
+# ---- all sources: listed paths never leave staging, writes never follow links ----------
 @pytest.mark.parametrize(
     ("path", "why"),
     [

@@ -18,7 +18,6 @@ from pathlib import Path
 import grpc
 import hypothesis.strategies as st
 import pytest
-from conftest import cfg_for
 from hypothesis import given
 from warmserve_agent.engine import EngineError, WeightsMismatch, WeightVerificationError
 from warmserve_agent.engines.spec import EngineSpec, SlotRegion, TensorPlacement
@@ -26,6 +25,7 @@ from warmserve_agent.testing import AgentThread
 from warmserve_agent.worker import WorkerError, WorkerHandle
 from warmserve_agent.worker_errors import PIPE_VERSION, ErrorKind, WorkerFault
 
+from tests.agent.agent_support import cfg_for
 from warmserve.api.agent.client import AgentError, SyncAgentClient
 from warmserve.api.agent.v1 import agent_pb2 as pb
 

@@ -1,4 +1,4 @@
-"""Tests of ``warmserve plan`` and the scenario reader (warmserve.scenario)."""
+"""Tests of ``warmserve plan`` and the cluster snapshot reader (warmserve.cluster_snapshot)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from warmserve import cli
+from warmserve.cluster_snapshot import load_cluster_state, parse_cluster_state, parse_size
 from warmserve.policy.cluster import GiB, PolicyInputError, WorkerState
-from warmserve.scenario import load_cluster_state, parse_cluster_state, parse_size
 
 EXAMPLE = Path(str(resources.files("warmserve") / "data" / "examples" / "cluster.json"))
 

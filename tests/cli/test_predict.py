@@ -260,7 +260,7 @@ def test_default_claims_on_bundled_traces(trace: str, window: int, series: str |
     - the average: lower mean relative error than CSP and persistence (the point forecast
       is unchanged from ``warm-point``);
     - ``warm-point``'s peak: lower mean relative error than CSP's and persistence's;
-    - the peak: at least 90 % of windows covered (issue 12's goal), where every point
+    - the peak: at least 90 % of windows covered (the predictor's goal), where every point
       forecast covers about half;
     - the mean over-forecast <= 30 % holds on the ServeGen series only (not asserted elsewhere:
       docs/prediction.md gives the numbers and why).

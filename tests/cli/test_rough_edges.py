@@ -1,4 +1,4 @@
-"""Rough edges a first user hit (issue 15), each pinned by a test: clear errors instead of
+"""Rough edges a first user hit, each pinned by a test: clear errors instead of
 tracebacks, --help that states each default once, one size parser for every caller."""
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def test_every_caller_uses_the_one_parser() -> None:
 def test_scenario_and_agent_flags_agree() -> None:
     from warmserve_agent.config import parse_simulated_gpus
 
-    from warmserve.scenario import parse_size as scenario_size
+    from warmserve.cluster_snapshot import parse_size as scenario_size
 
     for text in ("80GiB", "12.55GB", "512MiB", "1.5TiB"):
         assert (

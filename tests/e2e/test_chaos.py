@@ -1,4 +1,4 @@
-"""Chaos suite (issue 16): faults injected into a running system, invariants checked after each.
+"""Chaos suite: faults injected into a running system, invariants checked after each.
 
 A dedicated kube-apiserver + etcd (so etcd can be paused without disturbing other tests), two
 agent processes with simulated GPUs, and the operator as processes under the chart's
@@ -29,8 +29,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import REPO, describe_agents, register_gpu_node, start_sim_agent, write_models
 
+from tests.e2e.e2e_support import (
+    REPO,
+    describe_agents,
+    register_gpu_node,
+    start_sim_agent,
+    write_models,
+)
 from warmserve.testing.k8s import ControlPlane, apply_chart_operator_rbac
 from warmserve.testing.procs import Procs
 

@@ -24,10 +24,17 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from dashboard_support import finite_points, free_port, panels, promql, render_png, start_prometheus
-from e2e_support import REPO, Load, instances_of, write_models
 from warmserve_agent.testing import write_model
 
+from tests.e2e.dashboard_support import (
+    finite_points,
+    free_port,
+    panels,
+    promql,
+    render_png,
+    start_prometheus,
+)
+from tests.e2e.e2e_support import REPO, Load, instances_of, write_models
 from tests.model_sources_support import HubServer, repo_from_dir
 from warmserve.testing.procs import Procs, wait_for
 from warmserve.testing.stack import WINDOW_S as W
@@ -146,7 +153,7 @@ def test_every_dashboard_panel_has_data_on_a_real_prometheus(
                 SETTLE_S,
                 logs,
             )
-            from e2e_support import describe_agents
+            from tests.e2e.e2e_support import describe_agents
 
             (inst,) = instances_of(describe_agents(st.agents), "tiny-code")
             Load(inst.endpoint, "tiny-code", 6)  # and a second start for code

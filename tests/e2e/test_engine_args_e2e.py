@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import (
+
+from tests.e2e.e2e_support import (
     REPO,
     describe_agents,
     get_json,
@@ -26,7 +27,6 @@ from e2e_support import (
     slots_of,
     write_models,
 )
-
 from warmserve.testing.procs import Procs, wait_for
 from warmserve.testing.stack import WINDOW_S as W
 

@@ -1,4 +1,4 @@
-"""End to end through the gateway on a real kube-apiserver (issue 9, "Done when" 1-4 and 6).
+"""End to end through the gateway on a real kube-apiserver.
 
 Two agents with simulated GPUs serve the simulated engine; the operator and two gateway
 replicas run as local processes under the chart's ServiceAccount tokens; the operator finds the

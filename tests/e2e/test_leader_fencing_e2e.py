@@ -35,7 +35,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_support import (
+
+from tests.e2e.e2e_support import (
     describe_agents,
     get_json,
     install_for_operator,
@@ -43,7 +44,6 @@ from e2e_support import (
     start_sim_agent,
     write_models,
 )
-
 from warmserve.testing.k8s import ControlPlane
 from warmserve.testing.procs import Procs, wait_for
 

@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import REPO, get_json, install_for_operator
 from warmserve_agent.testing import write_model
 
+from tests.e2e.e2e_support import REPO, get_json, install_for_operator
 from tests.model_sources_support import HubServer, repo_from_dir
 from warmserve.testing.procs import Procs, wait_for
 from warmserve.testing.stack import WINDOW_S as W

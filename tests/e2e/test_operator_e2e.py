@@ -28,8 +28,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from e2e_support import REPO, Load, describe_agents, get_json, instances_of, slots_of, write_models
-
+from tests.e2e.e2e_support import (
+    REPO,
+    Load,
+    describe_agents,
+    get_json,
+    instances_of,
+    slots_of,
+    write_models,
+)
 from warmserve.testing.k8s import apply_chart_operator_rbac
 from warmserve.testing.procs import Procs, wait_for
 from warmserve.testing.stack import WINDOW_S as W
@@ -283,7 +290,7 @@ def test_operator_end_to_end(
         assert (new[0]["node"], tuple(new[0]["gpus"])) in replica_groups
         events = get_json(kubectl, "events", "-n", ns)["items"]
         accepted = {e["involvedObject"]["name"] for e in events if e["reason"] == "Accepted"}
-        assert {"chat", "code"} <= accepted, "the loop posts Accepted (issue 16)"
+        assert {"chat", "code"} <= accepted, "the loop posts Accepted"
         hits = [
             e
             for e in events

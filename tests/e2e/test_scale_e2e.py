@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from e2e_support import (
+from tests.e2e.e2e_support import (
     describe_agents,
     get_json,
     install_for_operator,
@@ -35,8 +35,7 @@ from e2e_support import (
     start_sim_agent,
     write_models,
 )
-from external_metrics import serve_external_metrics
-
+from tests.e2e.external_metrics import serve_external_metrics
 from warmserve.testing.procs import Procs, wait_for
 from warmserve.testing.stack import WINDOW_S as W
 

@@ -1,13 +1,14 @@
-"""Deleting ModelDeployments on a real kube-apiserver with a real agent (issue 16, H1 and H2).
+"""Deleting ModelDeployments on a real kube-apiserver with a real agent: ownership by UID,
+removal drains.
 
 The operator runs as a process under the chart's ServiceAccount token and serves two
 namespaces; one agent process with simulated GPUs stands in for a GPU node.
 
-* H2: ``bad/b16`` names the same model as ``demo/code`` (a ``DuplicateModel``); deleting it
+* Ownership: ``bad/b16`` names the same model as ``demo/code`` (a ``DuplicateModel``); deleting it
   finishes and touches nothing of ``demo/code``: same instance, same slots, no agent call.
-* H1: deleting ``demo/code`` while its instance serves requests finishes within the grace
-  period + 30 s: the teardown drains the instance through grace (the agent refuses to end a
-  serving instance) and leaves nothing of it on the agent.
+* Removal drains: deleting ``demo/code`` while its instance serves requests finishes within
+  the grace period + 30 s: the teardown drains the instance through grace (the agent refuses
+  to end a serving instance) and leaves nothing of it on the agent.
 """
 
 from __future__ import annotations
@@ -19,8 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from e2e_support import REPO, Load, describe_agents, get_json, register_gpu_node, write_models
-
+from tests.e2e.e2e_support import (
+    REPO,
+    Load,
+    describe_agents,
+    get_json,
+    register_gpu_node,
+    write_models,
+)
 from warmserve.testing.k8s import apply_chart_operator_rbac
 from warmserve.testing.procs import Procs, wait_for
 from warmserve.testing.stack import WINDOW_S as W
@@ -137,7 +144,7 @@ def test_delete_drains_through_grace_and_a_duplicate_owns_nothing(
         before = describe_agents({node: address})[node]
         assert all(s.owner == code_uid for s in before.slots), before.slots
 
-        # H2: deleting the duplicate in another namespace touches nothing of the owner.
+        # Ownership: deleting the duplicate in another namespace touches nothing of the owner.
         kubectl("delete", "wsmd", "b16", "-n", bad, "--wait=false")
         wait_for(
             lambda: kubectl("get", "wsmd", "b16", "-n", bad, check=False).returncode != 0,
@@ -152,7 +159,7 @@ def test_delete_drains_through_grace_and_a_duplicate_owns_nothing(
         ], "the owner's instance still serves"
         assert sorted(s.slot_id for s in after.slots) == sorted(s.slot_id for s in before.slots)
 
-        # H1: delete the owner while its instance serves requests: drained, then gone.
+        # Removal drains: delete the owner while its instance serves requests: drained, then gone.
         Load(inst.endpoint, "tiny-code", 2, max_tokens=4000)  # ~200 s of decoding each
         wait_for(
             lambda: describe_agents({node: address})[node].instances[0].running >= 2,

@@ -14,8 +14,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gw_support import demand_headers, md, raw_http, start_gateway_process
 from yarl import URL
+
+from tests.gateway.gw_support import demand_headers, md, raw_http, start_gateway_process
 
 MiB = 1024**2
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from gw_support import AGENT_ADDRESS, NODE, REPO, md, mirror
 from warmserve_gateway.catalog import Catalog
 from warmserve_operator.engine import admit_model_deployment
 
+from tests.gateway.gw_support import AGENT_ADDRESS, NODE, REPO, md, mirror
 from warmserve.api.crd import ENGINE_NAMES, MAX_ENGINE_ARG_CHARS, MAX_ENGINE_ARGS, SpecError
 from warmserve.engine_args import DEFAULT_POLICY
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gw_support import MDS, NODES, Engines, demand_headers, md
+
+from tests.gateway.gw_support import MDS, NODES, Engines, demand_headers, md
 
 CHAT = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
 
@@ -421,9 +422,10 @@ async def test_demand_watch_stream_reports_held_edges(make_gateway: Any) -> None
 
 
 async def test_ready_only_once_every_watched_namespace_is_listed() -> None:
-    from gw_support import ListSource
     from warmserve_gateway.config import GatewayConfig
     from warmserve_gateway.server import Gateway
+
+    from tests.gateway.gw_support import ListSource
 
     a, b = ("modeldeployments", "a"), ("modeldeployments", "b")
 
@@ -461,9 +463,9 @@ async def test_an_engine_dying_mid_stream_aborts_the_client_connection(
     import subprocess
     import sys
 
-    from gw_support import REPO
     from warmserve_agent.testing import write_model
 
+    from tests.gateway.gw_support import REPO
     from warmserve.api.agent.client import SyncAgentClient
 
     write_model(tmp_path / "m", "doomed", layers=2, hidden=32, profile={"decode_tok_s": 20.0})
@@ -510,9 +512,10 @@ async def test_per_model_series_exist_at_zero_once_the_model_is_known() -> None:
     """A dashboard's rate() needs the series before the first request: a histogram born with its
     first observation already counted shows no increase (the dead-panel failure of the real
     Prometheus dashboard test)."""
-    from gw_support import ListSource
     from warmserve_gateway.config import GatewayConfig
     from warmserve_gateway.server import Gateway
+
+    from tests.gateway.gw_support import ListSource
 
     class OneModel(ListSource):
         def start(self, loop: Any, on_list: Any, on_event: Any) -> None:

@@ -9,7 +9,6 @@ import json
 from typing import Any
 
 import pytest
-from gw_support import md, raw_http
 from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict
@@ -22,6 +21,8 @@ from warmserve_gateway.hygiene import (
     request_headers,
     response_headers,
 )
+
+from tests.gateway.gw_support import md, raw_http
 
 CHAT = json.dumps({"model": "rec", "messages": [{"role": "user", "content": "hi"}]}).encode()
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gw_support import REPO, Engines, gpunode
 from warmserve_gateway.config import GatewayConfig
 from warmserve_gateway.server import Gateway
 
+from tests.gateway.gw_support import REPO, Engines, gpunode
 from warmserve.testing.k8s import apply_chart_gateway_rbac, apply_chart_operator_rbac, host_ip
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -188,7 +188,7 @@ async def test_operator_reads_gateway_replicas_from_endpointslices_under_chart_r
     make_gateway: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gw_support import md
+    from tests.gateway.gw_support import md
 
     ns = k8s_namespace
     gws = [await make_gateway([md("c", "cold", [], max_hold_s=30)], admin_host="0.0.0.0")]

@@ -14,11 +14,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gw_support import md, start_gateway_process
 from warmserve_gateway.catalog import parse_deployment
 from warmserve_gateway.holding import Dispatcher, HoldTimeout
 from warmserve_gateway.routing import Endpoint
 from warmserve_gateway.server import Draining
+
+from tests.gateway.gw_support import md, start_gateway_process
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 

@@ -14,7 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from gw_support import AGENT_ADDRESS, NODE, Engines, demand_headers, gpunode, md
+
+from tests.gateway.gw_support import AGENT_ADDRESS, NODE, Engines, demand_headers, gpunode, md
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_support import gpunode, md
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from warmserve_gateway.auth import ApiKeys, Caller
@@ -19,6 +18,7 @@ from warmserve_gateway.names import Ambiguous, Named, NameIndex, parse_global, r
 from warmserve_gateway.records import endpoint_problem
 from warmserve_operator.gateway_demand import sum_held
 
+from tests.gateway.gw_support import gpunode, md
 from warmserve.api.demand import DemandReport, ModelDemand
 
 # ------------------------------------------------------------------------------ name resolution

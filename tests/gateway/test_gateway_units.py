@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gw_support import gpunode, md
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from warmserve_gateway.auth import ApiKeyError, ApiKeys, Caller
@@ -19,6 +18,7 @@ from warmserve_gateway.demand import DemandTracker
 from warmserve_gateway.holding import Dispatcher, HoldTimeout, QueueFull
 from warmserve_gateway.routing import Endpoint, pick
 
+from tests.gateway.gw_support import gpunode, md
 from warmserve.api.crd import dedupe_models, parse_model_deployment
 
 # ------------------------------------------------------------------------------------ routing

@@ -16,8 +16,9 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from gw_support import Engines, md
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.gateway.gw_support import Engines, md
 
 PROMPT = "one two three four five"  # the simulated engine counts words: 5 prompt tokens
 CHAT = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6}

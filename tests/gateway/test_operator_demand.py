@@ -14,7 +14,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gw_support import REPO, md
 from hypothesis import given
 from hypothesis import strategies as st
 from warmserve_operator.agents import AgentPool
@@ -29,6 +28,7 @@ from warmserve_operator.gateway_demand import (
 from warmserve_operator.reconciler import Reconciler
 from warmserve_operator.testing import FakeAgent
 
+from tests.gateway.gw_support import REPO, md
 from warmserve.api.demand import DemandError, DemandReport, ModelDemand
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import GiB

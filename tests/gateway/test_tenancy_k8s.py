@@ -14,10 +14,10 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from gw_support import REPO, Engines, gpunode
 from warmserve_gateway.config import GatewayConfig
 from warmserve_gateway.server import Gateway
 
+from tests.gateway.gw_support import REPO, Engines, gpunode
 from warmserve.testing.k8s import apply_chart_gateway_rbac
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

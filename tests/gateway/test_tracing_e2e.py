@@ -22,7 +22,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gw_support import REPO, Engines, ListSource, demand_headers, md
 from warmserve_agent.config import AgentConfig, parse_simulated_gpus
 from warmserve_agent.testing import AgentThread, write_model
 from warmserve_gateway.config import GatewayConfig
@@ -33,6 +32,7 @@ from warmserve_operator.config import OperatorConfig
 from warmserve_operator.gateway_demand import GatewayDemand, StaticEndpoints
 from warmserve_operator.reconciler import Reconciler
 
+from tests.gateway.gw_support import REPO, Engines, ListSource, demand_headers, md
 from warmserve.api.agent.client import SyncAgentClient
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.testing.otel import CLIENT, SERVER, Collector, collector, in_trace, one

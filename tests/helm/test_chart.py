@@ -186,7 +186,7 @@ def test_existing_secret_and_cert_manager_modes(k8s_bin_dir: Path) -> None:
         ),
         (["--set", "metrics.podMonitor.interval=often"], "at '/metrics/podMonitor/interval'"),
         (["--set", "metrics.scrapeAnnotations=yes"], "at '/metrics/scrapeAnnotations': got string"),
-        # plaintext, unauthenticated agents only when asked for explicitly (issue 16)
+        # plaintext, unauthenticated agents only when asked for explicitly
         (["--set", "tls.enabled=false"], "also set tls.allowInsecure=true"),
         (["--set", "agent.gpuReserve=lots"], "at '/agent/gpuReserve'"),
         (["--set", "agent.requireFencingToken=maybe"], "at '/agent/requireFencingToken'"),

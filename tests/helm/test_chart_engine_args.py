@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_chart import CHART, _find, _helm, _parse_cli, _render
 
+from tests.helm.test_chart import CHART, _find, _helm, _parse_cli, _render
 from warmserve.engine_args import DEFAULT_POLICY
 from warmserve.flags import CliError
 from warmserve.flags import engine_args as engine_arg_flags

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from test_chart import CHART, _find, _helm, _parse_cli, _render
 
+from tests.helm.test_chart import CHART, _find, _helm, _parse_cli, _render
 from warmserve.testing.k8s import REPO_ROOT, ControlPlane
 
 FULL = "ws-warmserve"  # the fullname of release "ws"

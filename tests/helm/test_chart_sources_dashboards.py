@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_chart import CHART, _env_refs_are_defined, _find, _helm, _parse_cli, _render
 
+from tests.helm.test_chart import CHART, _env_refs_are_defined, _find, _helm, _parse_cli, _render
 from warmserve.testing.k8s import ControlPlane
 
 SOURCES = [

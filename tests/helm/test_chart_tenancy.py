@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_chart import CHART, _find, _helm, _render
+
+from tests.helm.test_chart import CHART, _find, _helm, _render
 
 
 def _args(docs: list[dict[str, Any]], suffix: str) -> list[str]:

@@ -17,11 +17,8 @@ import pytest
 from warmserve.local import procs
 from warmserve.local.history import history_configmap
 from warmserve.local.kubelet import _expand, translate_arg
-from warmserve.local.observe import ModelSample, NodeSample, model_sample
-from warmserve.local.replay import CAPPED, DROPPED, OK, Result, classify
-from warmserve.local.report import RunData, headline, write
-from warmserve.local.scenario import (
-    ScenarioError,
+from warmserve.local.model_mix import (
+    UpConfigError,
     load_default,
     model_deployments,
     parse,
@@ -29,6 +26,9 @@ from warmserve.local.scenario import (
     simulated_gpus_flag,
     write_weights,
 )
+from warmserve.local.observe import ModelSample, NodeSample, model_sample
+from warmserve.local.replay import CAPPED, DROPPED, OK, Result, classify
+from warmserve.local.report import RunData, headline, write
 from warmserve.local.state import Stack, StackError, check_can_start
 from warmserve.local.summary import rows
 from warmserve.local.workload import PlanError, operator_times, plan
@@ -50,15 +50,15 @@ def test_parse_gpus() -> None:
     assert parse_gpus("2x8x80GiB") == (2, 8, 80.0)
     assert parse_gpus("1x4x40") == (1, 4, 40.0)
     for bad in ("8x80GiB", "2x8x", "0x8x80GiB", "2x99x80GiB", "axbxc"):
-        with pytest.raises(ScenarioError):
+        with pytest.raises(UpConfigError):
             parse_gpus(bad)
 
 
 def test_scenario_errors_name_the_field() -> None:
     good = load_default().models[0].__dict__
-    with pytest.raises(ScenarioError, match=r"models\[0\]\.tp must be a number > 0, got 0"):
+    with pytest.raises(UpConfigError, match=r"models\[0\]\.tp must be a number > 0, got 0"):
         parse({"byte_scale": 1024, "copy_gib_per_s": 2, "models": [{**good, "tp": 0}]})
-    with pytest.raises(ScenarioError, match="no models"):
+    with pytest.raises(UpConfigError, match="no models"):
         parse({"byte_scale": 1024, "copy_gib_per_s": 2, "models": []})
 
 

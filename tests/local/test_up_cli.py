@@ -1,5 +1,5 @@
 """Bad input to ``warmserve up`` / ``down``: each is one line on stderr and exit status 2,
-before anything is started (issue 14, "Done when" 4)."""
+before anything is started."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from up_support import REPO, warmserve
 
+from tests.local.up_support import REPO, warmserve
 from warmserve.local.procs import free_port
 
 

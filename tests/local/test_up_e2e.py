@@ -1,4 +1,4 @@
-"""``warmserve up`` end to end, as CI runs it (issue 14, "Done when" 2): a short replay (10
+"""``warmserve up`` end to end, as CI runs it: a short replay (10
 trace minutes at 20x: 45 s warm-up + 30 s measured, about 2 minutes with the last answers)
 through the whole local stack on the real control plane; then ``warmserve down`` must leave no
 process behind."""
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from up_support import warmserve
 
+from tests.local.up_support import warmserve
 from warmserve.local import procs
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from test_reconciler import Harness
+from tests.operator.test_reconciler import Harness
 
 
 async def test_engine_name_and_args_reach_the_agent() -> None:

@@ -173,7 +173,7 @@ ALLOWED = [
     ("list", "endpointslices.discovery.k8s.io", "self"),  # gateway replicas (held demand)
 ]
 FORBIDDEN = [
-    # Issue 16 H3: no ConfigMap outside the operator's namespace (e.g. kube-system/aws-auth).
+    # Least privilege: no ConfigMap outside the operator's namespace (e.g. kube-system/aws-auth).
     ("get", "configmaps", "other"),
     ("create", "configmaps", "other"),
     ("update", "configmaps", "other"),
@@ -289,7 +289,8 @@ def test_history_lives_in_the_operators_namespace_and_writes_elsewhere_are_refus
     sa_kubeconfig: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Issue 16 H3, on the real apiserver as the chart's ServiceAccount."""
+    """No ConfigMap outside the operator's namespace, on the real apiserver as the chart's
+    ServiceAccount."""
     ns = k8s_namespace
     sa = _chart_rbac(helm, kubectl, ns)
     who = f"system:serviceaccount:{ns}:{sa}"

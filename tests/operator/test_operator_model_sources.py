@@ -5,9 +5,9 @@ The real agent and huggingface_hub are exercised by tests/e2e/test_model_sources
 from __future__ import annotations
 
 import pytest
-from test_reconciler import Harness, seed_history
 from warmserve_operator.testing import FakeAgent
 
+from tests.operator.test_reconciler import Harness, seed_history
 from warmserve.api.crd import SpecError, parse_model_deployment
 from warmserve.policy.cluster import GiB
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from test_reconciler import Harness
 from warmserve_operator.tenancy import SourcePolicy, TenancyError, prefix_matches
 from warmserve_operator.testing import FakeAgent
 
+from tests.operator.test_reconciler import Harness
 from warmserve.api.crd import MAX_QUEUE_LIMIT, SpecError, parse_model_deployment
 from warmserve.policy.cluster import GiB
 

@@ -342,7 +342,7 @@ def test_cli_errors_are_one_line_exit_2(
 
 def test_operator_cli_defaults_are_safe_outside_the_chart() -> None:
     """Metrics bind loopback unless asked (the chart passes 0.0.0.0); a lease, not kopf's
-    peering lifetime, bounds a leader handover (issue 16)."""
+    peering lifetime, bounds a leader handover."""
     import argparse
 
     from warmserve_operator import cli as operator_cmd

@@ -1,5 +1,5 @@
 """Parity: the operator and the simulator, driven through the same scripted scenario, make the
-same decisions (issue 11, "decide once, do twice").
+same decisions ("decide once, do twice").
 
 One script — a clock, each model's load, which started instances are serving — drives
 
@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from operator_fakes import Clock, FakeKube
 from warmserve_operator.agents import AgentPool
 from warmserve_operator.config import OperatorConfig
 from warmserve_operator.model_spec import MeasuredProfile
@@ -41,6 +40,7 @@ from warmserve_operator.reconciler import Reconciler
 from warmserve_operator.testing import FakeAgent
 
 import warmserve.api.history as history_io
+from tests.operator.operator_fakes import Clock, FakeKube
 from warmserve.control.decisions import Decisions, canonical
 from warmserve.control.history import LoadHistory
 from warmserve.policy.autoscaler import AutoscalerConfig

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_fakes import FakeKube
 from warmserve_operator.agents import AgentAuth, AgentPool, GrpcAgent
 from warmserve_operator.config import OperatorConfig
 from warmserve_operator.reconciler import Reconciler
 
 import warmserve.api.history as history_io
+from tests.operator.operator_fakes import FakeKube
 from warmserve.control.history import LoadHistory
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import WorkerState

@@ -7,7 +7,6 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from operator_fakes import Clock, FakeKube
 from warmserve_operator.agents import AgentPool
 from warmserve_operator.leader import NotLeader
 from warmserve_operator.observe import observation
@@ -15,6 +14,7 @@ from warmserve_operator.reconciler import OperatorConfig, Reconciler
 from warmserve_operator.testing import FakeAgent
 
 import warmserve.api.history as history_io
+from tests.operator.operator_fakes import Clock, FakeKube
 from warmserve.control.history import LoadHistory
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import GiB
@@ -202,7 +202,7 @@ async def test_delete_tears_down_everything_of_the_model() -> None:
 
 
 async def test_delete_drains_a_busy_instance_through_grace_within_the_bound() -> None:
-    """Issue 16 H1: the agent refuses to end a serving instance; teardown drains it."""
+    """Removal drains: the agent refuses to end a serving instance; teardown drains it."""
     h = Harness()
     h.kube.add_md("a", "llama-a", maxBatchSize=4, minInstances=1)
     await h.tick(3)
@@ -223,7 +223,7 @@ async def test_delete_drains_a_busy_instance_through_grace_within_the_bound() ->
 
 
 async def test_deleting_a_duplicate_in_another_namespace_touches_nothing_of_the_owner() -> None:
-    """Issue 16 H2: identity is the deployment's UID, not its model name."""
+    """Ownership: identity is the deployment's UID, not its model name."""
     h = Harness()
     h.kube.add_md("code", "llama-a", ns="demo", maxBatchSize=4, minInstances=1)
     seed_history(h.kube, "code", "llama-a", h.clock.t, avg=6.0, peak=10.0)
@@ -549,7 +549,7 @@ async def test_rough_edges_of_issue_16_statuses_and_events() -> None:
 
 
 async def test_a_deployment_asking_for_every_gpu_does_not_starve_the_others() -> None:
-    """Issue 16: minInstances 1000 used to take every free GPU; fair shares cap it."""
+    """Fair shares: minInstances 1000 does not take every free GPU."""
     h = Harness()  # 2 nodes x 4 GPUs
     h.kube.add_md("hog", "llama-a", minInstances=1000, maxInstances=1000)
     await h.tick(2)

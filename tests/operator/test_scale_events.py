@@ -1,4 +1,4 @@
-"""Issue 16, scale: what the operator writes per deployment, against in-memory agents and API.
+"""Scale: what the operator writes per deployment, against in-memory agents and API.
 
 * ``Accepted`` / ``SpecChanged`` come from the loop, once per spec generation (also across
   restarts, from ``status.observedGeneration``), queued within the Event budget, never dropped;
@@ -13,8 +13,9 @@ import asyncio
 import kopf
 import pytest
 import warmserve_operator.report as report
-from test_reconciler import Harness, seed_history
 from warmserve_operator.handlers import NoDiffBase
+
+from tests.operator.test_reconciler import Harness, seed_history
 
 
 async def settle() -> None:

@@ -20,8 +20,9 @@ from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
-from test_reconciler import Harness
 from warmserve_operator.status import SELECTOR_KEY, scale_selector
+
+from tests.operator.test_reconciler import Harness
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -140,7 +140,7 @@ def test_decide_scales_up_immediately() -> None:
     grace=st.integers(0, 3),
 )
 def test_demand_at_zero_instances_starts_at_once(held, b, hi, low_since, grace) -> None:
-    """Scale from zero (issue 9): demand held at the gateways while a model has no active
+    """Scale from zero: demand held at the gateways while a model has no active
     instance (grace ones do not count) starts min(ceil(demand / B), maxInstances) instances in
     the same decision: no hysteresis band or delay holds a start back, whatever the memory."""
     spec = ModelSpec("m", 10**9, 1, b, 1.0)
@@ -201,7 +201,7 @@ def test_fair_demand_counts_are_the_three_desired_counts(
     hi: int | None, cfg_lo: int,
 ) -> None:
     """The fair share's one-pass counts are exactly the three desired_instances calls they
-    replace (issue 12 §5): with the current instances, without, and unbounded without."""
+    replace: with the current instances, without, and unbounded without."""
     cfg = AutoscalerConfig(scale_up_utilization=ud[0], scale_down_utilization=ud[1],
                            min_instances=cfg_lo)
     for bounds in ((lo, hi), (None, None)):

@@ -1,4 +1,4 @@
-"""Fair shares of GPUs between models (issue 16: one deployment must not starve the rest)."""
+"""Fair shares of GPUs between models: one deployment must not starve the rest."""
 
 from __future__ import annotations
 

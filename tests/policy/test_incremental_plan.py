@@ -1,4 +1,4 @@
-"""Algorithm 1 with a :class:`MatchMemo` (issue 12 §5) plans exactly what it plans from
+"""Algorithm 1 with a :class:`MatchMemo` plans exactly what it plans from
 scratch: random sequences of cluster changes (plans applied, forecasts, instances, replicas and
 spares changed, earlier states repeated) planned with one shared memo give the plans computed
 without one."""

@@ -1,4 +1,4 @@
-"""Overshoot spares (issue 12 §6; :mod:`warmserve.policy.overshoot`, docs/policy.md)."""
+"""Overshoot spares (:mod:`warmserve.policy.overshoot`, docs/policy.md)."""
 
 from __future__ import annotations
 

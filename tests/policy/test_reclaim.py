@@ -1,4 +1,4 @@
-"""Reclaim (issue 12): a starving model takes a GPU group from instances other models can spare;
+"""Reclaim: a starving model takes a GPU group from instances other models can spare;
 and the buddy best fit of cold starts.  Pure policy: hand examples + hypothesis properties."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Spare burst replicas (issue 12 §6; :mod:`warmserve.policy.scoring`, docs/policy.md)."""
+"""Spare burst replicas (:mod:`warmserve.policy.scoring`, docs/policy.md)."""
 
 from __future__ import annotations
 

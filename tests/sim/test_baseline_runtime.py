@@ -80,7 +80,7 @@ def test_muxserve_instances_cap_at_the_scenarios_batch_and_adbs_keeps_its_own():
     prep = _fake_prep(rates, TPS)
     loads = muxserve.average_loads(prep)
     spec_batch = {m.spec.name: m.spec.max_batch for m in prep.models}
-    # default (issue 12's fair comparison): MuxServe's quota capped at the scenario's batch
+    # default (a fair comparison): MuxServe's quota capped at the scenario's batch
     for inst in muxserve.static_instances(prep):
         own = muxserve.adbs_max_num_seqs(inst.kv_cap_tokens, loads[inst.model])
         assert inst.max_batch == min(own, spec_batch[inst.model])
@@ -260,14 +260,14 @@ def test_prism_waits_when_the_resident_model_is_busy():
 @pytest.mark.parametrize("system", ["muxserve", "prism"])
 def test_baselines_conserve_requests_and_causality(system):
     from tests.sim.conftest import make_doc
-    from warmserve.sim import metrics, runner
+    from warmserve.sim import result_rows, runner
     from warmserve.sim.scenario import parse
 
     prep = runner.prepare(parse(make_doc(**{"workload.total_rps": 12})))
     out, wall = runner.run_system(prep, system, check=True, record=True)
     names = [m.spec.name for m in prep.models]
-    row = metrics.summarize(out, names, wall)
-    metrics.check_conservation(row)
+    row = result_rows.summarize(out, names, wall)
+    result_rows.check_conservation(row)
     served = ~np.isnan(out.finish)
     arr = prep.requests.arrival
     assert (out.assigned[served] >= arr[served] - 1e-9).all()

@@ -1,5 +1,5 @@
-"""SimCluster.counts (the timeline's GPUs per worker state) counts without visiting every GPU
-(issue 12 §5); it must equal gpu_state's rule applied GPU by GPU."""
+"""SimCluster.counts (the timeline's GPUs per worker state) counts without visiting every GPU;
+it must equal gpu_state's rule applied GPU by GPU."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The compiled simulator (issue 12 §5, warmserve.sim.compiled): its cache key, its errors, and
+"""The compiled simulator (warmserve.sim.compiled): its cache key, its errors, and
 a real mypyc build whose results equal pure Python's, value by value."""
 
 from __future__ import annotations

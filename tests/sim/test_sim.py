@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.sim.conftest import make_doc
-from warmserve.sim import metrics, runner
+from warmserve.sim import result_rows, runner
 from warmserve.sim.model import DROP_QUEUE_TIMEOUT
 from warmserve.sim.scenario import parse
 
@@ -27,7 +27,7 @@ def _run(doc, system):
     prep = runner.prepare(parse(doc))
     out, wall = runner.run_system(prep, system, record=True)
     names = [m.spec.name for m in prep.models]
-    row = metrics.summarize(out, names, wall)
+    row = result_rows.summarize(out, names, wall)
     return prep, out, row
 
 
@@ -42,8 +42,8 @@ def busy_prep():
 def test_conservation_every_request_served_or_dropped(busy_prep, system):
     out, wall = runner.run_system(busy_prep, system, check=True, record=True)
     names = [m.spec.name for m in busy_prep.models]
-    row = metrics.summarize(out, names, wall)
-    metrics.check_conservation(row)
+    row = result_rows.summarize(out, names, wall)
+    result_rows.check_conservation(row)
     served = ~np.isnan(out.finish)
     dropped = np.array([d is not None for d in out.drop])
     assert not (served & dropped).any()
@@ -70,7 +70,7 @@ def test_drops_carry_reasons_when_the_queue_times_out():
         }
     )
     _, _, row = _run(doc, "reactive")
-    metrics.check_conservation(row)
+    result_rows.check_conservation(row)
     assert row["dropped"] > 0
     assert set(row["drop_reasons"]) <= {DROP_QUEUE_TIMEOUT, "unfinished-at-end"}
     assert row["drop_reasons"].get(DROP_QUEUE_TIMEOUT, 0) > 0
@@ -176,7 +176,7 @@ def test_conservation_holds_for_any_small_scenario(seed, rps, alpha, gpus, syste
         }
     )
     _, out, row = _run(doc, system)
-    metrics.check_conservation(row)
+    result_rows.check_conservation(row)
     served = ~np.isnan(out.finish)
     assert all((d is None) == s for d, s in zip(out.drop, served, strict=True))
     assert row["gpu_hours"] <= gpus * 300 / 3600 + 1e-9

@@ -1,4 +1,4 @@
-"""Start-up profiles (issue 12 §1): data, cited, `paper` calibrated to Figure 8, a measured
+"""Start-up profiles: data, cited, `paper` calibrated to Figure 8, a measured
 profile built only from a real GPU benchmark result."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Workload generation (issue 12 §2, §5): sub-second structure from the request-level traces,
+"""Workload generation: sub-second structure from the request-level traces,
 per-minute counts from the count series, streaming that does not depend on how time is cut."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``warmserve plan``: a cluster snapshot in, the prewarm plan out (WarmServe §5.2, Algorithm 1).
 
-The command is a thin shell: :func:`warmserve.scenario.load_cluster_state` validates the file,
-:func:`warmserve.policy.evict_aware_placement.plan_prewarm` decides, and this module only formats.
+The command is a thin shell: :func:`warmserve.cluster_snapshot.load_cluster_state` validates the
+file, :func:`warmserve.policy.evict_aware_placement.plan_prewarm` decides, and this module only
+formats.
 """
 
 from __future__ import annotations
@@ -170,9 +171,9 @@ def render_text(doc: dict[str, Any], source: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from warmserve.cluster_snapshot import load_cluster_state
     from warmserve.policy.evict_aware_placement import plan_prewarm
     from warmserve.policy.start_choice import choose_start
-    from warmserve.scenario import load_cluster_state
 
     state = load_cluster_state(args.scenario)
     plan = plan_prewarm(state, evict_aware=args.evict_aware)

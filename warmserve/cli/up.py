@@ -92,7 +92,7 @@ def _say(msg: str) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     from warmserve.cli import CliError
-    from warmserve.local.scenario import ScenarioError
+    from warmserve.local.model_mix import UpConfigError
     from warmserve.local.session import UpOptions, up
     from warmserve.local.state import StackError
 
@@ -109,7 +109,7 @@ def run_up(args: argparse.Namespace) -> int:
     )
     try:
         up(opts, _say)
-    except (StackError, ScenarioError) as exc:
+    except (StackError, UpConfigError) as exc:
         raise CliError(str(exc)) from None
     return 0
 

@@ -1,4 +1,4 @@
-"""The control layer: one loop's decisions, shared by every executor (issue 11).
+"""The control layer: one loop's decisions, shared by every executor (decide once, execute twice).
 
 ``warmserve.policy`` answers single questions (forecast a window, plan prewarm replicas, choose
 where to start, how many instances).  This package owns what a *loop* around those answers

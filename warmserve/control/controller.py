@@ -1,4 +1,4 @@
-"""The controller: one loop's memory and decisions, for every executor (issue 11).
+"""The controller: one loop's memory and decisions, for every executor (operator, simulator).
 
 An executor (the operator, the simulator, a test script) calls, in any rhythm it likes:
 
@@ -28,7 +28,7 @@ What the controller owns, so no executor re-decides it:
   model can still hit it.  (Measured against evicting at once: ``docs/policy.md``.)
 * **Replica priorities**: the kind, rank and score it gave each replica when it planned it.
 
-**Incremental** (issue 12 §5): between two decisions few models and nodes change, so the
+**Incremental** (for a 1,024-GPU cluster): between two decisions few models and nodes change, so the
 controller keeps, per executor, what it may reuse — the snapshot's nodes, instances and replicas
 (:class:`~.snapshot.SnapshotMemo`), Algorithm 1's per-model match
 (:class:`~warmserve.policy.replica_match.MatchMemo`), each model's fair-share demand and its last
@@ -39,9 +39,10 @@ computed from, so every decision is the one a full rebuild makes (property-teste
 of the GPUs (:mod:`warmserve.policy.fairness`) whenever what the models want does not fit; the
 GPUs are divided between tenants (``ModelEntry.namespace``) first, then between a tenant's models.
 
-**Reclaim** (issue 12): a model with requests held at the gateway whose start found no GPU group
-may take one from instances other models can spare (:mod:`warmserve.policy.reclaim`): they are
-drained (grace) and the model starts there once they are done.
+**Reclaim** (beyond the paper, docs/policy.md): a model with requests held at the gateway
+whose start found no GPU group may take one from instances other models can spare
+(:mod:`warmserve.policy.reclaim`): they are drained (grace) and the model starts there once they
+are done.
 
 Decision order per call: the autoscaler for each model (sorted): its starts where
 :func:`~warmserve.policy.start_choice.choose_start` says (each applied to the snapshot before the
@@ -237,7 +238,7 @@ class Controller(ModelTracking, SpareTracking):
         grace_by_key: dict[str, float], lo: int, hi: int,
     ) -> ScaleDecision:
         """:func:`warmserve.policy.autoscaler.decide` for one model, its last answer reused
-        when it provably repeats (issue 12 §5): with no instance in grace and a decision that
+        when it provably repeats: with no instance in grace and a decision that
         did not scale down, the answer reads neither the clock nor the memory, only the spec,
         the load, the count of instances and the bounds."""
         spec = st.entry.spec
@@ -291,7 +292,7 @@ class Controller(ModelTracking, SpareTracking):
         A model's demand is what the autoscaler wants for it (hysteresis included).  When those
         do not all fit, the shares are computed from what each model *needs* — the instances
         that keep its utilisation at the scale-up threshold, without the instances the
-        hysteresis band merely keeps (issue 12): a band instance running at a quarter of its
+        hysteresis band merely keeps: a band instance running at a quarter of its
         batch must not count as demand while another model queues requests for lack of GPUs.
         Each share is weighted by the instances the model's load alone asks for (a
         ``minInstances`` floor is wanted but weighs nothing; :mod:`warmserve.policy.fairness`).

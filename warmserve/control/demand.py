@@ -4,7 +4,7 @@ scales on it.
     demand(model) = requests in flight at its instances (starting, serving and in grace:
                     running + queued there) + requests held for it at gateways
 
-Why each part (issue 11 chose one rule; ``docs/policy.md`` "Load"):
+Why each part (one rule for every executor; ``docs/policy.md`` "Load"):
 
 * **Grace instances count.** Their requests are real load the model is serving now; leaving
   them out makes a drain look like a load drop, so the next window's forecast and the

@@ -6,11 +6,11 @@ some GPU has more than :data:`FREE_GROWTH_BYTES` above that asks for a re-plan (
 memory untouched, so the next snapshot asks again until a plan runs).  A GPU that was dedicated
 (absent) counts from 0: when its instance ends, its memory "grew".
 
-Incremental (issue 12 §5): a snapshot of 1,024 GPUs changes a few nodes between two decisions,
+Incremental: a snapshot of 1,024 GPUs changes a few nodes between two decisions,
 and :class:`~warmserve.policy.cluster.Node` objects are immutable and reused by the snapshot
 memo while their facts stay.  A node whose object is the one its remembered minimum was last
 computed from cannot have grown, and its minimum cannot change: it is skipped.  The result is
-the rule's, node for node (``tests/policy/test_free_growth.py`` checks it against the rule
+the rule's, node for node (``tests/control/test_free_growth.py`` checks it against the rule
 computed in full).
 """
 
@@ -44,7 +44,7 @@ class FreeGrowth:
         for n in state.nodes:
             names.add(n.name)
             if src.get(n.name) is n and n.name in exact:
-                continue  # already node_free(n): nothing to recompute (issue 12 §5)
+                continue  # already node_free(n): nothing to recompute
             least[n.name] = node_free(n)
             src[n.name] = n
             exact.add(n.name)

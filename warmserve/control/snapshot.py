@@ -1,8 +1,7 @@
 """The one rule from observed facts to the policy's :class:`~warmserve.policy.cluster.ClusterState`.
 
 Every executor builds its snapshot here, so free memory, worker states and Eq. 1 are computed
-once (issue 11: they used to be computed in the simulator, the scenario reader and the operator,
-three slightly different ways).
+once, the same way for every executor.
 
 Worker state (paper Figure 5), per GPU: held by an instance — ``grace`` if the instance is in
 its grace period, else ``dedicated``; otherwise ``universal`` if any slot holds weights on it,
@@ -54,7 +53,7 @@ ReplicaKey = tuple[str, str, GpuSet]  # (model, node, gpus)
 ReplicaMeta = tuple[ReplicaKind, int, float]  # kind, rank, score
 
 
-@lru_cache(maxsize=8192)  # pure; asked for every instance at every decision (issue 12 §5)
+@lru_cache(maxsize=8192)  # pure; asked for every instance at every decision
 def instance_key(node: str, gpus: GpuSet) -> str:
     """The name an instance has in the policy: where it runs, not the executor's id (agents
     name instances randomly, the simulator by a counter), so tie-breaks by name decide alike
@@ -144,7 +143,7 @@ class SnapshotMemo:
     full, with its model's spec, since Eq. 1 reads its load); each observed instance's policy
     view; each slot's replica, keyed on its facts and its kind, rank and score.  A cluster of
     1,024 GPUs changes a few nodes between two polls, and rebuilding every GPU was most of a
-    poll's cost (issue 12 §5).  Pure memoisation: only equal immutable inputs map to the
+    poll's cost.  Pure memoisation: only equal immutable inputs map to the
     stored immutable outputs, and only last call's entries are kept."""
 
     def __init__(self) -> None:

@@ -1,4 +1,5 @@
-"""Spares beyond Eq. 6 per model, for the :class:`~.controller.Controller` (issue 12 §6).
+"""Spares beyond Eq. 6 per model, for the :class:`~.controller.Controller`
+(docs/policy.md, "Overshoot spares").
 
 The rule is :mod:`warmserve.policy.overshoot` (pure); this mixin keeps its one piece of loop
 memory — per model, the last window in which its demand passed its forecast peak — and asks for

@@ -13,7 +13,7 @@ Modules, from the bottom up (an import-linter contract keeps the order):
 * :mod:`.procs` — processes of the stack: start in their own session, PID records, stop, find
   leftovers;
 * :mod:`.state` — the run directory and its ``stack.json`` (what ``warmserve down`` reads);
-* :mod:`.scenario` — the model mix, stand-in weights and ModelDeployments;
+* :mod:`.model_mix` — the model mix, stand-in weights and ModelDeployments;
 * :mod:`.workload` — the replay plan: requests and seeded load history from a trace;
 * :mod:`.controlplane`, :mod:`.kubelet` — the embedded control plane and the chart's pods;
 * :mod:`.replay`, :mod:`.observe` — the HTTP replay and the sampler of the cluster's state;

@@ -14,10 +14,10 @@ from typing import Any
 
 from .controlplane import REPO
 from .history import history_configmap
+from .model_mix import ModelMix, model_deployments
 from .observe import Sampler
 from .replay import Replayer
 from .report import RunData
-from .scenario import Scenario, model_deployments
 from .stack import NAMESPACE, Running, start_operator, stop_pod
 from .state import kubectl_command, warmserve_command
 from .view import View
@@ -27,9 +27,9 @@ DRAIN_S = 60.0  # after the last request is sent, wait this long for open answer
 
 
 def _apply_models(
-    run: Running, sc: Scenario, plan: ReplayPlan, prewarm: bool, warm_unix: float
+    run: Running, mix: ModelMix, plan: ReplayPlan, prewarm: bool, warm_unix: float
 ) -> None:
-    mds = model_deployments(sc, NAMESPACE, prewarm=prewarm)
+    mds = model_deployments(mix, NAMESPACE, prewarm=prewarm)
     run.plane.apply(mds)
     end_window = round(warm_unix / plan.window_s)
     cms = []
@@ -62,7 +62,7 @@ def _delete_models(run: Running, say: Callable[[str], None]) -> None:
 
 def replay_once(
     run: Running,
-    sc: Scenario,
+    mix: ModelMix,
     plan: ReplayPlan,
     label: str,
     say: Callable[[str], None],
@@ -74,10 +74,10 @@ def replay_once(
     # right before it, as if the operator had been watching the models until then.  (An operator
     # started earlier would record the quiet time before the traffic as a window of zero load.)
     warm_unix = math.ceil((time.time() + 8) / plan.window_s) * plan.window_s
-    _apply_models(run, sc, plan, prewarm, warm_unix)
+    _apply_models(run, mix, plan, prewarm, warm_unix)
     seeded = sum(1 for a, _ in plan.history.values() if a)
     say(
-        f"[{label}] applied {len(sc.models)} ModelDeployments "
+        f"[{label}] applied {len(mix.models)} ModelDeployments "
         f"(prewarm {'on' if prewarm else 'off'}) and {seeded} seeded load histories"
     )
     t0_unix = warm_unix + plan.warmup_s
@@ -92,7 +92,7 @@ def replay_once(
         f"[{label}] warm-up: {plan.warmup_s:g}s of the trace (not measured) while the operator "
         f"starts, {learns} and prewarms; then the measured replay"
     )
-    replayer = Replayer(plan, run.gateway_urls, sc.max_hold_s)
+    replayer = Replayer(plan, run.gateway_urls, mix.max_hold_s)
     replayer.t0 = t0_mono
     footer = [
         f"export KUBECONFIG={run.stack.kubeconfig}   "

@@ -11,9 +11,9 @@ from warmserve.textfmt import columns
 
 from . import procs
 from .controlplane import REPO, check_checkout, ensure_binaries
+from .model_mix import UpConfigError, load_default, parse_gpus
 from .report import RunData, headline, table, write
 from .run import info_of, replay_once, reset_for_next, settle_note
-from .scenario import ScenarioError, load_default, parse_gpus
 from .stack import down, start
 from .state import (
     Stack,
@@ -41,26 +41,26 @@ class UpOptions:
 
 
 def up(opts: UpOptions, say: Callable[[str], None] = print) -> dict[str, object]:
-    """Run everything; returns the report's summary. Raises StackError / ScenarioError (one-line
+    """Run everything; returns the report's summary. Raises StackError / UpConfigError (one-line
     messages) for bad input or a failed start, after stopping whatever had started."""
     t_begin = time.monotonic()
-    sc = load_default()
+    mix = load_default()
     if opts.rps is not None:
         if not 0 < opts.rps <= 50:
-            raise ScenarioError(f"--rps must be in (0, 50], got {opts.rps:g}")
-        sc = replace(sc, rps=opts.rps)
+            raise UpConfigError(f"--rps must be in (0, 50], got {opts.rps:g}")
+        mix = replace(mix, rps=opts.rps)
     if opts.compare not in (None, "reactive"):
-        raise ScenarioError(f"--compare: only 'reactive' is supported, got {opts.compare!r}")
+        raise UpConfigError(f"--compare: only 'reactive' is supported, got {opts.compare!r}")
     nodes, per_node, gib = parse_gpus(opts.gpus)
-    too_wide = [m.name for m in sc.models if m.tp > per_node]
+    too_wide = [m.name for m in mix.models if m.tp > per_node]
     if too_wide:
-        raise ScenarioError(
-            f"--gpus {opts.gpus}: {', '.join(too_wide)} need {max(m.tp for m in sc.models)} GPUs "
+        raise UpConfigError(
+            f"--gpus {opts.gpus}: {', '.join(too_wide)} need {max(m.tp for m in mix.models)} GPUs "
             "on one node (tensor parallel)"
         )
     if not 1 <= opts.port <= 65535:
-        raise ScenarioError(f"--port must be in 1-65535, got {opts.port}")
-    plan = make_plan(sc, opts.trace or sc.arrivals, opts.speed, opts.minutes)
+        raise UpConfigError(f"--port must be in 1-65535, got {opts.port}")
+    plan = make_plan(mix, opts.trace or mix.arrivals, opts.speed, opts.minutes)
     check_can_start(opts.state_dir)
     if not procs.port_free("0.0.0.0", opts.port):
         raise StackError(
@@ -70,11 +70,11 @@ def up(opts: UpOptions, say: Callable[[str], None] = print) -> dict[str, object]
     check_checkout()
     say(
         f"== warmserve up: {nodes} nodes x {per_node} GPUs ({gib:g} GiB, simulated), "
-        f"{len(sc.models)} models, {plan.description}"
+        f"{len(mix.models)} models, {plan.description}"
     )
     say(
         f"   replay: {opts.minutes:g} trace minutes at {opts.speed:g}x = {plan.duration_s:.0f}s "
-        f"(+{plan.warmup_s:.0f}s warm-up), {len(plan)} requests at {sc.rps:g} req/s; "
+        f"(+{plan.warmup_s:.0f}s warm-up), {len(plan)} requests at {mix.rps:g} req/s; "
         f"{settle_note()}"
     )
     say("== control plane binaries (hack/k8s/build.sh; cached after the first build)")
@@ -83,7 +83,7 @@ def up(opts: UpOptions, say: Callable[[str], None] = print) -> dict[str, object]
     stack.save()
     try:
         run = start(
-            stack, bin_dir, sc, plan, nodes, per_node, gib, opts.port, lambda m: say("   " + m)
+            stack, bin_dir, mix, plan, nodes, per_node, gib, opts.port, lambda m: say("   " + m)
         )
         say(f"== stack up in {time.monotonic() - t_begin:.0f}s")
         say(f"   export KUBECONFIG={stack.kubeconfig}")
@@ -96,7 +96,7 @@ def up(opts: UpOptions, say: Callable[[str], None] = print) -> dict[str, object]
                 reset_for_next(run, lambda m: say("   " + m))
             stack.state = "replaying"
             stack.save()
-            data = replay_once(run, sc, plan, label, say, tty=opts.tty)
+            data = replay_once(run, mix, plan, label, say, tty=opts.tty)
             runs.append(data)
             if data.interrupted:
                 say("== replay interrupted: writing the report of what ran")

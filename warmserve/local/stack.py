@@ -27,7 +27,7 @@ import yaml
 from . import procs
 from .controlplane import CHART, ControlPlane
 from .kubelet import Kubelet, Pod, marker_env, pod_network
-from .scenario import Scenario, simulated_gpus_flag, write_weights
+from .model_mix import ModelMix, simulated_gpus_flag, write_weights
 from .state import Stack, StackError
 from .workload import ReplayPlan
 from .workload_controllers import endpoint_slices, workload_status
@@ -51,7 +51,7 @@ class Running:
 
 
 def values(
-    sc: Scenario, plan: ReplayPlan, gpus_per_node: int, gib: float, models: Path
+    mix: ModelMix, plan: ReplayPlan, gpus_per_node: int, gib: float, models: Path
 ) -> dict[str, Any]:
     """The chart values of the local stack: the time-compressed operator, simulated GPUs at the
     byte scale, the stand-in model cache; everything else is the chart's default."""
@@ -62,15 +62,15 @@ def values(
             "pollSeconds": 1,
             "extraArgs": [
                 f"--day-seconds={plan.day_s:g}",
-                f"--scale-down-delay={sc.scale_down_delay_s / speed:g}",
-                f"--max-grace={sc.max_grace_s / speed:g}",
+                f"--scale-down-delay={mix.scale_down_delay_s / speed:g}",
+                f"--max-grace={mix.max_grace_s / speed:g}",
             ],
         },
         "agent": {
-            "simulateGpus": simulated_gpus_flag(gpus_per_node, gib, sc.byte_scale),
+            "simulateGpus": simulated_gpus_flag(gpus_per_node, gib, mix.byte_scale),
             "gpuResource": {"count": 0},
             "modelCache": {"hostPath": str(models)},
-            "extraArgs": [f"--sim-copy-gbps={sc.copy_bytes_per_s / 1e9:.6g}", "--page-size=64KiB"],
+            "extraArgs": [f"--sim-copy-gbps={mix.copy_bytes_per_s / 1e9:.6g}", "--page-size=64KiB"],
         },
         "gateway": {"replicas": 2},
     }
@@ -101,7 +101,7 @@ def _http_ok(url: str) -> bool:
 def start(
     stack: Stack,
     bin_dir: Path,
-    sc: Scenario,
+    mix: ModelMix,
     plan: ReplayPlan,
     nodes: int,
     gpus_per_node: int,
@@ -118,8 +118,8 @@ def start(
     plane.kubeconfig_for(None, NAMESPACE, stack.kubeconfig)
     say(f"control plane ready in {time.monotonic() - t0:.0f}s at {plane.server}")
 
-    models = write_weights(sc, stack.dir / "models")
-    vals = values(sc, plan, gpus_per_node, gib, models)
+    models = write_weights(mix, stack.dir / "models")
+    vals = values(mix, plan, gpus_per_node, gib, models)
     vfile = stack.dir / "helm" / "values.yaml"
     vfile.parent.mkdir(parents=True, exist_ok=True)
     vfile.write_text(yaml.safe_dump(vals, sort_keys=False))

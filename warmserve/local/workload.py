@@ -33,12 +33,12 @@ from warmserve.policy.load import inflight_load, request_durations
 from warmserve.sim import workload as wl
 from warmserve.traces import CountSeries, RequestTrace, TraceError, load_trace
 
-from .scenario import Scenario, ScenarioError
+from .model_mix import ModelMix, UpConfigError
 
 DAY_S = 86400.0
 
 
-class PlanError(ScenarioError):
+class PlanError(UpConfigError):
     """A replay that cannot be planned (unknown trace, too short, bad speed); one line."""
 
 
@@ -71,11 +71,11 @@ class ReplayPlan:
         return int(np.count_nonzero(self.arrival >= 0))
 
 
-def operator_times(sc: Scenario, speed: float) -> tuple[float, float]:
+def operator_times(mix: ModelMix, speed: float) -> tuple[float, float]:
     """(window, day) in wall-clock seconds at ``speed``; the window must divide the day."""
     if not (math.isfinite(speed) and 1 <= speed <= 1000):
         raise PlanError(f"--speed must be between 1 and 1000, got {speed:g}")
-    window, day = sc.window_s / speed, DAY_S / speed
+    window, day = mix.window_s / speed, DAY_S / speed
     per_day = day / window
     if abs(per_day - round(per_day)) > 1e-9 or abs(window * 1000 - round(window * 1000)) > 1e-6:
         raise PlanError(
@@ -85,15 +85,15 @@ def operator_times(sc: Scenario, speed: float) -> tuple[float, float]:
     return window, day
 
 
-def durations(sc: Scenario, idx: int, inp: np.ndarray, out: np.ndarray) -> np.ndarray:
+def durations(mix: ModelMix, idx: int, inp: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Seconds the agents' simulated engine keeps a request of model ``idx`` in flight."""
-    m = sc.models[idx]
+    m = mix.models[idx]
     # The engine sleeps input/prefill before the first token and 1/decode before each other one.
     return request_durations(inp, np.maximum(out - 1, 0), m.prefill_tok_s, m.decode_tok_s)
 
 
 def _windows(
-    sc: Scenario,
+    mix: ModelMix,
     idx: int,
     t: np.ndarray,
     inp: np.ndarray,
@@ -104,15 +104,15 @@ def _windows(
 ) -> tuple[list[float], list[float]]:
     if end - start < window - 1e-9:
         return [], []
-    loads = inflight_load(t, durations(sc, idx, inp, out), window, start_s=start, end_s=end)
+    loads = inflight_load(t, durations(mix, idx, inp, out), window, start_s=start, end_s=end)
     return [w.avg for w in loads], [w.peak for w in loads]
 
 
-def plan(sc: Scenario, trace: str, speed: float, minutes: float) -> ReplayPlan:
-    window, day = operator_times(sc, speed)
+def plan(mix: ModelMix, trace: str, speed: float, minutes: float) -> ReplayPlan:
+    window, day = operator_times(mix, speed)
     if not (math.isfinite(minutes) and minutes > 0):
         raise PlanError(f"--minutes must be > 0, got {minutes:g}")
-    win_min = sc.window_s / 60
+    win_min = mix.window_s / 60
     if minutes < win_min:
         raise PlanError(f"--minutes must cover one window ({win_min:g} trace minutes) at least")
     try:
@@ -120,17 +120,17 @@ def plan(sc: Scenario, trace: str, speed: float, minutes: float) -> ReplayPlan:
     except TraceError as exc:
         raise PlanError(str(exc)) from None
     if isinstance(t, RequestTrace):
-        return _plan_requests(sc, t, speed, minutes, window, day)
+        return _plan_requests(mix, t, speed, minutes, window, day)
     assert isinstance(t, CountSeries)
-    return _plan_series(sc, trace, speed, minutes, window, day)
+    return _plan_series(mix, trace, speed, minutes, window, day)
 
 
 def _plan_series(
-    sc: Scenario, trace: str, speed: float, minutes: float, window: float, day: float
+    mix: ModelMix, trace: str, speed: float, minutes: float, window: float, day: float
 ) -> ReplayPlan:
     try:
         counts = wl.read_minute_series(trace)
-        lengths = wl.read_lengths(sc.lengths)
+        lengths = wl.read_lengths(mix.lengths)
     except (wl.WorkloadError, TraceError) as exc:
         raise PlanError(
             f"{exc}; warmserve up replays per-minute request-count series or request-level "
@@ -139,37 +139,37 @@ def _plan_series(
     n_days = counts.size // wl.MINUTES_PER_DAY
     if n_days < 1:
         raise PlanError(f"{trace} is shorter than a day; use a request-level trace instead")
-    days = [m.trace_day % n_days for m in sc.models]
-    hist_days = min(sc.history_days, min(days))
-    win_min = int(sc.window_s // 60)
-    warm_min = sc.warmup_windows * win_min
+    days = [m.trace_day % n_days for m in mix.models]
+    hist_days = min(mix.history_days, min(days))
+    win_min = int(mix.window_s // 60)
+    warm_min = mix.warmup_windows * win_min
     dur_min = math.ceil(minutes / win_min) * win_min
     total_min = warm_min + dur_min
     if total_min > wl.MINUTES_PER_DAY:
         raise PlanError(f"--minutes {minutes:g}: at most {wl.MINUTES_PER_DAY - warm_min} (a day)")
-    if sc.start == "busiest":
+    if mix.start == "busiest":
         start = wl.busiest_start_minute(counts, days, total_min)
     else:
-        start = int(sc.start)
+        start = int(mix.start)
     start -= start % win_min
-    shares = wl.power_law_shares(len(sc.models), sc.alpha)
+    shares = wl.power_law_shares(len(mix.models), mix.alpha)
     try:
-        shapes = wl.model_shapes(counts, days, start, total_min, shares, sc.rps / speed, hist_days)
+        shapes = wl.model_shapes(counts, days, start, total_min, shares, mix.rps / speed, hist_days)
     except wl.WorkloadError as exc:
         raise PlanError(str(exc)) from None
-    stream = wl.RequestStream(sc.seed, shapes, lengths, None, total_min * 60.0)
+    stream = wl.RequestStream(mix.seed, shapes, lengths, None, total_min * 60.0)
     reqs = stream.materialize()
     warm_s = warm_min * 60 / speed
     arrival = reqs.arrival / speed - warm_s
     history, planned = {}, {}
-    for i, (m, shape) in enumerate(zip(sc.models, shapes, strict=True)):
+    for i, (m, shape) in enumerate(zip(mix.models, shapes, strict=True)):
         span_trace = shape.history_rate_per_minute.size * 60.0
         h_t, h_in, h_out = stream.model_requests(i, -span_trace, 0.0)
         span = span_trace / speed
-        history[m.name] = _windows(sc, i, h_t / speed, h_in, h_out, -span, 0.0, window)
+        history[m.name] = _windows(mix, i, h_t / speed, h_in, h_out, -span, 0.0, window)
         mine = reqs.model == i
         planned[m.name] = _windows(
-            sc,
+            mix,
             i,
             reqs.arrival[mine] / speed,
             reqs.input_tokens[mine],
@@ -181,13 +181,13 @@ def _plan_series(
     hhmm = f"{start // 60:02d}:{start % 60:02d}"
     desc = (
         f"{trace}: days {', '.join(map(str, days))} from {hhmm} "
-        f"({'busiest period' if sc.start == 'busiest' else 'chosen start'}), "
+        f"({'busiest period' if mix.start == 'busiest' else 'chosen start'}), "
         f"{hist_days} days of history"
     )
     return ReplayPlan(
         trace,
         desc,
-        tuple(m.name for m in sc.models),
+        tuple(m.name for m in mix.models),
         arrival,
         reqs.model,
         reqs.input_tokens,
@@ -203,10 +203,10 @@ def _plan_series(
 
 
 def _plan_requests(
-    sc: Scenario, t: RequestTrace, speed: float, minutes: float, window: float, day: float
+    mix: ModelMix, t: RequestTrace, speed: float, minutes: float, window: float, day: float
 ) -> ReplayPlan:
-    win_min = int(sc.window_s // 60)
-    warm_min = sc.warmup_windows * win_min
+    win_min = int(mix.window_s // 60)
+    warm_min = mix.warmup_windows * win_min
     dur_min = math.ceil(minutes / win_min) * win_min
     span_min = t.span_s / 60
     if warm_min + dur_min > span_min:
@@ -220,19 +220,19 @@ def _plan_requests(
     arr, inp, out = arr[keep], t.input_tokens[keep], t.output_tokens[keep]
     ok = (inp > 0) & (out > 0)
     arr, inp, out = arr[ok], inp[ok], out[ok]
-    rng = np.random.default_rng(sc.seed)
+    rng = np.random.default_rng(mix.seed)
     rate_wall = arr.size / ((warm_min + dur_min) * 60) * speed
-    p = min(1.0, sc.rps / rate_wall) if rate_wall > 0 else 1.0
+    p = min(1.0, mix.rps / rate_wall) if rate_wall > 0 else 1.0
     sel = rng.random(arr.size) < p
     arr, inp, out = arr[sel], inp[sel].astype(np.int64), out[sel].astype(np.int64)
-    shares = wl.power_law_shares(len(sc.models), sc.alpha)
-    model = rng.choice(len(sc.models), size=arr.size, p=shares).astype(np.int32)
+    shares = wl.power_law_shares(len(mix.models), mix.alpha)
+    model = rng.choice(len(mix.models), size=arr.size, p=shares).astype(np.int32)
     warm_s = warm_min * 60 / speed
     planned = {}
-    for i, m in enumerate(sc.models):
+    for i, m in enumerate(mix.models):
         mine = model == i
         planned[m.name] = _windows(
-            sc,
+            mix,
             i,
             arr[mine] / speed,
             inp[mine],
@@ -242,13 +242,13 @@ def _plan_requests(
             window,
         )
     desc = (
-        f"{t.name}: its own arrivals (kept {p:.1%} of them for {sc.rps:g} req/s) from the "
+        f"{t.name}: its own arrivals (kept {p:.1%} of them for {mix.rps:g} req/s) from the "
         "start, no history (one hour of trace)"
     )
     return ReplayPlan(
         t.name,
         desc,
-        tuple(m.name for m in sc.models),
+        tuple(m.name for m in mix.models),
         arr / speed - warm_s,
         model,
         inp,
@@ -258,6 +258,6 @@ def _plan_requests(
         day,
         warm_s,
         dur_min * 60 / speed,
-        {m.name: ([], []) for m in sc.models},
+        {m.name: ([], []) for m in mix.models},
         planned,
     )

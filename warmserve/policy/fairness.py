@@ -1,4 +1,4 @@
-"""Fairness between models: a demand-weighted max-min share of the cluster's GPUs (issue 16).
+"""Fairness between models: a demand-weighted max-min share of the cluster's GPUs.
 
 Without it the autoscaler starts instances model by model until the GPUs run out, so one
 deployment with ``minInstances: 1000`` (or a load spike far beyond the cluster) takes every GPU

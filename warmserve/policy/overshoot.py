@@ -1,5 +1,5 @@
 """Spare replicas after a peak-forecast miss: a learned, per-model deviation from Eq. 6
-(issue 12 §6).
+(docs/policy.md, "Overshoot spares").
 
 Eq. 6 (WarmServe §5.2) prewarms burst replicas up to ``ceil(L_P / B)`` instances and nothing
 beyond, so once a model's demand passes its forecast peak ``L_P`` every further start is a cold

@@ -6,7 +6,7 @@ for a new instance.  Under load the GPUs can all
 be held by *other* models' instances that no longer need them — a model scales down only after
 its load stayed below the scale-down threshold for ``scale_down_delay_s``, and one whose load
 sits inside the hysteresis band never does — or the free GPUs lie scattered over the nodes so
-that a TP-2 or TP-4 model finds no group.  Measured in the simulator (issue 12, paper testbed,
+that a TP-2 or TP-4 model finds no group.  Measured in the simulator (paper testbed,
 alpha 0.5, RPS 25): the 70B model queued 1,800 requests for minutes while single GPUs were free
 on both nodes and 7B instances ran at a quarter of their batch; which model starved depended on
 the order in which models had grabbed GPUs.  Nothing let a model with a long queue take GPUs

@@ -8,7 +8,7 @@ remaining requests are placed.  A resident replica is **stale** (evicted) when i
 the model's, or a serving or starting instance now holds one of its GPUs (a dedicated GPU);
 replicas beyond what the model asks for are evicted too.
 
-:class:`MatchMemo` makes the match incremental (issue 12 §5): each model's outcome is a pure
+:class:`MatchMemo` makes the match incremental: each model's outcome is a pure
 function of its spec, forecast, active instances, spare count, resident replicas and their
 staleness, so the outcome of the last plan is reused for every model whose inputs compare equal
 (most models between two plans); the result is the same with or without a memo

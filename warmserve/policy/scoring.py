@@ -23,7 +23,7 @@ Deviations, and why:
   64.00000000001 with B = 32 asks for 2 instances, not 3.
 - Basic replicas always rank above burst ones regardless of score (the paper's rule); callers
   use :func:`priority_key` to sort, which encodes it.
-- **Spare burst replicas** (issue 12 §6, ``spare``: ``ControlConfig.spare_replicas`` for every
+- **Spare burst replicas** (docs/policy.md; ``spare``: ``ControlConfig.spare_replicas`` for every
   model, default 0, and :mod:`warmserve.policy.overshoot`'s per-model spares, default on): Eq. 6 is
   extended to ``N_burst = max(ceil(L_P / B) - N_basic - K, 0) + spare`` for every model with a
   predicted peak or an active instance.  Eq. 6 asks for nothing beyond ``ceil(L_P / B)``
@@ -135,7 +135,7 @@ def _model_replicas(
 ) -> tuple[ReplicaRequest, ...]:
     """:func:`model_replicas`, memoised (a pure function of immutable values: every plan asks
     it for every model, and most models' forecast and instances did not change since the last
-    plan; issue 12 §5)."""
+    plan)."""
     n_basic, n_burst = replica_counts(forecast, spec.max_batch, active)
     _, with_spares = replica_counts(forecast, spec.max_batch, active, spare)
     out = [

@@ -130,7 +130,7 @@ def choose_start(state: ClusterState, model: str) -> StartChoice | NoCapacity:
     Ties (equal evicted score) break *best fit* first: the node with the fewest startable GPUs
     left after the start, so a narrow instance fills a node that is already fragmented and
     keeps another node's free block whole for a wider model; then, inside the node, the buddy
-    allocator's best fit (issue 12): the group whose enclosing aligned blocks (2x, 4x ... its
+    allocator's best fit: the group whose enclosing aligned blocks (2x, 4x ... its
     size) have the fewest free GPUs left, so a TP-1 start takes the free GPU beside a busy one
     rather than splitting an empty block a TP-4 model could use; then node name, then lowest
     GPU index.  (The paper does not say how ties break; with the node name alone, TP-1 starts

@@ -1,4 +1,4 @@
-"""Trace-driven discrete-event simulator of a multi-LLM GPU cluster (issue 3).
+"""Trace-driven discrete-event simulator of a multi-LLM GPU cluster (docs/simulator.md).
 
 The simulator drives the *same* policy code the operator runs (``warmserve.policy``: load
 measurement, prediction, scoring, evict-aware placement, autoscaling, proactive lending) and

@@ -1,4 +1,4 @@
-"""Continuous batching per instance: prefill and decode as events (issue 3 §1).
+"""Continuous batching per instance: prefill and decode as events.
 
 Analytic between membership changes (:mod:`warmserve.sim.cluster`'s virtual step counter):
 one event per prefill end or decode finish, not per token.  Prefill-first without chunking
@@ -150,7 +150,7 @@ class Batching(SimState):
         self.stats[r.m].served_request(r.t, r.assigned, r.first, t, r.out, r.delayed)
         if self.record:
             self.recorded.append(r)
-        midx = inst.midx  # Gateway._set_inflight(midx, t, -1), inline (per request)
+        midx = inst.midx  # RequestQueues._set_inflight(midx, t, -1), inline (per request)
         self.inflight[midx] -= 1
         if self.controller is not None:
             self.controller.measure(self.names[midx], t, self.inflight[midx])

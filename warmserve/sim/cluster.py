@@ -38,7 +38,7 @@ PHASE = {
 
 class Req:
     """One request while it is alive in the simulation (created at arrival, dropped from
-    memory once served or dropped: runs stream, issue 12 §5)."""
+    memory once served or dropped: runs stream)."""
 
     __slots__ = (
         "assigned",
@@ -216,7 +216,7 @@ class SimCluster:
     def counts(self) -> dict[str, int]:
         """GPUs per worker state (for the timeline)."""
         # gpu_state's rule counted per state without visiting every GPU (asked at every start
-        # and stop: 1,024 GPUs at scale, issue 12 §5): held GPUs are grace or dedicated, GPUs
+        # and stop: 1,024 GPUs at scale): held GPUs are grace or dedicated, GPUs
         # with a replica and no holder universal, the rest idle
         out = {s.value: 0 for s in WorkerState}
         holder = self.holder

@@ -1,4 +1,4 @@
-"""The compiled simulator (issue 12 §5): the event loop's modules built with mypyc, opt-in.
+"""The compiled simulator: the event loop's modules built with mypyc, opt-in.
 
 ``warmserve simulate --compiled`` and ``python bench/sim_speed.py --compiled`` run the same
 simulator with its hot modules (:data:`MODULES`: the per-request path and the executor) compiled
@@ -33,7 +33,7 @@ from pathlib import Path
 MODULES: tuple[str, ...] = (
     "warmserve/sim/core.py",
     "warmserve/sim/state.py",
-    "warmserve/sim/gateway.py",
+    "warmserve/sim/request_queues.py",
     "warmserve/sim/batching.py",
     "warmserve/sim/lifecycle.py",
     "warmserve/sim/cluster.py",

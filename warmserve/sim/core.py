@@ -1,4 +1,4 @@
-"""The discrete-event loop: requests, engines, GPU accounting (issue 3 §1; issues 11, 12).
+"""The discrete-event loop: requests, engines, GPU accounting.
 
 One :class:`Simulation` runs one system on one workload.  Time is seconds from the start of the
 simulated period.  Events live in one ``heapq`` (time, sequence number, kind, object, version);
@@ -8,9 +8,10 @@ instance events are skipped by a version number.
 What is simulated (the physics; what *decides* is elsewhere), one module per concept, mixed
 into :class:`Simulation` (which owns the state, the clock and the loop):
 
-- **Gateway** (:mod:`warmserve.sim.gateway`): a request goes to the least-loaded *serving*
-  instance of its model with a free batch slot and KV room; otherwise it waits in the model's
-  FIFO queue (also while an instance starts).  Waiting requests are the gateway's *held* demand.
+- **Request queues** (:mod:`warmserve.sim.request_queues`): a request goes to the least-loaded
+  *serving* instance of its model with a free batch slot and KV room; otherwise it waits in the
+  model's FIFO queue (also while an instance starts).  Waiting requests are the gateway's *held*
+  demand.
 - **Engine** (:mod:`warmserve.sim.batching`): continuous batching per instance, analytically
   between membership changes (see :mod:`warmserve.sim.cluster`); a grace instance's lent
   replicas are evicted if its KV use grows into them (§4.1).
@@ -18,10 +19,10 @@ into :class:`Simulation` (which owns the state, the clock and the loop):
 - **Start-up and loading** (§6, Fig. 8) are carried out by :mod:`warmserve.sim.executor`.
 - Here: the event loop, the control ticks and windows, GPU-hour accounting, invariants.
 
-Streaming (issue 12 §5): requests arrive chunk by chunk from a
+Streaming: requests arrive chunk by chunk from a
 :class:`~warmserve.sim.workload.RequestStream` (or from arrays, for tests), live as
 :class:`~warmserve.sim.cluster.Req` objects only while queued or running, and leave their
-latencies in online histograms (:mod:`warmserve.sim.metrics`).  ``record=True`` also keeps
+latencies in online histograms (:mod:`warmserve.sim.result_rows`).  ``record=True`` also keeps
 per-request outcome arrays (tests).
 
 Who decides (:mod:`warmserve.sim.hooks`): for controlled systems (WarmServe and the autoscaling
@@ -29,6 +30,9 @@ baselines) the loop is an executor of :class:`warmserve.control.Controller` deci
 controller, rules and snapshot the operator runs (:mod:`warmserve.sim.executor`); fixed-layout
 baselines create their instances at setup; Prism activates instances from its plug-in.  No
 baseline code lives here.
+
+Over 400 lines: the event loop is one class compiled by mypyc; its parts (request queues,
+batching, lifecycle) are already traits of their own.
 """
 
 from __future__ import annotations
@@ -56,7 +60,6 @@ from warmserve.sim.cluster import (
     SimInstance,
 )
 from warmserve.sim.executor import ControlExecutor
-from warmserve.sim.gateway import Gateway
 from warmserve.sim.hooks import Controlled, SystemHooks
 from warmserve.sim.lifecycle import EV_READY, Lifecycle
 from warmserve.sim.model import (
@@ -68,6 +71,7 @@ from warmserve.sim.model import (
     SimOutput,
     StartRecord,
 )
+from warmserve.sim.request_queues import RequestQueues
 from warmserve.sim.stats import ModelStats
 from warmserve.sim.systems import SystemConfig
 from warmserve.sim.workload import Requests
@@ -87,7 +91,7 @@ __all__ = [
 ]
 
 
-class Simulation(Gateway, Batching, Lifecycle):
+class Simulation(RequestQueues, Batching, Lifecycle):
     """One run of one system.  Deterministic: no randomness after the workload is drawn.
 
     Requests come from ``source`` (an iterable of :class:`~warmserve.sim.workload.Requests`

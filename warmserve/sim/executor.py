@@ -1,4 +1,4 @@
-"""The simulator as an executor of the control layer's decisions (issue 11).
+"""The simulator as an executor of the control layer's decisions.
 
 The same :class:`warmserve.control.Controller` the operator runs decides here; this module only
 
@@ -17,7 +17,7 @@ held-demand wake-up; autoscaling of that model only], and when a grace instance'
 finishes [the agent's KV-page event].
 
 A request finding no room wakes the controller only when it could start something
-(:meth:`ControlExecutor.wake`, issue 12 §5): when the autoscaler's count rule
+(:meth:`ControlExecutor.wake`): when the autoscaler's count rule
 (:func:`~warmserve.policy.autoscaler.desired_instances`, the rule the controller applies) asks
 for more instances than the model has, and not again while nothing that could give it GPUs has
 changed since the last such call started nothing (no instance took or freed a GPU, the model's
@@ -56,7 +56,7 @@ def instance_obs(inst: SimInstance) -> InstanceObs:
 
     The previous report of the instance is returned again while its facts are equal (most
     instances change between two polls only in a few of them): the same value, and the
-    snapshot memo then finds it by identity (issue 12 §5)."""
+    snapshot memo then finds it by identity."""
     bpt = inst.kv_bytes_per_token
     kv_cap = int(inst.kv_cap_tokens * bpt)
     used = min(int(inst.kv_tokens_now() * bpt), kv_cap)

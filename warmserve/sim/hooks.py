@@ -1,4 +1,4 @@
-"""How a system plugs into the simulator's event loop (issue 11: no baseline code in the core).
+"""How a system plugs into the simulator's event loop (no baseline code in the core).
 
 The event loop (:mod:`warmserve.sim.core`) runs requests, engines and GPU accounting for every
 system.  What differs between systems is behind this small interface:

@@ -1,4 +1,4 @@
-"""Instance lifecycle in the simulator: create, serve, drain's end, stop (issue 3 §1, §4.1).
+"""Instance lifecycle in the simulator: create, serve, drain's end, stop (§4.1).
 
 An instance is created by a start (:mod:`warmserve.sim.executor`) or a fixed layout, serves
 from its ready time, is cut off when its grace period runs out with requests still running,

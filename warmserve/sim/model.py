@@ -1,8 +1,7 @@
 """Plain data of a simulator run, shared by the event loop, the baselines and the runner.
 
 A low module (it imports only the scenario, hardware and workload readers), so that
-baselines can build static layouts and the runner can compose a run without an import circle
-(issue 11).
+baselines can build static layouts and the runner can compose a run without an import circle.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ DROP_GRACE_CUTOFF = "grace-cutoff"  # still running when its instance's grace pe
 class SimModel:
     """Static facts about one served model in a run (built by :mod:`warmserve.sim.runner`).
 
-    (Called ``ModelRuntime`` before issue 11; the operator had a class of that name too.)
     """
 
     idx: int
@@ -80,9 +78,9 @@ class StartRecord:
 
 @dataclass
 class SimOutput:
-    """Raw results of one run (turned into a row by :mod:`warmserve.sim.metrics`).
+    """Raw results of one run (turned into a row by :mod:`warmserve.sim.result_rows`).
 
-    ``stats``: one :class:`warmserve.sim.metrics.ModelStats` per model (online metrics).  The
+    ``stats``: one :class:`warmserve.sim.stats.ModelStats` per model (online metrics).  The
     per-request arrays (``first_token``, ``finish``, ``assigned``, ``drop``, indexed by request
     in arrival order) exist only for runs made with ``record=True`` (tests, small runs).
     """

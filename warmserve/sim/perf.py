@@ -1,7 +1,7 @@
 """Physics of one serving instance: model shapes, a roofline engine model and start-up costs.
 
-(The simulator's *performance model* of a serving engine, hence ``perf``; called ``engine.py``
-before issue 11, when "engine" also meant the agent's serving processes and ``spec.engine``.)
+(The simulator's *performance model* of a serving engine, hence ``perf``: "engine" is the
+agent's serving processes and ``spec.engine``.)
 
 The simulator asks this module four questions about a model running with tensor parallelism
 ``tp`` on a GPU type (:class:`warmserve.sim.hardware.GpuProfile`):
@@ -32,6 +32,9 @@ The efficiency factors and every constant come from the profile YAML, each with 
 nothing here is fitted to the WarmServe paper's results.  Byte accounting for partial residency
 matches :class:`warmserve.policy.cluster.ModelSpec` (weights split evenly over layers, embedding
 and LM head amortised into them), so the policy's memory view and the simulator's timing agree.
+
+Over 400 lines: EngineModel is one set of roofline equations per model shape, which StepTimer and
+scaled_profile use.
 """
 
 from __future__ import annotations

@@ -261,7 +261,7 @@ GC_GEN0_THRESHOLD = 100_000
 
 @contextmanager
 def few_collections() -> Iterator[None]:
-    """Run a simulation with the cyclic garbage collector seldom in the way (issue 12 §5).
+    """Run a simulation with the cyclic garbage collector seldom in the way.
 
     A run allocates a few objects per event (requests, heap entries, observations) over a
     large, long-lived state (the prepared workload, the cluster, the controller's memos), and
@@ -390,11 +390,11 @@ def run_scenario(
     progress: Callable[[str, float], None] | None = None,
     keep_raw: bool = False,
 ) -> dict[str, object]:
-    """Run ``systems`` on ``sc``; returns ``{"facts", "rows", "raw"?}`` (rows: metrics.summarize).
+    """Run ``systems`` on ``sc``; returns ``{"facts", "rows", "raw"?}`` (result_rows.summarize).
 
     Every row passes the conservation check (served + dropped == requests).
     """
-    from warmserve.sim import metrics
+    from warmserve.sim import result_rows
 
     for s in systems:
         get_system(s)
@@ -405,11 +405,11 @@ def run_scenario(
     for s in systems:
         cb = (lambda t, _s=s: progress(_s, t)) if progress is not None else None
         out, wall = run_system(prep, s, cb)
-        row = metrics.summarize(out, names, wall)
-        metrics.check_conservation(row)
+        row = result_rows.summarize(out, names, wall)
+        result_rows.check_conservation(row)
         rows.append(row)
         if keep_raw:
-            total = metrics.ModelStats()
+            total = result_rows.ModelStats()
             for st in out.stats:
                 total.merge(st)
             raw.append((s, total.ttft.cdf(), out.timeline))

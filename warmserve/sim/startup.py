@@ -1,4 +1,4 @@
-"""Start-up profiles: what starting an instance and loading weights cost (issue 12 §1).
+"""Start-up profiles: what starting an instance and loading weights cost.
 
 A GPU profile (:mod:`warmserve.sim.hardware`) says what the hardware does; a *start-up profile*
 says what the serving software costs on it: the Figure 8 stages (process, imports, CUDA
@@ -10,8 +10,8 @@ these exist:
 * ``paper`` (``startup_profiles/paper.yaml``): calibrated to WarmServe's Figure 8 stage ratios
   and its 665 ms prewarmed 70B (how the constants were solved for: the file's header).
 * ``fast-path`` (``startup_profiles/fast-path.yaml``): the GPU profile's cited vLLM stages and
-  its pinned host->GPU link rate (52 GB/s on h800) with no load set-up: the reading before
-  issue 12.
+  its pinned host->GPU link rate (52 GB/s on h800) with no load set-up: the simulator's
+  first reading.
 * ``free-starts`` (``startup_profiles/free-starts.yaml``): a reference, not a system: every
   start is free, so what remains of a tail is queueing (``bench/paper_eval.py``'s reference).
 * ``measured-<gpu>``: built from ``bench/results/gpu-<gpu>.json`` when the GPU benchmark

@@ -1,11 +1,12 @@
-"""The event loop's state, declared once for its parts (issue 12 §5: the compiled simulator).
+"""The event loop's state, declared once for its parts (for the compiled simulator).
 
-:class:`warmserve.sim.core.Simulation` is assembled from parts (:class:`~warmserve.sim.gateway.
-Gateway`, :class:`~warmserve.sim.batching.Batching`, :class:`~warmserve.sim.lifecycle.Lifecycle`)
-that read and write state the event loop owns and call each other's methods.  This base declares
-that state and those methods with their types, so that the type checker, and mypyc when the
-simulator is compiled (:mod:`warmserve.sim.compiled`), know them in every part: compiled, the
-parts are mypyc *traits* and their attribute reads and method calls are native.
+:class:`warmserve.sim.core.Simulation` is assembled from parts
+(:class:`~warmserve.sim.request_queues.RequestQueues`, :class:`~warmserve.sim.batching.Batching`,
+:class:`~warmserve.sim.lifecycle.Lifecycle`) that read and write state the event loop owns and
+call each other's methods.  This base declares that state and those methods with their types, so
+that the type checker, and mypyc when the simulator is compiled (:mod:`warmserve.sim.compiled`),
+know them in every part: compiled, the parts are mypyc *traits* and their attribute reads and
+method calls are native.
 
 Nothing here runs: the attributes are annotations only (``Simulation.__init__`` sets them) and
 every method below is defined again by a part that comes first in ``Simulation``'s method
@@ -71,7 +72,7 @@ class SimState:
     def sample(self, t: float) -> None:
         raise NotImplementedError
 
-    # defined by the gateway (warmserve.sim.gateway)
+    # defined by the request queues (warmserve.sim.request_queues)
     def _set_inflight(self, midx: int, t: float, delta: int) -> None:
         raise NotImplementedError
 

@@ -1,7 +1,7 @@
 """Online latency statistics of a run: log-bucketed histograms and per-model counters.
 
-Low in the simulator's layers (the event loop fills them; :mod:`warmserve.sim.metrics` turns
-them into result rows).  Definitions: :mod:`warmserve.sim.metrics`.
+Low in the simulator's layers (the event loop fills them; :mod:`warmserve.sim.result_rows` turns
+them into result rows).  Definitions: :mod:`warmserve.sim.result_rows`.
 """
 
 from __future__ import annotations

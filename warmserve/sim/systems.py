@@ -1,4 +1,4 @@
-"""The systems compared, each a configuration of the one simulator (issue 3 §2).
+"""The systems compared, each a configuration of the one simulator.
 
 Every system runs the same event loop, engine model, workload and metrics; they differ only in
 the switches below.  ``docs/simulator.md`` says, per system, what the paper states, what we
@@ -60,7 +60,7 @@ class SystemConfig:
     ``comm_group_on_hit``), and whether serving may begin after the first layers
     (``stream_layers``) or waits for all weights.
     ``reclaim``: a model with waiting requests and no GPU group may drain instances other models
-    can spare (:mod:`warmserve.policy.reclaim`, issue 12; WarmServe systems only).
+    can spare (:mod:`warmserve.policy.reclaim`; WarmServe systems only).
     ``on_stop``: what a stopped instance leaves on its GPUs — ``none`` (idle), ``replica``
     (WarmServe: the old model stays as a prewarm slot, §4.1) or ``cache`` (SLLM-GPU).
     ``stock_loader``: weights load through stock vLLM's own loader, slower than the weight path

@@ -1,4 +1,4 @@
-"""Workloads for the simulator from the bundled real traces (issue 3, WarmServe §7.1).
+"""Workloads for the simulator from the bundled real traces (WarmServe §7.1).
 
 The paper drives each model with requests sampled from a *different day* of the trace, scales the
 per-model rates with a power law of exponent α (as MuxServe does) and takes input/output lengths
@@ -8,16 +8,14 @@ straight from the Azure 2023 traces.  We do the same with the data bundled in
 - **Arrival shape**: a per-minute count series (default: the Azure multimodal week).  Model ``i``
   reads day ``trace_day[i]`` starting at the scenario's time of day; its counts are scaled so the
   model's mean rate over the simulated period is ``share[i] * total_rps``.
-- **Within a minute** (:class:`ArrivalTemplate`, issue 12): minute ``j`` gets
-  ``n ~ Poisson(scaled count)`` arrivals as before, but they are no longer uniform in the
-  minute: they are the next ``n`` arrivals of a request-level trace (default: the Azure 2023
-  trace the lengths come from) after a uniformly random point of it, with the window up to the
-  arrival after them stretched onto the minute.  So the per-minute counts are the count
-  series' while the gaps inside a minute keep the real trace's proportions: its clusters and
-  lulls, i.e. its sub-second burstiness (per-second variance/mean 1.1-1.25 with conv, 23-35
-  with code at the paper testbed's rates; 1.0 for Poisson; docs/simulator.md).  Nothing is
-  added at the minute scale, where the count series already is real.  ``poisson`` places them
-  uniformly (the previous default).
+- **Within a minute** (:class:`ArrivalTemplate`): minute ``j`` gets ``n ~ Poisson(scaled count)``
+  arrivals, not uniform in the minute: they are the next ``n`` arrivals of a request-level trace
+  (default: the Azure 2023 trace the lengths come from) after a uniformly random point of it, with
+  the window up to the arrival after them stretched onto the minute. So the per-minute counts are
+  the count series' while the gaps inside a minute keep the real trace's proportions: its clusters
+  and lulls, i.e. its sub-second burstiness (per-second variance/mean 1.1-1.25 with conv, 23-35 with
+  code at the paper testbed's rates; 1.0 for Poisson; docs/simulator.md). Nothing is added at the
+  minute scale, where the count series already is real. ``poisson`` places them uniformly.
 - **Shares**: ``share[i] ∝ (i + 1) ** -α`` in the scenario's model order (α = 2 gives the first
   model 70.2 % of the requests with four models, the figure §7.3 reports for Llama2-7B-0).
 - **Lengths**: (input, output) pairs sampled jointly, with replacement, from a request-level trace
@@ -25,7 +23,7 @@ straight from the Azure 2023 traces.  We do the same with the data bundled in
 - **History**: the days before the simulated period are generated with the same procedure and
   the same scale, so the predictor (§5.1) has a seasonal history from the first simulated window.
 
-**Streaming** (issue 12 §5): requests are generated in chunks of ``CHUNK_S`` seconds on demand
+**Streaming**: requests are generated in chunks of ``CHUNK_S`` seconds on demand
 (:class:`RequestStream`), each chunk from random streams keyed by (seed, model, chunk), so the
 requests are the same whether a run pulls them chunk by chunk, a baseline reads one model's
 whole period, or the history is drawn before the period: every system sees the same requests,

@@ -16,6 +16,9 @@ create Pods, namespaces get no ``default`` ServiceAccount.
 It needs a source checkout (``hack/k8s``, the chart); the pytest fixtures over it are in
 ``tests/k8s_support.py``.  (Just over 400 lines: the one class and the chart helpers its users
 call with it.)
+
+Over 400 lines: the control plane and the chart's RBAC applied to it, which every Kubernetes test
+and bench uses together.
 """
 
 from __future__ import annotations

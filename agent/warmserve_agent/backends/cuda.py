@@ -21,12 +21,12 @@ management calls (WarmServe §4.2; vllm-integration note §7):
 * ``load_ranges``: weights are read from the safetensors files **by this process** into a ring
   of pinned staging buffers (:mod:`~warmserve_agent.backends.staging`) and copied with
   ``cuMemcpyHtoDAsync`` on the GPU's **non-blocking** copy stream (a blocking stream would
-  serialise with an engine's kernels on the legacy default stream; item 3); the returned ticket is
+  serialise with an engine's kernels on the legacy default stream); the returned ticket is
   an event that ``wait_loaded`` synchronises.
 * Pinned host memory (the staging ring) is allocated with the GPU's context current and freed in
-  ``close`` **before** the context is released (item 4); it is bounded by the ring's size.
-* Each GPU has its own lock, so several GPUs open (create their handles) in parallel threads
-  (item 5): a node's GPUs are opened concurrently by :meth:`MemoryManager.add_gpus`.
+  ``close`` **before** the context is released; it is bounded by the ring's size.
+* Each GPU has its own lock, so several GPUs open (create their handles) in parallel threads:
+  a node's GPUs are opened concurrently by :meth:`MemoryManager.add_gpus`.
 
 ``cuda-python`` is imported lazily (not needed to run the simulated backend).  Tests inject a
 recording fake driver (``warmserve_agent.fake_cuda``) that models contexts, asynchronous streams,
@@ -37,6 +37,9 @@ argument checks; that is a test of call sequences and arguments, not a GPU claim
 Ownership: the CUDA context that holds these mappings belongs to the process that created them,
 so on a GPU node this backend lives in the GPU's worker process (the engine reads the slot by
 virtual address).  Nothing survives that process.
+
+Over 400 lines: one CudaBackend over one per-GPU driver state (reservations, mappings, copy stream,
+staging ring).
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ bounded queue and the KV capacity; tokens paced from the model's profile; ``usag
 ``system_fingerprint`` from the finish chunk).  The engine's state
 (:class:`EngineState`) is shared with the engine side, which owns weights and the Engine
 protocol.  Behaviour and simplifications: :mod:`warmserve_agent.engines.simulated`.
+
+Over 400 lines: one engine's whole OpenAI HTTP surface (routes, streaming, usage, errors), beside
+the engine state it serves.
 """
 
 from __future__ import annotations

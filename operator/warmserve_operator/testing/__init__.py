@@ -17,6 +17,9 @@ per node, that an operator process uses instead of gRPC clients
 
 Not used in production.  Over 400 lines: one class per contract, kept whole so that the
 contract test reads against one place.
+
+Over 400 lines: FakeAgent is the agent's whole RPC contract in one class, held against the real
+agent by tests/operator/test_agent_contract.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``dedicated``: the best static allocation of the cluster's GPUs (issue 12 §3).
+"""``dedicated``: the best static allocation of the cluster's GPUs (docs/evaluation.md).
 
 Every model gets a fixed number of always-on instances of its own (no sharing, no starts), as a
 platform without autoscaling would run it.  The reference is only useful if it is the *best*

@@ -163,7 +163,7 @@ def static_instances(prep: Prepared, *, own_batch: bool = False) -> list[StaticI
     with the unit's KV quota, a batch cap and a sharing slowdown (:mod:`warmserve.sim.sharing`).
 
     Batch cap: MuxServe's own (:func:`adbs_max_num_seqs`, up to 256) capped at the scenario's
-    batch (the paper's 32) by default, issue 12's fair comparison; ``own_batch=True`` keeps
+    batch (the paper's 32) by default, for a fair comparison; ``own_batch=True`` keeps
     MuxServe's own (the ``muxserve-adbs`` variant, what WarmServe §7.1 ran)."""
     from warmserve.sim.model import StaticInstance
 

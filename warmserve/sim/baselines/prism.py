@@ -225,7 +225,7 @@ def static_instances(
 ) -> list[StaticInstance]:
     """Prism's initial placement as always-on instances for a simulator run.
 
-    ``max_batch``: the batch cap of every instance; ``None`` (the default, issue 12's fair
+    ``max_batch``: the batch cap of every instance; ``None`` (the default, for a fair
     comparison) gives each model the scenario's batch, the paper's 32 for every system;
     :data:`MAX_NUM_SEQS` is Prism's own engine default (the ``prism-256`` variant).
 

@@ -3,7 +3,6 @@
 Prism's decisions themselves (KV-pressure placement, idle eviction, activation GPUs) are pure
 functions in :mod:`warmserve.sim.baselines.prism`; this module runs them on the simulation: the
 initial layout at setup, and an activation whenever a request of a model waits (§6.2, §5.2).
-(Moved out of the core ``Simulation`` in issue 11.)
 """
 
 from __future__ import annotations

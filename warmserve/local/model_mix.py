@@ -28,7 +28,7 @@ GIB = 1024**3
 MIB = 1024**2
 
 
-class ScenarioError(ValueError):
+class UpConfigError(ValueError):
     """A configuration ``warmserve up`` cannot use; one line naming the field."""
 
 
@@ -47,7 +47,7 @@ class LocalModel:
 
 
 @dataclass(frozen=True)
-class Scenario:
+class ModelMix:
     name: str
     byte_scale: int
     copy_gib_per_s: float
@@ -87,19 +87,19 @@ def _num(d: dict[str, Any], key: str, where: str, *, minimum: float = 0.0) -> fl
         or not math.isfinite(v)
         or v <= minimum
     ):
-        raise ScenarioError(f"{where}.{key} must be a number > {minimum:g}, got {v!r}")
+        raise UpConfigError(f"{where}.{key} must be a number > {minimum:g}, got {v!r}")
     return float(v)
 
 
-def parse(doc: Any, source: str = "up.yaml") -> Scenario:
+def parse(doc: Any, source: str = "up.yaml") -> ModelMix:
     if not isinstance(doc, dict):
-        raise ScenarioError(f"{source}: not a mapping")
+        raise UpConfigError(f"{source}: not a mapping")
     models = []
     for i, m in enumerate(doc.get("models") or []):
         where = f"{source}: models[{i}]"
         name = str(m.get("name", ""))
         if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{0,62}", name):
-            raise ScenarioError(f"{where}.name must be a DNS label, got {name!r}")
+            raise UpConfigError(f"{where}.name must be a DNS label, got {name!r}")
         models.append(
             LocalModel(
                 name=name,
@@ -115,9 +115,9 @@ def parse(doc: Any, source: str = "up.yaml") -> Scenario:
             )
         )
     if not models:
-        raise ScenarioError(f"{source}: no models")
+        raise UpConfigError(f"{source}: no models")
     wl, pol, gw = doc.get("workload") or {}, doc.get("policy") or {}, doc.get("gateway") or {}
-    return Scenario(
+    return ModelMix(
         name=str(doc.get("name", "up")),
         byte_scale=int(_num(doc, "byte_scale", source)),
         copy_gib_per_s=_num(doc, "copy_gib_per_s", source),
@@ -138,7 +138,7 @@ def parse(doc: Any, source: str = "up.yaml") -> Scenario:
     )
 
 
-def load_default() -> Scenario:
+def load_default() -> ModelMix:
     text = (resources.files("warmserve.data") / "examples" / "up.yaml").read_text()
     return parse(yaml.safe_load(text))
 
@@ -151,28 +151,28 @@ _EDGE_SHARE = 0.02
 _HIDDEN = 64  # row width of every stand-in tensor; only the byte counts matter
 
 
-def write_weights(sc: Scenario, root: Path) -> Path:
+def write_weights(mix: ModelMix, root: Path) -> Path:
     """Write each model's stand-in checkpoint under ``root`` (skipped when already written for
     this configuration); returns ``root``."""
     from safetensors.numpy import save_file
 
     root.mkdir(parents=True, exist_ok=True)
-    for idx, m in enumerate(sc.models):
+    for idx, m in enumerate(mix.models):
         d = root / store_dirname(m.name)  # the agent's store layout (warmserve.modelref)
         profile = {
             "max_batch": m.max_batch,
             "prefill_tok_s": m.prefill_tok_s,
             "decode_tok_s": m.decode_tok_s,
-            "kv_bytes_per_token": max(1, round(m.kv_kib_per_token * 1024 / sc.byte_scale)),
+            "kv_bytes_per_token": max(1, round(m.kv_kib_per_token * 1024 / mix.byte_scale)),
         }
         cfg = {"num_hidden_layers": m.layers, "hidden_size": _HIDDEN, "warmserve": profile}
-        stamp = hashlib.sha256(json.dumps([cfg, sc.weight_bytes(m), idx]).encode()).hexdigest()
+        stamp = hashlib.sha256(json.dumps([cfg, mix.weight_bytes(m), idx]).encode()).hexdigest()
         if (d / ".stamp").is_file() and (d / ".stamp").read_text() == stamp:
             continue
         d.mkdir(parents=True, exist_ok=True)
         for old in d.glob("*.safetensors"):
             old.unlink()
-        total = sc.weight_bytes(m)
+        total = mix.weight_bytes(m)
         edge_rows = max(1, int(total * _EDGE_SHARE / (2 * _HIDDEN)))
         layer_rows = max(1, int(total * (1 - 2 * _EDGE_SHARE) / m.layers / (2 * _HIDDEN)))
         rng = np.random.default_rng(idx + 1)
@@ -194,11 +194,11 @@ def write_weights(sc: Scenario, root: Path) -> Path:
 # ---- ModelDeployments ---------------------------------------------------------------------------
 
 
-def model_deployments(sc: Scenario, namespace: str, *, prewarm: bool) -> list[dict[str, Any]]:
+def model_deployments(mix: ModelMix, namespace: str, *, prewarm: bool) -> list[dict[str, Any]]:
     """One ModelDeployment per model; ``prewarm=False`` is the reactive baseline (same specs,
     no prewarm replicas: every start is cold)."""
     out = []
-    for m in sc.models:
+    for m in mix.models:
         out.append(
             {
                 "apiVersion": "warmserve.io/v1alpha1",
@@ -209,14 +209,14 @@ def model_deployments(sc: Scenario, namespace: str, *, prewarm: bool) -> list[di
                     "labels": {"app.kubernetes.io/part-of": "warmserve-up"},
                 },
                 "spec": {
-                    "model": {"name": m.name, "coldStartSeconds": sc.cold_start_s(m)},
+                    "model": {"name": m.name, "coldStartSeconds": mix.cold_start_s(m)},
                     "tensorParallel": m.tp,
                     "maxBatchSize": m.max_batch,
                     "ttftObjectiveSeconds": 1.0,
                     "minInstances": 0,
                     "maxInstances": m.max_instances,
                     "prewarm": {"enabled": prewarm},
-                    "gateway": {"maxQueue": sc.max_queue, "maxHoldSeconds": sc.max_hold_s},
+                    "gateway": {"maxQueue": mix.max_queue, "maxHoldSeconds": mix.max_hold_s},
                 },
             }
         )
@@ -227,16 +227,16 @@ def parse_gpus(text: str) -> tuple[int, int, float]:
     """``2x8x80GiB`` -> (nodes, GPUs per node, GiB per GPU)."""
     m = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+(?:\.\d+)?)\s*(GiB|GB|G)?\s*", text)
     if not m:
-        raise ScenarioError(
+        raise UpConfigError(
             f"--gpus must look like 2x8x80GiB (nodes x GPUs x memory), got {text!r}"
         )
     nodes, gpus, gib = int(m.group(1)), int(m.group(2)), float(m.group(3))
     if not 1 <= nodes <= 16:
-        raise ScenarioError(f"--gpus: 1-16 nodes, got {nodes}")
+        raise UpConfigError(f"--gpus: 1-16 nodes, got {nodes}")
     if not 1 <= gpus <= 16:
-        raise ScenarioError(f"--gpus: 1-16 GPUs per node, got {gpus}")
+        raise UpConfigError(f"--gpus: 1-16 GPUs per node, got {gpus}")
     if not 1 <= gib <= 1024:
-        raise ScenarioError(f"--gpus: 1-1024 GiB per GPU, got {gib:g}")
+        raise UpConfigError(f"--gpus: 1-1024 GiB per GPU, got {gib:g}")
     return nodes, gpus, gib
 
 

@@ -1,4 +1,4 @@
-"""The simulated gateway (issue 3 §1): routing, queueing and the demand it measures.
+"""The simulator's request queues (the gateway's part): dispatch, queueing, measured demand.
 
 A request goes to the least-loaded *serving* instance of its model with a free batch slot and
 KV room; otherwise it waits in the model's FIFO queue (also while an instance starts).  Waiting
@@ -20,7 +20,7 @@ from warmserve.sim.state import SimState
 
 
 @trait
-class Gateway(SimState):
+class RequestQueues(SimState):
     """Requests in: arrive, queue, dispatch to an instance, drop (module docstring)."""
 
     def _set_inflight(self, midx: int, t: float, delta: int) -> None:

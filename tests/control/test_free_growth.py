@@ -1,13 +1,13 @@
-"""The incremental free-memory re-plan trigger (:mod:`warmserve.control.free_growth`, issue 12
-§5) answers exactly as the rule computed over every GPU, with the snapshot memo reusing node
+"""The incremental free-memory re-plan trigger (:mod:`warmserve.control.free_growth`)
+answers exactly as the rule computed over every GPU, with the snapshot memo reusing node
 objects between snapshots as the controller's does."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_snapshot_memo import SPECS, observations  # same folder (rootdir sys.path)
 
+from tests.control.test_snapshot_memo import SPECS, observations
 from warmserve.control.free_growth import FREE_GROWTH_BYTES, FreeGrowth
 from warmserve.control.snapshot import SnapshotMemo, build_state
 from warmserve.policy.cluster import ClusterState, LoadForecast, WorkerState

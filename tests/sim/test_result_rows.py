@@ -1,4 +1,4 @@
-"""Online metrics (issue 12 §4, §5): histogram percentiles against numpy, the "delayed by a
+"""Result rows from online statistics: histogram percentiles against numpy, the "delayed by a
 start" definition, the no-capacity wake cache changing nothing, dedicated's best allocation."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.sim.conftest import make_doc
-from warmserve.sim import metrics, runner
+from warmserve.sim import result_rows, runner
 from warmserve.sim.scenario import parse
 from warmserve.sim.stats import LogHistogram
 
@@ -42,7 +42,7 @@ def test_delayed_by_a_start_counts_requests_that_waited_for_their_instance():
     doc = make_doc(**{"cluster.nodes": 4, "workload.total_rps": 12})
     prep = runner.prepare(parse(doc))
     out, wall = runner.run_system(prep, "reactive", record=True)
-    row = metrics.summarize(out, [m.spec.name for m in prep.models], wall)
+    row = result_rows.summarize(out, [m.spec.name for m in prep.models], wall)
     assert out.starts and row["start_delayed_share"] > 0
     assert row["start_delay_mean_s"] >= min(s.latency_s for s in out.starts) * 0.0
     wait = out.assigned - prep.requests.arrival
@@ -52,7 +52,7 @@ def test_delayed_by_a_start_counts_requests_that_waited_for_their_instance():
     assert row["served"] == int(served.sum())
     assert np.nanmax(wait[served]) >= row["start_delay_mean_s"]
     d = runner.run_system(prep, "dedicated")[0]
-    assert metrics.summarize(d, [m.spec.name for m in prep.models])["start_delayed_share"] == 0
+    assert result_rows.summarize(d, [m.spec.name for m in prep.models])["start_delayed_share"] == 0
 
 
 @pytest.mark.parametrize("system", ["warmserve", "reactive"])
@@ -71,7 +71,7 @@ def test_no_capacity_wake_cache_changes_little(monkeypatch, system):
     })
     prep = runner.prepare(parse(doc))
     names = [m.spec.name for m in prep.models]
-    cached = metrics.summarize(runner.run_system(prep, system)[0], names)
+    cached = result_rows.summarize(runner.run_system(prep, system)[0], names)
     original = executor.ControlExecutor.wake
 
     def uncached(self, t, m):
@@ -79,7 +79,7 @@ def test_no_capacity_wake_cache_changes_little(monkeypatch, system):
         return original(self, t, m)
 
     monkeypatch.setattr(executor.ControlExecutor, "wake", uncached)
-    fresh = metrics.summarize(runner.run_system(prep, system)[0], names)
+    fresh = result_rows.summarize(runner.run_system(prep, system)[0], names)
     assert cached["start_failures"] > 10
     assert cached["served"] + cached["dropped"] == fresh["served"] + fresh["dropped"]
     for key in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "gpu_hours"):

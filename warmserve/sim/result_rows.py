@@ -1,10 +1,10 @@
-"""Per-system results: latency percentiles, starts, GPU-hours, served/dropped (issue 3 §4, 12 §4).
+"""Per-system results: latency percentiles, starts, GPU-hours, served/dropped.
 
-Metrics are collected **online** while the simulation runs (issue 12 §5): no per-request array is
+Metrics are collected **online** while the simulation runs: no per-request array is
 kept unless a test asks for one.  Latencies go into fixed log-spaced histograms
 (:class:`LogHistogram`, 200 buckets per decade from 0.1 ms to 10^6 s: a percentile read from it
-is within half a bucket, 0.6 %, of the exact one; ``tests/sim/test_metrics.py`` checks it against
-``numpy.percentile``), counts and sums are exact.
+is within half a bucket, 0.6 %, of the exact one; ``tests/sim/test_result_rows.py`` checks it
+against ``numpy.percentile``), counts and sums are exact.
 
 Definitions:
 

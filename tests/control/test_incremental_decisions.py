@@ -1,4 +1,4 @@
-"""The controller's incremental decisions (issue 12 §5) are exactly its full ones: a controller
+"""The controller's incremental decisions are exactly its full ones: a controller
 that keeps its memos (snapshot, Algorithm 1's match, autoscaler and fair-share answers, the
 demand of the observation it observed) decides, over random sequences of cluster changes, what
 a controller that rebuilds everything before every decision decides."""

@@ -1,8 +1,8 @@
-"""Read and validate a cluster *scenario* (JSON) into a policy ``ClusterState``.
+"""Read and validate a cluster snapshot (JSON) into a policy ``ClusterState``.
 
-The scenario is what ``warmserve plan`` takes: a snapshot of nodes, models with their forecasts,
-and the replicas and instances already in place.  I/O and user-facing validation live here,
-outside the pure policy package; every error is a
+The snapshot is what ``warmserve plan`` takes (its messages call the file a scenario): nodes,
+models with their forecasts, and the replicas and instances already in place.  I/O and
+user-facing validation live here, outside the pure policy package; every error is a
 :class:`~warmserve.policy.cluster.PolicyInputError` whose one-line message names the field
 (``models[2].tp: ...``), so the CLI prints it and exits 2.
 

@@ -1,4 +1,4 @@
-"""build_state's memo (issue 12 §5) never changes a snapshot: a sequence of observations built
+"""build_state's memo never changes a snapshot: a sequence of observations built
 with one shared :class:`SnapshotMemo` gives exactly the snapshots built from scratch."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_memo_gives_the_same_snapshots(data: st.DataObject, proactive: bool) -> 
     st.lists(st.booleans(), min_size=1, max_size=3).map(tuple),
 ))
 def test_gpu_set_fast_path_normalises_like_the_full_rule(gpus: object) -> None:
-    """as_gpu_set's shortcut for an already normalised tuple (issue 12 §5) returns what the
+    """as_gpu_set's shortcut for an already normalised tuple returns what the
     full normalisation returns, and raises where it raises."""
     from warmserve.policy.cluster import PolicyInputError, as_gpu_set
 
