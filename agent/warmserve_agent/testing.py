@@ -18,6 +18,7 @@ from typing import Any
 
 from warmserve_agent.config import AgentConfig, parse_simulated_gpus
 from warmserve_agent.server import AgentServer
+from warmserve_agent.sources.disk_reserve import parse_reserve
 
 
 class AgentThread:
@@ -122,6 +123,12 @@ def agent_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--hf-endpoint", default="")
     ap.add_argument("--store-budget", type=int, default=0)
+    ap.add_argument(
+        "--store-reserve",
+        default="0",
+        help="free disk a fetch never takes (the agent's flag); 0 here: a test stand-in's fetches "
+        "are not about the machine's free disk",
+    )
     ap.add_argument("--fetch-attempts", type=int, default=3)
     ap.add_argument("--metrics-port", type=int, default=None)
     ap.add_argument("--allow-engine-arg", action="append", default=[])
@@ -150,6 +157,7 @@ async def serve_simulated(args: argparse.Namespace) -> None:
         sim_copy_bytes_per_s=args.sim_copy_gbps * 1e9,
         hf_endpoint=args.hf_endpoint,
         store_budget_bytes=args.store_budget,
+        store_reserve=parse_reserve(args.store_reserve),
         fetch_attempts=args.fetch_attempts,
         fetch_backoff_s=0.2,
         metrics_port=args.metrics_port,
