@@ -88,7 +88,16 @@ def _core(tmp_path: Path, root: Path, gpu: int = GPU, **kw: object) -> NodeCore:
 
 
 def _free_blocks(eng: object) -> int:
-    return eng._client.engine_core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()  # type: ignore[attr-defined]
+    """vLLM's free blocks, read on the engine thread: after every KV change queued before it
+    (the agent's raises are queued, not waited for)."""
+    pool = eng._client.engine_core.scheduler.kv_cache_manager.block_pool  # type: ignore[attr-defined]
+    return int(eng._client.call_sync(pool.get_num_free_blocks))  # type: ignore[attr-defined]
+
+
+def _capacity(eng: object) -> int:
+    """The engine's KV capacity once the raises queued so far have run."""
+    eng._client.call_sync(lambda: None)  # type: ignore[attr-defined]
+    return int(eng.stats().kv_capacity_bytes)  # type: ignore[attr-defined]
 
 
 def test_vllm_blocks_become_usable_as_their_pages_map(
@@ -109,7 +118,7 @@ def test_vllm_blocks_become_usable_as_their_pages_map(
         usable, more = [], True
         while more:
             more = core.pager.run_once()
-            usable.append(eng.stats().kv_capacity_bytes)  # blocks vLLM may allocate
+            usable.append(_capacity(eng))  # blocks vLLM may allocate
             core.check()  # granted blocks only touch mapped pages
         assert usable == sorted(usable) and usable[0] > 0, usable  # grew chunk by chunk
         assert len(set(usable)) >= 3
@@ -197,6 +206,5 @@ def test_vllm_kv_capacity_follows_set_kv_capacity_both_ways(
     assert _free_blocks(eng) == geo.num_blocks // 4 - 1  # block 0 is vLLM's null block
     assert _tokens(inst.endpoint) == reference[16], "serves from the blocks it kept"
     assert eng.set_kv_capacity(geo.capacity(geo.num_blocks)) == geo.capacity(geo.num_blocks)
-    eng._client.call_sync(lambda: None)  # a raise is queued for the engine thread: let it run
     assert _free_blocks(eng) == free0
     assert _tokens(inst.endpoint) == reference[16]
