@@ -45,6 +45,10 @@ async def main() -> None:
     ap.add_argument("--release-calls-file", type=Path, default=None)
     # The admin's engine-argument widening, as the chart passes it (test_engine_args_e2e.py).
     ap.add_argument("--allow-engine-arg", action="append", default=[])
+    # The engines the node hosts, as the chart's agent.engines (test_real_engine_e2e.py: vllm,
+    # in the venv of hack/vllm/setup.sh); the GPUs' page size (--page-size).
+    ap.add_argument("--engines", default="simulated")
+    ap.add_argument("--page-bytes", type=int, default=2 * 1024**2)
     args = ap.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s agent=" + args.node + " %(message)s"
@@ -64,6 +68,8 @@ async def main() -> None:
         fetch_attempts=args.fetch_attempts,
         fetch_backoff_s=0.2,
         metrics_port=args.metrics_port,
+        engines=tuple(args.engines.split(",")),
+        page_bytes=args.page_bytes,
         **_engine_policy(args.allow_engine_arg),
     )
     if args.slow_describe_file is not None:
