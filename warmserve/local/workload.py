@@ -125,12 +125,21 @@ def plan(sc: Scenario, trace: str, speed: float, minutes: float) -> ReplayPlan:
     return _plan_series(sc, trace, speed, minutes, window, day)
 
 
+def _capped(sc: Scenario, inp: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The scenario's caps on request lengths (a real model's context, a CPU's pace)."""
+    if sc.max_input_tokens:
+        inp = np.minimum(inp, sc.max_input_tokens)
+    if sc.max_output_tokens:
+        out = np.minimum(out, sc.max_output_tokens)
+    return inp, out
+
+
 def _plan_series(
     sc: Scenario, trace: str, speed: float, minutes: float, window: float, day: float
 ) -> ReplayPlan:
     try:
         counts = wl.read_minute_series(trace)
-        lengths = wl.read_lengths(sc.lengths)
+        lengths = _capped(sc, *wl.read_lengths(sc.lengths))
     except (wl.WorkloadError, TraceError) as exc:
         raise PlanError(
             f"{exc}; warmserve up replays per-minute request-count series or request-level "
@@ -225,6 +234,7 @@ def _plan_requests(
     p = min(1.0, sc.rps / rate_wall) if rate_wall > 0 else 1.0
     sel = rng.random(arr.size) < p
     arr, inp, out = arr[sel], inp[sel].astype(np.int64), out[sel].astype(np.int64)
+    inp, out = _capped(sc, inp, out)
     shares = wl.power_law_shares(len(sc.models), sc.alpha)
     model = rng.choice(len(sc.models), size=arr.size, p=shares).astype(np.int32)
     warm_s = warm_min * 60 / speed
