@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from gw_support import Engines, md
+from prometheus_client.parser import text_string_to_metric_families
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +109,17 @@ async def test_responses_whole_and_streamed(make_gateway: Any, tiny: Any) -> Non
 
         with pytest.raises(openai.BadRequestError, match="input"):
             await c.responses.create(model="tiny", input=[], max_output_tokens=2)
+    # the Responses API's usage (input_tokens, output_tokens) counts as tokens, not as an error
+    async with aiohttp.ClientSession() as s, s.get(f"{gw.urls['admin']}/metrics") as r:
+        text = await r.text()
+    assert "warmserve_gateway_usage_errors_total{" not in text, text
+    counted = {
+        x.labels["type"]: x.value
+        for fam in text_string_to_metric_families(text)
+        for x in fam.samples
+        if x.name == "warmserve_gateway_tokens_total" and x.labels.get("model") == "tiny"
+    }
+    assert counted == {"input": 8.0, "output": 10.0}, counted  # the two whole answers
 
 
 async def test_embeddings_of_a_generative_model_are_a_clear_404(
@@ -121,8 +134,6 @@ async def test_embeddings_of_a_generative_model_are_a_clear_404(
     assert body["code"] == "unsupported_route" and body["param"] == "model"
     assert "'tiny' does not serve POST /v1/embeddings" in body["message"]
     # the engine itself answers as vLLM does for a generative model (no such route)
-    import aiohttp
-
     async with (
         aiohttp.ClientSession() as s,
         s.post(tiny[0][1] + "/v1/embeddings", json={"model": "tiny", "input": "x"}) as r,
