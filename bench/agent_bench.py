@@ -21,8 +21,10 @@ engine starts vs in the background while it starts (WarmServe §4.2), interleave
 simulated GPU with a per-page driver cost (``--kv-map-us``).
 
 RTT: ``Describe`` and the standard health ``Check`` over loopback gRPC to a running agent.
+(Just over 400 lines: one script, its four parts and their table, read top to bottom.)
 
     python bench/agent_bench.py [--rounds 5] [--rtt-calls 200] [--load-mib 256] [--out FILE.json]
+    python bench/agent_bench.py --smoke    # seconds: tiny sizes, JSON to a temp dir
 """
 
 from __future__ import annotations
@@ -53,8 +55,18 @@ from warmserve_agent.testing import AgentThread
 from warmserve_agent.worker import WorkerPool
 
 from warmserve.api.agent.client import SyncAgentClient
+from warmserve.testing.procs import run_supervised
+from warmserve.testing.smoke import add_smoke_flag, apply_smoke
 
 MiB = 1024**2
+SMOKE = {
+    "rounds": 1,
+    "rtt_calls": 10,
+    "load_mib": 16,
+    "watch_cycles": 10,
+    "kv_map_us": "2",
+    "kv_gpu_gib": 4,
+}
 
 
 def write_model(root: Path, name: str, layers: int, hidden: int) -> None:
@@ -417,8 +429,14 @@ def main() -> int:
         "comma-separated microseconds (2: cuMemMap alone; 40: the paper's 10 GB in 0.2 s)",
     )
     ap.add_argument("--kv-gpu-gib", type=int, default=80, help="simulated GPU size (80 GiB)")
-    ap.add_argument("--out", default="bench/results/agent_bench.json")
+    ap.add_argument("--out", help="result file (default: bench/results/agent_bench.json)")
+    add_smoke_flag(ap, SMOKE)
     args = ap.parse_args()
+    apply_smoke(args, SMOKE, {"out": "bench/results/agent_bench.json"})
+    return run_supervised(lambda: _run(args), "agent_bench")
+
+
+def _run(args: argparse.Namespace) -> int:
     kv_map_us = tuple(float(x) for x in args.kv_map_us.split(",") if x)
     with tempfile.TemporaryDirectory(prefix="agent-bench-") as td:
         tmp = Path(td)

@@ -2,10 +2,10 @@
 
     python bench/control_plane_bench.py [--models 1000] [--delete 100] [--nodes 4] [--gpus 8]
                                         [--poll 5] [--json bench/results/control_plane.json]
+    python bench/control_plane_bench.py --smoke      # seconds: tiny sizes, JSON to a temp dir
 
-What it measures (issue 16, "done when" 3), on the real kube-apiserver + etcd that
-``hack/k8s/build.sh`` builds, with the operator as its own process under the Helm chart's
-ServiceAccount and RBAC:
+What it measures, on the real kube-apiserver + etcd that ``hack/k8s/build.sh`` builds, with the
+operator as its own process under the Helm chart's ServiceAccount and RBAC:
 
 1. **place**: ``--models`` ModelDeployments, each with a day of load history asking for one
    prewarm replica, exist when the operator starts; seconds until every status shows its
@@ -16,11 +16,15 @@ ServiceAccount and RBAC:
    polls — the goal is <= 2 polls (not the next window);
 4. the operator's CPU seconds and peak memory (RSS) over the run.
 
-The agents are simulated in the operator process (``tests/operator/operator_fakes.FakeAgent``,
-the fake whose contract ``tests/operator/test_agent_contract.py`` checks against the real agent),
+The agents are simulated in the operator process (``python -m warmserve_operator.testing``:
+the real operator whose agent pool reaches ``warmserve_operator.testing.FakeAgents``, the fake
+whose contract ``tests/operator/test_agent_contract.py`` checks against the real agent),
 ``--nodes`` x ``--gpus`` GPUs of 80 GiB, every model 1 GiB of 8 layers: the bench measures the
 control plane (API, statuses, Events, the loop), not gRPC or weight loading.  Prints a table and
 saves JSON.  Absolute times depend on the machine (2 shared cores here): compare runs on one.
+The operator or the control plane failing ends the bench at once with its last log lines
+(status 1); SIGTERM/SIGINT stop everything it started.  (Over 400 lines: one script, its setup,
+its measures and their table, read top to bottom.)
 """
 
 from __future__ import annotations
@@ -29,36 +33,28 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from warmserve_operator.testing import FakeAgents
+
+from warmserve.policy.cluster import GiB
+from warmserve.testing.k8s import (
+    ControlPlane,
+    apply_chart_operator_rbac,
+    ensure_binaries,
+    stop_control_plane,
+)
+from warmserve.testing.procs import Procs, run_supervised
+from warmserve.testing.smoke import add_smoke_flag, apply_smoke
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 W = 300.0  # the operator's default window: a replica that appears fast is not a window's doing
-
-OPERATOR = """
-import sys
-sys.path[:0] = [{root!r}, {root!r} + "/operator", {root!r} + "/tests/operator"]
-from operator_fakes import FakeAgent
-from warmserve.policy.cluster import GiB
-import warmserve_operator.agents as agents
-catalog = {{f"m-{{i:04d}}": (GiB, 8) for i in range({models} + 1)}}
-fakes = {{
-    f"bench-{{i}}": FakeAgent(f"bench-{{i}}", {gpus}, 80 * GiB, catalog) for i in range({nodes})
-}}
-_init = agents.AgentPool.__init__
-def init(self, auth=None, factory=None):
-    _init(self, auth, factory=lambda node, addr: fakes[node])
-agents.AgentPool.__init__ = init
-from warmserve.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+SMOKE = {"models": 6, "delete": 3, "nodes": 1, "gpus": 8, "poll": 2.0}
 
 
 def _proc_stats(pid: int) -> tuple[float, int]:
@@ -180,8 +176,19 @@ class Tracker:
         self.placed: dict[str, bool] = {}
         self.lock = threading.Lock()
         self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._guarded, daemon=True)
         self.thread.start()
+
+    def _guarded(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # read by check(): the bench ends at once, not at a timeout
+            self.error = exc
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"the bench's watch stream failed: {self.error!r}")
 
     def _run(self) -> None:
         from kubernetes import watch
@@ -225,18 +232,23 @@ class Tracker:
             return set(self.placed)
 
 
-def _wait(what: str, pred: Any, timeout: float, step: float = 0.5, fatal: bool = True) -> float:
+def _wait(
+    procs: Procs, what: str, pred: Any, timeout: float, step: float = 0.5, fatal: bool = True
+) -> float:
     """Seconds until ``pred()``; past ``timeout`` the bench stops (``fatal``) or the measure
-    reads ``inf`` and the table says so."""
+    reads ``inf`` and the table says so.  A child or the control plane failing ends it at once
+    (:meth:`Procs.check`)."""
     t0 = time.monotonic()
-    while not pred():
+    while True:
+        procs.check()
+        if pred():
+            return time.monotonic() - t0
         if time.monotonic() - t0 > timeout:
             if not fatal:
                 print(f"bench: {what} not within {timeout:.0f} s", flush=True)
                 return math.inf
-            raise SystemExit(f"bench: {what} not within {timeout:.0f} s")
+            raise TimeoutError(f"{what} not within {timeout:.0f} s")
         time.sleep(step)
-    return time.monotonic() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,20 +260,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--poll", type=float, default=5.0)
-    ap.add_argument("--json", default=str(ROOT / "bench/results/control_plane.json"))
+    ap.add_argument("--json", help="result file (default: bench/results/control_plane.json)")
+    add_smoke_flag(ap, SMOKE, "any unmet wait is an error")
     args = ap.parse_args(argv)
+    apply_smoke(args, SMOKE, {"json": str(ROOT / "bench/results/control_plane.json")})
     if not 0 < args.delete <= args.models:
         ap.error("--delete must be in 1..--models")
+    return run_supervised(lambda: _run(args), "control_plane_bench")
 
-    from k8s_support import ControlPlane, apply_chart_operator_rbac, ensure_binaries
 
+def _run(args: argparse.Namespace) -> int:
+    limit = 120.0 if args.smoke else 600.0  # a wait's bound; a failing child ends it at once
     load0 = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="cp-bench-"))
-    print(f"control plane in {work} (building the binaries first if needed)", flush=True)
-    plane = ControlPlane.start(work / "plane", bin_dir=ensure_binaries())
-    op: subprocess.Popen[bytes] | None = None
+    print(f"control plane in {work / 'plane'} (building the binaries first if needed)", flush=True)
+    procs = Procs(work)
     tracker: Tracker | None = None
     try:
+        plane = ControlPlane.start(work / "plane", bin_dir=ensure_binaries())
+        procs.also_check(plane.check)
         ns = plane.create_namespace("bench")
         plane.kubectl("apply", "-f", str(ROOT / "crds"))
         plane.kubectl(
@@ -291,42 +308,35 @@ def main(argv: list[str] | None = None) -> int:
         setup_s = time.monotonic() - t0
         print(f"{args.models} deployments + histories created in {setup_s:.1f} s", flush=True)
 
-        log = work / "operator.log"
         env = {k: v for k, v in os.environ.items() if k != "POD_NAMESPACE"}
         env["KUBECONFIG"] = str(kubeconfig)
-        script = OPERATOR.format(
-            root=str(ROOT), models=args.models, gpus=args.gpus, nodes=args.nodes
+        agents = work / "agents.json"
+        agents.write_text(
+            FakeAgents(
+                {f"bench-{i}": (args.gpus, 80 * GiB) for i in range(args.nodes)},
+                {f"m-{i:04d}": (GiB, 8) for i in range(args.models + 1)},
+            ).to_json()
         )
         tracker = Tracker(plane.kubeconfig, ns)
+        procs.also_check(tracker.check)
         api0 = _api_counts(plane)
         plane_cpu0 = _plane_cpu(plane)
         t_start = time.monotonic()
-        op = subprocess.Popen(
+        op = procs.start(
+            "operator",
             [
-                sys.executable,
-                "-c",
-                script,
-                "operator",
-                "--poll-seconds",
-                str(args.poll),
-                "--window-seconds",
-                str(int(W)),
-                "--metrics-port",
-                "0",
-                "--namespace",
-                ns,
-                "--peering",
-                "bench",
-                "--priority",
-                "1",
+                sys.executable, "-m", "warmserve_operator.testing",
+                "--agents", str(agents),
+                "--", "--poll-seconds", str(args.poll), "--window-seconds", str(int(W)),
+                "--metrics-port", "0", "--namespace", ns, "--peering", "bench", "--priority", "1",
             ],
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+            env,
+        )  # fmt: skip
+        log = work / "operator.log"
+        print(f"operator started (pid {op.pid}, log {log})", flush=True)
         names = set(uids)
         place_s = _wait(
-            "every replica placed", lambda: tracker.count(names) == len(names), 600, 0.2
+            procs, "every replica placed", lambda: tracker.count(names) == len(names), limit, 0.2
         )
         cpu_place, _ = _proc_stats(op.pid)
         api_place = _diff(_api_counts(plane), api0)
@@ -337,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         t_del = time.monotonic()  # kubectl's 100 DELETEs take a while on a busy machine
         plane.kubectl("delete", "wsmd", "-n", ns, "--wait=false", *victims, timeout=300)
 
-        _wait("deletions", lambda: not tracker.present() & set(victims), 600, 0.2)
+        _wait(procs, "deletions", lambda: not tracker.present() & set(victims), limit, 0.2)
         delete_s = time.monotonic() - t_del
         print(f"{args.delete} deletions done in {delete_s:.1f} s", flush=True)
 
@@ -354,7 +364,12 @@ def main(argv: list[str] | None = None) -> int:
             ns, _history_cm(ns, created["metadata"]["uid"], new)
         )
         new_s = _wait(
-            "the new deployment's replica", lambda: tracker.count({new}) == 1, 120, 0.2, False
+            procs,
+            "the new deployment's replica",
+            lambda: tracker.count({new}) == 1,
+            120,
+            0.2,
+            fatal=args.smoke,
         )
         new_total = time.monotonic() - t_new if math.isfinite(new_s) else math.inf
         cpu, rss = _proc_stats(op.pid)
@@ -364,13 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if tracker is not None:
             tracker.stopped.set()
-        if op is not None:
-            op.terminate()
-            try:
-                op.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                op.kill()
-        plane.stop()
+        procs.stop_all(grace=20)
+        stop_control_plane(work / "plane")
 
     rows = [
         (

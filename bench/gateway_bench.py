@@ -26,6 +26,11 @@
                                   [--tracing [--trace-sample-ratio 1.0]] [--stream]
                                   [--baseline-pythonpath DIR/gateway:DIR]
                                   [--burst 16] [--no-burst] [--out bench/results/gateway_bench.json]
+    python bench/gateway_bench.py --smoke     # seconds: tiny sizes, --tracing, JSON to a temp dir
+
+A child (agent, gateway, operator, proxy) or the control plane failing ends the bench at once
+with its last log lines (status 1); SIGTERM/SIGINT stop everything it started.  (Over 400 lines:
+one script, its two parts and their table, read top to bottom.)
 """
 
 from __future__ import annotations
@@ -45,10 +50,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from warmserve_agent.testing import write_model
+
+from warmserve.testing.k8s import ControlPlane, ensure_binaries, stop_control_plane
+from warmserve.testing.otel import Collector
+from warmserve.testing.procs import Procs, log_times, run_supervised
+from warmserve.testing.smoke import add_smoke_flag, apply_smoke
+from warmserve.testing.stack import Stack, seed_history
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "e2e")]
 
 MiB = 1024**2
+SMOKE = {
+    "concurrency": 4, "seconds": 1.0, "rounds": 1, "max_tokens": 4, "decode_tok_s": "400",
+    "burst": 2, "poll": 2.0, "tracing": True,
+}  # fmt: skip
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -141,18 +157,8 @@ def cpu_seconds(pid: int, tree: bool = False) -> float:
         return 0.0
 
 
-def _wait_file(path: Path, what: str, log: Path) -> str:
-    for _ in range(1200):
-        if path.exists():
-            return path.read_text()
-        time.sleep(0.1)
-    raise RuntimeError(f"{what} did not start; see {log}")
-
-
 def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """One agent (simulated GPU per engine speed), one instance per speed, one gateway."""
-    from gateway_stack import write_model
-
     from warmserve.api.agent.client import SyncAgentClient
 
     models = tmp / "models"
@@ -160,37 +166,33 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     for k, speed in enumerate(speeds):
         profile = {"max_batch": 1024, "decode_tok_s": speed, "prefill_tok_s": 1e6}
         write_model(models, f"bench-{k}", layers=2, hidden=32, seed=k + 1, profile=profile)
-    procs: list[subprocess.Popen[bytes]] = []
-    log_path = tmp / "overhead.log"
-    log = open(log_path, "ab")  # noqa: SIM115 - closed below
+    tmp.mkdir(parents=True, exist_ok=True)
+    procs = Procs(tmp)
     out: dict[str, Any] = {}
     otel = None
     try:
         if args.tracing:
-            from tracing_support import Collector
-
             otel = Collector(tmp / "otelcol").start()
+            procs.also_check(otel.check)
         agent_addr = f"127.0.0.1:{free_port()}"
-        agent = subprocess.Popen(
+        agent = procs.start(
+            "agent",
             [sys.executable, "-m", "warmserve", "agent", "--simulate-gpus",
              f"{len(speeds)}x64MiB", "--model-dir", str(models), "--listen", agent_addr,
              "--memory-dir", str(tmp / "mem"), "--log-level", "WARNING"],
-            stdout=log, stderr=subprocess.STDOUT,
+            dict(os.environ),
         )  # fmt: skip
-        procs.append(agent)
-        client = None
-        for _ in range(1200):
+
+        def connected() -> SyncAgentClient:
+            client = SyncAgentClient(agent_addr)
             try:
-                client = SyncAgentClient(agent_addr)
                 client.describe()
-                break
             except Exception:
-                if client is not None:
-                    client.close()
-                client = None
-                time.sleep(0.1)
-        if client is None:
-            raise RuntimeError(f"the agent did not start; see {log_path}")
+                client.close()
+                raise
+            return client
+
+        client = procs.wait_for(connected, "the agent serving", 120, step=0.1)
         instances = [client.activate(f"bench-{k}", [k]).instance for k in range(len(speeds))]
         client.close()
         mds = [
@@ -225,48 +227,57 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         )
         (tmp / "models.json").write_text(json.dumps(mds))
         addr = tmp / "gw.json"
-        gateway = subprocess.Popen(
+        gateway = procs.start(
+            "gateway",
             [sys.executable, "-m", "warmserve", "gateway", "--models-file",
              str(tmp / "models.json"), "--host", "127.0.0.1", "--port", "0",
              "--admin-host", "127.0.0.1", "--admin-port", "0", "--address-file", str(addr),
              "--anonymous-namespace", "bench", "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT,
+            dict(os.environ),
         )  # fmt: skip
-        procs.append(gateway)
-        gw = json.loads(_wait_file(addr, "the gateway", log_path))["api"]
+        urls = procs.wait_for(lambda: addr.exists() and addr.read_text(), "the gateway", 120)
+        gw = json.loads(urls)["api"]
         traced: subprocess.Popen[bytes] | None = None
         if otel is not None:  # the same gateway, tracing every request to the collector
             addr2 = tmp / "gw-traced.json"
-            traced = subprocess.Popen(
+            traced = procs.start(
+                "gateway-traced",
                 [sys.executable, "-m", "warmserve", "gateway", "--models-file",
                  str(tmp / "models.json"), "--host", "127.0.0.1", "--port", "0",
                  "--admin-host", "127.0.0.1", "--admin-port", "0", "--address-file", str(addr2),
-                 "--log-level", "warning", "--otlp-traces-endpoint", otel.endpoint,
+                 "--anonymous-namespace", "bench", "--log-level", "warning",
+                 "--otlp-traces-endpoint", otel.endpoint,
                  "--trace-sample-ratio", str(args.trace_sample_ratio)],
-                stdout=log, stderr=subprocess.STDOUT,
+                dict(os.environ),
             )  # fmt: skip
-            procs.append(traced)
-            gw_traced = json.loads(_wait_file(addr2, "the traced gateway", log_path))["api"]
+            traced_urls = procs.wait_for(
+                lambda: addr2.exists() and addr2.read_text(), "the traced gateway", 120
+            )
+            gw_traced = json.loads(traced_urls)["api"]
+        baseline: subprocess.Popen[bytes] | None = None
+        gw_baseline = ""
         if args.baseline_pythonpath:  # the same gateway, as other code (e.g. an older commit)
             addr3 = tmp / "gw-baseline.json"
-            baseline = subprocess.Popen(
+            baseline = procs.start(
+                "gateway-baseline",
                 [sys.executable, "-m", "warmserve", "gateway", "--models-file",
                  str(tmp / "models.json"), "--host", "127.0.0.1", "--port", "0",
                  "--admin-host", "127.0.0.1", "--admin-port", "0", "--address-file", str(addr3),
                  "--anonymous-namespace", "bench", "--log-level", "warning"],
-                stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": args.baseline_pythonpath},
+                {**os.environ, "PYTHONPATH": args.baseline_pythonpath},
             )  # fmt: skip
-            procs.append(baseline)
-            gw_baseline = json.loads(_wait_file(addr3, "the baseline gateway", log_path))["api"]
+            baseline_urls = procs.wait_for(
+                lambda: addr3.exists() and addr3.read_text(), "the baseline gateway", 120
+            )
+            gw_baseline = json.loads(baseline_urls)["api"]
         for k, (speed, inst) in enumerate(zip(speeds, instances, strict=True)):
             port = free_port()
-            bare = subprocess.Popen(
+            bare = procs.start(
+                f"bare-proxy-{k}",
                 [sys.executable, "-c", BARE_PROXY, str(port), inst.endpoint],
-                stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-            procs.append(bare)
-            time.sleep(2.0)  # imports
+                dict(os.environ),
+            )
+            procs.wait_for(lambda port=port: _listening(port), "the bare proxy", 60, step=0.1)
             print(f" engine decode {speed:g} tokens/s:", flush=True)
             urls = {
                 "direct": inst.endpoint,
@@ -276,28 +287,27 @@ def bench_overhead(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             pids = {"gateway": gateway.pid, "bare-proxy": bare.pid}
             if traced is not None:
                 urls["gw+tracing"], pids["gw+tracing"] = gw_traced, traced.pid
-            if args.baseline_pythonpath:
+            if baseline is not None:
                 urls["gw-baseline"], pids["gw-baseline"] = gw_baseline, baseline.pid
-            out[f"{speed:g}"] = _overhead_one(args, f"bench-{k}", urls, pids, agent.pid)
+            out[f"{speed:g}"] = _overhead_one(args, f"bench-{k}", urls, pids, agent.pid, procs)
         if otel is not None:
             time.sleep(2.5)  # the batch processor exports every second
+            procs.check()
             spans = otel.spans()
             out["tracing_spans_exported"] = {
                 "server": sum(1 for x in spans if x.kind == 2),
                 "all": len(spans),
             }
     finally:
+        procs.stop_all(grace=10)
         if otel is not None:
             otel.stop()
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        log.close()
     return out
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _overhead_one(
@@ -306,6 +316,7 @@ def _overhead_one(
     urls: dict[str, str],
     pids: dict[str, int],
     agent_pid: int,
+    procs: Procs,
 ) -> dict[str, Any]:
     body = json.dumps(
         {
@@ -324,6 +335,7 @@ def _overhead_one(
     for r in range(args.rounds):
         order = paths if r % 2 == 0 else paths[::-1]
         for path in order:
+            procs.check()  # a round against a dead child would only count errors
             loads.append(load_avg())
             p0 = cpu_seconds(pids[path]) if path in pids else 0.0
             e0 = cpu_seconds(agent_pid, tree=True)
@@ -410,14 +422,12 @@ async def stream_burst(api: str, model: str, k: int) -> list[dict[str, Any]]:
 
 
 def bench_burst(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from e2e_support import Procs, seed_history, wait_for
-    from gateway_stack import Stack, log_times, write_model
-    from k8s_support import ControlPlane, ensure_binaries
-
-    plane = ControlPlane.start(tmp / "plane", bin_dir=ensure_binaries())
+    tmp.mkdir(parents=True, exist_ok=True)
     procs = Procs(tmp)
     results: dict[str, Any] = {}
     try:
+        plane = ControlPlane.start(tmp / "plane", bin_dir=ensure_binaries())
+        procs.also_check(plane.check)
         ns = plane.create_namespace("gwbench")
         st = Stack(plane, ns, tmp, procs)
         st.install()
@@ -444,7 +454,7 @@ def bench_burst(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": mds})
         )
         seed_history(plane.kubectl, ns, "hit", "bench-hit", avg=1.0, peak=1.0)
-        st.start_operator("operator", 100, poll_s=5.0)
+        st.start_operator("operator", 100, poll_s=args.poll)
         gw = st.start_gateway("gw")
 
         def status(name: str) -> dict[str, Any]:
@@ -458,8 +468,9 @@ def bench_burst(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 and bool(status("cold").get("conditions"))
             )
 
-        wait_for(settled, "the hit model's replica resident", 120, st.logs)
-        time.sleep(2 * 5.0)  # a couple of polls: the operator leads and streams from the gateway
+        procs.wait_for(settled, "the hit model's replica resident", 120)
+        # a couple of polls: the operator leads and streams from the gateway
+        _sleep(procs, 2 * args.poll)
         for case, name, model in (
             ("prewarm hit", "hit", "bench-hit"),
             ("cold start", "cold", "bench-cold"),
@@ -499,8 +510,16 @@ def bench_burst(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         )
     finally:
         procs.stop_all()
-        plane.stop()
+        stop_control_plane(tmp / "plane")
     return results
+
+
+def _sleep(procs: Procs, seconds: float) -> None:
+    """``time.sleep`` that ends at once when a child fails."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        procs.check()
+        time.sleep(min(left, 0.3))
 
 
 # ------------------------------------------------------------------------------------- main
@@ -526,6 +545,7 @@ def main() -> int:
     ap.add_argument(
         "--copy-gbps", type=float, default=0.005, help="simulated host-to-GPU GB/s (burst)"
     )
+    ap.add_argument("--poll", type=float, default=5.0, help="the operator's poll seconds (burst)")
     ap.add_argument(
         "--tracing",
         action="store_true",
@@ -541,8 +561,14 @@ def main() -> int:
         help="PYTHONPATH of another gateway's code (e.g. an older commit unpacked with git "
         "archive: DIR/gateway:DIR) run as a path of the same rounds, gw-baseline",
     )
-    ap.add_argument("--out", default="bench/results/gateway_bench.json")
+    ap.add_argument("--out", help="result file (default: bench/results/gateway_bench.json)")
+    add_smoke_flag(ap, SMOKE, "a failed request is an error")
     args = ap.parse_args()
+    apply_smoke(args, SMOKE, {"out": "bench/results/gateway_bench.json"})
+    return run_supervised(lambda: _run(args), "gateway_bench")
+
+
+def _run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "args": vars(args),
         "python": sys.version.split()[0],
@@ -641,6 +667,13 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"saved {out}")
+    engines = [o for o in ov.values() if isinstance(o, dict) and "direct" in o]
+    names = ("direct", "gateway", "gw+tracing", "bare-proxy")
+    failed = sum(o[p]["errors"] for o in engines for p in names if p in o)
+    failed += sum(r["requests"] - r["ok"] for c, r in result.get("burst", {}).items() if " " in c)
+    if args.smoke and failed:
+        print(f"gateway_bench: {failed} request(s) failed", file=sys.stderr)
+        return 1
     return 0
 
 

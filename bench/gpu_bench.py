@@ -19,11 +19,13 @@ On GPU 0, in this order (each phase frees what it took before the next starts):
    >= 30x, hit <= 0.5 s for 8B) and whether the logits are bit-identical.
 
 Writes a JSON file and prints one table.  ``--dry-run`` runs phases 1-2 against the fake driver
-(``tests/fake_cuda.py``) and phase 3 on the CPU if torch is installed, with tiny sizes: it checks
-that the code runs, prints **no GPU figure** and saves nothing unless ``--out`` is given.
+(``warmserve_agent.fake_cuda``) and phase 3 on the CPU if torch is installed, with tiny sizes:
+it checks that the code runs, prints **no GPU figure** and saves nothing unless ``--out`` is
+given; ``--smoke`` is the same with its JSON in a temp dir (every bench has it).  (Over 400
+lines: the GPU machine gets one script with its three phases, their children and the table.)
 
     python bench/gpu_bench.py --out bench/results/gpu-<name>.json [--budget-s 420]
-    python bench/gpu_bench.py --dry-run
+    python bench/gpu_bench.py --dry-run        # --smoke: the same, JSON to a temp dir
 """
 
 from __future__ import annotations
@@ -39,11 +41,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-for p in (ROOT, ROOT / "agent"):  # run from a checkout without installing it
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
 
 MiB, GiB = 2**20, 2**30
 P = 2 * MiB
@@ -599,6 +596,8 @@ def main() -> int:
         "--out", type=Path, help="JSON result file (real runs: bench/results/gpu-<name>.json)"
     )
     ap.add_argument("--dry-run", action="store_true", help="fake driver + CPU torch, tiny sizes")
+    ap.add_argument("--smoke", action="store_true",
+                    help="--dry-run with its JSON in a temp dir (every bench has --smoke)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting phases after this")
     ap.add_argument("--reserve-gib", type=float, default=4.0, help="pool reserve (--gpu-reserve)")
     ap.add_argument("--switch-gb", type=float, default=70.0)
@@ -610,6 +609,9 @@ def main() -> int:
     ap.add_argument("--ids", help=argparse.SUPPRESS)
     ap.add_argument("--logits", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.smoke:
+        args.dry_run = True
+        args.out = args.out or Path(tempfile.mkdtemp(prefix="gpu-bench-smoke-")) / "gpu.json"
     if args.fresh_child:
         args.ids = [int(x) for x in args.ids.split(",")]
         return fresh_child(args)
@@ -621,9 +623,9 @@ def main() -> int:
     if args.dry_run:
         os.environ.setdefault("WARMSERVE_FAKE_CUDA_DEVICES", "1")
         os.environ.setdefault("WARMSERVE_FAKE_CUDA_MEM", str(2 * GiB))
-        from tests.fake_cuda import DRIVER as drv
+        from warmserve_agent.fake_cuda import DRIVER as drv
 
-        driver_spec = "tests.fake_cuda:DRIVER"
+        driver_spec = "warmserve_agent.fake_cuda:DRIVER"
         reserve, switch, load_bytes = 64 * MiB, 256 * MiB, 64 * MiB
     else:
         from warmserve_agent.backends.cuda_driver import import_driver

@@ -4,6 +4,7 @@
     python bench/paper_eval.py --jobs 2             # grid points in parallel processes
     python bench/paper_eval.py --duration 600 --out /tmp/eval.md   # a quick look
     python bench/paper_eval.py --from-json bench/results/paper_eval.json   # re-render
+    python bench/paper_eval.py --smoke              # seconds: one point, 60 s, to a temp dir
 
 The scenario is ``bench/scenarios/paper-testbed.yaml``; its ``grid`` (alpha x total_rps x
 start-up profile) is swept, every point running every system on the same requests.  Systems
@@ -29,15 +30,14 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from eval_tables import render
+
+from warmserve.sim.runner import run_scenario
+from warmserve.sim.scenario import load_scenario
+from warmserve.sim.systems import get_system, parse_systems
+from warmserve.testing.smoke import add_smoke_flag, apply_smoke
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from eval_tables import render  # noqa: E402
-
-from warmserve.sim.runner import run_scenario  # noqa: E402
-from warmserve.sim.scenario import load_scenario  # noqa: E402
-from warmserve.sim.systems import get_system, parse_systems  # noqa: E402
 
 CODE_LENGTHS = "azure_code_2023_1h.csv.gz"  # §7.3 "Evaluation on AzureCode", alpha 0.5
 CODE_SYSTEMS = ("warmserve", "warmserve-no-proactive", "sllm-gpu", "muxserve")
@@ -47,6 +47,8 @@ PROFILE_FREE_MODES = ("dedicated", "muxserve")  # no start, no weight load: prof
 # a reference, not a system: `reactive` with every start free, at every grid point; what is left
 # of its tail is queueing for batch slots and GPUs, which no start-up path can remove
 REFERENCE = ("reactive", "free-starts")
+SMOKE = {"duration": 60.0, "profiles": "paper", "alpha": "2", "rps": "10",
+         "no_window_ablation": True}
 
 
 def _load() -> list[float]:
@@ -72,12 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenario", default=str(ROOT / "bench/scenarios/paper-testbed.yaml"))
-    ap.add_argument("--out", default=str(ROOT / "docs/evaluation.md"))
-    ap.add_argument("--json", default=str(ROOT / "bench/results/paper_eval.json"))
+    ap.add_argument("--out", help="the page (default: docs/evaluation.md)")
+    ap.add_argument("--json", help="the results (default: bench/results/paper_eval.json)")
     ap.add_argument("--jobs", type=int, default=1, help="grid points run in parallel")
     ap.add_argument("--duration", type=float, help="override duration_s (quick looks)")
     ap.add_argument("--systems", help="comma-separated systems (default: the scenario's)")
     ap.add_argument("--profiles", help="comma-separated start-up profiles (default: grid.startup)")
+    ap.add_argument("--alpha", help="comma-separated alphas (default: grid.alpha)")
+    ap.add_argument("--rps", help="comma-separated total RPS (default: grid.total_rps)")
     ap.add_argument("--no-window-ablation", action="store_true",
                     help="skip the §7.5 window-size runs")
     ap.add_argument("--no-reference", action="store_true",
@@ -89,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         "--from-json", metavar="RESULTS.json",
         help="re-render the markdown from a previous run's JSON instead of simulating",
     )
+    add_smoke_flag(ap, SMOKE)
     args = ap.parse_args(argv)
+    apply_smoke(args, SMOKE, {"out": str(ROOT / "docs/evaluation.md"),
+                              "json": str(ROOT / "bench/results/paper_eval.json")})
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
         Path(args.out).write_text(render(saved))
@@ -105,11 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     base: dict[str, Any] = {}
     if args.duration:
         base["duration_s"] = args.duration
-    grid = [
-        {**base, "alpha": float(a), "total_rps": float(r)}
-        for a in sc.grid.get("alpha", (sc.alpha,))
-        for r in sc.grid.get("total_rps", (sc.total_rps,))
-    ]
+    alphas = args.alpha.split(",") if args.alpha else sc.grid.get("alpha", (sc.alpha,))
+    rates = args.rps.split(",") if args.rps else sc.grid.get("total_rps", (sc.total_rps,))
+    grid = [{**base, "alpha": float(a), "total_rps": float(r)} for a in alphas for r in rates]
     jobs: list[tuple[str, dict[str, Any], list[str]]] = []
     for g in grid:
         for k, prof in enumerate(profiles):
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         code_sys = [s for s in CODE_SYSTEMS if s in systems]
         jobs += [(args.scenario, {**base, "alpha": 0.5, "total_rps": float(r),
                                   "lengths": CODE_LENGTHS, "startup": main_prof}, code_sys)
-                 for r in sc.grid.get("total_rps", (sc.total_rps,))]
+                 for r in rates]
     n_code = len(jobs) - n_grid
     if "warmserve" in systems and not args.no_window_ablation:
         jobs += [(args.scenario, {**base, **WINDOW_POINT, "window_s": float(w),

@@ -13,6 +13,7 @@ time is measured on one process (the planner is single-threaded Python + numpy).
 
     python bench/placement_bench.py            # default grid, 7 runs each
     python bench/placement_bench.py --runs 3 --out /tmp/p.json
+    python bench/placement_bench.py --smoke    # seconds: one small cell, JSON to a temp dir
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from warmserve.policy.cluster import (
     WorkerState,
 )
 from warmserve.policy.evict_aware_placement import apply_plan, plan_prewarm
+from warmserve.testing.smoke import add_smoke_flag, apply_smoke
 
 # (weight bytes, tp, cold start s): Table 1's Llama2 family plus two common larger shapes.
 FAMILY = [
@@ -47,6 +49,7 @@ FAMILY = [
     (int(128.49e9), 4, 7.4),
 ]
 GPUS_PER_NODE = 8
+SMOKE = {"gpus": [8], "models": [5], "runs": 1}
 
 
 def make_scenario(n_gpus: int, n_models: int, seed: int) -> ClusterState:
@@ -116,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", type=int, nargs="+", default=[20, 100, 500])
     ap.add_argument("--runs", type=int, default=7, help="runs per cell; the median is reported")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "placement.json"
-    )
+    ap.add_argument("--out", type=Path, help="result file (default: bench/results/placement.json)")
+    add_smoke_flag(ap, SMOKE)
     args = ap.parse_args(argv)
+    apply_smoke(args, SMOKE, {"out": Path(__file__).parent / "results" / "placement.json"})
 
     rows = []
     header = (

@@ -16,6 +16,7 @@ the simulator and prints, per point:
 
     python bench/policy_breakdown.py [--scenario S] [--profiles paper fast-path]
         [--alpha 0.5 2] [--rps 10 15 20 25] [--system warmserve] [--json out.json]
+    python bench/policy_breakdown.py --smoke     # seconds: one point, 60 s, JSON to a temp dir
 
 Probes only observe (they wrap methods and call the originals); results are identical to an
 unprobed run.
@@ -26,17 +27,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from warmserve.sim import core, executor, runner
+from warmserve.sim.cluster import STOPPED
+from warmserve.sim.metrics import summarize
+from warmserve.sim.scenario import load_scenario
+from warmserve.testing.smoke import add_smoke_flag, apply_smoke
 
-from warmserve.sim import core, executor, runner  # noqa: E402
-from warmserve.sim.cluster import STOPPED  # noqa: E402
-from warmserve.sim.metrics import summarize  # noqa: E402
-from warmserve.sim.scenario import load_scenario  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = {"alpha": [2.0], "rps": [10.0], "set": ["duration_s=60"]}
 
 
 class Probe:
@@ -162,7 +163,9 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                     help="scenario field overrides (numbers), e.g. scale_down_utilization=0.7")
+    add_smoke_flag(ap, SMOKE)
     args = ap.parse_args()
+    apply_smoke(args, SMOKE, {"json": "policy_breakdown.json"} if args.smoke else None)
     base = load_scenario(args.scenario)
     if args.set:
         base = base.with_overrides(
@@ -218,6 +221,7 @@ def main() -> int:
                 )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+        print(f"saved {args.json}")
     return 0
 
 

@@ -28,8 +28,8 @@ on every multi-day bundled trace.  Three tables, one row per trace of the goals 
    peak as the base of ``warm``'s calibrated upper forecast) is in the JSON.
 
 Run: ``python bench/predictor_bounds.py [--rows LABEL,...] [--json OUT.json]`` (about 3 minutes
-on one core; ``--skip-boosting`` under 1).  Deterministic.  Needs scikit-learn (the ``dev``
-extra) for table 3.
+on one core; ``--skip-boosting`` under 1; ``--smoke`` seconds).  Deterministic.  Needs
+scikit-learn (the ``dev`` extra) for table 3.
 """
 
 from __future__ import annotations
@@ -39,16 +39,12 @@ import json
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+import predictor_oracles as oracles
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import predictor_oracles as oracles  # noqa: E402
+from warmserve.testing.smoke import add_smoke_flag, apply_smoke
 
 SERVEGEN = "servegen_language_14d_10min_per_model.csv.gz"
 SERVEGEN_MODELS = ("language/m-large", "language/m-mid", "language/m-small")
@@ -65,6 +61,9 @@ TRACES = [
     ("burstgpt daily 61 d", "burstgpt1_daily_61d.csv.gz", 86400, None, COARSE),
 ]
 TARGET_COVERAGE = 0.9
+# the shortest trace: tables 1-2 whole, table 3's trees stop at "too few windows" (their fit is
+# minutes; tests/test_predictor_bounds.py runs it on a small series)
+SMOKE = {"rows": "burstgpt daily 61 d"}
 
 
 def _lag(x: np.ndarray, idx: np.ndarray, lag: int) -> np.ndarray:
@@ -329,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", help="comma-separated trace labels (default: all)")
     parser.add_argument("--skip-boosting", action="store_true",
                         help="leave out table 3 (needs scikit-learn; most of the time)")
+    add_smoke_flag(parser, SMOKE)
     args = parser.parse_args(argv)
+    apply_smoke(args, SMOKE, {"json": "predictor_bounds.json"} if args.smoke else None)
     wanted = None if args.rows is None else {x.strip() for x in args.rows.split(",")}
     known = {t[0] for t in TRACES}
     if wanted is not None and not wanted <= known:
@@ -346,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
+        print(f"saved {args.json}", file=sys.stderr)
     return 0
 
 

@@ -11,6 +11,8 @@ or a branch against main.
         --start 19:00 --rps 500 --systems warmserve --out scale.json
     # compare two dumps (or two `warmserve simulate --json` files)
     python bench/sim_identity.py compare pure.json compiled.json
+    # seconds: two short runs of the testbed into a temp dir, compared
+    python bench/sim_identity.py --smoke
 
 ``compare`` prints the number of values compared and every difference (type included: 1 and
 1.0 differ, as JSON prints them differently); timing facts (wall and CPU seconds) are left out.
@@ -21,18 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import astuple, fields
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-# --compiled runs this script again from the compiled copy (warmserve.sim.compiled), which must
-# then come before the source tree
-sys.path.insert(len(sys.path) if os.environ.get("WARMSERVE_COMPILED") else 0, str(ROOT))
+# --compiled runs this script again from the compiled copy (warmserve.sim.compiled), first on
+# PYTHONPATH, ahead of the editable install's source tree
+from warmserve.sim.compiled import TIMING_KEYS, CompiledError, compare, run_compiled
 
-from warmserve.sim.compiled import TIMING_KEYS, CompiledError, compare, run_compiled  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+SMOKE_RUN = ["--duration", "120", "--systems", "warmserve,reactive"]
 
 
 def _hist(h: Any) -> dict[str, Any]:
@@ -87,7 +88,11 @@ def dump(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a run of seconds that checks the bench still works: `run` the paper "
+                    f"testbed ({' '.join(SMOKE_RUN)}) twice into a temp dir and `compare` the "
+                    "dumps (identical, or status 1)")
+    sub = ap.add_subparsers(dest="cmd")
     r = sub.add_parser("run", help="run a scenario and dump every result as JSON")
     r.add_argument("scenario")
     r.add_argument("--out", required=True)
@@ -101,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("first", type=Path)
     c.add_argument("second", type=Path)
     args = ap.parse_args(argv)
+    if args.smoke:
+        return _smoke()
+    if args.cmd is None:
+        ap.error("a command is required: run or compare (or --smoke)")
     if args.cmd == "run":
         if args.compiled:
             try:
@@ -114,6 +123,17 @@ def main(argv: list[str] | None = None) -> int:
         print(d)
     print(f"{args.first} vs {args.second}: {n:,} values compared, {len(diffs)} differences")
     return 1 if diffs else 0
+
+
+def _smoke() -> int:
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="sim-identity-smoke-"))
+    scenario = str(ROOT / "bench/scenarios/paper-testbed.yaml")
+    for name in ("first.json", "second.json"):
+        if main(["run", scenario, *SMOKE_RUN, "--out", str(tmp / name)]) != 0:
+            return 1
+    return main(["compare", str(tmp / "first.json"), str(tmp / "second.json")])
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ saturated, and a 1,024-GPU / 200-model / 24-hour run.
     python bench/sim_speed.py --json bench/results/sim_speed.json
     python bench/sim_speed.py --compiled      # the simulator compiled with mypyc (built once
                                               # per source change; docs/simulator.md)
+    python bench/sim_speed.py --smoke         # seconds: unsat+sat, 5 min, two systems, temp JSON
 
 Parts:
 
@@ -43,18 +44,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from warmserve.sim.runner import prepare, run_system
+from warmserve.sim.scenario import load_scenario
+from warmserve.testing.smoke import add_smoke_flag, apply_smoke
+
 ROOT = Path(__file__).resolve().parent.parent
 # --compiled runs this script again with the compiled copy of warmserve first on PYTHONPATH
-# (warmserve.sim.compiled): the source tree then goes last, or it would shadow the copy.
+# (warmserve.sim.compiled), ahead of the editable install's source tree.
 COMPILED = os.environ.get("WARMSERVE_COMPILED")
-sys.path.insert(len(sys.path) if COMPILED else 0, str(ROOT))
-
-from warmserve.sim.runner import prepare, run_system  # noqa: E402
-from warmserve.sim.scenario import load_scenario  # noqa: E402
 
 TESTBED = ROOT / "bench/scenarios/paper-testbed.yaml"
 SCALE = ROOT / "bench/scenarios/scale-1024.yaml"
 GOALS = {"unsat": 20_000.0, "sat": 10_000.0}
+# the scale part is left out: preparing 1,024 GPUs x 200 models alone takes a minute
+SMOKE = {"duration": 300.0, "systems": "warmserve,reactive", "parts": "unsat,sat"}
 
 
 def _load() -> str:
@@ -117,11 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale-rps", type=float,
                     help="total_rps of the scale run (default: the scenario's, 400; the busy "
                     "hour 19:00 runs at about 500)")
-    ap.add_argument("--json", default=str(ROOT / "bench/results/sim_speed.json"))
+    ap.add_argument("--duration", type=float,
+                    help="duration_s of the unsat/sat parts (default: the scenario's, 2 h)")
+    ap.add_argument("--json", help="result file (default: bench/results/sim_speed.json)")
     ap.add_argument("--compiled", action="store_true",
                     help="run the simulator compiled with mypyc (warmserve.sim.compiled: built "
                     "into ~/.cache/warmserve-mypyc once per source change; identical results)")
+    add_smoke_flag(ap, SMOKE)
     args = ap.parse_args(argv)
+    apply_smoke(args, SMOKE, {"json": str(ROOT / "bench/results/sim_speed.json")})
     if args.compiled:
         from warmserve.sim.compiled import CompiledError, run_compiled
 
@@ -139,12 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine(),
                            "cpus": os.cpu_count(), "compiled": bool(args.compiled),
                            "parts": {}}
+    length = {} if args.duration is None else {"duration_s": args.duration}
     if "unsat" in parts:
         out["parts"]["unsat"] = run_part("unsaturated", TESTBED,
-                                         {"alpha": 2.0, "total_rps": 10.0}, systems)
+                                         {"alpha": 2.0, "total_rps": 10.0, **length}, systems)
     if "sat" in parts:
         out["parts"]["sat"] = run_part("saturated", TESTBED,
-                                       {"alpha": 0.5, "total_rps": 25.0}, systems)
+                                       {"alpha": 0.5, "total_rps": 25.0, **length}, systems)
     if "scale" in parts:
         hours = args.scale_hours
         t0 = time.perf_counter()

@@ -36,10 +36,8 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
-import os
 import re
 import socket
-import subprocess
 import threading
 import time
 from collections import Counter, defaultdict
@@ -48,8 +46,6 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def git_blob_sha1(data: bytes) -> str:
@@ -299,20 +295,6 @@ class HubServer:
 
 
 # ---- the real S3-compatible server ------------------------------------------------------------
-def built_server(name: str) -> Path:
-    """A test server binary built by hack/testbin/build.sh (hack/test.sh builds them before
-    pytest; built here on first use otherwise, then cached)."""
-    linked = ROOT / ".testbin" / name
-    if linked.is_file() and os.access(linked, os.X_OK):
-        return linked
-    out = subprocess.run(
-        [str(ROOT / "hack" / "testbin" / "build.sh"), name],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    return Path(out.stdout.strip().splitlines()[-1]) / name
 
 
 class S3Relay:

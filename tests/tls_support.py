@@ -12,7 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from k8s_support import REPO_ROOT
+from warmserve.testing.k8s import REPO_ROOT
 
 MKCERTS = REPO_ROOT / "hack" / "k8s" / "mkcerts.sh"
 

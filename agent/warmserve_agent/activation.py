@@ -8,64 +8,46 @@ promised to the instance's KV range, which the KV pager maps **in the background
 engine starts; the engine's capacity grows as chunks land
 (:class:`~warmserve_agent.kv_pager.KvMapping`; §4.2, "for the KV cache, mappings are performed
 in the background").  The engine gets a typed
-:class:`~warmserve_agent.engines.spec.EngineSpec` of the slot; if it fails, the instance is torn
-down along Figure 5's crash edges (:meth:`Activator.abort_instance`).
+:class:`~warmserve_agent.engines.spec.EngineSpec` of the slot — the engine prepared for the slot
+while it waited if there is one (:mod:`~warmserve_agent.prepared_engines`: then no engine is
+built here; its KV follows the background mapping like any other's) —; if it fails, the instance
+is torn down along Figure 5's crash edges (:meth:`Activator.abort_instance`).  Each activation's
+stages are timed (:mod:`~warmserve_agent.activation_stages`); its KV stage is when the KV range
+is mapped in full and the engine's KV cache grown over it, which with background mapping may
+come after the endpoint is up.
 
 :class:`Activator` works on the node's records (:class:`~warmserve_agent.node_state.NodeState`)
-with this node's :class:`EngineSettings`, and asks the
-:class:`~warmserve_agent.prewarm_slots.Prewarmer` to load what the slot still lacks.
+with this node's :class:`EngineSettings`, asks the
+:class:`~warmserve_agent.prewarm_slots.Prewarmer` to load what the slot still lacks and the
+:class:`~warmserve_agent.prepared_engines.EnginePreparer` for the slot's prepared engine.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from warmserve.api.agent.wire import SlotState
-from warmserve.engine_args import (
-    DEFAULT_POLICY,
-    EngineArgPolicy,
-    EngineArgsError,
-    validate_engine_args,
-)
+from warmserve.engine_args import EngineArgsError, validate_engine_args
 from warmserve.policy.cluster import InstancePhase, WorkerState
+from warmserve_agent.activation_stages import Stage, StageHistograms, StartKind
 from warmserve_agent.engine import WeightsError
-from warmserve_agent.engines import DEFAULT_ENGINE, ENGINES
-from warmserve_agent.engines.spec import EngineProfile, EngineSpec, SlotRegion, TensorPlacement
+from warmserve_agent.engines import ENGINES
+from warmserve_agent.engines.spec import EngineStats
 from warmserve_agent.kv_pager import KvMapping, KvPager
 from warmserve_agent.memory import MemoryManager, pages_for
-from warmserve_agent.node_records import EngineFactory, EventKind, InstanceRec, Refusal, SlotRec
+from warmserve_agent.node_records import EventKind, InstanceRec, Refusal, SlotRec
 from warmserve_agent.node_state import NodeState
+from warmserve_agent.prepared_engines import EnginePreparer, EngineSettings, slot_engine_spec
 from warmserve_agent.prewarm_slots import Prewarmer
 
 log = logging.getLogger("warmserve.agent.node")  # one logger for the whole node core
 
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """The engines this node hosts and where they bind (checked once, at start)."""
-
-    factory: EngineFactory  # an engine host for a GPU group (a worker's, or in-process)
-    engines: tuple[str, ...] = (DEFAULT_ENGINE,)  # what this node's workers can host
-    default_engine: str = ""  # "": the first of ``engines``
-    policy: EngineArgPolicy = DEFAULT_POLICY  # what an Activate's engine_args may contain
-    host: str = "127.0.0.1"  # where engines bind their HTTP endpoint
-    advertise_host: str = ""  # what Activate returns ("": ``host``)
-    traces: tuple[str, float] = ("", 1.0)  # engines' OTLP endpoint and sample ratio (EngineSpec)
-
-    def __post_init__(self) -> None:
-        unknown = [e for e in self.engines if e not in ENGINES]
-        if unknown or not self.engines:
-            raise ValueError(f"unknown engine(s) {unknown}; engines: {sorted(ENGINES)}")
-        object.__setattr__(self, "engines", tuple(self.engines))
-        object.__setattr__(self, "default_engine", self.default_engine or self.engines[0])
-        if self.default_engine not in self.engines:
-            raise ValueError(f"default engine {self.default_engine!r} is not in {self.engines}")
-        object.__setattr__(self, "advertise_host", self.advertise_host or self.host)
+__all__ = ["Activator", "EngineSettings"]
 
 
 class Activator:
@@ -76,13 +58,18 @@ class Activator:
         state: NodeState,
         prewarmer: Prewarmer,
         engines: EngineSettings,
+        preparer: EnginePreparer,
         kv: KvMapping | None = None,
     ) -> None:
         self._state = state
         self._prewarmer = prewarmer
         self._engines = engines
+        self._preparer = preparer
         self._kv = kv or KvMapping(KvPager(state.mm))
         self.activation_log: list[tuple[bool, float]] = []  # (hit, seconds) for metrics
+        self.stage_histograms = StageHistograms()
+        self._observe_lock = threading.Lock()
+        prewarmer.on_all_resident = self._weights_resident
 
     # ---- activate --------------------------------------------------------------------------
     def check_engine(self, engine: str, args: Sequence[str]) -> str:
@@ -180,6 +167,7 @@ class Activator:
                     if g not in group and state.gpus[g].state == WorkerState.UNIVERSAL:
                         state.transition([g], state.rest_state(g))
             hit = chosen is not None
+            resident_before = hit and chosen.layers_resident >= chosen.layers_total  # type: ignore[union-attr]
             if chosen is None:
                 sid = f"slot-{uuid.uuid4().hex[:12]}"
                 mm.create_slot(sid, group)
@@ -193,7 +181,9 @@ class Activator:
             mm.ensure_mapped(chosen.slot_id, weight_pages)
             mm.release_promise(chosen.slot_id)
             iid = f"inst-{uuid.uuid4().hex[:12]}"
-            engine_host = self._engines.factory(group)
+            engine_host = self._preparer.claim(chosen, engine_name, engine_args)
+            if engine_host is None:
+                engine_host = self._engines.factory(group)
             inst = InstanceRec(
                 iid,
                 model,
@@ -207,8 +197,15 @@ class Activator:
                 prewarm_hit=hit,
                 engine_name=engine_name,
                 owner=owner,
+                engine_args=tuple(engine_args),
+                activated_at=t0,
             )
-            self._kv.reserve(inst)  # KV pages mapped in the background from now on
+            if resident_before:
+                inst.stages.weights_resident = 0.0
+            kv = self._kv.reserve(inst)  # KV pages mapped in the background from now on
+            if kv.granted < kv.geometry.num_blocks:  # the engine's start gets the range if mapped
+                inst.stages.kv_in_background = True
+                kv.on_full = lambda: self._kv_mapped(inst)
             state.instances[iid] = inst
             for g in group:
                 state.gpus[g].instance_id = iid
@@ -216,11 +213,27 @@ class Activator:
             state.emit(EventKind.INSTANCE, iid, "starting")
             self._prewarmer.start_loader(chosen)  # cold start, or the rest of a partial prewarm
             try:
-                spec = self._engine_spec(inst, chosen, tuple(engine_args))
+                spec = slot_engine_spec(
+                    state,
+                    self._engines,
+                    chosen,
+                    engine=engine_name,
+                    engine_args=engine_args,
+                    instance_id=iid,
+                    kv_pages=kv.num_pages,
+                    kv_capacity_bytes=kv.capacity_bytes(kv.granted),
+                    events_addr=self._kv.events_addr,
+                )
+                taken = getattr(engine_host, "process_taken_at", t0)
+                inst.stages.process_taken = max(0.0, taken - t0)
+                inst.stages.engine_call_s = time.perf_counter() - t0
                 inst.endpoint = engine_host.start(spec)
-                started = engine_host.stats()
-                inst.max_batch = started.max_batch or inst.max_batch  # C of Eq. 1
-                self._kv.engine_started(inst, started)
+                inst.stages.process_taken = max(
+                    0.0, getattr(engine_host, "process_taken_at", taken) - t0
+                )
+                stats = self.refresh_stats(inst)
+                inst.max_batch = stats.max_batch or inst.max_batch  # C of Eq. 1
+                self._kv.engine_started(inst, stats)
                 inst.phase = InstancePhase.SERVING
                 if chosen.layers_resident > 0:
                     engine_host.layers_ready(chosen.layers_resident)
@@ -239,100 +252,60 @@ class Activator:
                 ) from None
             inst.activation_seconds = time.perf_counter() - t0
             self.activation_log.append((hit, inst.activation_seconds))
+            for stage in inst.stages.known():
+                self._observe(inst, stage)
             state.emit(EventKind.INSTANCE, iid, "serving")
             log.info(
-                "event=activated instance=%s model=%s gpus=%s hit=%s seconds=%.4f evicted=%d",
+                "event=activated instance=%s model=%s gpus=%s hit=%s prepared=%s seconds=%.4f "
+                "evicted=%d stages=%s",
                 iid,
                 model,
                 list(group),
                 hit,
+                inst.stages.engine_prepared,
                 inst.activation_seconds,
                 len(evict),
+                ",".join(f"{k.value}:{v:.3f}" for k, v in inst.stages.known().items()),
             )
             return inst, [s.slot_id for s in evict]
 
-    def _engine_spec(
-        self, inst: InstanceRec, slot: SlotRec, engine_args: tuple[str, ...]
-    ) -> EngineSpec:
-        """What the engine needs to serve from the slot (typed; see engines/spec.py)."""
-        state: NodeState = self._state
-        page = state.page
-        backend = state.mm.backend
-        path = getattr(backend, "path", None)
-        in_workers = getattr(backend, "in_workers", False)
-        if not in_workers and path is None:
-            raise Refusal(
-                "UNIMPLEMENTED",
-                f"the {backend.name} backend in the agent process cannot host engines: its "
-                "mappings belong to the agent; run with memory owned by the workers",
-            )
-        layout = slot.layout
-        tp = len(inst.gpus)
-        digests = [state.store.digests(layout, r) for r in range(tp)]
-        prof = layout.model.profile
-        kv = inst.kv
-        assert kv is not None
-        mapped = inst.weight_pages + kv.num_pages
-        pt_path = getattr(backend, "page_table_path", None)
+    # ---- stages ----------------------------------------------------------------------------
+    def refresh_stats(self, inst: InstanceRec) -> EngineStats:
+        """Ask the engine for its stats (``last_stats``) and note the stages it reached."""
+        stats = inst.engine.stats()
+        inst.last_stats = stats
+        for stage in inst.stages.from_engine(stats):
+            self._observe(inst, stage)
+        return stats
 
-        def va_of(g: int) -> int:
-            return state.mm.va_base(slot.slot_id, g)
+    def _weights_resident(self, slot: SlotRec) -> None:
+        """The slot's last layer landed (loader thread): a stage of the instance it serves."""
+        inst = self._state.instance_of_slot(slot.slot_id)
+        if inst is not None and inst.stages.weights_resident is None:
+            inst.stages.weights_resident = time.perf_counter() - inst.activated_at
+            self._observe(inst, Stage.WEIGHTS_RESIDENT)
 
-        regions = tuple(
-            SlotRegion(
-                gpu=g,
-                va=state.mm.va_base(slot.slot_id, g),
-                page_bytes=page,
-                weight_bytes=layout.total_bytes,
-                kv_bytes=mapped * page - layout.total_bytes,
-                local=r == 0,
-                # The shared simulated file, readable by physical page from any process, when
-                # the agent owns the memory; with memory in workers only the owner reads it.
-                host_file="" if in_workers else str(path(g)),
-                # KV pages are found through the shared page table once granted (-1 here)
-                ppages=()
-                if in_workers
-                else tuple(state.mm.physical_pages(slot.slot_id, g, 0, inst.weight_pages))
-                + (-1,) * kv.num_pages,
-                page_table="" if pt_path is None else str(pt_path(g, va_of(g))),
-            )
-            for r, g in enumerate(inst.gpus)
-        )
-        return EngineSpec(
-            engine=inst.engine_name,
-            model=inst.model,
-            instance_id=inst.instance_id,
-            model_dir=str(layout.model.path),
-            layers_total=layout.model.num_layers,
-            layers_resident=slot.layers_resident,
-            kv_capacity_bytes=kv.capacity_bytes(kv.granted),
-            regions=regions,
-            tensors=tuple(
-                TensorPlacement(
-                    name=p.tensor.name,
-                    layer=p.tensor.layer,
-                    offset=p.slot_offset,
-                    nbytes=p.tensor.nbytes,
-                    dtype=p.tensor.dtype,
-                    shape=p.tensor.shape,
-                    shard_len=tuple(p.shard(r)[1] for r in range(tp)),
-                )
-                for p in layout.placements
-            ),
-            digests=tuple(tuple(d.hex() for d in ds) for ds in digests),
-            profile=EngineProfile(
-                max_batch=prof.max_batch,
-                prefill_tok_s=prof.prefill_tok_s,
-                decode_tok_s=prof.decode_tok_s,
-                kv_bytes_per_token=prof.kv_bytes_per_token,
-            ),
-            engine_args=engine_args,
-            host=self._engines.host,
-            advertise_host=self._engines.advertise_host,
-            traces_endpoint=self._engines.traces[0],
-            trace_sample_ratio=self._engines.traces[1],
-            events_addr=self._kv.events_addr,
-        )
+    def _kv_mapped(self, inst: InstanceRec) -> None:
+        """The instance's KV range is mapped in full and granted to its engine (the pager's
+        thread): the KV stage, now that it happens in the background."""
+        if inst.stages.kv_mapped is None:
+            inst.stages.kv_mapped = time.perf_counter() - inst.activated_at
+            self._observe(inst, Stage.KV_MAPPED)
+
+    def _observe(self, inst: InstanceRec, stage: Stage) -> None:
+        """Count a stage of ``inst`` in the histograms, once."""
+        with self._observe_lock:
+            if stage in inst.stages.observed or inst.phase == InstancePhase.STARTING:
+                return  # a stage reached while starting is counted when the start is done
+            inst.stages.observed.add(stage)
+        value = getattr(inst.stages, stage.value)
+        if not inst.prewarm_hit:
+            kind = StartKind.COLD
+        elif inst.stages.engine_prepared:
+            kind = StartKind.HIT_PREPARED
+        else:
+            kind = StartKind.HIT
+        self.stage_histograms.observe(stage, kind, value)
 
     def abort_instance(self, inst: InstanceRec, why: str) -> None:
         """Tear an instance down after its engine failed or died (crash transition); the

@@ -9,18 +9,25 @@ implemented by
 * the agent-side hosts (``engine_host.WorkerEngine``, ``InProcessEngine``) that the node core
   drives; they forward to the engine in its process.
 
-So ``NodeCore`` drives any engine through the same five calls:
+So ``NodeCore`` drives any engine through the same calls:
 
+* ``prepare(spec)`` — at prewarm time, build everything that needs no resident weight and no KV
+  page (the spec's KV pages are not mapped, its weights maybe partly), serving nothing; a host
+  runs it in the background (``engine_host``).  Optional for an engine's users: ``start`` without
+  it builds first.
 * ``start(spec) -> endpoint`` — take over the slot described by the typed
   :class:`~warmserve_agent.engines.spec.EngineSpec` and serve an OpenAI-compatible API.  An engine
-  never re-reads weight files for resident layers: it uses the slot.
+  never re-reads weight files for resident layers: it uses the slot.  A prepared engine only maps
+  the rest of its slot, grows its KV cache and opens its endpoint.
 * ``layers_ready(n)`` — the first ``n`` layers are now resident (a partially prewarmed model
-  finishes loading through the agent's streaming loader while the engine starts/serves); raises
+  finishes loading through the agent's streaming loader while the engine serves: a computation
+  needing layer ``i`` waits for layer ``i`` only, ``engines.layer_gate``); raises
   :class:`WeightsMismatch` if they are not the store's bytes.
 * ``set_kv_capacity(nbytes) -> accepted`` — grace-period lending (Eq. 1): the engine may use at
   most ``nbytes`` of KV cache (summed over the group); it answers what it accepted (never less
   than what admitted requests hold) and the agent unmaps only pages beyond that.
-* ``stats() -> EngineStats`` — R, waiting, K, M from the engine's own scheduler, and TTFT.
+* ``stats() -> EngineStats`` — R, waiting, K, M from the engine's own scheduler, TTFT, and how
+  its ``start`` spent its time (``EngineStages``, with its first token).
 * ``stop()``.
 
 Engines are chosen by name through the registry in ``warmserve_agent.engines`` (the way vLLM
@@ -36,15 +43,27 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from warmserve_agent.engines.spec import EngineSpec, EngineStats
+from warmserve_agent.engines.spec import EngineSpec, EngineStats, PreparedReport
 
 
 class Engine(Protocol):
+    def prepare(self, spec: EngineSpec) -> None: ...
     def start(self, spec: EngineSpec) -> str: ...
     def layers_ready(self, n: int) -> None: ...
     def set_kv_capacity(self, nbytes: int) -> int: ...
     def stats(self) -> EngineStats: ...
     def stop(self) -> None: ...
+
+
+class EngineHost(Engine, Protocol):
+    """Where the node core reaches an engine (``engine_host``): the engine protocol, with
+    ``prepare`` running in the background, plus how far a preparation got, its teardown, and
+    when the host's process was ready (``time.perf_counter()``)."""
+
+    process_taken_at: float
+
+    def prepared(self, wait_s: float = 0.0) -> PreparedReport: ...
+    def drop_prepared(self) -> None: ...
 
 
 class EngineError(RuntimeError):

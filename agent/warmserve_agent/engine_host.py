@@ -7,16 +7,29 @@ production path: the engine (chosen by ``spec.engine`` from the registry in
 hosts the HTTP endpoint; the other GPUs' workers stay attached to their GPUs as the paper's
 per-GPU actors).  :class:`InProcessEngine` runs the engine in the agent process; the property
 tests use it to drive thousands of steps without starting processes.
+
+Prepared engines: a host made for a prewarm slot builds that slot's engine in the background
+(``prepare``: returns at once; ``prepared(wait_s)`` reports how far it got, a
+:class:`~warmserve_agent.engines.spec.PreparedReport`; ``drop_prepared`` tears it down when the
+slot goes); the activation of that slot calls ``start`` on the same host, which uses the prepared
+engine if it was built for the same spec (``EngineSpec.prepared_key``) and builds one otherwise.
+``process_taken_at`` (``time.perf_counter()``) is when the host's process was ready for the
+instance: a pooled worker's at once, a fresh one's once started.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Sequence
 
 from warmserve_agent.engine import Engine, WeightsMismatch
 from warmserve_agent.engines import engine_info
-from warmserve_agent.engines.spec import EngineSpec, EngineStats
+from warmserve_agent.engines.prepared import PreparedEngine
+from warmserve_agent.engines.spec import EngineSpec, EngineStats, PreparedReport, PreparedState
 from warmserve_agent.worker import WorkerPool, timeout_for_bytes
+
+PREPARED_POLL_S = 0.05
 
 
 class InProcessEngine:
@@ -25,9 +38,30 @@ class InProcessEngine:
     def __init__(self, gpus: Sequence[int] = ()) -> None:
         self.gpus = tuple(gpus)
         self.engine: Engine | None = None
+        self._prepared: PreparedEngine | None = None
+        self.process_taken_at = time.perf_counter()
+
+    def prepare(self, spec: EngineSpec) -> None:
+        if self._prepared is not None or self.engine is not None:
+            raise RuntimeError("this host already holds an engine")
+        self._prepared = PreparedEngine(engine_info(spec.engine).create(), spec)
+
+    def prepared(self, wait_s: float = 0.0) -> PreparedReport:
+        if self._prepared is None:
+            return PreparedReport(PreparedState.NONE)
+        return self._prepared.report(wait_s)
+
+    def drop_prepared(self) -> None:
+        prep, self._prepared = self._prepared, None
+        if prep is not None:
+            prep.drop()
 
     def start(self, spec: EngineSpec) -> str:
-        self.engine = engine_info(spec.engine).create()
+        self.process_taken_at = time.perf_counter()
+        prep, self._prepared = self._prepared, None
+        self.engine = prep.claim(spec) if prep is not None else None
+        if self.engine is None:
+            self.engine = engine_info(spec.engine).create()
         return self.engine.start(spec)
 
     def _eng(self) -> Engine:
@@ -45,6 +79,7 @@ class InProcessEngine:
         return self._eng().stats()
 
     def stop(self) -> None:
+        self.drop_prepared()
         if self.engine is not None:
             self.engine.stop()
 
@@ -64,6 +99,31 @@ class WorkerEngine:
         self.worker = pool.worker(self.gpus[0])
         self._spec: EngineSpec | None = None
         self._layers = 0
+        self._prepared_slot = ""
+        self.process_taken_at = time.perf_counter()  # a pooled worker: running already
+
+    def prepare(self, spec: EngineSpec) -> None:
+        """The worker builds ``spec``'s engine on a thread of its own; returns at once."""
+        self.worker.call("prepare_engine", spec=spec)
+        self._prepared_slot = spec.slot_id
+
+    def prepared(self, wait_s: float = 0.0) -> PreparedReport:
+        """The worker's prepared engine for our slot, polled until it is built or ``wait_s``
+        passed (short calls: the pipe stays free for the loader's memory operations)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            if not self._prepared_slot:
+                return PreparedReport(PreparedState.NONE)
+            rep: PreparedReport = self.worker.call("prepared_state", slot_id=self._prepared_slot)
+            if rep.state != PreparedState.PREPARING or time.monotonic() >= deadline:
+                return rep
+            time.sleep(PREPARED_POLL_S)
+
+    def drop_prepared(self) -> None:
+        slot, self._prepared_slot = self._prepared_slot, ""
+        if slot and self.worker.alive():
+            with contextlib.suppress(Exception):  # a worker dying meanwhile took it along
+                self.worker.call("drop_prepared", slot_id=slot)
 
     def _verify_remote(self, start: int, end: int) -> None:
         spec = self._spec
@@ -98,15 +158,14 @@ class WorkerEngine:
         # loaded CPU, compilation on a GPU): the larger of the two bounds
         local = sum(t.shard_len[0] for t in spec.tensors)
         timeout = max(self.start_timeout_s, 60 + timeout_for_bytes(local))
+        self._prepared_slot = ""  # the worker uses (or drops) its prepared engine now
         return str(self.worker.call("start_engine", timeout_s=timeout, spec=spec))
 
     def layers_ready(self, n: int) -> None:
         if n > self._layers:
             self._verify_remote(self._layers, n)
         assert self._spec is not None
-        layer_bytes = sum(
-            t.shard_len[0] for t in self._spec.tensors if self._layers <= t.layer < n
-        )
+        layer_bytes = sum(t.shard_len[0] for t in self._spec.tensors if self._layers <= t.layer < n)
         # A WeightsMismatch in the worker arrives as one (worker_errors).
         self.worker.call("layers_ready", timeout_s=timeout_for_bytes(layer_bytes), n=n)
         self._layers = max(self._layers, n)
@@ -118,6 +177,7 @@ class WorkerEngine:
         return self.worker.call("stats")
 
     def stop(self) -> None:
+        self.drop_prepared()
         if self.worker.alive():
             self.worker.call("stop_engine", timeout_s=60.0)
 
@@ -133,11 +193,14 @@ class FreshWorkerEngine(WorkerEngine):
         self._handle_cls = WorkerHandle
         self._engines = engines
         self.worker = None  # type: ignore[assignment]
+        self._prepared_slot = ""
+        self.process_taken_at = 0.0
 
     def start(self, spec: EngineSpec) -> str:
         self.worker = self._handle_cls(engines=self._engines)
         self.worker.wait_ready(timeout_s=300)
         self.worker.call("bind", gpu=self.gpus[0])
+        self.process_taken_at = time.perf_counter()
         return super().start(spec)
 
     def stop(self) -> None:

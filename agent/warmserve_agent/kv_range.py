@@ -55,6 +55,9 @@ class KvRange:
         self.tp = tp
         self.engine = engine
         self.on_pages = on_pages  # told the number of live KV pages after every change
+        # called once, when the engine is first granted the whole range (the activation's KV
+        # stage, activation_stages.py); the pager's thread, with ``lock`` held
+        self.on_full: Callable[[], None] | None = None
         self.lock = threading.RLock()
         self._stepping = threading.Lock()  # one mapper at a time (the pager, or inline)
         self.mapped: set[int] = set()
@@ -74,6 +77,10 @@ class KvRange:
         with self.lock:
             old = getattr(self, "geometry", None)
             full = old is not None and self.granted >= old.num_blocks
+            # A target of the whole range stays the whole range: the old target counts blocks
+            # of the old plan (pages, before the engine reported its layout), and vLLM's blocks
+            # can outnumber the range's pages, so min() would cap the engine below its range.
+            whole = old is not None and self.target >= old.num_blocks
             self.geometry = geometry
             self.order, self.need = geometry.page_order(self.mm.page_bytes, self.num_pages)
             self._need_of = [0] * self.num_pages
@@ -81,7 +88,9 @@ class KvRange:
                 self._need_of[p] = b
             self._frontier = 0
             if old is not None:
-                self.target = geometry.num_blocks if full else min(self.target, geometry.num_blocks)
+                self.target = (
+                    geometry.num_blocks if full or whole else min(self.target, geometry.num_blocks)
+                )
                 self.granted = self.covered() if full else 0
 
     def pages_for(self, blocks: int) -> int:
@@ -183,6 +192,9 @@ class KvRange:
             if t > self.granted:
                 self.engine.set_kv_capacity(self.capacity_bytes(t))
                 self.granted = t
+            if self.on_full is not None and self.granted >= self.geometry.num_blocks:
+                done, self.on_full = self.on_full, None
+                done()
 
     def ready(self) -> None:
         """The engine started (with ``granted`` blocks, what its spec said): from now on

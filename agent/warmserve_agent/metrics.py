@@ -2,7 +2,8 @@
 
 A custom collector (rather than gauges updated at every change) keeps the numbers consistent with
 the state the agent reports over gRPC: worker states, slot bytes and layers, page pool usage,
-load bandwidth, activation latency (histogram, split by prewarm hit), worker restarts.
+load bandwidth, activation latency (histogram, split by prewarm hit) and its stages (histogram by
+stage and kind of start), worker restarts.
 """
 
 from __future__ import annotations
@@ -95,7 +96,23 @@ class AgentCollector(Collector):
             buckets.append(("+Inf", float(len(samples))))
             h.add_metric([node, str(hit).lower()], buckets, sum_value=sum(samples))
         yield h
+        yield self._stages(node)
         yield from self._fencing(node)
+
+    def _stages(self, node: str) -> object:
+        """When each stage of the activations completed (activation_stages.py), by the kind of
+        start: a prewarm hit with a prepared engine, a hit that built one, a cold start."""
+        hist = self.core.activator.stage_histograms
+        h = HistogramMetricFamily(
+            "warmserve_agent_activation_stage_seconds",
+            "Seconds from Activate until each activation stage completed",
+            labels=["node", "stage", "start"],
+        )
+        for (stage, start), (counts, total) in sorted(hist.snapshot().items()):
+            buckets = [(str(b), float(c)) for b, c in zip(hist.buckets, counts, strict=False)]
+            buckets.append(("+Inf", float(counts[-1])))
+            h.add_metric([node, stage.value, start.value], buckets, sum_value=total)
+        return h
 
     def _fencing(self, node: str) -> Iterator[object]:
         fenced = CounterMetricFamily(

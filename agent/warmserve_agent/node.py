@@ -19,7 +19,8 @@ paper (each call's memory rules, §4.2, are in its module's docstring), that it 
   transitions, slot nesting (evict-aware placement, §5.2).
 * :mod:`~warmserve_agent.grace_lending`: grace workers and Eq. 1 lending (proactive prewarming).
 * :mod:`~warmserve_agent.prewarm_slots`: prewarm admission, loader threads, eviction.
-* :mod:`~warmserve_agent.activation`: prewarm hits and cold starts, the engine spec.
+* :mod:`~warmserve_agent.activation`: prewarm hits and cold starts, their stage timings.
+* :mod:`~warmserve_agent.prepared_engines`: a slot's engine built while it waits, the engine spec.
 * :mod:`~warmserve_agent.kv_pager`: the page-table work kept off the critical path (KV ranges
   mapped in the background, given-up pages unmapped in the background), shared by the above;
   :mod:`~warmserve_agent.engine_events`: the socket engines report request completions on.
@@ -52,6 +53,7 @@ from warmserve_agent.node_records import (
     SlotRec,
 )
 from warmserve_agent.node_state import NodeState
+from warmserve_agent.prepared_engines import EnginePreparer
 from warmserve_agent.prewarm_slots import Prewarmer
 from warmserve_agent.store import WeightStore
 
@@ -101,10 +103,13 @@ class NodeCore:
             self.events = None
         self.prewarmer = Prewarmer(self.state, self.lender)
         self.lender.restart_loader = self.prewarmer.start_loader
+        self.preparer = EnginePreparer(self.state, self.engine_settings)
+        self.state.on_slot_gone = self.preparer.forget
         self.activator = Activator(
             self.state,
             self.prewarmer,
             self.engine_settings,
+            self.preparer,
             KvMapping(self.pager, kv_background, self.events.address if self.events else ""),
         )
 
@@ -175,11 +180,32 @@ class NodeCore:
     def models_in_use(self) -> set[str]:
         return self.state.models_in_use()
 
-    def prewarm(self, model: str, gpus: Iterable[int], layers: int = 0, owner: str = "") -> SlotRec:
-        return self.prewarmer.prewarm(model, gpus, layers, owner)
+    def prewarm(
+        self,
+        model: str,
+        gpus: Iterable[int],
+        layers: int = 0,
+        owner: str = "",
+        engine: str = "",
+        engine_args: Sequence[str] = (),
+    ) -> SlotRec:
+        """Prewarm, and have the slot's worker prepare ``engine`` (default: the node's) with
+        ``engine_args`` for it (checked like Activate's, before anything changes)."""
+        name = self.activator.check_engine(engine, engine_args)
+        slot = self.prewarmer.prewarm(model, gpus, layers, owner)
+        self.preparer.want(slot, name, engine_args)
+        return slot
 
     def evict(self, slot_id: str) -> tuple[SlotRec, int]:
-        return self.prewarmer.evict(slot_id)
+        out = self.prewarmer.evict(slot_id)
+        self.preparer.kick()  # its worker may prepare another slot's engine now
+        return out
+
+    def worker_replaced(self, gpu: int) -> None:
+        """``gpu`` has a new worker: whatever was prepared (or failed) in the old one is
+        forgotten, and waiting slots get their engines prepared in the new one."""
+        self.preparer.worker_lost(gpu)
+        self.preparer.kick()
 
     def check_engine(self, engine: str, args: Sequence[str]) -> str:
         return self.activator.check_engine(engine, args)
@@ -199,7 +225,17 @@ class NodeCore:
         return self.lender.begin_grace(instance_id)
 
     def end_instance(self, instance_id: str, evict_weights: bool = False) -> InstanceRec:
-        return self.lender.end_instance(instance_id, evict_weights)
+        inst = self.lender.end_instance(instance_id, evict_weights)
+        with self.state.lock:
+            slot = self.state.slots.get(inst.slot_id)
+            if slot is not None:  # weights kept: the next hit gets a prepared engine again
+                self.preparer.want(slot, inst.engine_name, inst.engine_args)
+            self.preparer.kick()
+        return inst
+
+    def engine_stats(self, inst: InstanceRec) -> Any:
+        """The instance's engine stats, kept as ``last_stats`` (stages noted on the way)."""
+        return self.activator.refresh_stats(inst)
 
     def lendable(self, instance_ids: Sequence[str] = ()) -> list[dict[str, Any]]:
         return self.lender.lendable(instance_ids)
@@ -216,6 +252,7 @@ class NodeCore:
         """The worker process of ``gpu`` died: drop the instance it hosted (if any)."""
         state: NodeState = self.state
         with state.lock:
+            self.preparer.worker_lost(gpu)
             iid = state.gpus[gpu].instance_id
             inst = state.instances.get(iid)
             if inst is None:
@@ -230,6 +267,7 @@ class NodeCore:
         state: NodeState = self.state
         with state.lock:
             state.gpus[gpu].available = False
+            self.preparer.worker_lost(gpu)
             lost_insts = []
             for inst in list(state.instances.values()):
                 if gpu not in inst.gpus:
@@ -242,9 +280,7 @@ class NodeCore:
                 if inst.kv is not None:
                     inst.kv.release_all()
                 lost_insts.append(inst.instance_id)
-                state.emit(
-                    EventKind.INSTANCE_REMOVED, inst.instance_id, f"GPU {gpu}'s worker died"
-                )
+                state.emit(EventKind.INSTANCE_REMOVED, inst.instance_id, f"GPU {gpu}'s worker died")
             touched = [s for s in state.slots.values() if gpu in s.gpus]
             for s in touched:
                 s.cancel.set()
@@ -255,6 +291,7 @@ class NodeCore:
             affected = {gpu}
             for sid in dropped:
                 slot = state.slots.pop(sid)
+                self.preparer.forget(sid)  # an engine prepared in another GPU's worker
                 affected.update(slot.gpus)
                 state.emit(
                     EventKind.SLOT_REMOVED, sid, f"GPU {gpu}'s memory was lost with its worker"

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from warmserve.api.agent.wire import SlotState
 from warmserve.policy.cluster import InstancePhase, WorkerState
-from warmserve_agent.engine import Engine
+from warmserve_agent.activation_stages import ActivationStages
+from warmserve_agent.engine import EngineHost
 from warmserve_agent.engines import DEFAULT_ENGINE
 from warmserve_agent.engines.spec import EngineStats
 from warmserve_agent.store import SlotLayout
@@ -46,8 +47,8 @@ class Refusal(Exception):
         self.message = message
 
 
-InstanceEngine = Engine  # the one engine protocol (warmserve_agent.engine)
-EngineFactory = Callable[[Sequence[int]], Engine]
+InstanceEngine = EngineHost  # the one engine protocol (warmserve_agent.engine), as hosted
+EngineFactory = Callable[[Sequence[int]], EngineHost]
 
 
 @dataclass
@@ -102,6 +103,9 @@ class InstanceRec:
     reservation_target: int = 0  # per GPU, bytes (grace only)
     owner: str = ""  # as SlotRec.owner
     grace_started_unix: float = 0.0  # when BeginGrace took effect
+    engine_args: tuple[str, ...] = ()
+    stages: ActivationStages = field(default_factory=ActivationStages)
+    activated_at: float = 0.0  # time.perf_counter() when Activate began (stages count from it)
     # the KV range: pages mapped in the background, capacity granted (kv_range.py); kv_pages
     # above is how many of its pages are mapped now
     kv: KvRange | None = None

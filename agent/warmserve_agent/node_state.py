@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 
 from warmserve.policy.cluster import WorkerState
 from warmserve_agent.memory import MemoryManager
+from warmserve_agent.model_profile import ModelProfiles
 from warmserve_agent.node_records import (
     ID_RE,
     INSTANCE_ID_RE,
@@ -82,10 +83,13 @@ class NodeState:
         self.instances: dict[str, InstanceRec] = {}
         self.generation = 0
         self.lock = threading.RLock()  # every change of the records, by every collaborator
+        self.profiles = ModelProfiles()  # measured per model, reported in Describe
         # Wakes the KV pager to unmap what was given up (NodeCore sets it)
         self.kick_unmap: Callable[[], None] = lambda: None
         self._listeners: list[Callable[[Event], None]] = []
         self._emit_lock = threading.Lock()
+        # Called with a slot's id when it is gone (its prepared engine goes with it).
+        self.on_slot_gone: Callable[[str], None] = lambda slot_id: None
 
     # ---- events ----------------------------------------------------------------------------
     def subscribe(self, fn: Callable[[Event], None]) -> Callable[[], None]:
@@ -217,6 +221,7 @@ class NodeState:
             slot.loader.join()
         self.mm.retire_slot(slot.slot_id)
         del self.slots[slot.slot_id]
+        self.on_slot_gone(slot.slot_id)
         self.emit(EventKind.SLOT_REMOVED, slot.slot_id)
         self.kick_unmap()
 

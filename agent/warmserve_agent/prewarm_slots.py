@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from warmserve.api.agent.wire import SlotState
 from warmserve.policy.cluster import InstancePhase, WorkerState
@@ -38,6 +38,8 @@ class Prewarmer:
     def __init__(self, state: NodeState, lender: GraceLender) -> None:
         self._state = state
         self._lender = lender
+        # Called (loader thread) when a slot's last layer landed: an activation stage.
+        self.on_all_resident: Callable[[SlotRec], None] = lambda slot: None
 
     # ---- prewarm ---------------------------------------------------------------------------
     def prewarm(self, model: str, gpus: Iterable[int], layers: int = 0, owner: str = "") -> SlotRec:
@@ -122,6 +124,8 @@ class Prewarmer:
             slot.layers_resident = n
             slot.bytes_loaded = base_bytes + nbytes
             slot.load_seconds = base_s + secs
+            if n >= slot.layers_total:  # resident now, before the engine hears of it
+                self.on_all_resident(slot)
             inst = state.instance_of_slot(slot.slot_id)
             if inst is not None and inst.phase != InstancePhase.STARTING:
                 try:
@@ -156,6 +160,10 @@ class Prewarmer:
                     end,
                     cancel=slot.cancel,
                     on_layer=on_layer,
+                )
+                # the loader's timing of these layers, as the slot reports it (its bandwidth)
+                state.profiles.record_load(
+                    slot.model, slot.bytes_loaded - base_bytes, slot.load_seconds - base_s
                 )
                 base_bytes, base_s = slot.bytes_loaded, slot.load_seconds
         except Exception as exc:

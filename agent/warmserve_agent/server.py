@@ -339,6 +339,7 @@ class AgentServer:
                     iid = await asyncio.to_thread(self.core.worker_died, g) or ""
                     new = await asyncio.to_thread(self.pool.replace, g)
                     msg = f"worker of GPU {g} died; replaced by pid {new.pid}"
+                await asyncio.to_thread(self.core.worker_replaced, g)
                 if iid:
                     msg += f"; instance(s) {iid} lost"
                 log.warning("event=worker_died gpu=%d instance=%s new_pid=%d", g, iid, new.pid)
@@ -355,6 +356,8 @@ class AgentServer:
             await self._health.enter_graceful_shutdown()
         if self.server is not None:
             await self.server.stop(grace_s)
+        if self.service is not None:
+            await self.service.instances.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         if self.fetcher is not None:

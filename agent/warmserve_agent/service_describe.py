@@ -21,6 +21,8 @@ from warmserve.api.agent.v1 import agent_pb2 as pb
 from warmserve.api.agent.wire import PHASE_TO_PB, SLOT_TO_PB, WORKER_TO_PB
 from warmserve.policy.cluster import InstancePhase, WorkerState
 from warmserve_agent import __version__
+from warmserve_agent.activation_stages import ActivationStages
+from warmserve_agent.engines.spec import PreparedReport, PreparedState
 from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import InstanceRec, SlotRec
 from warmserve_agent.sources.fetcher import ModelFetcher
@@ -33,6 +35,32 @@ CATALOG_TTL_S = 10.0  # see Describer._catalog
 _WS = WORKER_TO_PB
 _SS = SLOT_TO_PB
 _IP = PHASE_TO_PB
+# The prepared engine's state and the stage timings are encoded here, not in
+# warmserve.api.agent.wire: their values are the agent's own types, which the API may not import.
+PREPARED_TO_PB = {
+    PreparedState.NONE: pb.PREPARED_ENGINE_STATE_UNSPECIFIED,
+    PreparedState.PREPARING: pb.PREPARED_ENGINE_STATE_PREPARING,
+    PreparedState.READY: pb.PREPARED_ENGINE_STATE_READY,
+    PreparedState.FAILED: pb.PREPARED_ENGINE_STATE_FAILED,
+}
+
+
+def prepared_pb(engine: str, gpu: int, r: PreparedReport) -> pb.PreparedEngine:
+    return pb.PreparedEngine(
+        state=PREPARED_TO_PB[r.state],
+        engine=engine,
+        worker_gpu=gpu,
+        host_bytes=r.host_bytes,
+        build_seconds=r.seconds,
+        message=r.message[:1000],
+    )
+
+
+def stages_pb(st: ActivationStages) -> pb.ActivationStages:
+    out = pb.ActivationStages(engine_prepared=st.engine_prepared)
+    for stage, seconds in st.known().items():
+        setattr(out, f"{stage.value}_seconds", seconds)
+    return out
 
 
 @dataclass
@@ -59,6 +87,7 @@ class Describer:
         rec = self.core.gpus[g]
         mm = self.core.mm
         page = self.core.page
+        held = self.core.preparer.of_gpu(g)
         return pb.GpuInfo(
             index=g,
             memory_bytes=rec.memory_bytes,
@@ -71,10 +100,12 @@ class Describer:
             worker_restarts=self.info.worker_restarts(g),
             slot_ids=[s.slot_id for s in self.core.slots.values() if g in s.gpus],
             instance_id=rec.instance_id,
+            prepared_slot_id=held[0] if held else "",
+            prepared_engine_host_bytes=held[1].report.host_bytes if held else 0,
         )
 
-    @staticmethod
-    def slot_pb(s: SlotRec) -> pb.SlotInfo:
+    def slot_pb(self, s: SlotRec) -> pb.SlotInfo:
+        rec = self.core.preparer.prepared.get(s.slot_id)
         return pb.SlotInfo(
             slot_id=s.slot_id,
             model=s.model,
@@ -87,6 +118,9 @@ class Describer:
             state=_SS[s.state],
             message=s.message,
             owner=s.owner,
+            prepared_engine=(
+                prepared_pb(rec.engine, rec.gpu, rec.report) if rec is not None else None
+            ),
         )
 
     def instance_pb(self, i: InstanceRec) -> pb.InstanceInfo:
@@ -122,6 +156,7 @@ class Describer:
             dropped_requests=st.dropped,
             owner=i.owner,
             grace_started_unix=i.grace_started_unix,
+            stages=stages_pb(i.stages),
         )
 
     def _refresh_stats(self) -> None:
@@ -129,7 +164,7 @@ class Describer:
             if i.phase == InstancePhase.STARTING:
                 continue
             try:
-                i.last_stats = i.engine.stats()
+                self.core.engine_stats(i)  # last_stats, and the stages it reached
             except Exception as exc:  # worker died: the monitor will reconcile
                 log.debug("event=stats_failed instance=%s err=%s", i.instance_id, exc)
 
@@ -152,7 +187,7 @@ class Describer:
         now = time.monotonic()
         cached = self._catalog_cache
         if cached is not None and cached[0] == stamp and now - cached[1] < CATALOG_TTL_S:
-            return cached[2]
+            return self._with_profiles(cached[2])
         models = []
         names = store.list_models()
         for name in names:
@@ -174,6 +209,18 @@ class Describer:
                 )
             )
         self._catalog_cache = (stamp, now, models)
+        return self._with_profiles(models)
+
+    def _with_profiles(self, models: list[pb.ModelInfo]) -> list[pb.ModelInfo]:
+        """The models with what the agent measured so far (not cached: it changes with every
+        load and activation)."""
+        profiles = self.core.state.profiles
+        for m in models:
+            p = profiles.pb(m.name)
+            if p is None:
+                m.ClearField("profile")
+            else:
+                m.profile.CopyFrom(p)
         return models
 
     def describe_pb(self, refresh: bool = True) -> pb.NodeDescription:

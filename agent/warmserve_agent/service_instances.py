@@ -14,12 +14,14 @@ which hands it the call table, the fetch coordinator and the describer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import grpc
 
 from warmserve.api.agent.v1 import agent_pb2 as pb
 from warmserve_agent.fencing import enforce
+from warmserve_agent.model_profile import time_forward
 from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import Refusal
 from warmserve_agent.service_describe import Describer
@@ -41,6 +43,8 @@ class InstanceHandler:
         self.calls = calls
         self.fetches = fetches
         self.describer = describer
+        self._probing: set[str] = set()  # models whose forward is being timed
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def activate(self, request: pb.ActivateRequest, context: Any) -> pb.ActivateResponse:
         args = tuple(request.engine_args)
@@ -81,12 +85,50 @@ class InstanceHandler:
                 request.fencing_token,
             )
         self.fetches.touch(request.model)
+        self._profile(inst)
         return pb.ActivateResponse(
             instance=self.describer.instance_pb(inst),
             prewarm_hit=inst.prewarm_hit,
             activation_seconds=inst.activation_seconds,
             evicted_slot_ids=evicted,
         )
+
+    def _profile(self, inst: Any) -> None:
+        """Feed the model's profile (:mod:`~warmserve_agent.model_profile`): a prewarm hit's
+        activation is the head start the streamed layers get; a model without a timed forward
+        gets one on this instance, in the background (Activate answers first)."""
+        profiles = self.core.state.profiles
+        if inst.prewarm_hit:
+            profiles.record_activation(inst.model, inst.activation_seconds)
+        if not inst.endpoint or inst.model in self._probing or not profiles.wants_forward(
+            inst.model
+        ):
+            return
+        try:
+            layers = self.core.store.model(inst.model).num_layers
+        except Exception:  # the store lost the model meanwhile: measure at the next start
+            return
+
+        async def probe() -> None:
+            try:
+                got = await asyncio.to_thread(time_forward, inst.endpoint, inst.model, layers)
+                if got is not None:
+                    profiles.record_forward(inst.model, len(inst.gpus), got[1], got[0])
+            finally:
+                self._probing.discard(inst.model)
+                self._tasks.discard(task)
+
+        self._probing.add(inst.model)
+        task = asyncio.get_running_loop().create_task(probe())
+        self._tasks.add(task)  # held: a task nothing references may be collected mid-run
+
+    async def close(self) -> None:
+        """Stop timing forwards (the agent stops)."""
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
 
     async def begin_grace(
         self, request: pb.BeginGraceRequest, context: Any

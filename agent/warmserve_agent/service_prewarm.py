@@ -24,6 +24,7 @@ from warmserve.api.agent.v1 import agent_pb2 as pb
 from warmserve.api.agent.wire import SlotState
 from warmserve_agent.fencing import enforce
 from warmserve_agent.node import NodeCore
+from warmserve_agent.node_records import Refusal
 from warmserve_agent.service_describe import Describer
 from warmserve_agent.service_fetch import FetchCoordinator
 from warmserve_agent.service_idempotency import IdempotentCalls, abort
@@ -49,17 +50,24 @@ class PrewarmHandler:
     async def prewarm(
         self, request: pb.PrewarmRequest, context: Any
     ) -> AsyncIterator[pb.PrewarmProgress]:
+        args = tuple(request.engine_args)
         fp = (
             request.model,
             tuple(sorted(request.gpus)),
             request.layers,
             request.owner,
             request.source,
+            request.engine,
+            args,
         )
         try:
             with self.waker() as changed, self.fetches.pin(request.model):
                 if request.source:  # a deposed leader's call must not fill the store either
                     await enforce(self.calls.fence, "Prewarm", request.fencing_token, context)
+                    try:  # a bad engine or argument is refused before a fetch changes the store
+                        self.core.check_engine(request.engine, args)
+                    except Refusal as r:
+                        await abort(context, grpc.StatusCode[r.code], r.message)
                     async for info in self.fetches.fetch(
                         request.model, request.source, list(request.gpus), context
                     ):
@@ -70,7 +78,12 @@ class PrewarmHandler:
                     fp,
                     context,
                     lambda: self.core.prewarm(
-                        request.model, request.gpus, request.layers, request.owner
+                        request.model,
+                        request.gpus,
+                        request.layers,
+                        request.owner,
+                        request.engine,
+                        args,
                     ),
                     request.fencing_token,
                 )

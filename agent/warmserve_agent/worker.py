@@ -5,9 +5,16 @@ Each GPU has one long-lived worker process that hosts the engine while the GPU i
 protocol: ``(command, kwargs)`` -> ``(Reply.OK, result)`` or ``(Reply.ERR, record)``, the record
 a typed, versioned :class:`~warmserve_agent.worker_errors.WorkerFault` that the agent re-raises
 as the exception the worker raised (:mod:`~warmserve_agent.worker_errors`).  Commands:
-``ping``, ``bind`` (attach to a GPU), ``start_engine`` (an
+``ping``, ``bind`` (attach to a GPU), ``prepare_engine`` (build a prewarm slot's engine on a
+thread, returning at once), ``prepared_state``, ``drop_prepared``, ``start_engine`` (an
 :class:`~warmserve_agent.engines.spec.EngineSpec`; the engine class comes from the registry by
-``spec.engine``), ``layers_ready``, ``set_kv_capacity``, ``stats``, ``stop_engine``, ``exit``.
+``spec.engine``; the engine prepared for the same slot and spec if there is one),
+``layers_ready``, ``set_kv_capacity``, ``stats``, ``stop_engine``, ``exit``.
+
+At most one engine lives in a worker at a time, serving or prepared
+(:mod:`~warmserve_agent.engines.prepared`): one prepared for a slot waits there until that slot
+is activated (it becomes the serving engine), evicted (``drop_prepared``), or the worker dies
+(it dies with it; the agent forgets it).
 
 Why pooled processes: starting a Python process and importing the engine's libraries takes far
 longer than activating a slot, so the :class:`WorkerPool` keeps ``spares`` processes started and
@@ -76,14 +83,53 @@ def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> 
     state: dict[str, Any] = {
         "gpu": None,
         "engine": None,
+        "prepared": None,  # engines.prepared.PreparedEngine
         "import_s": time.perf_counter() - t0,
         "engines": [e for e in engines if e not in failed],
     }
+    retiring: list[threading.Thread] = []  # engines being torn down in the background
 
     def engine() -> Any:
         if state["engine"] is None:
             raise WorkerError("no engine is running on this worker")
         return state["engine"]
+
+    def settle() -> None:
+        """Wait for engines being torn down: only one engine at a time in this process."""
+        while retiring:
+            retiring.pop().join()
+
+    def prepare_engine(spec: Any) -> None:
+        from warmserve_agent.engines import engine_info
+        from warmserve_agent.engines.prepared import PreparedEngine
+
+        cur = state["prepared"]
+        if cur is not None and cur.slot_id == spec.slot_id and cur.key == spec.prepared_key():
+            return  # asked again: it is being built or ready
+        if state["engine"] is not None or cur is not None:
+            held = "an engine is running" if cur is None else f"slot {cur.slot_id}'s engine"
+            raise WorkerError(f"this worker holds {held}; it prepares one engine at a time")
+        if spec.engine in failed:
+            raise WorkerError(f"engine {spec.engine!r} is unavailable here: {failed[spec.engine]}")
+        retiring[:] = [t for t in retiring if t.is_alive()]
+        eng = engine_info(spec.engine).create(backend=state.get("mem"))
+        state["prepared"] = PreparedEngine(
+            eng, spec, backend=state.get("mem"), after=tuple(retiring)
+        )
+
+    def prepared_state(slot_id: str) -> Any:
+        from warmserve_agent.engines.spec import PreparedReport, PreparedState
+
+        cur = state["prepared"]
+        if cur is None or cur.slot_id != slot_id:
+            return PreparedReport(PreparedState.NONE)
+        return cur.report()
+
+    def drop_prepared(slot_id: str) -> None:
+        cur = state["prepared"]
+        if cur is not None and cur.slot_id == slot_id:
+            state["prepared"] = None
+            retiring.append(cur.drop())
 
     def start_engine(spec: Any) -> str:
         from warmserve_agent.engines import engine_info
@@ -92,7 +138,15 @@ def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> 
             raise WorkerError("an engine is already running on this worker")
         if spec.engine in failed:
             raise WorkerError(f"engine {spec.engine!r} is unavailable here: {failed[spec.engine]}")
-        eng = engine_info(spec.engine).create(backend=state.get("mem"))
+        prep, state["prepared"] = state["prepared"], None
+        eng = None
+        if prep is not None and prep.slot_id == spec.slot_id:
+            eng = prep.claim(spec)  # waits for its build; None: built for other arguments
+        elif prep is not None:
+            retiring.append(prep.drop())
+        settle()
+        if eng is None:
+            eng = engine_info(spec.engine).create(backend=state.get("mem"))
         try:
             endpoint = eng.start(spec)
         except BaseException:
@@ -113,9 +167,13 @@ def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> 
         return verify_shard(read_va, va, tensors)
 
     def stop_engine() -> None:
+        from warmserve_agent.engines.prepared import trim_heap
+
         eng, state["engine"] = state["engine"], None
         if eng is not None:
             eng.stop()
+            del eng
+            trim_heap()  # a pooled process keeps nothing of the engine it hosted
 
     def mem_init(kind: str, options: dict[str, Any]) -> None:
         """Create this worker's memory backend: the worker owns its GPU's memory (§3)."""
@@ -151,8 +209,12 @@ def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> 
             "gpu": state["gpu"],
             "import_s": state["import_s"],
             "engines": state["engines"],
+            "engine_builds": _engine_builds(),
         },
         "bind": lambda gpu: state.__setitem__("gpu", gpu),
+        "prepare_engine": prepare_engine,
+        "prepared_state": prepared_state,
+        "drop_prepared": drop_prepared,
         "start_engine": start_engine,
         "layers_ready": lambda n: engine().layers_ready(n),
         "set_kv_capacity": lambda nbytes: engine().set_kv_capacity(nbytes),
@@ -173,8 +235,17 @@ def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> 
         except Exception as exc:
             conn.send((Reply.ERR, WorkerFault.of(exc).to_wire()))
     stop_engine()
+    if state["prepared"] is not None:
+        retiring.append(state["prepared"].drop())
+    settle()
     if state.get("mem") is not None:
         state["mem"].close()
+
+
+def _engine_builds() -> int:
+    """vLLM engines this process built (tests: a prepared activation builds none)."""
+    mod = sys.modules.get("warmserve_agent.engines.vllm.engine")
+    return int(mod.VllmEngine.builds) if mod is not None else 0
 
 
 def _child_main() -> None:

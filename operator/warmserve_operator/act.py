@@ -68,6 +68,8 @@ async def call(
             a.owner,
             source=a.source,
             on_fetch=on_fetch if a.source else None,
+            engine=a.engine,
+            engine_args=a.engine_args,
         )
     else:
         await client.evict(d.slot_id, a.request_id)
@@ -176,6 +178,7 @@ class Actor:
                         f"{list(d.gpus)} in {res.activation_s:.2f}s "
                         f"({'prewarm hit' if res.hit else 'cold start'}); "
                         f"endpoint {res.instance.endpoint}"
+                        + (f"; {res.stages_text()}" if res.stages else "")
                     ),
                 )
             elif not isinstance(d, Prewarm):  # a placed replica shows in status + "Prewarmed"

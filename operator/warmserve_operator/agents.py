@@ -58,6 +58,8 @@ class AgentPort(Protocol):
         *,
         source: str = "",
         on_fetch: Callable[[FetchView], Any] | None = None,
+        engine: str = "",
+        engine_args: tuple[str, ...] = (),
     ) -> SlotView: ...
 
     async def evict(self, slot_id: str, request_id: str) -> None: ...
@@ -168,6 +170,8 @@ class GrpcAgent:
         *,
         source: str = "",
         on_fetch: Callable[[FetchView], Any] | None = None,
+        engine: str = "",
+        engine_args: tuple[str, ...] = (),
     ) -> SlotView:
         def progress(msg: Any) -> None:
             if on_fetch is not None and msg.HasField("fetch"):
@@ -185,6 +189,8 @@ class GrpcAgent:
                 timeout_s=3600.0 if source else 600.0,
                 on_progress=progress,
                 fencing_token=t,
+                engine=engine,
+                engine_args=engine_args,
             )
         )
         return slot_from_pb(last.slot)

@@ -15,7 +15,7 @@ from warmserve.control.decisions import Decisions
 
 from .engine import admit_model_deployment
 from .metrics import Metrics
-from .model_spec import resolve_model
+from .model_spec import merged_catalog, resolve
 from .ports import KubePort
 from .report import REPORT_CONCURRENCY, Deployment, Reporter
 from .snapshot import NodeSnapshot
@@ -133,8 +133,7 @@ class DeploymentBook:
         """Each owner's policy spec (from its spec and the agents' catalogs), the controller's
         managed models, and why a deployment cannot be acted on."""
         catalog: dict[str, Any] = dict(self.sources.entries())  # only at their sources yet
-        for snap in snaps.values():
-            catalog.update(snap.models)
+        catalog.update(merged_catalog(snap.models for snap in snaps.values()))
         problems: dict[str, Condition] = {}
         for md in dups:
             msg = f"model {md.model!r} is already served by another ModelDeployment"
@@ -143,9 +142,9 @@ class DeploymentBook:
         for model, md in owners.items():
             d = self.items[md.uid]
             try:
-                d.spec = resolve_model(md, catalog, self.cfg.load_bandwidth)
+                d.spec, d.depth = resolve(md, catalog, self.cfg.load_bandwidth)
             except SpecError as exc:
-                d.spec = None
+                d.spec, d.depth = None, None
                 why = self.sources.error(md)
                 if why:
                     problems[md.uid] = Condition(

@@ -31,7 +31,7 @@ import kopf
 
 from warmserve.api.crd import GROUP, MD_PLURAL, NODE_PLURAL, VERSION, SpecError
 
-from .agents import AgentAuth, AgentPool
+from .agents import AgentAuth, AgentPool, Unfenced
 from .config import OperatorConfig
 from .engine import admit_model_deployment
 from .kube import KubeApi
@@ -218,7 +218,11 @@ async def startup(
     gateways = memo.get("gateways")
     demand = gateways.build() if gateways is not None else None
     # Every agent call carries the Lease term's fencing token (.leader, warmserve_agent.fencing).
-    pool = AgentPool(auth, fencing=kube.elector)
+    fencing = kube.elector if kube.elector is not None else Unfenced()
+    connect = memo.get("connect_agent")  # (node, address, fencing) -> AgentPort; None: gRPC
+    pool = AgentPool(
+        auth, factory=connect and (lambda node, addr: connect(node, addr, fencing)), fencing=fencing
+    )
     reconciler = Reconciler(config, kube, pool, metrics, demand=demand)
     stop = asyncio.Event()
     memo["reconciler"] = reconciler

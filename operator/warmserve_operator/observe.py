@@ -156,9 +156,14 @@ def observation(
     pending_prewarms: Iterable[PendingPrewarm] = (),
     pending_starts: Iterable[PendingStart] = (),
     held: Mapping[str, int] | None = None,
+    engine_bytes: Mapping[str, int] | None = None,
 ) -> Observation:
     """The controller's observation of ``snaps`` (module docstring).  ``owners``: model ->
-    owning deployment UID of the models the controller manages; ``live``: every listed UID."""
+    owning deployment UID of the models the controller manages; ``live``: every listed UID;
+    ``engine_bytes``: model -> what a slot's prepared engine occupies per GPU beside the
+    weights the agent reports (``ModelSpec.engine_overhead_bytes``), so a slot is observed at
+    what the simulator's slot of the same model occupies."""
+    engine_bytes = engine_bytes or {}
     gpus: list[GpuObs] = []
     slots: list[SlotObs] = []
     insts: list[InstanceObs] = []
@@ -181,7 +186,7 @@ def observation(
                     s.model,
                     name,
                     s.gpus,
-                    s.target_bytes_per_gpu,
+                    s.target_bytes_per_gpu + engine_bytes.get(s.model, 0),
                     s.layers_resident or None,
                     foreign=not usable,
                 )

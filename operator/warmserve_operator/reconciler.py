@@ -252,6 +252,7 @@ class Reconciler:
             self.actor.pending_prewarms.values(),
             self.actor.pending_starts.values(),
             await self._gateway_held(),
+            {m: e.spec.engine_overhead_bytes for m, e in self.controller.models.items()},
         )
         loads = self.controller.observe(obs)
         for m, load in loads.items():

@@ -18,6 +18,7 @@ from typing import Any
 from warmserve.api.crd import ModelDeploymentSpec
 from warmserve.control.controller import Controller
 from warmserve.policy.cluster import ModelSpec, Replica
+from warmserve.policy.prewarm_depth import DepthChoice
 
 from .event_budget import EventBudget
 from .metrics import Metrics
@@ -49,6 +50,7 @@ class Deployment:
 
     md: ModelDeploymentSpec
     spec: ModelSpec | None = None
+    depth: DepthChoice | None = None  # how spec.prewarm_layers was chosen (status.model)
     hits: int = 0
     misses: int = 0
     counters_loaded: bool = False
@@ -286,6 +288,8 @@ class Reporter:
             weight_bytes=spec.weight_bytes if spec else None,
             num_layers=spec.num_layers if spec else None,
             cold_start_s=spec.cold_start_s if spec else None,
+            depth=d.depth if spec else None,
+            engine_overhead_bytes=spec.engine_overhead_bytes if spec else 0,
             desired=d.desired,
             inflight=d.inflight,
             held=d.held,

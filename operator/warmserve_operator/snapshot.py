@@ -15,7 +15,7 @@ from warmserve.api.agent.errors import FENCED_PREFIX
 from warmserve.api.agent.wire import SlotState, instance_phase, slot_state, worker_state
 from warmserve.policy.cluster import InstancePhase, WorkerState
 
-from .model_spec import CatalogEntry
+from .model_spec import CatalogEntry, profile_from_pb
 
 
 class AgentCallError(Exception):
@@ -104,6 +104,18 @@ class ActivateResult:
     hit: bool
     activation_s: float
     evicted_slot_ids: tuple[str, ...] = ()
+    # When each stage completed (seconds since the agent got Activate; the agent's
+    # ActivationStages, in order), and whether the engine was prepared at prewarm time.
+    stages: tuple[tuple[str, float], ...] = ()
+    engine_prepared: bool = False
+
+    def stages_text(self) -> str:
+        """One short list for the PrewarmHit/ColdStart Event."""
+        if not self.stages:
+            return ""
+        made = "prepared at prewarm" if self.engine_prepared else "built at activation"
+        listed = ", ".join(f"{name} {s:.3f}s" for name, s in self.stages)
+        return f"stages: {listed} (engine {made})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,13 +227,30 @@ def instance_from_pb(i: Any) -> InstanceView:
     )
 
 
+_STAGES = (
+    ("process_taken", "process"),
+    ("engine_ready", "engine"),
+    ("weights_resident", "weights"),
+    ("kv_mapped", "KV"),
+    ("endpoint_up", "endpoint"),
+    ("first_token", "first token"),
+)
+
+
 def activation_from_pb(resp: Any) -> ActivateResult:
     """An ``ActivateResponse``."""
+    st = resp.instance.stages
     return ActivateResult(
         instance_from_pb(resp.instance),
         bool(resp.prewarm_hit),
         float(resp.activation_seconds),
         tuple(resp.evicted_slot_ids),
+        tuple(
+            (short, float(getattr(st, f"{name}_seconds")))
+            for name, short in _STAGES
+            if st.HasField(f"{name}_seconds")
+        ),
+        bool(st.engine_prepared),
     )
 
 
@@ -229,7 +258,8 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
     """Convert a ``warmserve.agent.v1.NodeDescription`` into a :class:`NodeSnapshot`."""
     models = {
         m.name: CatalogEntry(
-            m.name, int(m.weight_bytes), int(m.num_layers), m.source, int(m.disk_bytes)
+            m.name, int(m.weight_bytes), int(m.num_layers), m.source, int(m.disk_bytes),
+            profile_from_pb(m.profile) if m.HasField("profile") else None,
         )
         for m in desc.models
     }

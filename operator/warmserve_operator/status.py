@@ -19,6 +19,7 @@ from typing import Any
 
 from warmserve.api.history import OWNER_LABEL
 from warmserve.policy.cluster import Replica, WorkerState
+from warmserve.policy.prewarm_depth import DepthChoice
 
 from .engine import ttft_report
 from .snapshot import NodeSnapshot
@@ -98,6 +99,8 @@ class ModelView:
     weight_bytes: int | None = None
     num_layers: int | None = None
     cold_start_s: float | None = None
+    depth: DepthChoice | None = None  # the prewarm depth in use and why
+    engine_overhead_bytes: int = 0
     desired: int | None = None
     inflight: float | None = None  # demand now: at the instances ...
     held: float | None = None  # ... + at the gateways (None: no gateway configured)
@@ -177,6 +180,12 @@ def model_status(
         model_facts["numLayers"] = int(view.num_layers)
     if view.cold_start_s is not None:
         model_facts["coldStartSeconds"] = _round(view.cold_start_s)
+    if view.depth is not None:
+        model_facts["prewarmLayers"] = view.depth.layers
+        model_facts["prewarmLayersSource"] = view.depth.source.value
+        model_facts["prewarmLayersReason"] = view.depth.reason
+    if view.engine_overhead_bytes:
+        model_facts["engineOverheadBytes"] = int(view.engine_overhead_bytes)
     prewarm: dict[str, Any] = {"hits": view.hits, "misses": view.misses, "unplaced": view.unplaced}
     if total:
         prewarm["hitRatio"] = round(view.hits / total, 4)

@@ -1,74 +1,29 @@
 """Fixtures for the node agent tests: small real safetensors models and simulated GPUs.
 
 Models are tiny (a few MiB at most) and written as real ``.safetensors`` files with HF-style
-names, so "first N layers" and byte-for-byte checks are meaningful.  Simulated GPU memory lives
-in sparse files under a per-test temp directory that the fixtures remove.
+names (:func:`warmserve_agent.testing.write_model`), so "first N layers" and byte-for-byte checks
+are meaningful.  Simulated GPU memory lives in sparse files under a per-test temp directory that
+the fixtures remove.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from safetensors.numpy import save_file
 from warmserve_agent.backends.simulated import SimulatedBackend
 from warmserve_agent.config import AgentConfig
 from warmserve_agent.engine_host import InProcessEngine
 from warmserve_agent.memory import MemoryManager
 from warmserve_agent.node import NodeCore
 from warmserve_agent.store import WeightStore
+from warmserve_agent.testing import write_model
 
 MiB = 1024**2
 PAGE = 64 * 1024  # small pages keep the tests' simulated GPUs tiny
-
-
-def write_model(
-    root: Path,
-    name: str,
-    *,
-    layers: int = 4,
-    hidden: int = 64,
-    seed: int = 0,
-    files: int = 2,
-    profile: dict | None = None,
-) -> Path:
-    """Write a random model: embeddings, ``layers`` blocks, final norm, lm_head."""
-    rng = np.random.default_rng(seed)
-    d = root / name
-    d.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, np.ndarray] = {
-        "model.embed_tokens.weight": rng.standard_normal((256, hidden), dtype=np.float32),
-        "model.norm.weight": rng.standard_normal((hidden,), dtype=np.float32),
-        "lm_head.weight": rng.standard_normal((256, hidden), dtype=np.float32),
-    }
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors[p + "self_attn.qkv_proj.weight"] = rng.standard_normal(
-            (3 * hidden, hidden), dtype=np.float32
-        )
-        tensors[p + "mlp.down_proj.weight"] = rng.standard_normal(
-            (hidden, 2 * hidden), dtype=np.float32
-        )
-        tensors[p + "input_layernorm.weight"] = rng.standard_normal((hidden,), dtype=np.float32)
-    names = sorted(tensors)
-    for k in range(files):
-        part = {n: tensors[n] for n in names[k::files]}
-        save_file(part, str(d / f"model-{k + 1:05d}-of-{files:05d}.safetensors"))
-    cfg = {"num_hidden_layers": layers, "hidden_size": hidden}
-    cfg["warmserve"] = {
-        "max_batch": 4,
-        "prefill_tok_s": 1e6,
-        "decode_tok_s": 2000.0,
-        "kv_bytes_per_token": 1024,
-        **(profile or {}),
-    }
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
 
 
 @pytest.fixture

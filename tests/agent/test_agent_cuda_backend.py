@@ -1,4 +1,4 @@
-"""The cuda backend against the recording fake driver (``tests/fake_cuda.py``).
+"""The cuda backend against the recording fake driver (``warmserve_agent.fake_cuda``).
 
 The fake models contexts, free memory, VMM, asynchronous non-blocking streams, events and pinned
 memory, so the tests below fail for code that would misbehave on a GPU (each behaviour the fake
@@ -18,9 +18,8 @@ from typing import Any
 import pytest
 from warmserve_agent.backends import cuda_driver as cuda_mod
 from warmserve_agent.backends.cuda import CudaBackend, CudaError
+from warmserve_agent.fake_cuda import FakeDriver, replay_against_real
 from warmserve_agent.memory import MemoryManager
-
-from tests.fake_cuda import FakeDriver, replay_against_real
 
 P = 2 * 1024 * 1024
 MiB = 1024**2

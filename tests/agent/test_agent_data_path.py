@@ -4,7 +4,8 @@
   ``(address, file, offset, length)`` descriptors do, measured on the pipe.
 * The complete GPU path — ``CudaBackend`` inside worker processes, pinned ring, non-blocking
   stream, the engine verifying its slot by virtual address — runs here against the fake driver
-  (``tests/fake_cuda.py``, imported by the workers), so every driver misuse it models fails.
+  (``warmserve_agent.fake_cuda``, imported by the workers), so every driver misuse it models
+  fails.
 * The staging ring's planning and its errors.
 """
 
@@ -110,7 +111,7 @@ def test_cuda_backend_in_workers_end_to_end_with_the_fake_driver(
         pool,
         "cuda",
         2 * MiB,
-        driver="tests.fake_cuda:DRIVER",
+        driver="warmserve_agent.fake_cuda:DRIVER",
         reserve_bytes=8 * MiB,
         staging_chunk_bytes=64 * 1024,
         staging_depth=3,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 
 import hypothesis.strategies as st
@@ -25,30 +26,59 @@ from conftest import PAGE, write_model
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from warmserve_agent.backends.simulated import SimulatedBackend
-from warmserve_agent.engines.spec import EngineSpec, EngineStats
+from warmserve_agent.engines.spec import (
+    EngineSpec,
+    EngineStages,
+    EngineStats,
+    PreparedReport,
+    PreparedState,
+)
 from warmserve_agent.loader import verify_layers
 from warmserve_agent.memory import MemoryManager
 from warmserve_agent.node import NodeCore
 from warmserve_agent.node_records import Refusal
 from warmserve_agent.store import WeightStore
 
-from warmserve.policy.cluster import InstancePhase
+from warmserve.policy.cluster import InstancePhase, WorkerState
 
 GROUPS = [(0,), (1,), (0, 1), (2,), (3,), (2, 3), (0, 1, 2, 3)]
 MODELS = ["alpha", "beta", "gamma"]
 
 
 class ScriptedEngine:
-    """InstanceEngine double: R and K are set by the test; it never shrinks below K."""
+    """InstanceEngine double: R and K are set by the test; it never shrinks below K.  Like the
+    real hosts it holds one prepared engine (for a slot) until activated or dropped."""
 
-    def __init__(self) -> None:
+    prepared_starts = 0  # activations that used a prepared engine, over all runs
+
+    def __init__(self, gpus: tuple[int, ...] = ()) -> None:
+        self.gpus = tuple(gpus)
         self.running = 0
         self.kv_used = 0
         self.capacity = 0
         self.started = False
         self.layers = 0
+        self.process_taken_at = time.perf_counter()
+        self.prepared_for: EngineSpec | None = None
+        self.was_prepared = False
+
+    def prepare(self, spec: EngineSpec) -> None:
+        assert not spec.instance_id and spec.slot_id, "a preparation names a slot, no instance"
+        self.prepared_for = spec
+
+    def prepared(self, wait_s: float = 0.0) -> PreparedReport:
+        state = PreparedState.READY if self.prepared_for is not None else PreparedState.NONE
+        return PreparedReport(state)
+
+    def drop_prepared(self) -> None:
+        self.prepared_for = None
 
     def start(self, spec: EngineSpec) -> str:
+        if self.prepared_for is not None:
+            assert self.prepared_for.prepared_key() == spec.prepared_key()
+            self.prepared_for = None
+            self.was_prepared = True
+            ScriptedEngine.prepared_starts += 1
         self.capacity = spec.kv_capacity_bytes
         self.started = True
         return "http://127.0.0.1:1"
@@ -61,7 +91,11 @@ class ScriptedEngine:
         return self.capacity
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=self.running, kv_used_bytes=self.kv_used)
+        return EngineStats(
+            running=self.running,
+            kv_used_bytes=self.kv_used,
+            stages=EngineStages(prepared=self.was_prepared),
+        )
 
     def stop(self) -> None:
         self.started = False
@@ -89,11 +123,17 @@ class NodeMachine(RuleBasedStateMachine):
         self.backend = SimulatedBackend(
             self.base / f"gpus-{os.getpid()}-{id(self)}", page_bytes=PAGE
         )
+        self.hosts: list[ScriptedEngine] = []
+
+        def host(group: tuple[int, ...]) -> ScriptedEngine:
+            self.hosts.append(ScriptedEngine(group))
+            return self.hosts[-1]
+
         self.core = NodeCore(
             MemoryManager(self.backend),
             WeightStore(root),
             dict.fromkeys(range(4), 24 * PAGE),
-            lambda group: ScriptedEngine(),
+            host,
             node_name="prop",
         )
 
@@ -101,6 +141,7 @@ class NodeMachine(RuleBasedStateMachine):
         for s in list(self.core.slots.values()):
             if s.loader is not None:
                 s.loader.join()
+        self.core.preparer.settle()
 
     # ---- rules -------------------------------------------------------------------------------
     @rule(model=st.sampled_from(MODELS), group=st.sampled_from(GROUPS), layers=st.integers(0, 4))
@@ -118,6 +159,12 @@ class NodeMachine(RuleBasedStateMachine):
         except Refusal as r:
             assert r.code in {"FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"}
         self._wait_loaders()
+
+    @rule(model=st.sampled_from(MODELS), group=st.sampled_from(GROUPS), layers=st.integers(0, 4))
+    def prewarm_then_activate(self, model: str, group: tuple[int, ...], layers: int) -> None:
+        """A prewarm hit, the path prepared engines are for (random rules rarely line up)."""
+        self.prewarm(model, group, layers)
+        self.activate(model, group)
 
     @precondition(lambda self: bool(self.core.instances))
     @rule(data=st.data(), running=st.integers(0, 4), frac=st.floats(0, 1))
@@ -176,6 +223,9 @@ class NodeMachine(RuleBasedStateMachine):
 
     @rule(gpu=st.integers(0, 3))
     def worker_crash(self, gpu: int) -> None:
+        for h in self.hosts:  # what the dead process held is gone with it
+            if h.gpus[:1] == (gpu,):
+                h.prepared_for = None
         self.core.worker_died(gpu)
 
     # ---- invariants --------------------------------------------------------------------------
@@ -200,6 +250,31 @@ class NodeMachine(RuleBasedStateMachine):
             need = math.ceil(s.layout.bytes_for_layers(s.layers_resident) / PAGE)
             assert all(self.core.mm.mapped_prefix(s.slot_id, g) >= need for g in s.gpus)
 
+    @invariant()
+    def prepared_engines(self) -> None:
+        """At most one prepared engine per worker, only on GPUs serving nothing, each for a
+        slot that exists; every engine a host holds prepared belongs to one of them (evicted,
+        activated or crashed slots' engines are gone)."""
+        self._wait_loaders()
+        live = {
+            sid: rec
+            for sid, rec in self.core.preparer.prepared.items()
+            if rec.report.state in (PreparedState.PREPARING, PreparedState.READY)
+        }
+        gpus = [rec.gpu for rec in live.values()]
+        assert len(gpus) == len(set(gpus)), f"two prepared engines in one worker: {live}"
+        for sid, rec in live.items():
+            slot = self.core.slots[sid]
+            assert rec.gpu == slot.gpus[0]
+            for g in slot.gpus:
+                assert self.core.gpus[g].state not in (WorkerState.DEDICATED, WorkerState.GRACE)
+        holders = {id(rec.host) for rec in live.values()}
+        for h in self.hosts:
+            if h.prepared_for is not None:
+                assert id(h) in holders, f"a prepared engine outlived its slot {h.prepared_for}"
+        for inst in self.core.instances.values():
+            assert inst.stages.endpoint_up is not None and inst.stages.process_taken is not None
+
     def teardown(self) -> None:
         self.core.shutdown()
         self.core.mm.close()
@@ -216,3 +291,4 @@ def test_node_state_machine(tmp_path: Path) -> None:
     )
     run.runTest()
     assert not list((tmp_path).glob("gpus-*/*.mem")), "simulated GPU files leaked"
+    assert ScriptedEngine.prepared_starts > 0, "no activation used a prepared engine"

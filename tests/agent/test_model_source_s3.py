@@ -27,7 +27,8 @@ from warmserve_agent.sources.fetch_records import FetchFailed
 from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.store import WeightStore
 
-from tests.model_sources_support import S3Relay, built_server
+from tests.model_sources_support import S3Relay
+from warmserve.testing.testbin import built_server
 
 boto3 = pytest.importorskip("boto3", reason="boto3 is part of the dev extra")
 

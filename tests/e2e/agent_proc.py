@@ -1,39 +1,23 @@
-"""Run one node agent with simulated GPUs as a separate process (a stand-in for a GPU node).
+"""Run one node agent with simulated GPUs as a separate process (a stand-in for a GPU node),
+with the e2e tests' fault hooks.
 
 ``python tests/e2e/agent_proc.py --models DIR --gpus 4x256MiB --node node-a --address-file F``
-starts the agent on a free loopback port, writes ``host:port`` to ``F`` once it serves, and runs
-until SIGTERM/SIGINT.  Engines run inside the agent process (no per-GPU worker processes) to keep
-the e2e test light on a small CI machine; the worker-process path is covered by the agent's own
-tests.
+is ``python -m warmserve_agent.testing`` (the agent on a free loopback port, ``host:port`` in
+``F`` once it serves, until SIGTERM/SIGINT; engines inside the agent process) plus the hooks
+below, which only tests install.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
 from pathlib import Path
 
-from warmserve_agent.config import AgentConfig, parse_simulated_gpus
-from warmserve_agent.server import AgentServer
+from warmserve_agent.testing import agent_parser, serve_simulated
 
 
 async def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--models", required=True, type=Path)
-    ap.add_argument("--gpus", required=True)
-    ap.add_argument("--node", required=True)
-    ap.add_argument("--address-file", required=True, type=Path)
-    ap.add_argument("--memory-dir", required=True, type=Path)
-    ap.add_argument(
-        "--sim-copy-gbps", type=float, default=0.0, help="host-to-GPU GB/s (0: memcpy speed)"
-    )
-    # Model sources (tests/e2e/test_model_sources_e2e.py) and metrics (the dashboard test).
-    ap.add_argument("--hf-endpoint", default="")
-    ap.add_argument("--store-budget", type=int, default=0)
-    ap.add_argument("--fetch-attempts", type=int, default=3)
-    ap.add_argument("--metrics-port", type=int, default=None)
+    ap = agent_parser()
     # A deliberately slow agent (tests/e2e/test_leader_fencing_e2e.py): while this file exists,
     # every Describe waits the seconds it holds before answering.
     ap.add_argument("--slow-describe-file", type=Path, default=None)
@@ -43,59 +27,12 @@ async def main() -> None:
     # call already on its way.
     ap.add_argument("--hold-calls-file", type=Path, default=None)
     ap.add_argument("--release-calls-file", type=Path, default=None)
-    # The admin's engine-argument widening, as the chart passes it (test_engine_args_e2e.py).
-    ap.add_argument("--allow-engine-arg", action="append", default=[])
-    # The engines the node hosts, as the chart's agent.engines (test_real_engine_e2e.py: vllm,
-    # in the venv of hack/vllm/setup.sh); the GPUs' page size (--page-size).
-    ap.add_argument("--engines", default="simulated")
-    ap.add_argument("--page-bytes", type=int, default=2 * 1024**2)
     args = ap.parse_args()
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s agent=" + args.node + " %(message)s"
-    )
-    cfg = AgentConfig(
-        model_dir=args.models,
-        simulate_gpus=parse_simulated_gpus(args.gpus),
-        listen="127.0.0.1:0",
-        node_name=args.node,
-        memory_dir=args.memory_dir,
-        use_workers=False,
-        spare_workers=0,
-        host_cache_bytes=64 * 1024**2,
-        sim_copy_bytes_per_s=args.sim_copy_gbps * 1e9,
-        hf_endpoint=args.hf_endpoint,
-        store_budget_bytes=args.store_budget,
-        fetch_attempts=args.fetch_attempts,
-        fetch_backoff_s=0.2,
-        metrics_port=args.metrics_port,
-        engines=tuple(args.engines.split(",")),
-        page_bytes=args.page_bytes,
-        **_engine_policy(args.allow_engine_arg),
-    )
     if args.slow_describe_file is not None:
         _slow_describe(args.slow_describe_file)
     if args.hold_calls_file is not None and args.release_calls_file is not None:
         _hold_calls(args.hold_calls_file, args.release_calls_file)
-    server = await AgentServer(cfg).start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    if args.metrics_port is not None:  # the port the kernel picked, for the test's scrape config
-        args.address_file.with_suffix(".metrics").write_text(str(server.metrics_port))
-    tmp = args.address_file.with_suffix(".tmp")
-    tmp.write_text(server.address)
-    tmp.rename(args.address_file)
-    await stop.wait()
-    await server.stop(0.2)
-
-
-def _engine_policy(allowed: list[str]) -> dict[str, object]:
-    if not allowed:
-        return {}
-    from warmserve.engine_args import EngineArgPolicy
-
-    return {"engine_policy": EngineArgPolicy.from_admin(allowed)}
+    await serve_simulated(args)
 
 
 def _slow_describe(path: Path) -> None:

@@ -6,7 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_support import Procs
+
+from warmserve.testing.procs import Procs
 
 
 @pytest.fixture

@@ -1,122 +1,29 @@
-"""Helpers of the end-to-end tests: agent processes, waiting with a bound, reading the agents,
-seeding load history, holding requests open."""
+"""Helpers of the end-to-end tests: agent processes with fault hooks, reading the agents, holding
+requests open (child processes, waiting with a bound and seeding load history are in
+``warmserve.testing``)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
-import signal
-import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from warmserve_agent.testing import write_model
+
+from warmserve.testing.procs import Procs
+
 REPO = Path(__file__).resolve().parents[2]
-W = 5.0  # window seconds (divides a day)
-
-
-def _agent_test_helpers() -> Any:
-    """tests/agent/conftest.py (real safetensors test models), loaded under a private name."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "warmserve_agent_test_models", REPO / "tests" / "agent" / "conftest.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def write_models(root: Path) -> None:
-    write_model = _agent_test_helpers().write_model
-
     slow = {"decode_tok_s": 20.0, "max_batch": 8, "kv_bytes_per_token": 256}
     write_model(root, "tiny-chat", layers=4, hidden=64, seed=1, profile=slow)
     write_model(root, "tiny-code", layers=4, hidden=64, seed=2, profile=slow)
     write_model(root, "tiny-big", layers=2, hidden=32, seed=3, profile=slow)
-
-
-def wait_for(pred: Callable[[], Any], what: str, timeout: float, logs: Callable[[], str]) -> Any:
-    deadline = time.monotonic() + timeout
-    last_exc: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = pred()
-            if value:
-                return value
-        except Exception as exc:  # the API may answer 404 until the operator catches up
-            last_exc = exc
-        time.sleep(0.3)
-    raise AssertionError(f"not within {timeout:.0f}s: {what} (last error: {last_exc})\n{logs()}")
-
-
-class Procs:
-    """Processes this test starts; all are stopped at the end, whatever happens."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        self.procs[name] = p
-        return p
-
-    def log(self, name: str, lines: int = 40) -> str:
-        path = self.tmp / f"{name}.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return f"--- {name} log (last {lines} lines) ---\n" + "\n".join(text.splitlines()[-lines:])
-
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        p = self.procs.pop(name)
-        p.send_signal(sig)
-        p.wait(timeout=20)
-
-    def stop_all(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:  # an agent still streaming long completions may take a while: not worth waiting
-                p.wait(timeout=3)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
-        self.procs.clear()
-
-
-def seed_history(kubectl: Any, ns: str, md: str, model: str, avg: float, peak: float) -> None:
-    """A day and a bit of constant load, as if the operator had watched the model for a day.
-
-    Stored where the operator keeps it: in its own namespace (here the same ``ns``), named by
-    the deployment's UID."""
-    import warmserve.api.history as history_io
-    from warmserve.api.history import OWNER_LABEL, configmap_name
-    from warmserve.control.history import LoadHistory
-
-    uid = get_json(kubectl, "wsmd", md, "-n", ns)["metadata"]["uid"]
-    h = LoadHistory(W)
-    end = math.floor(time.time() / W)
-    per_day = round(86400 / W)
-    for i in range(end - per_day - 30, end):
-        h.record(i, avg, peak)
-    cm = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {
-            "name": configmap_name(uid),
-            "namespace": ns,
-            "labels": {"app.kubernetes.io/managed-by": "warmserve-operator", OWNER_LABEL: uid},
-        },
-        "data": history_io.to_data(h, model),
-    }
-    kubectl("apply", "-f", "-", input=json.dumps(cm))
 
 
 def get_json(kubectl: Any, *args: str) -> Any:
@@ -214,7 +121,7 @@ def install_for_operator(
     child processes (no KUBECONFIG, no POD_NAMESPACE)."""
     import os
 
-    from k8s_support import apply_chart_operator_rbac
+    from warmserve.testing.k8s import apply_chart_operator_rbac
 
     kubectl("apply", "-f", str(REPO / "crds"))
     kubectl(

@@ -29,15 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import (
-    REPO,
-    Procs,
-    describe_agents,
-    register_gpu_node,
-    start_sim_agent,
-    write_models,
-)
-from k8s_support import ControlPlane, apply_chart_operator_rbac
+from e2e_support import REPO, describe_agents, register_gpu_node, start_sim_agent, write_models
+
+from warmserve.testing.k8s import ControlPlane, apply_chart_operator_rbac
+from warmserve.testing.procs import Procs
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 

@@ -25,20 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from dashboard_support import finite_points, free_port, panels, promql, render_png, start_prometheus
-from e2e_support import (
-    REPO,
-    Load,
-    Procs,
-    W,
-    _agent_test_helpers,
-    instances_of,
-    seed_history,
-    wait_for,
-    write_models,
-)
-from gateway_stack import Stack
+from e2e_support import REPO, Load, instances_of, write_models
+from warmserve_agent.testing import write_model
 
-from tests.model_sources_support import HubServer, built_server, repo_from_dir
+from tests.model_sources_support import HubServer, repo_from_dir
+from warmserve.testing.procs import Procs, wait_for
+from warmserve.testing.stack import WINDOW_S as W
+from warmserve.testing.stack import Stack, seed_history
+from warmserve.testing.testbin import built_server
 
 SETTLE_S = 60.0
 
@@ -77,7 +71,7 @@ def test_every_dashboard_panel_has_data_on_a_real_prometheus(
     st.install()
     models = tmp_path / "models"
     write_models(models)
-    up = _agent_test_helpers().write_model(tmp_path / "up", "fresh", layers=2, hidden=256)
+    up = write_model(tmp_path / "up", "fresh", layers=2, hidden=256)
 
     with HubServer({"acme/fresh": repo_from_dir(up)}, rate=2e6) as hub:
         st.start_agents(

@@ -19,16 +19,16 @@ from typing import Any
 import pytest
 from e2e_support import (
     REPO,
-    Procs,
-    W,
     describe_agents,
     get_json,
     install_for_operator,
     instances_of,
     slots_of,
-    wait_for,
     write_models,
 )
+
+from warmserve.testing.procs import Procs, wait_for
+from warmserve.testing.stack import WINDOW_S as W
 
 SETTLE_S = 40.0
 WIDENED = "disable_log_stats"  # --disable-log-stats: not a tenant's by default (node metrics)

@@ -27,8 +27,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from e2e_support import Procs, seed_history, wait_for
-from gateway_stack import Stack, demand_of, log_times, metric, write_model
+from warmserve_agent.testing import write_model
+
+from warmserve.testing.procs import Procs, log_times, wait_for
+from warmserve.testing.stack import Stack, demand_of, metric, seed_history
 
 REPO = Path(__file__).resolve().parents[2]
 POLL_S = 5.0  # the operator's default poll: scale from zero must not wait for it

@@ -36,16 +36,16 @@ from pathlib import Path
 
 import pytest
 from e2e_support import (
-    Procs,
     describe_agents,
     get_json,
     install_for_operator,
     register_gpu_node,
     start_sim_agent,
-    wait_for,
     write_models,
 )
-from k8s_support import ControlPlane
+
+from warmserve.testing.k8s import ControlPlane
+from warmserve.testing.procs import Procs, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 

@@ -29,18 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import (
-    REPO,
-    Procs,
-    W,
-    _agent_test_helpers,
-    get_json,
-    install_for_operator,
-    seed_history,
-    wait_for,
-)
+from e2e_support import REPO, get_json, install_for_operator
+from warmserve_agent.testing import write_model
 
 from tests.model_sources_support import HubServer, repo_from_dir
+from warmserve.testing.procs import Procs, wait_for
+from warmserve.testing.stack import WINDOW_S as W
+from warmserve.testing.stack import seed_history
 
 CHAT = "acme/" + "tiny-chat-" * 19 + "x" * 5  # 200 characters: the CRD's maxLength
 SHARD = "model-00001-of-00002.safetensors"
@@ -48,7 +43,7 @@ SETTLE_S = 60.0
 
 
 def _write(root: Path, name: str, **kw: Any) -> Path:
-    return _agent_test_helpers().write_model(root, name, **kw)
+    return write_model(root, name, **kw)
 
 
 def _total(repo: Any) -> int:

@@ -28,20 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from e2e_support import (
-    REPO,
-    Load,
-    Procs,
-    W,
-    describe_agents,
-    get_json,
-    instances_of,
-    seed_history,
-    slots_of,
-    wait_for,
-    write_models,
-)
-from k8s_support import apply_chart_operator_rbac
+from e2e_support import REPO, Load, describe_agents, get_json, instances_of, slots_of, write_models
+
+from warmserve.testing.k8s import apply_chart_operator_rbac
+from warmserve.testing.procs import Procs, wait_for
+from warmserve.testing.stack import WINDOW_S as W
+from warmserve.testing.stack import seed_history
 
 SETTLE_S = 40.0  # bound for each convergence below
 
@@ -53,7 +45,7 @@ def policy_replicas(kubectl: Any, ns: str, snaps: dict[str, Any]) -> tuple[Any, 
     """
     from dataclasses import replace
 
-    from warmserve_operator.model_spec import resolve_model
+    from warmserve_operator.model_spec import merged_catalog, resolve_model
     from warmserve_operator.observe import observation
 
     from warmserve.api.crd import parse_model_deployment
@@ -61,9 +53,7 @@ def policy_replicas(kubectl: Any, ns: str, snaps: dict[str, Any]) -> tuple[Any, 
     from warmserve.policy.cluster import LoadForecast, WorkerState
     from warmserve.policy.evict_aware_placement import plan_prewarm
 
-    catalog = {}
-    for snap in snaps.values():
-        catalog.update(snap.models)
+    catalog = merged_catalog(snap.models for snap in snaps.values())
     specs, forecasts, owners = {}, {}, {}
     for body in get_json(kubectl, "wsmd", "-n", ns)["items"]:
         md = parse_model_deployment(body)
@@ -253,6 +243,18 @@ def test_operator_end_to_end(
         assert all(r["layersResident"] == 2 for r in chat["status"]["prewarmedReplicas"])
         ready = {c["type"]: c for c in chat["status"]["conditions"]}
         assert ready["Prewarmed"]["status"] == "True" and ready["Ready"]["reason"] == "ScaledToZero"
+        facts = chat["status"]["model"]
+        assert (facts["prewarmLayers"], facts["prewarmLayersSource"]) == (2, "spec")
+
+        # code's depth is `auto`: once its instance ran, its agent had measured the profile
+        # (the loader's rate, a timed forward, the activation) and the operator took the rule
+        def profiled() -> dict[str, Any] | None:
+            facts = get_json(kubectl, "wsmd", "code", "-n", ns)["status"]["model"]
+            return facts if facts.get("prewarmLayersSource") == "profiled" else None
+
+        facts = wait_for(profiled, "code's prewarm depth from the measured profile", SETTLE_S, logs)
+        assert 1 <= facts["prewarmLayers"] <= 4, facts
+        assert facts["prewarmLayersReason"].startswith("auto: "), facts
 
         # 3. Kill the operator mid-way; another replica takes over without duplicating anything.
         wait_for(

@@ -27,18 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from e2e_support import (
-    Procs,
-    W,
     describe_agents,
     get_json,
     install_for_operator,
     instances_of,
     register_gpu_node,
     start_sim_agent,
-    wait_for,
     write_models,
 )
 from external_metrics import serve_external_metrics
+
+from warmserve.testing.procs import Procs, wait_for
+from warmserve.testing.stack import WINDOW_S as W
 
 SCALE_DOWN_DELAY_S = 2.0
 MAX_GRACE_S = 4.0

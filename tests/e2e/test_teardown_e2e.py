@@ -19,18 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from e2e_support import (
-    REPO,
-    Load,
-    Procs,
-    W,
-    describe_agents,
-    get_json,
-    register_gpu_node,
-    wait_for,
-    write_models,
-)
-from k8s_support import apply_chart_operator_rbac
+from e2e_support import REPO, Load, describe_agents, get_json, register_gpu_node, write_models
+
+from warmserve.testing.k8s import apply_chart_operator_rbac
+from warmserve.testing.procs import Procs, wait_for
+from warmserve.testing.stack import WINDOW_S as W
 
 MAX_GRACE_S = 8.0
 

@@ -5,7 +5,10 @@ prewarm (whole or first N layers) / activate / grace / lend / end / evict / work
 simulated GPUs, with the page-table and worker-state invariants after every step — but every
 activation starts the real ``vllm`` engine over the slot, and additionally:
 
-* every activation serves exactly the greedy tokens plain vLLM gives for that model;
+* prewarms name the engine and its arguments, so slots' workers prepare vLLM's engine while
+  they wait (at most one per GPU, never on a serving GPU, gone with its slot);
+* every activation serves exactly the greedy tokens plain vLLM gives for that model, whether its
+  engine was prepared or built;
 * every vLLM parameter is a view of its slot's weights, the KV cache lies after them;
 * the prewarmed weights of every slot stay byte-identical to the store (vLLM writes its KV cache
   into the same slot and must never touch the weights).
@@ -25,6 +28,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from warmserve_agent.backends.simulated import SimulatedBackend
 from warmserve_agent.engine_host import InProcessEngine
+from warmserve_agent.engines.spec import PreparedState
 from warmserve_agent.loader import verify_layers
 from warmserve_agent.memory import MemoryManager
 from warmserve_agent.node import NodeCore
@@ -33,6 +37,7 @@ from warmserve_agent.store import WeightStore
 
 from tests.engines.test_vllm_engine import ARGS, PROMPT, REF_SCRIPT, _check_inside_slot, _env
 from tests.engines.test_vllm_engine import _tokens as tokens_of
+from warmserve.policy.cluster import WorkerState
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -59,6 +64,7 @@ class VllmNodeMachine(RuleBasedStateMachine):
     refs: dict[str, list[int]]
     runs = 0
     activations = 0  # vLLM engines started over a slot, over all runs
+    prepared_activations = 0  # of them, those whose engine was prepared at prewarm
 
     def __init__(self) -> None:
         super().__init__()
@@ -77,11 +83,12 @@ class VllmNodeMachine(RuleBasedStateMachine):
         for s in list(self.core.slots.values()):
             if s.loader is not None:
                 s.loader.join()
+        self.core.preparer.settle(600)
 
     @rule(model=st.sampled_from(sorted(MODELS)), gpu=st.integers(0, 1), layers=st.integers(0, 4))
     def prewarm(self, model: str, gpu: int, layers: int) -> None:
         try:
-            self.core.prewarm(model, [gpu], layers)
+            self.core.prewarm(model, [gpu], layers, engine="vllm", engine_args=ARGS)
         except Refusal as r:
             assert r.code in {"INVALID_ARGUMENT", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"}
         self._wait_loaders()
@@ -94,9 +101,16 @@ class VllmNodeMachine(RuleBasedStateMachine):
             assert r.code in {"FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"}
             return
         VllmNodeMachine.activations += 1
+        VllmNodeMachine.prepared_activations += inst.stages.engine_prepared
         assert tokens_of(inst.endpoint, 8, model) == self.refs[model]
         _check_inside_slot(inst.engine.engine)
         self._wait_loaders()
+
+    @rule(model=st.sampled_from(sorted(MODELS)), gpu=st.integers(0, 1), layers=st.integers(0, 4))
+    def prewarm_then_activate(self, model: str, gpu: int, layers: int) -> None:
+        """A prewarm hit with its engine prepared (random rules rarely line up)."""
+        self.prewarm(model, gpu, layers)
+        self.activate(model, gpu)
 
     @rule(model=st.sampled_from(sorted(MODELS)), gpu=st.integers(0, 1))
     def activate_too(self, model: str, gpu: int) -> None:
@@ -147,6 +161,20 @@ class VllmNodeMachine(RuleBasedStateMachine):
         self.core.check()
 
     @invariant()
+    def prepared_engines(self) -> None:
+        self._wait_loaders()
+        live = {
+            sid: rec
+            for sid, rec in self.core.preparer.prepared.items()
+            if rec.report.state in (PreparedState.PREPARING, PreparedState.READY)
+        }
+        gpus = [rec.gpu for rec in live.values()]
+        assert len(gpus) == len(set(gpus)), "two prepared engines for one worker"
+        for sid, rec in live.items():
+            assert sid in self.core.slots
+            assert self.core.gpus[rec.gpu].state not in (WorkerState.DEDICATED, WorkerState.GRACE)
+
+    @invariant()
     def weights_intact(self) -> None:
         store = self.core.store
         for s in list(self.core.slots.values()):
@@ -186,4 +214,5 @@ def test_node_state_machine_with_vllm(tmp_path: Path) -> None:
     )
     run.runTest()
     assert VllmNodeMachine.runs >= 3 and VllmNodeMachine.activations >= 3
+    assert VllmNodeMachine.prepared_activations >= 1, "no activation used a prepared engine"
     assert not list(tmp_path.glob("gpus-*/*.mem")), "simulated GPU files leaked"

@@ -22,12 +22,12 @@ GPU = 48 * 1024**2
 
 
 def test_vllm_continues_the_trace_of_the_traceparent_it_receives(tmp_path: Path) -> None:
-    from tracing_support import Collector, in_trace
     from warmserve_agent.config import AgentConfig
     from warmserve_agent.engines.vllm.tiny import make_tiny_llama
     from warmserve_agent.testing import AgentThread
 
     from warmserve.api.agent.client import SyncAgentClient
+    from warmserve.testing.otel import Collector, in_trace
 
     make_tiny_llama(tmp_path / "models" / "tiny", layers=4, hidden=128, seed=7)
     otel = Collector(tmp_path / "otelcol").start()

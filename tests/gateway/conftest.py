@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from gw_support import Engines, ListSource, write_model
+from gw_support import Engines, ListSource
 from warmserve_agent.config import AgentConfig, parse_simulated_gpus
-from warmserve_agent.testing import AgentThread
+from warmserve_agent.testing import AgentThread, write_model
 from warmserve_gateway.config import GatewayConfig
 from warmserve_gateway.server import Gateway
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,17 +12,6 @@ from warmserve_agent.testing import AgentThread
 from warmserve.api.agent.client import SyncAgentClient
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def write_model(*args: Any, **kw: Any) -> Path:
-    """tests/agent/conftest.py's real safetensors test model, loaded under a private name."""
-    spec = importlib.util.spec_from_file_location(
-        "warmserve_agent_test_models_gw", REPO / "tests" / "agent" / "conftest.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.write_model(*args, **kw)
 
 
 @dataclass

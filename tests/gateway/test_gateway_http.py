@@ -466,7 +466,8 @@ async def test_an_engine_dying_mid_stream_aborts_the_client_connection(
     import subprocess
     import sys
 
-    from gw_support import REPO, write_model
+    from gw_support import REPO
+    from warmserve_agent.testing import write_model
 
     from warmserve.api.agent.client import SyncAgentClient
 

@@ -18,9 +18,10 @@ from typing import Any
 import aiohttp
 import pytest
 from gw_support import REPO, Engines, gpunode
-from k8s_support import apply_chart_gateway_rbac, apply_chart_operator_rbac, host_ip
 from warmserve_gateway.config import GatewayConfig
 from warmserve_gateway.server import Gateway
+
+from warmserve.testing.k8s import apply_chart_gateway_rbac, apply_chart_operator_rbac, host_ip
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

@@ -27,6 +27,7 @@ from warmserve_operator.gateway_demand import (
     sum_held,
 )
 from warmserve_operator.reconciler import Reconciler
+from warmserve_operator.testing import FakeAgent
 
 from warmserve.api.demand import DemandError, DemandReport, ModelDemand
 from warmserve.policy.autoscaler import AutoscalerConfig
@@ -138,7 +139,7 @@ async def _hold(s: aiohttp.ClientSession, api: str, n: int) -> list[asyncio.Task
 
 def _harness(poll_s: float, demand: GatewayDemand) -> tuple[Any, Any, Reconciler]:
     kube = fakes.FakeKube()
-    agent = fakes.FakeAgent("node-0", 4, catalog=CATALOG)
+    agent = FakeAgent("node-0", 4, catalog=CATALOG)
     kube.add_node("node-0")
     kube.add_md("chat", "llama-a", maxBatchSize=4, minInstances=0, maxInstances=1)
     cfg = OperatorConfig(

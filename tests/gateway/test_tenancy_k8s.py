@@ -15,9 +15,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 from gw_support import REPO, Engines, gpunode
-from k8s_support import apply_chart_gateway_rbac
 from warmserve_gateway.config import GatewayConfig
 from warmserve_gateway.server import Gateway
+
+from warmserve.testing.k8s import apply_chart_gateway_rbac
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

@@ -22,10 +22,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from gw_support import REPO, Engines, ListSource, demand_headers, md, write_model
-from tracing_support import CLIENT, SERVER, Collector, collector, in_trace, one
+from gw_support import REPO, Engines, ListSource, demand_headers, md
 from warmserve_agent.config import AgentConfig, parse_simulated_gpus
-from warmserve_agent.testing import AgentThread
+from warmserve_agent.testing import AgentThread, write_model
 from warmserve_gateway.config import GatewayConfig
 from warmserve_gateway.server import Gateway
 from warmserve_operator import tracing as operator_tracing
@@ -36,6 +35,7 @@ from warmserve_operator.reconciler import Reconciler
 
 from warmserve.api.agent.client import SyncAgentClient
 from warmserve.policy.autoscaler import AutoscalerConfig
+from warmserve.testing.otel import CLIENT, SERVER, Collector, collector, in_trace, one
 from warmserve.tracing import TRACEPARENT_RE, TracingConfig
 
 CHAT = {"model": "chat", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}

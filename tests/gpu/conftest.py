@@ -4,8 +4,8 @@
 
 * ``off`` (default, e.g. the ordinary CI run): deselected — this machine has no GPU.
 * ``fake``: the driver-level contracts run against the recording fake driver
-  (``tests/fake_cuda.py``), as ``hack/gpu-check.sh --dry-run`` does in CI; tests that also need
-  torch on a device (marked ``gpu_torch``) are deselected and listed.
+  (``warmserve_agent.fake_cuda``), as ``hack/gpu-check.sh --dry-run`` does in CI; tests that also
+  need torch on a device (marked ``gpu_torch``) are deselected and listed.
 * ``real``: everything runs against ``cuda.bindings.driver`` on GPU 0; a missing driver,
   cuda-python or torch **fails** the test (never skips).
 """
@@ -60,7 +60,7 @@ def driver(mode: str) -> Iterator[Any]:
 
         yield real
     else:
-        from tests.fake_cuda import FakeDriver
+        from warmserve_agent.fake_cuda import FakeDriver
 
         fake = FakeDriver(devices=1, mem_bytes=1024 * 2**20)
         yield fake
@@ -74,4 +74,4 @@ def driver_spec(mode: str, monkeypatch: pytest.MonkeyPatch) -> str | None:
         return None
     monkeypatch.setenv("WARMSERVE_FAKE_CUDA_DEVICES", "1")
     monkeypatch.setenv("WARMSERVE_FAKE_CUDA_MEM", str(1024 * 2**20))
-    return "tests.fake_cuda:DRIVER"
+    return "warmserve_agent.fake_cuda:DRIVER"

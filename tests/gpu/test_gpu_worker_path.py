@@ -14,9 +14,8 @@ from warmserve_agent.engine_host import WorkerEngine
 from warmserve_agent.memory import MemoryManager
 from warmserve_agent.node import NodeCore
 from warmserve_agent.store import WeightStore
+from warmserve_agent.testing import write_model
 from warmserve_agent.worker import WorkerPool
-
-from tests.agent.conftest import write_model
 
 pytestmark = pytest.mark.gpu
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_support import REPO_ROOT, ControlPlane, fake_node
+
+from warmserve.testing.k8s import REPO_ROOT, ControlPlane, fake_node
 
 CHART = REPO_ROOT / "helm" / "warmserve"
 KIND_VALUES = REPO_ROOT / "e2e" / "kind-values.yaml"  # what e2e/kind-up.sh installs

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from k8s_support import REPO_ROOT, ControlPlane
 from test_chart import CHART, _find, _helm, _parse_cli, _render
+
+from warmserve.testing.k8s import REPO_ROOT, ControlPlane
 
 FULL = "ws-warmserve"  # the fullname of release "ws"
 COMPONENTS = {"agent": ("DaemonSet", "-agent"), "operator": ("Deployment", "-operator")}

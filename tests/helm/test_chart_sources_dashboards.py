@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from k8s_support import ControlPlane
 from test_chart import CHART, _env_refs_are_defined, _find, _helm, _parse_cli, _render
+
+from warmserve.testing.k8s import ControlPlane
 
 SOURCES = [
     "--set", "agent.modelCache.budget=500GiB",

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 import yaml
-from k8s_support import REPO_ROOT
+
+from warmserve.testing.k8s import REPO_ROOT
 
 CHART = REPO_ROOT / "helm" / "warmserve"
 FLAGS = ("--otlp-traces-endpoint", "--trace-sample-ratio")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 
-from k8s_support import ControlPlane, fake_node
+from warmserve.testing.k8s import ControlPlane, fake_node
 
 
 def _wait(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:

@@ -10,7 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from k8s_support import HACK, ControlPlane, ControlPlaneError
+
+from warmserve.testing.k8s import HACK, ControlPlane, ControlPlaneError
 
 
 def _pins() -> dict[str, str]:
@@ -318,13 +319,11 @@ def test_watchdog_stops_the_plane_when_its_owner_is_killed(
     import time
 
     workdir = tmp_path / "orphan"
-    tests_dir = HACK.parent.parent / "tests"
     bin_dir = k8s_control_plane.bin_dir
     script = (
         "import os, sys\n"
         "from pathlib import Path\n"
-        f"sys.path.insert(0, {str(tests_dir)!r})\n"
-        "from k8s_support import ControlPlane\n"
+        "from warmserve.testing.k8s import ControlPlane\n"
         f"plane = ControlPlane.start(Path({str(workdir)!r}), bin_dir=Path({str(bin_dir)!r}))\n"
         "for name in ('etcd', 'kube-apiserver'):\n"
         "    print((plane.workdir / f'{name}.pid').read_text().strip(), flush=True)\n"

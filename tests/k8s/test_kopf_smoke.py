@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from k8s_support import ControlPlane
+from warmserve.testing.k8s import ControlPlane
 
 HANDLERS = textwrap.dedent(
     """

@@ -7,13 +7,13 @@ import dataclasses
 from typing import Any
 
 import pytest
-from operator_fakes import FakeAgent
 from warmserve_operator.act import call
 from warmserve_operator.actions import Action, action, actions
 from warmserve_operator.context import NodePort, PollContext
 from warmserve_operator.identity import request_id
 from warmserve_operator.ports import md_ref
 from warmserve_operator.snapshot import FetchView
+from warmserve_operator.testing import FakeAgent
 
 from warmserve.api.crd import ModelDeploymentSpec, parse_model_deployment
 from warmserve.control.decisions import Drain, Evict, Prewarm, Start

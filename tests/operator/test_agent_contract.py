@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_fakes import FakeAgent
 from warmserve_operator.agents import AgentAuth, AgentPort, GrpcAgent
 from warmserve_operator.lease import fencing_token
 from warmserve_operator.snapshot import AgentCallError, FetchView, InstanceView
+from warmserve_operator.testing import FakeAgent
 
 from warmserve.policy.cluster import InstancePhase, WorkerState
 
@@ -208,6 +208,29 @@ async def test_activation_evicts_other_slots_on_its_group(agent: Any) -> None:
     assert not res.hit and res.evicted_slot_ids == (b.slot_id,)
     snap = await agent.describe()
     assert [s.model for s in snap.slots] == [A]
+
+
+async def test_a_hit_uses_the_engine_its_prewarm_prepared(agent: Any) -> None:
+    """Prewarm names the engine and arguments; an Activate with the same ones builds no engine
+    (the Event lists the stages), one with other arguments builds its own."""
+    args = ("--max-model-len", "64")
+    slot = await agent.prewarm(
+        A, (0,), 0, rid("pre"), "uid-1", engine="simulated", engine_args=args
+    )
+    res = await agent.activate(A, (0,), slot.slot_id, rid("act"), "uid-1", "simulated", args)
+    assert res.hit and res.engine_prepared
+    names = [name for name, _ in res.stages]
+    assert {"process", "engine", "weights", "KV", "endpoint"} <= set(names), names
+    assert res.stages_text().startswith("stages: process ")
+    assert res.stages_text().endswith("(engine prepared at prewarm)")
+    other = await agent.prewarm(B, (1,), 0, rid("pre"), "uid-2", engine="simulated")
+    res = await agent.activate(B, (1,), other.slot_id, rid("act"), "uid-2", "simulated", args)
+    assert res.hit and not res.engine_prepared
+    assert res.stages_text().endswith("(engine built at activation)")
+    await refused(
+        "INVALID_ARGUMENT",
+        lambda: agent.prewarm(A, (0,), 0, rid("pre"), engine_args=("--max-model-lenn", "64")),
+    )
 
 
 async def test_unknown_and_malformed_ids(agent: Any) -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from k8s_support import apply_chart_operator_rbac
+
+from warmserve.testing.k8s import apply_chart_operator_rbac
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,6 +56,13 @@ BAD = [
         md("layers", model={"name": "m", "numLayers": 4}, prewarm={"layers": 10}),
         "spec.prewarm.layers must be <= spec.model.numLayers",
     ),
+    (
+        md("layers-word", prewarm={"layers": "most"}),
+        'spec.prewarm.layers must be an integer in [1, 1024] or "auto"',
+    ),
+    (md("layers-zero", prewarm={"layers": 0}), "spec.prewarm.layers must be an integer"),
+    (md("layers-big", prewarm={"layers": 1025}), "spec.prewarm.layers must be an integer"),
+    (md("layers-digits", prewarm={"layers": "12"}), "spec.prewarm.layers must be an integer"),
     (md("badname", model={"name": "Bad Name!"}), "spec.model.name"),
     (md("args", engine={"args": [1, 2]}), "spec.engine.args"),
     (md("prewarm-type", prewarm={"enabled": "yes"}), "spec.prewarm.enabled"),
@@ -89,7 +97,8 @@ def test_defaults_and_printer_columns(crds: None, kubectl: Any, k8s_namespace: s
     spec = got["spec"]
     assert spec["tensorParallel"] == 1 and spec["maxBatchSize"] == 32
     assert spec["minInstances"] == 0 and spec["maxInstances"] == 8
-    assert spec["prewarm"] == {"enabled": True} and spec["ttftObjectiveSeconds"] == 1.0
+    assert spec["prewarm"] == {"enabled": True, "layers": "auto"}
+    assert spec["ttftObjectiveSeconds"] == 1.0
     assert spec["gateway"] == {"maxQueue": 100, "maxHoldSeconds": 120}
     header = kubectl("get", "warmserve", "-n", k8s_namespace).stdout.splitlines()[0].split()
     assert header == [
@@ -105,6 +114,17 @@ def test_defaults_and_printer_columns(crds: None, kubectl: Any, k8s_namespace: s
     ]
     # No namespace controller here: delete what this test made so no operator sees it later.
     kubectl("delete", "wsmd", "--all", "-n", k8s_namespace, "--wait=false")
+
+
+def test_prewarm_layers_takes_auto_or_an_integer(
+    crds: None, kubectl: Any, k8s_namespace: str
+) -> None:
+    for name, layers in (("auto", "auto"), ("two", 2), ("all", 4)):
+        body = md(
+            f"layers-{name}", model={"name": "m", "numLayers": 4}, prewarm={"layers": layers}
+        )
+        doc = json.dumps(body)
+        kubectl("create", "--dry-run=server", "-n", k8s_namespace, "-f", "-", input=doc)
 
 
 def test_every_example_is_accepted(crds: None, kubectl: Any, k8s_namespace: str) -> None:

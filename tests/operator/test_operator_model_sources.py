@@ -5,8 +5,8 @@ The real agent and huggingface_hub are exercised by tests/e2e/test_model_sources
 from __future__ import annotations
 
 import pytest
-from operator_fakes import FakeAgent
 from test_reconciler import Harness, seed_history
+from warmserve_operator.testing import FakeAgent
 
 from warmserve.api.crd import SpecError, parse_model_deployment
 from warmserve.policy.cluster import GiB

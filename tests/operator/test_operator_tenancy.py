@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from operator_fakes import FakeAgent
 from test_reconciler import Harness
 from warmserve_operator.tenancy import SourcePolicy, TenancyError, prefix_matches
+from warmserve_operator.testing import FakeAgent
 
 from warmserve.api.crd import MAX_QUEUE_LIMIT, SpecError, parse_model_deployment
 from warmserve.policy.cluster import GiB

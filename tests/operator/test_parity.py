@@ -15,6 +15,11 @@ around it that used to drift: how each executor observes (free memory, Eq. 1, de
 clocks, ownership, in-flight calls) and how it carries decisions out (the next observation shows
 the result).  ``test_parity_fails_when_a_rule_drifts`` changes one rule on one side at a time
 and checks that the comparison catches it.
+
+With ``depth=True`` both sides also choose the prewarm depth and charge the prepared engine:
+the operator from the profile its agents report (``spec.prewarm.layers: auto``), the simulator
+from its engine model, both through the policy's depth rule; the profile the fake agents report
+is the engine model's numbers, so the depth, the replicas' bytes and every decision must match.
 """
 
 from __future__ import annotations
@@ -23,20 +28,24 @@ import asyncio
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
-from operator_fakes import Clock, FakeAgent, FakeKube
+from operator_fakes import Clock, FakeKube
 from warmserve_operator.agents import AgentPool
 from warmserve_operator.config import OperatorConfig
+from warmserve_operator.model_spec import MeasuredProfile
 from warmserve_operator.reconciler import Reconciler
+from warmserve_operator.testing import FakeAgent
 
 import warmserve.api.history as history_io
 from warmserve.control.decisions import Decisions, canonical
 from warmserve.control.history import LoadHistory
 from warmserve.policy.autoscaler import AutoscalerConfig
 from warmserve.policy.cluster import GiB, InstancePhase, ModelSpec
+from warmserve.policy.prewarm_depth import choose_depth
 from warmserve.sim.cluster import GRACE, SERVING, STARTING, SimCluster
 from warmserve.sim.core import Simulation
 from warmserve.sim.hardware import load_profile
@@ -44,6 +53,7 @@ from warmserve.sim.hooks import Controlled
 from warmserve.sim.model import SimModel
 from warmserve.sim.model_arch import ModelArch
 from warmserve.sim.perf import EngineModel
+from warmserve.sim.runner import depth_profile
 from warmserve.sim.systems import get_system
 
 W = 60.0
@@ -66,11 +76,41 @@ def load_at(model: str, t: float) -> int:
     return 0 if t < 40 else 9 if t < 150 else 2 if t < 260 else 0
 
 
-def specs() -> dict[str, ModelSpec]:
+PROMPT = 1155  # tokens of the representative prompt (AzureConv's mean)
+# what each replica's prepared engine occupies per GPU: large, so the charge changes placement
+# (two models' replicas no longer share a GPU)
+ENGINE_BYTES = 50 * GiB
+
+
+def engine(name: str) -> EngineModel:
+    arch, tp, _a, _p = MODELS[name]
+    return EngineModel(load_profile("h800"), ModelArch.named(arch), tp)
+
+
+def measured(name: str) -> MeasuredProfile:
+    """What the fake agents report in Describe: the engine model's numbers, as a real agent
+    measures them (a load rate per GPU, a timed forward per layer, the activation)."""
+    eng = engine(name)
+    p = depth_profile(eng, PROMPT, eng.profile.startup.activation_s)
+    return MeasuredProfile(
+        eng.profile.host_to_gpu_bw, p.layer_compute_s, PROMPT, eng.tp, p.head_s, p.head_start_s,
+        ENGINE_BYTES,
+    )
+
+
+def specs(depth: bool = False) -> dict[str, ModelSpec]:
     out = {}
     for name, (arch, tp, _a, _p) in MODELS.items():
         a = ModelArch.named(arch)
         out[name] = ModelSpec(name, a.weight_bytes, tp, 4, 20.0, a.num_layers)
+        if depth:  # the simulator's depth: the policy's rule on its engine model (runner.py)
+            eng = engine(name)
+            layers = choose_depth(
+                a.num_layers, None, depth_profile(eng, PROMPT, eng.profile.startup.activation_s)
+            ).layers
+            out[name] = ModelSpec(
+                name, a.weight_bytes, tp, 4, 20.0, a.num_layers, layers, ENGINE_BYTES
+            )
     return out
 
 
@@ -109,7 +149,7 @@ class Lingering:
 
 
 class OperatorSide:
-    def __init__(self, drift: str = "") -> None:
+    def __init__(self, drift: str = "", depth: bool = False) -> None:
         self.clock = Clock(T0)
         self.kube = FakeKube()
         sp = specs()
@@ -118,8 +158,13 @@ class OperatorSide:
             f"node-{i}": FakeAgent(f"node-{i}", GPUS, MEM, catalog, clock=self.clock)
             for i in range(NODES)
         }
-        for name in self.agents:
+        for name, agent in self.agents.items():
             self.kube.add_node(name)
+            if depth and drift != "operator-without-profile":
+                agent.profiles = {m: measured(m) for m in MODELS}
+            if drift == "operator-without-engine-bytes":
+                agent.profiles = {m: replace(p, engine_overhead_bytes=0)
+                                  for m, p in agent.profiles.items()}
         for m, (_arch, tp, avg, peak) in MODELS.items():
             self.kube.add_md(m, m, tensorParallel=tp, maxBatchSize=4, maxInstances=8)
             self.kube.mds[("default", m)]["spec"]["model"]["coldStartSeconds"] = 20.0
@@ -176,10 +221,10 @@ class OperatorSide:
 
 
 class SimSide:
-    def __init__(self, drift: str = "") -> None:
+    def __init__(self, drift: str = "", depth: bool = False) -> None:
         profile = load_profile("h800")
         models = []
-        for idx, (name, spec) in enumerate(specs().items()):
+        for idx, (name, spec) in enumerate(specs(depth).items()):
             arch, tp, avg, peak = MODELS[name]
             eng = EngineModel(profile, ModelArch.named(arch), tp)
             models.append(
@@ -282,8 +327,8 @@ def _record(controller: Any, log: list[list[tuple[Any, ...]]]) -> None:
     controller.decide = decide
 
 
-def run(drift: str = "") -> tuple[list[Any], list[Any]]:
-    op, sim = OperatorSide(drift), SimSide(drift)
+def run(drift: str = "", depth: bool = False) -> tuple[list[Any], list[Any]]:
+    op, sim = OperatorSide(drift, depth), SimSide(drift, depth)
     try:
         sim.sim.executor.bootstrap(0.0, {})
         for k in range(STEPS):
@@ -313,3 +358,26 @@ def test_operator_and_simulator_decide_alike() -> None:
 def test_parity_fails_when_a_rule_drifts(drift: str) -> None:
     op, sim = run(drift)
     assert op != sim, f"a drifted {drift} went unnoticed"
+
+
+def test_operator_and_simulator_choose_the_same_depth_and_charge_the_same_engine() -> None:
+    op, sim = run(depth=True)
+    sp = specs(depth=True)
+    prewarms = [d for calls in op for d in calls if d[0] == "Prewarm"]
+    # the profiled depth is partial (the check would prove nothing with every layer resident)
+    # and every replica carries its engine's bytes
+    for d in prewarms:
+        s = sp[d[1]]
+        assert d[7] == s.prewarm_layers < s.num_layers, d
+        assert d[8] == s.prewarm_bytes_per_gpu > ENGINE_BYTES, d
+    assert {d[1] for d in prewarms} == set(MODELS)
+    assert any(d[0] == "Start" and d[4] for calls in op for d in calls), "a prewarm hit"
+    for k, (a, b) in enumerate(zip(op, sim, strict=False)):
+        assert a == b, f"decision call {k} differs:\n operator {a}\n simulator {b}"
+    assert len(op) == len(sim)
+
+
+@pytest.mark.parametrize("drift", ["operator-without-profile", "operator-without-engine-bytes"])
+def test_depth_parity_fails_when_the_operator_lacks_a_measurement(drift: str) -> None:
+    op, sim = run(drift, depth=True)
+    assert op != sim, f"{drift}: the operator still decided as the simulator"

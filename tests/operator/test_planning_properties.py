@@ -16,11 +16,11 @@ from dataclasses import replace
 
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from operator_fakes import FakeAgent
 from warmserve_operator.act import call
 from warmserve_operator.actions import action, rid
 from warmserve_operator.observe import observation
 from warmserve_operator.snapshot import AgentCallError
+from warmserve_operator.testing import FakeAgent
 
 from warmserve.control.controller import ControlConfig, Controller, ModelEntry
 from warmserve.control.decisions import Evict, Prewarm, Start

@@ -7,11 +7,12 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from operator_fakes import Clock, FakeAgent, FakeKube
+from operator_fakes import Clock, FakeKube
 from warmserve_operator.agents import AgentPool
 from warmserve_operator.leader import NotLeader
 from warmserve_operator.observe import observation
 from warmserve_operator.reconciler import OperatorConfig, Reconciler
+from warmserve_operator.testing import FakeAgent
 
 import warmserve.api.history as history_io
 from warmserve.control.history import LoadHistory
@@ -164,6 +165,12 @@ async def test_load_rise_starts_on_prewarmed_group_and_restart_does_not_duplicat
     assert st["prewarm"]["hits"] == 1 and st["prewarm"]["misses"] == 1
     assert st["prewarm"]["hitRatio"] == 0.5
     assert h.kube.reasons("ModelDeployment/a").count("PrewarmHit") == 1
+    # The prewarm named the deployment's engine and arguments, so the hit's engine was prepared;
+    # the Events list the stages.
+    msgs = {r: m for (ref, _t, r, m) in h.kube.events if ref == "ModelDeployment/a"}
+    assert "; stages: process " in msgs["PrewarmHit"], msgs["PrewarmHit"]
+    assert msgs["PrewarmHit"].endswith("(engine prepared at prewarm)"), msgs["PrewarmHit"]
+    assert msgs["ColdStart"].endswith("(engine built at activation)"), msgs["ColdStart"]
     second = [i for a in h.agents.values() for i in a.instances.values() if i is not first]
     assert second[0].hit
     # Operator restart: a fresh reconciler rebuilds from agents + API and starts nothing new.

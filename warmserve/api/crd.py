@@ -43,6 +43,10 @@ MAX_QUEUE_LIMIT = 10_000
 # spec.engine.name's enum: the node agent's engine registry (checked equal by a test), here so
 # that no reader of the CRD needs the agent.
 ENGINE_NAMES = ("simulated", "vllm")
+# spec.prewarm.layers: an integer in [1, MAX_LAYERS], or this (the default): the operator picks
+# the depth from the model's measured profile (docs/operator.md, docs/policy.md "Prewarm depth").
+PREWARM_LAYERS_AUTO = "auto"
+MAX_LAYERS = 1024
 # spec.engine.args: the schema's maxItems and items.maxLength.
 MAX_ENGINE_ARGS = 64
 MAX_ENGINE_ARG_CHARS = 1024
@@ -104,7 +108,7 @@ class ModelDeploymentSpec:
     min_instances: int
     max_instances: int
     prewarm: bool
-    prewarm_layers: int | None
+    prewarm_layers: int | None  # None: "auto" (the default), the operator's profiled depth
     engine_args: tuple[str, ...]
     deleting: bool = False
     source: str = ""  # spec.model.source: where agents fetch the weights ("" = pre-filled)
@@ -144,6 +148,20 @@ def parse_engine_spec(spec: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
     return name, tuple(args)
 
 
+def parse_prewarm_layers(spec: Mapping[str, Any]) -> int | None:
+    """``spec.prewarm.layers``: an integer in [1, :data:`MAX_LAYERS`], or ``None`` for
+    :data:`PREWARM_LAYERS_AUTO` (also when absent)."""
+    value = _get(spec, "prewarm.layers", PREWARM_LAYERS_AUTO)
+    if value == PREWARM_LAYERS_AUTO:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LAYERS:
+        raise SpecError(
+            f"spec.prewarm.layers must be an integer in [1, {MAX_LAYERS}] or "
+            f"{PREWARM_LAYERS_AUTO!r}, got {value!r}"
+        )
+    return value
+
+
 def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
     """Parse a ModelDeployment object (as the API returns it) or raise :class:`SpecError`."""
     meta = body.get("metadata") or {}
@@ -176,7 +194,7 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         created=str(meta.get("creationTimestamp") or ""),
         model=model,
         weight_bytes=_int(spec, "model.weightBytes", None, 1, 2**62),
-        num_layers=_int(spec, "model.numLayers", None, 1, 1024),
+        num_layers=_int(spec, "model.numLayers", None, 1, MAX_LAYERS),
         cold_start_s=_num(spec, "model.coldStartSeconds", None, 0.0, 3600.0),
         tp=_int(spec, "tensorParallel", 1, 1, 64) or 1,
         max_batch=_int(spec, "maxBatchSize", 32, 1, 4096) or 32,
@@ -184,7 +202,7 @@ def parse_model_deployment(body: Mapping[str, Any]) -> ModelDeploymentSpec:
         min_instances=min_i,
         max_instances=max_i,
         prewarm=enabled,
-        prewarm_layers=_int(spec, "prewarm.layers", None, 1, 1024),
+        prewarm_layers=parse_prewarm_layers(spec),
         engine_args=args,
         deleting=bool(meta.get("deletionTimestamp")),
         source=source,

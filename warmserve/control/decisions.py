@@ -103,7 +103,10 @@ def canonical(d: Decision) -> tuple[object, ...]:
     if isinstance(d, Start):
         return (name, d.model, d.node, d.gpus, d.hit, len(d.evicts))
     if isinstance(d, Prewarm):
-        return (name, d.model, d.node, d.gpus, d.kind.value, d.rank, round(d.score, 6), d.layers)
+        return (
+            name, d.model, d.node, d.gpus, d.kind.value, d.rank, round(d.score, 6), d.layers,
+            d.bytes_per_gpu,
+        )
     if isinstance(d, EndGrace):
         return (name, d.model, d.node, d.gpus, d.reason)
     return (name, d.model, d.node, d.gpus)

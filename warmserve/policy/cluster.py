@@ -133,7 +133,12 @@ class ModelSpec:
 
     ``cold_start_s`` is T_c of Eq. 7-8: the time to load the whole weights into GPUs, from
     offline profiling.  ``prewarm_layers`` is how many leading layers a prewarm replica keeps
-    resident (``None``: all), the paper's "first several layers" (§4).
+    resident (``None``: all), the paper's "first several layers" (§4; chosen by
+    :mod:`warmserve.policy.prewarm_depth`).  ``engine_overhead_bytes`` is what a prewarm
+    replica's prepared engine occupies per GPU beside the weights (host memory of the engine's
+    process, on a GPU its CUDA context and graphs): every replica is charged it, so Algorithm 1
+    places it only where the weights *and* the engine fit (docs/policy.md, "Prepared engines'
+    cost").
     """
 
     name: str
@@ -143,6 +148,7 @@ class ModelSpec:
     cold_start_s: float = 1.0
     num_layers: int = 32
     prewarm_layers: int | None = None
+    engine_overhead_bytes: int = 0
 
     def __post_init__(self) -> None:
         _require(bool(self.name), "a model needs a name")
@@ -151,6 +157,10 @@ class ModelSpec:
         _require(self.max_batch >= 1, f"model {self.name}: max_batch must be >= 1")
         _require(self.cold_start_s >= 0, f"model {self.name}: cold_start_s must be >= 0")
         _require(self.num_layers >= 1, f"model {self.name}: num_layers must be >= 1")
+        _require(
+            self.engine_overhead_bytes >= 0,
+            f"model {self.name}: engine_overhead_bytes must be >= 0",
+        )
         if self.prewarm_layers is not None:
             _require(
                 0 < self.prewarm_layers <= self.num_layers,
@@ -168,8 +178,10 @@ class ModelSpec:
 
     @property
     def prewarm_bytes_per_gpu(self) -> int:
-        """Bytes per GPU a prewarm replica keeps resident (all layers or the first N)."""
-        return math.ceil(self.bytes_per_gpu * self.resident_layers / self.num_layers)
+        """Bytes per GPU a prewarm replica occupies: its resident layers' weights (all or the
+        first N) plus its prepared engine's ``engine_overhead_bytes``."""
+        weights = math.ceil(self.bytes_per_gpu * self.resident_layers / self.num_layers)
+        return weights + self.engine_overhead_bytes
 
 
 @dataclass(frozen=True, slots=True)

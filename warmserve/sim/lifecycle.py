@@ -172,7 +172,8 @@ class Lifecycle(SimState):
                 inst.model,
                 inst.node,
                 inst.gpus,
-                m.spec.bytes_per_gpu,
+                # a kept slot is a replica like any other: its prepared engine is charged too
+                m.spec.bytes_per_gpu + m.spec.engine_overhead_bytes,
                 m.spec.num_layers,
                 t_begin=t,
                 per_layer_s=0.0,

@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from numbers import Integral
 
+from warmserve.policy.prewarm_depth import forward_time_s
+from warmserve.policy.prewarm_depth import min_resident_layers as policy_min_resident_layers
 from warmserve.sim.hardware import GpuProfile
 from warmserve.sim.model_arch import (
     VLLM_BLOCK_TOKENS,
@@ -263,11 +265,9 @@ class EngineModel:
         """Seconds from activation to the first token when ``resident_layers`` are on the GPU.
 
         The missing layers ``r..L-1`` are copied in order starting ``head_start_s`` before the
-        forward pass begins (e.g. during activation).  Layer ``i >= r`` arrives at
-        ``a_i = max(0, (i - r + 1) * l - h)`` (``l`` = per-layer load time); layer ``i`` starts
-        computing at ``max(finish_{i-1}, a_i)`` and takes ``c`` (one block of this prefill).
-        Unrolling that recurrence, the forward pass ends at ``max_i (a_i + (L - i) c)``; the
-        argument is linear in ``i`` over the streamed range, so the maximum sits at an end:
+        forward pass begins (e.g. during activation); the policy's closed form
+        (:func:`warmserve.policy.prewarm_depth.forward_time_s`) on this engine's per-layer load
+        and compute times:
 
             T = max(L c,  l - h + (L - r) c,  (L - r) l - h + c)   (+ LM head)
 
@@ -283,15 +283,10 @@ class EngineModel:
         )
         require(head_start_s >= 0, f"head_start_s must be >= 0, got {head_start_s!r}")
         lens = self._lengths(prompt_tokens)
-        c = self.layer_compute_s(lens)
-        head = self._head_s(len(lens))
-        ell, h, missing = self.layer_load_s, head_start_s, L - r
-        if missing == 0:
-            return L * c + head
-        if not streaming:
-            return max(0.0, missing * ell - h) + L * c + head
-        forward = max(L * c, ell - h + missing * c, missing * ell - h + c)
-        return forward + head
+        return forward_time_s(
+            L, r, self.layer_load_s, self.layer_compute_s(lens), head_s=self._head_s(len(lens)),
+            head_start_s=head_start_s, streaming=streaming,
+        )
 
     def min_resident_layers(
         self,
@@ -302,21 +297,23 @@ class EngineModel:
     ) -> int:
         """Fewest leading layers to keep resident so streaming never blocks the forward pass.
 
-        The paper's offline profiling pass (§4): the smallest ``r`` whose first-token time is
-        within ``(1 + tolerance)`` of a fully resident model's for this prompt size.
+        The paper's offline profiling pass (§4), the policy's rule
+        (:func:`warmserve.policy.prewarm_depth.min_resident_layers`) on this engine's numbers:
+        the smallest ``r`` whose first-token time is within ``(1 + tolerance)`` of a fully
+        resident model's for this prompt size.
         """
         require(tolerance >= 0, f"tolerance must be >= 0, got {tolerance!r}")
-        full = self.first_token_after_start_s(self.arch.num_layers, prompt_tokens)
-        bound = full * (1.0 + tolerance) + 1e-12
-        lo, hi = 0, self.arch.num_layers  # T(r) is non-increasing in r: binary search
-        while lo < hi:
-            mid = (lo + hi) // 2
-            t = self.first_token_after_start_s(mid, prompt_tokens, head_start_s=head_start_s)
-            if t <= bound:
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        load, compute, head = self.depth_inputs(prompt_tokens)
+        return policy_min_resident_layers(
+            self.arch.num_layers, load, compute, head_s=head, head_start_s=head_start_s,
+            tolerance=tolerance,
+        )
+
+    def depth_inputs(self, prompt_tokens: int | Sequence[int]) -> tuple[float, float, float]:
+        """(per-layer load s, per-layer compute s, LM head s) for ``prompt_tokens``: what the
+        policy's depth rule takes (the profile the operator gets from the node agents)."""
+        lens = self._lengths(prompt_tokens)
+        return self.layer_load_s, self.layer_compute_s(lens), self._head_s(len(lens))
 
     def ttft_s(
         self,

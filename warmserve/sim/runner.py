@@ -24,6 +24,7 @@ from warmserve.policy.cluster import (
 )
 from warmserve.policy.load import inflight_load, request_durations
 from warmserve.policy.predictor import DEFAULT_PREDICTOR
+from warmserve.policy.prewarm_depth import DepthProfile, choose_depth
 from warmserve.sim import workload as wl
 from warmserve.sim.cluster import SimCluster
 from warmserve.sim.core import Simulation
@@ -52,19 +53,34 @@ def _engine_speeds(engine: EngineModel, spec: ModelSpec, lengths) -> tuple[float
     return p / engine.prefill_s(p), 1.0 / engine.decode_step_s(b, b * ctx)
 
 
-def budget_layers(profile: GpuProfile, engine: EngineModel, n_models: int) -> int:
+def budget_layers(
+    profile: GpuProfile, engine: EngineModel, n_models: int, engine_overhead_bytes: int = 0
+) -> int:
     """Prewarm depth from the memory budget (§4, §5): every served model's replica should fit
     on one GPU beside one of each of the others (one-for-many prewarming), so each may take
-    ``1 / n_models`` of a GPU's usable memory; within that share a replica keeps as many
-    leading layers as fit (all of them when the share holds the whole shard)."""
+    ``1 / n_models`` of a GPU's usable memory; within that share, less its prepared engine, a
+    replica keeps as many leading layers as fit (all of them when the share holds the whole
+    shard)."""
     share = profile.usable_bytes / max(n_models, 1)
+    if engine_overhead_bytes:
+        share = max(0.0, share - engine_overhead_bytes)
     return int(min(engine.arch.num_layers, share // engine.layer_bytes_per_gpu))
 
 
+def depth_profile(engine: EngineModel, prompt_tokens: int, head_start_s: float) -> DepthProfile:
+    """The policy's depth-rule inputs from the engine model (what the operator gets measured
+    from the node agents): per-layer load and compute for ``prompt_tokens``, the LM head, and
+    the activation as the streamed layers' head start."""
+    load, compute, head = engine.depth_inputs(prompt_tokens)
+    return DepthProfile(load, compute, head, head_start_s, prompt_tokens)
+
+
 def build_models(
-    sc: Scenario, profile: GpuProfile, lengths
+    sc: Scenario, profile: GpuProfile, lengths, engine_overhead_bytes: int = 0
 ) -> list[tuple[ModelSpec, EngineModel, int]]:
-    """(spec, engine model, profiled minimum depth) per model, in scenario order."""
+    """(spec, engine model, profiled minimum depth) per model, in scenario order.
+    ``engine_overhead_bytes``: what each prewarm replica's prepared engine occupies per GPU
+    (the start-up profile's ``prepared_engine.overhead_bytes``)."""
     out = []
     median_prompt = max(1, int(np.median(lengths[0])))
     for cfg in sc.models:
@@ -80,16 +96,21 @@ def build_models(
                 f"{profile.name} node"
             )
         engine = EngineModel(profile, arch, cfg.tp)
-        # the paper's offline profiling pass (§4): fewest leading layers that never block the
-        # first token when the rest streams in behind the activation
-        profiled = max(
-            1, engine.min_resident_layers(median_prompt, head_start_s=profile.startup.activation_s)
-        )
+        # the paper's offline profiling pass (§4), the policy's depth rule (the operator's
+        # `auto`): fewest leading layers that never block the first token when the rest
+        # streams in behind the activation
+        profiled = choose_depth(
+            arch.num_layers, None,
+            depth_profile(engine, median_prompt, profile.startup.activation_s),
+        ).layers
         layers = cfg.prewarm_layers
         if layers is None:
             layers = profiled
             if sc.prewarm_depth == "budget":
-                layers = max(profiled, budget_layers(profile, engine, len(sc.models)))
+                layers = max(
+                    profiled,
+                    budget_layers(profile, engine, len(sc.models), engine_overhead_bytes),
+                )
         if not 1 <= layers <= arch.num_layers:
             raise ScenarioError(
                 f"model {cfg.name}: prewarm_layers must be in [1, {arch.num_layers}]"
@@ -102,6 +123,7 @@ def build_models(
             cold_start_s=0.0,  # set by prepare (T_c: the whole weights' load time)
             num_layers=arch.num_layers,
             prewarm_layers=layers,
+            engine_overhead_bytes=engine_overhead_bytes,
         )
         out.append((spec, engine, profiled))
     return out
@@ -141,7 +163,7 @@ def prepare(sc: Scenario) -> Prepared:
         counts, days, start, duration_min, shares, sc.total_rps, sc.history_days
     )
     stream = wl.RequestStream(sc.seed, shapes, lengths, _template(sc), sc.duration_s)
-    built = build_models(sc, profile, lengths)
+    built = build_models(sc, profile, lengths, startup.engine_overhead_bytes)
     models: list[SimModel] = []
     facts: list[PeriodFacts] = []
     initial: dict[str, int] = {}

@@ -56,6 +56,9 @@ class StartupProfile:
     stock_slowdown: float
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict)
+    # per GPU, what a prewarm replica's prepared engine occupies beside the weights (optional
+    # `prepared_engine.overhead_bytes`; ModelSpec.engine_overhead_bytes, docs/policy.md)
+    engine_overhead_bytes: int = 0
 
     def apply(self, gpu: GpuProfile) -> GpuProfile:
         """The GPU profile with this profile's stages and weight-path rate."""
@@ -73,6 +76,7 @@ class StartupProfile:
             "load_bw": g.host_to_gpu_bw,
             "load_setup_s": self.load_setup_s,
             "stock_slowdown": self.stock_slowdown,
+            "engine_overhead_bytes": self.engine_overhead_bytes,
         }
 
 
@@ -88,7 +92,9 @@ def parse_startup(data: Any, origin: str = "<startup profile>") -> StartupProfil
     """Validate a decoded YAML mapping; every constant must be cited in ``sources``."""
     if not isinstance(data, dict):
         raise ProfileError(f"{origin}: expected a YAML mapping at the top level")
-    unknown = sorted(set(data) - {"name", "description", "stages", "load", "sources"})
+    unknown = sorted(
+        set(data) - {"name", "description", "stages", "load", "sources", "prepared_engine"}
+    )
     if unknown:
         raise ProfileError(f"{origin}: unknown field(s) {unknown}")
     for key in ("name", "stages", "load", "sources"):
@@ -127,6 +133,20 @@ def parse_startup(data: Any, origin: str = "<startup profile>") -> StartupProfil
     setup = _num(origin, "load.setup_s", load["setup_s"])
     slow = _num(origin, "load.stock_slowdown", load["stock_slowdown"], 1.0)
     needed += ["load.bw", "load.setup_s", "load.stock_slowdown"]
+    overhead = 0
+    if "prepared_engine" in data:
+        eng = data["prepared_engine"]
+        if not isinstance(eng, dict) or set(eng) != {"overhead_bytes"}:
+            raise ProfileError(
+                f"{origin}: prepared_engine: expected a mapping with overhead_bytes only"
+            )
+        v = eng["overhead_bytes"]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ProfileError(
+                f"{origin}: prepared_engine.overhead_bytes: must be an integer >= 0, got {v!r}"
+            )
+        overhead = v
+        needed.append("prepared_engine.overhead_bytes")
     uncited = [k for k in needed if not str(sources.get(k, "")).strip()]
     if uncited:
         raise ProfileError(f"{origin}: sources: no citation for {uncited}")
@@ -135,7 +155,7 @@ def parse_startup(data: Any, origin: str = "<startup profile>") -> StartupProfil
         raise ProfileError(f"{origin}: name: must not be empty")
     return StartupProfile(
         name, stages, bw, setup, slow, str(data.get("description", "")),
-        {str(k): str(v) for k, v in sources.items()},
+        {str(k): str(v) for k, v in sources.items()}, overhead,
     )
 
 
@@ -190,6 +210,7 @@ def measured_profile(path: Path, base: StartupProfile, gpu: GpuProfile) -> Start
         path.stem.replace("gpu-", "measured-", 1), stages, bw, base.load_setup_s,
         base.stock_slowdown,
         f"fast-path with the values measured on {gpu_name} ({path.name})", sources,
+        base.engine_overhead_bytes,
     )
 
 

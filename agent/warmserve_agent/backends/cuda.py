@@ -29,9 +29,9 @@ management calls (WarmServe §4.2; vllm-integration note §7):
   (item 5): a node's GPUs are opened concurrently by :meth:`MemoryManager.add_gpus`.
 
 ``cuda-python`` is imported lazily (not needed to run the simulated backend).  Tests inject a
-recording fake driver (``tests/fake_cuda.py``) that models contexts, asynchronous streams, events
-and pinned memory, and replay every recorded call against the real ``cuda.bindings`` argument
-checks; that is a test of call sequences and arguments, not a GPU claim.  On a GPU,
+recording fake driver (``warmserve_agent.fake_cuda``) that models contexts, asynchronous streams,
+events and pinned memory, and replay every recorded call against the real ``cuda.bindings``
+argument checks; that is a test of call sequences and arguments, not a GPU claim.  On a GPU,
 ``hack/gpu-check.sh`` runs the same contract tests on the device (docs/agent.md).
 
 Ownership: the CUDA context that holds these mappings belongs to the process that created them,

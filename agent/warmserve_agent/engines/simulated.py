@@ -6,14 +6,20 @@ weights from the slot (never from files), verifies every tensor against the stor
 digests (wrong bytes: a failed start, not silent output) and derives its output tokens from them.
 
 Simplifications (docs/agent.md): one request's decode is paced independently of the batch;
-admission reserves KV pages for prompt + max_tokens (so growth never overruns a shrunk cache);
-prefill waits until all layers are resident.
+admission reserves KV pages for prompt + max_tokens (so growth never overruns a shrunk cache).
+Prefill runs layer by layer, each layer waiting only until it is resident (as the ``vllm`` engine
+does).
 
 KV cache (``simulated_kv.py``): real pages of the slot's KV range, granted as the agent maps them
 (``set_kv_capacity``), written and read back by requests with a page-table check on every
 access.  A finished request and a request waiting for KV pages are reported to the agent
 (``engine_events.py``): the agent re-checks Eq. 1 for a grace instance on completion and grows
 its lent KV back when a request needs it.
+
+Lifecycle: ``prepare(spec)`` (prewarm time) parses the arguments, opens the slot and sets up the
+HTTP app without listening; ``start(spec)`` maps the weights loaded since, verifies the resident
+layers, takes the KV the agent mapped already and opens the endpoint (it prepares first when
+nothing was prepared).
 
 Queue: at most ``profile.max_waiting`` requests wait for admission (default 4 x the
 batch limit); more are refused at once with 429, and a request whose client disconnects while it
@@ -27,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+import time
 from typing import Any
 
 from warmserve.engine_args import parse_engine_args
@@ -40,7 +47,7 @@ from warmserve_agent.engine_events import EventSender
 from warmserve_agent.engines.simulated_kv import SimKvCache
 from warmserve_agent.engines.simulated_openai import EngineState, OpenAIServing
 from warmserve_agent.engines.slotmem import SlotMemory
-from warmserve_agent.engines.spec import EngineSpec, EngineStats
+from warmserve_agent.engines.spec import EngineSpec, EngineStages, EngineStats
 
 
 class SimulatedEngine(OpenAIServing):
@@ -66,6 +73,10 @@ class SimulatedEngine(OpenAIServing):
         self.max_batch = 1
         self.max_model_len = 0
         self.max_waiting = 1
+        self._prepared = False
+        self._t_start = 0.0
+        self._t_first_token: float | None = None
+        self._stages = EngineStages()
         self._kv: SimKvCache | None = None  # type: ignore[assignment]
         self._events = EventSender("", "")
 
@@ -88,9 +99,11 @@ class SimulatedEngine(OpenAIServing):
         return bad
 
     # ---- Engine protocol -------------------------------------------------------------------
-    def start(self, spec: EngineSpec) -> str:
+    def prepare(self, spec: EngineSpec) -> None:
+        """Everything that needs no resident weight: arguments, the slot's memory (pages not
+        mapped yet stay inaccessible), the HTTP app on its loop thread (not listening)."""
         self.spec = spec
-        # the agent applied its allowlist before starting us (Activator.check_engine)
+        # the agent applied its allowlist before (Activator.check_engine)
         args = parse_engine_args(spec.engine_args, policy=None)
         self.max_batch = min(spec.profile.max_batch, args.get("max_num_seqs") or 1 << 30)
         self.max_model_len = int(args.get("max_model_len") or 0)
@@ -99,13 +112,33 @@ class SimulatedEngine(OpenAIServing):
         # host verifies the other ranks in their own workers.
         for rank, region in enumerate(spec.regions):
             if region.host_file or (region.local and self._backend is not None):
-                self._mem[rank] = SlotMemory(region, self._backend)
+                self._mem[rank] = SlotMemory(region, self._backend, partial=True)
         if not self._mem:
             raise EngineError("the engine cannot read any shard of its slot")
+        self._st.layers_total = spec.layers_total
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
+        self._thread.start()
+        if not ready.wait(30):
+            raise RuntimeError("engine HTTP server did not start within 30 s")
+        self._prepared = True
+
+    def start(self, spec: EngineSpec) -> str:
+        t0 = self._t_start = time.perf_counter()
+        prepared = self._prepared
+        if prepared:
+            assert self.spec is not None
+            if spec.prepared_key() != self.spec.prepared_key():
+                raise EngineError("the prepared engine was built for another slot or arguments")
+            self.spec = spec
+            for rank, mem in self._mem.items():
+                mem.update(spec.regions[rank])
+        else:
+            self.prepare(spec)
+        self._prepared = False
+        t_ready = time.perf_counter() - t0
         st = self._st
-        st.layers_total = spec.layers_total
         self._kv = SimKvCache(spec, self._mem)
-        st.kv_capacity = self._kv.grant(spec.kv_capacity_bytes)  # what is mapped already
         self._events = EventSender(spec.events_addr, spec.instance_id)
         bad = self._verify(0, spec.layers_resident)
         if bad:
@@ -115,12 +148,15 @@ class SimulatedEngine(OpenAIServing):
                 tensors=bad,
             )
         st.layers_resident = spec.layers_resident
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
-        self._thread.start()
-        if not ready.wait(30):
-            raise RuntimeError("engine HTTP server did not start within 30 s")
+        st.kv_capacity = self._kv.grant(spec.kv_capacity_bytes)  # what is mapped already
+        t_kv = time.perf_counter() - t0
+        self._on_loop(self._listen(), timeout=30)
+        self._stages = EngineStages(prepared, t_ready, t_kv, time.perf_counter() - t0)
         return self.endpoint
+
+    def _first_token(self) -> None:
+        if self._t_first_token is None:
+            self._t_first_token = time.perf_counter()
 
     def layers_ready(self, n: int) -> None:
         st = self._st
@@ -167,6 +203,13 @@ class SimulatedEngine(OpenAIServing):
             ttft_samples=n,
             ttft_window_s=self.ttft.window_s,
             bad_tensors=tuple(st.bad),
+            stages=EngineStages(
+                self._stages.prepared,
+                self._stages.engine_ready_s,
+                self._stages.kv_mapped_s,
+                self._stages.endpoint_up_s,
+                None if self._t_first_token is None else self._t_first_token - self._t_start,
+            ),
             kv_wanted_bytes=self._kv.wanted_bytes() if self._kv is not None else 0,
             kv_geometry=self._kv.geometry if self._kv is not None else None,
         )

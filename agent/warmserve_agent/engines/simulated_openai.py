@@ -70,6 +70,8 @@ class OpenAIServing:
     max_model_len: int
     max_waiting: int
 
+    def _first_token(self) -> None: ...
+
     async def _set(self, **kw: Any) -> None:
         for k, v in kw.items():
             setattr(self._st, k, v)
@@ -81,6 +83,8 @@ class OpenAIServing:
             self._st.cond.notify_all()
 
     def _serve(self, ready: threading.Event) -> None:
+        """The engine's loop thread: the app is set up here (prepare), the socket opened by
+        :meth:`_listen` (start)."""
         from aiohttp import web
 
         assert self.spec is not None
@@ -116,15 +120,21 @@ class OpenAIServing:
         # abandoned while queued or decoding releases its place and KV at once.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, self.spec.host, self.spec.port)
-        loop.run_until_complete(site.start())
-        sock = site._server.sockets[0]  # type: ignore[union-attr]
-        self.endpoint = self.spec.url(sock.getsockname()[1])
         ready.set()
         try:
             loop.run_forever()
         finally:
             loop.close()
+
+    async def _listen(self) -> str:
+        from aiohttp import web
+
+        assert self.spec is not None
+        site = web.TCPSite(self._runner, self.spec.host, self.spec.port)
+        await site.start()
+        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        self.endpoint = self.spec.url(sock.getsockname()[1])
+        return self.endpoint
 
     async def _models(self, request: Any) -> Any:
         from aiohttp import web
@@ -231,7 +241,8 @@ class OpenAIServing:
         npages = kv.pages_for(need)
 
         def ready() -> bool:
-            if st.running >= self.max_batch or st.layers_resident < st.layers_total:
+            # not the layers: prefill waits per layer (_prefill), so a partial prewarm serves
+            if st.running >= self.max_batch:
                 return False
             if kv.free_pages() >= npages:
                 return True
@@ -254,6 +265,25 @@ class OpenAIServing:
         finally:
             kv.waiting.pop(rid, None)
             st.waiting -= 1
+
+    async def _prefill(self, n_prompt: int) -> None:
+        """The prompt's prefill, layer by layer: layer ``i`` waits only for layer ``i`` to be
+        resident (a partially prewarmed model serves while its last layers land)."""
+        assert self.spec is not None
+        st = self._st
+        layers = max(1, st.layers_total)
+        per_layer = n_prompt / self.spec.profile.prefill_tok_s / layers
+        owed = 0.0  # compute time of the layers passed since the last sleep
+        for i in range(layers):
+            if st.layers_resident <= i:
+                if owed:
+                    await asyncio.sleep(owed)
+                    owed = 0.0
+                assert st.cond is not None
+                async with st.cond:
+                    await st.cond.wait_for(lambda i=i: st.layers_resident > i)
+            owed += per_layer
+        await asyncio.sleep(owed)
 
     async def _release(self, need: int, used: int, rid: str, pages: list[int]) -> None:
         st = self._st
@@ -312,8 +342,9 @@ class OpenAIServing:
         answer = answers.ResponseAnswer(self.spec.model, body, created)
         try:
             self._kv.prefill(rid, pages)
-            await asyncio.sleep(n_prompt / prof.prefill_tok_s)
+            await self._prefill(n_prompt)
             ttft = time.perf_counter() - t_arrive
+            self._first_token()
             if self.spec.traces_endpoint:
                 from warmserve_agent.engines import tracing
 

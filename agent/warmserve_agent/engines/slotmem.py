@@ -73,9 +73,12 @@ def _libc() -> Any:
     return libc
 
 
+UNMAPPED = -1  # a virtual page with no physical page (yet): inaccessible in the host mapping
+
+
 def _runs(ppages: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first virtual page, first physical page, count) runs of consecutive physical pages
-    (entries < 0, pages not mapped, are skipped)."""
+    """(first virtual page, first physical page, count) runs of consecutive physical pages;
+    :data:`UNMAPPED` pages (any entry < 0) belong to no run."""
     out: list[tuple[int, int, int]] = []
     for v, p in enumerate(ppages):
         if p < 0:
@@ -103,10 +106,17 @@ class HostSlotMapping:
     """A contiguous host mapping of a slot whose pages live in a shared file (see module doc)."""
 
     def __init__(
-        self, path: str, ppages: Sequence[int], page_bytes: int, weight_bytes: int
+        self,
+        path: str,
+        ppages: Sequence[int],
+        page_bytes: int,
+        weight_bytes: int,
+        npages: int | None = None,
+        *,
+        partial: bool = False,
     ) -> None:
         self.page_bytes = page_bytes
-        self.npages = len(ppages)
+        self.npages = len(ppages) if npages is None else npages
         self.size = self.npages * page_bytes
         if self.npages == 0:
             raise SlotMemoryError("slot region has no mapped pages")
@@ -122,9 +132,11 @@ class HostSlotMapping:
                 )
             self.base = int(base)
             self.wpages = -(-weight_bytes // page_bytes)
-            if any(p < 0 for p in ppages[: self.wpages]):
+            if not partial and any(p < 0 for p in ppages[: self.wpages]):
                 raise SlotMemoryError("a weight page of the slot is not mapped")
-            self._map(ppages, 0, self.wpages, _PROT_READ)
+            # the physical page behind every weight page mapped here (map_weights follows it)
+            self._weights = [UNMAPPED] * self.wpages
+            self.map_weights(ppages[: self.wpages])
             self._map(ppages, self.wpages, self.npages, _PROT_READ | _PROT_WRITE)
             # the physical page behind every KV page mapped here (access checks compare it)
             self.kv: dict[int, int] = {
@@ -133,6 +145,23 @@ class HostSlotMapping:
         except BaseException:
             self.close()
             raise
+
+    def map_weights(self, ppages: Sequence[int]) -> None:
+        """Make the weight pages follow ``ppages`` (one entry per weight page, :data:`UNMAPPED`
+        for none), read-only and in place: addresses never move, so tensors over the mapping
+        stay valid.  An engine prepared while its slot still loaded maps the rest of its
+        weights this way at activation (KV pages are granted one by one: :meth:`map_kv`)."""
+        new = list(ppages[: self.wpages]) + [UNMAPPED] * (self.wpages - len(ppages))
+        for v in range(self.wpages):
+            if new[v] < 0 <= self._weights[v]:
+                self.revoke(v, 1)
+                self._weights[v] = UNMAPPED
+        changed = [UNMAPPED] * self.wpages
+        for v in range(self.wpages):
+            if new[v] >= 0 and new[v] != self._weights[v]:
+                changed[v] = new[v]
+        self._map(changed, 0, self.wpages, _PROT_READ)
+        self._weights = new
 
     def _map(self, ppages: Sequence[int], start: int, end: int, prot: int) -> None:
         P = self.page_bytes
@@ -202,11 +231,17 @@ class SlotMemory:
     layers while node shutdown stops the engine): a lock makes ``close`` wait for a read in
     progress, and a read after ``close`` raises instead of touching unmapped memory (which
     crashed the process with SIGSEGV).  A ``tensor()`` view is not guarded: its engine must be
-    done with it before it closes the slot."""
+    done with it before it closes the slot.
 
-    def __init__(self, region: SlotRegion, backend: Any = None) -> None:
+    ``partial``: weight pages may not be mapped yet (an engine prepared at prewarm time while
+    its slot still loads); they stay inaccessible until :meth:`update` maps them.  Without it
+    every weight page must be mapped.  KV pages are mapped only when granted, either way."""
+
+    def __init__(self, region: SlotRegion, backend: Any = None, *, partial: bool = False) -> None:
         self.region = region
         self.backend = backend
+        self.partial = partial
+        self.size = region.mapped_bytes  # the reservation: tensors over it never move
         self._host: HostSlotMapping | None = None
         self._tensor: Any = None
         self._lock = threading.RLock()
@@ -229,13 +264,16 @@ class SlotMemory:
         """(file, physical page of each of the slot's virtual pages: the weights', and -1 for
         every KV page — KV pages are mapped here only when granted, :meth:`grant_pages`)."""
         r = self.region
-        n = -(-r.mapped_bytes // r.page_bytes)
+        n = -(-self.size // r.page_bytes)
         w = -(-r.weight_bytes // r.page_bytes)
         found = self._lookup(range(w))
-        if any(p is None for p in found.values()):
+        if not self.partial and any(p is None for p in found.values()):
             raise SlotMemoryError("a weight page of the slot is not mapped")
         path = r.host_file or str(self.backend.path(r.gpu))
-        return path, [found[v] if v < w else -1 for v in range(n)]  # type: ignore[misc]
+        return path, [
+            UNMAPPED if v >= w or found[v] is None else found[v]  # type: ignore[misc]
+            for v in range(n)
+        ]
 
     def _lookup(self, vpages: Iterable[int]) -> dict[int, int | None]:
         """The physical page the backend maps at each of the slot's ``vpages`` now (None: not
@@ -316,6 +354,37 @@ class SlotMemory:
         self.check_pages(self._pages_of(offset, nbytes))
         return self.read(offset, nbytes)
 
+    def update(self, region: SlotRegion) -> None:
+        """The agent mapped more of this slot's weights: follow ``region`` in place.
+
+        Used when a prepared engine's slot is activated (the rest of the weights are mapped by
+        then; its KV pages are granted as the agent maps them, :meth:`grant_pages`).  A region
+        larger than the reservation, or another slot, is an error; CUDA needs nothing (the
+        worker's own VMM mappings are the memory)."""
+        old = self.region
+        if (region.gpu, region.va, region.page_bytes, region.weight_bytes) != (
+            old.gpu,
+            old.va,
+            old.page_bytes,
+            old.weight_bytes,
+        ) or region.mapped_bytes > self.size:
+            raise SlotMemoryError(
+                f"GPU {region.gpu}: the activated region ({region.mapped_bytes} bytes at "
+                f"{region.va:#x}) is not the prepared one ({self.size} bytes at {old.va:#x})"
+            )
+        with self._lock:
+            self.region = region
+            if self._pt is not None and region.page_table != old.page_table:
+                self._pt.close()
+                self._pt = None
+            if self.kind == SlotMemoryKind.DEVICE or self._host is None:
+                return
+            _, ppages = self._ppages()
+            w = self._host.wpages
+            if not self.partial and any(p < 0 for p in ppages[:w]):
+                raise SlotMemoryError("a weight page of the slot is not mapped")
+            self._host.map_weights(ppages[:w])
+
     def host_mapping(self) -> HostSlotMapping:
         if self.kind == SlotMemoryKind.DEVICE:
             raise SlotMemoryError("device memory has no host mapping")
@@ -324,7 +393,12 @@ class SlotMemory:
         if self._host is None:
             path, ppages = self._ppages()
             self._host = HostSlotMapping(
-                path, ppages, self.region.page_bytes, self.region.weight_bytes
+                path,
+                ppages,
+                self.region.page_bytes,
+                self.region.weight_bytes,
+                len(ppages),
+                partial=self.partial,
             )
         return self._host
 
@@ -345,7 +419,7 @@ class SlotMemory:
         import torch
 
         r = self.region
-        n = r.mapped_bytes
+        n = self.size
         view = getattr(self.backend, "torch_view", None)
         if self.kind == SlotMemoryKind.DEVICE and view is not None:
             t = view(r.gpu, r.va, n)

@@ -14,8 +14,18 @@ virtual page, so a process that does not own the memory can still map it (``slot
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from warmserve_agent.engines.kv_geometry import KvGeometry
+
+
+class PreparedState(StrEnum):
+    """Where a slot's prepared engine is (wire: ``PreparedEngineState``)."""
+
+    NONE = "none"  # not asked for, or its worker holds another slot's engine
+    PREPARING = "preparing"
+    READY = "ready"
+    FAILED = "failed"  # Activate builds the engine itself
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +109,10 @@ class EngineSpec:
     # ratio of new traces it samples (requests with a parent follow the parent).
     traces_endpoint: str = ""
     trace_sample_ratio: float = 1.0
+    # The slot the engine serves from.  A spec made at prewarm time (``Engine.prepare``) has no
+    # instance yet (``instance_id`` empty), KV pages not mapped (``ppages`` -1) and the KV bytes
+    # the slot will get at activation; Activate's spec names the same slot.
+    slot_id: str = ""
     # the agent's engine-event socket (engine_events.py: request completions, KV wanted); "" off
     events_addr: str = ""
 
@@ -110,11 +124,57 @@ class EngineSpec:
     def page_bytes(self) -> int:
         return self.regions[0].page_bytes
 
+    def prepared_key(self) -> tuple[object, ...]:
+        """What a prepared engine was built for: an Activate whose spec differs in any of these
+        cannot use it (the engine is built again)."""
+        return (
+            self.engine,
+            self.model,
+            self.slot_id,
+            self.model_dir,
+            self.layers_total,
+            self.engine_args,
+            self.host,
+            self.advertise_host,
+            self.traces_endpoint,
+            self.trace_sample_ratio,
+            self.profile,
+            tuple((r.gpu, r.va, r.page_bytes, r.weight_bytes, r.local) for r in self.regions),
+        )
+
     def url(self, port: int) -> str:
         host = self.advertise_host or self.host
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"  # an IPv6 literal needs brackets in a URL (RFC 3986)
         return f"http://{host}:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStages:
+    """How an engine's ``start`` spent its time, in seconds since ``start`` was called.
+
+    ``prepared``: the engine was built before (``Engine.prepare``, at prewarm) and ``start`` only
+    took the KV the agent had mapped and opened the endpoint.  ``kv_mapped_s``: when ``start``
+    had grown the KV cache over what the spec granted — the activation's KV stage only when that
+    was the whole range (else the agent's pager completes it later: ``activation_stages.py``).
+    ``first_token_s`` is None until the engine produced its first output token."""
+
+    prepared: bool = False
+    engine_ready_s: float = 0.0
+    kv_mapped_s: float = 0.0
+    endpoint_up_s: float = 0.0
+    first_token_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedReport:
+    """A prepared engine's state in its process; ``host_bytes``: the growth of the process's
+    anonymous resident memory while it was built (what it costs while it waits)."""
+
+    state: PreparedState
+    seconds: float = 0.0
+    host_bytes: int = 0
+    message: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +198,7 @@ class EngineStats:
     ttft_samples: int = 0
     ttft_window_s: float = 0.0
     bad_tensors: tuple[str, ...] = ()
+    stages: EngineStages = field(default_factory=EngineStages)
     # KV bytes (summed over the group) waiting requests need beyond the free capacity: a grace
     # instance whose lent KV must grow back (Eq. 1 plus demand, grace_lending.py)
     kv_wanted_bytes: int = 0

@@ -1,6 +1,6 @@
 // Command otelcol is the minimal OpenTelemetry Collector the tracing tests send spans to: the OTLP
 // receiver (HTTP and gRPC) and the file exporter (one JSON document per export, read back by
-// tests/tracing_support.py), nothing else. Built by hack/testbin/build.sh at the versions pinned
+// warmserve/testing/otel.py), nothing else. Built by hack/testbin/build.sh at the versions pinned
 // in go.mod/go.sum.
 //
 // It is what the collector's builder (ocb) would generate for those two components, written out

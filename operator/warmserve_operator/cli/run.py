@@ -16,7 +16,9 @@ from warmserve.flags import CliError, engine_args, tracing
 from warmserve.tracing import TracingConfigError
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, connect_agent: Any = None) -> int:
+    """``connect_agent``: ``(node, address, fencing) -> AgentPort`` in place of gRPC clients
+    (in-process agents: ``python -m warmserve_operator.testing``); None in production."""
     import asyncio
     import logging
 
@@ -124,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
             token_file=args.gateway_token_file,
             held_per_namespace=args.held_demand_per_namespace,
         ),
+        connect_agent=connect_agent,
     )
     asyncio.run(
         kopf.operator(

@@ -132,12 +132,15 @@ class AgentClient:
         source: str = "",
         owner: str = "",
         fencing_token: int = 0,
+        engine: str = "",
+        engine_args: Sequence[str] = (),
     ) -> AsyncIterator[pb.PrewarmProgress]:
         """Stream progress of loading ``model`` (first ``layers``, 0 = all) onto ``gpus``.
 
         With ``source``, a model missing from the node's store is fetched first (messages with
         ``fetch`` set, no slot yet).  The last message has ``done=True`` and the final
-        :class:`SlotInfo`.
+        :class:`SlotInfo`.  ``engine``/``engine_args``: what the slot will be activated with
+        (its worker prepares that engine meanwhile).
         """
         req = pb.PrewarmRequest(
             request_id=request_id or new_request_id("prewarm"),
@@ -147,6 +150,8 @@ class AgentClient:
             source=source,
             owner=owner,
             fencing_token=fencing_token,
+            engine=engine,
+            engine_args=list(engine_args),
         )
         call = self._stub.Prewarm(req, metadata=self._metadata, timeout=timeout_s)
         try:
@@ -167,6 +172,8 @@ class AgentClient:
         on_progress: Callable[[pb.PrewarmProgress], Any] | None = None,
         owner: str = "",
         fencing_token: int = 0,
+        engine: str = "",
+        engine_args: Sequence[str] = (),
     ) -> pb.PrewarmProgress:
         """Prewarm and return the final progress message (``.slot`` is the resident slot)."""
         last: pb.PrewarmProgress | None = None
@@ -179,6 +186,8 @@ class AgentClient:
             timeout_s=timeout_s,
             owner=owner,
             fencing_token=fencing_token,
+            engine=engine,
+            engine_args=engine_args,
         ):
             last = msg
             if on_progress is not None:

@@ -1,9 +1,10 @@
 """What the ``vllm`` engine plugs into vLLM, apart from the slot loader (``loader.py``).
 
-* :class:`HoldUntilResident`: ASGI middleware over vLLM's OpenAI app, holding generation requests
-  (not refusing them) until a partially prewarmed model has every layer resident;
+* :func:`install_layer_gates`: per-layer readiness (a module's forward waits for its layer only,
+  so a partially prewarmed model serves while its last layers land);
+* :func:`zero_kv_blocks_on_allocation`: KV blocks zeroed as vLLM hands them out, not at start;
 * :func:`ttft_logger_factory`: a vLLM stat logger feeding vLLM's own first-token latencies into
-  the engine's TTFT window (the agent's ``EngineStats``);
+  the engine's TTFT window (the agent's ``EngineStats``) and noting the engine's first token;
 * :func:`extent` / :func:`slot_dtype`: facts about tensors and checkpoints the engine reports or
   passes to vLLM;
 * :func:`cleanup_vllm_process_state`: vLLM's own teardown, so a pooled process can host the next
@@ -14,35 +15,89 @@ vLLM is imported lazily (inside functions) so this module imports without it.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from warmserve_agent.engine import TtftWindow
+from warmserve_agent.engines.layer_gate import LayerGate
 from warmserve_agent.engines.spec import EngineSpec
 
 
-class HoldUntilResident:
-    """ASGI middleware: generation requests wait until every layer is resident (``engine._ready``,
-    an ``asyncio.Event`` the engine sets once ``layers_ready`` reports the last layer)."""
+def install_layer_gates(
+    model: Any, spec: EngineSpec, views: dict[str, tuple[int, int]], gate: LayerGate
+) -> int:
+    """Make every module that holds parameters wait, before its forward, until the layer of its
+    parameters is resident (``gate``), and ``compute_logits`` until every layer is; returns the
+    hooks installed.  A parameter's layer is the store's (``TensorPlacement.layer``) of the
+    tensors its slot view covers (``views``: parameter name -> slot offset, bytes).  The hooks
+    remove themselves once every layer is resident: no cost after the load."""
+    placed = sorted((t.offset, t.layer) for t in spec.tensors)
+    starts = [o for o, _ in placed]
+    last = spec.layers_total - 1
 
-    def __init__(self, app: Any, engine: Any) -> None:
-        self.app = app
-        self.engine = engine
+    def layer_of(offset: int, nbytes: int) -> int:
+        lo, hi = bisect.bisect_left(starts, offset), bisect.bisect_left(starts, offset + nbytes)
+        return max((layer for _, layer in placed[lo:hi]), default=last)
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        ready = self.engine._ready
-        if (
-            scope.get("type") == "http"
-            and ready is not None
-            and not ready.is_set()
-            and scope.get("path", "").startswith("/v1/")
-            and scope.get("method") == "POST"
-        ):
-            await ready.wait()
-        await self.app(scope, receive, send)
+    layer_by_param = {
+        id(p): layer_of(*views[name])
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if name in views
+    }
+    handles: list[Any] = []
+
+    def pre_hook(need: int) -> Any:
+        def wait(module: Any, args: Any) -> None:
+            if gate.complete:  # every layer landed: drop the hooks (this thread runs forwards)
+                while handles:
+                    handles.pop().remove()
+                return
+            gate.wait(need)
+
+        return wait
+
+    for module in model.modules():
+        layers = [
+            layer_by_param[id(p)]
+            for p in module.parameters(recurse=False)
+            if id(p) in layer_by_param
+        ]
+        if layers:
+            handles.append(module.register_forward_pre_hook(pre_hook(max(layers) + 1)))
+    compute_logits = getattr(model, "compute_logits", None)
+    if compute_logits is not None:  # the LM head is applied outside forward (vLLM)
+
+        def gated_logits(*args: Any, **kwargs: Any) -> Any:
+            gate.wait(gate.total)
+            return compute_logits(*args, **kwargs)
+
+        model.compute_logits = gated_logits
+    return len(handles)
 
 
-def ttft_logger_factory(window: TtftWindow) -> Any:
+def zero_kv_blocks_on_allocation(client: Any) -> None:
+    """Have vLLM zero every KV block when it hands the block to a request (its own mechanism for
+    caches that need it, ``needs_kv_cache_zeroing``) instead of zeroing the whole cache at start:
+    the slot's KV pages hold a previous tenant's bytes, and a prepared engine's are mapped only
+    at activation.  Run on the engine thread before the first request."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    core = client.engine_core
+    sched = core.scheduler
+    for mgr in sched.kv_cache_manager.coordinator.single_type_managers:
+        if isinstance(mgr.kv_cache_spec, AttentionSpec):
+            mgr._record_new_block_ids = True
+    sched.needs_kv_cache_zeroing = True
+    runner = core.model_executor.driver_worker.worker.model_runner
+    # The CPU runner zeroes by block itself; the GPU runner needs its zeroer's metadata.
+    gpu_runner = runner.device.type != "cpu" and hasattr(runner, "_init_kv_zero_meta")
+    if gpu_runner and not hasattr(runner, "_kv_block_zeroer"):
+        runner._init_kv_zero_meta()
+
+
+def ttft_logger_factory(window: TtftWindow, on_first_token: Callable[[], None]) -> Any:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class TtftLogger(StatLoggerBase):
@@ -60,6 +115,7 @@ def ttft_logger_factory(window: TtftWindow) -> Any:
         ) -> None:
             if iteration_stats is not None:
                 for t in iteration_stats.time_to_first_tokens_iter:
+                    on_first_token()
                     self.window.observe(t)
 
         def log_engine_initialized(self) -> None:

@@ -24,12 +24,20 @@ the pooled worker process while it builds the engine; it
    transformed, so nothing is replaced.
 5. reports the slot's resident bytes as external weight memory (``get_external_weight_memory``).
 
+Per-layer readiness: every module holding parameters gets a forward pre-hook waiting on the slot's
+:class:`~warmserve_agent.engines.layer_gate.LayerGate` for the layer of its parameters (and
+``compute_logits`` for the last), so a forward runs layer ``i`` as soon as layer ``i`` is resident
+(``hooks.install_layer_gates``).  Until then the slot's bytes of later layers are never read.
+
 The KV cache: :func:`slot_kv_cache` makes vLLM's KV cache tensors views of the slot's pages after
 the weights (``allocate_kv_cache`` computes the layout on ``meta``, the views are taken over the
-slot), so weights and KV are the one contiguous range of Figure 6a.
+slot), so weights and KV are the one contiguous range of Figure 6a.  They are not zeroed here (the
+KV pages are mapped in the background, after the engine is built): a block's pages are mapped in
+this process and zeroed when the agent grants it (``kv.py``), and vLLM zeroes a block again when
+it hands it to a request (``hooks.zero_kv_blocks_on_allocation``).
 
-Which slot: the engine registers an :class:`ActiveSlot` under the instance id and passes that id
-in ``model_loader_extra_config``; the loader runs in the same process (the engine core is
+Which slot: the engine registers an :class:`ActiveSlot` under a key (the slot id) and passes it in
+``model_loader_extra_config``; the loader runs in the same process (the engine core is
 in-process, ``inproc.py``).
 """
 
@@ -51,6 +59,7 @@ from vllm.model_executor.model_loader.utils import initialize_model
 from vllm.model_executor.utils import weights_already_processed
 from vllm.utils.torch_utils import set_default_torch_dtype
 
+from warmserve_agent.engines.layer_gate import LayerGate
 from warmserve_agent.engines.slotmem import SlotMemory
 from warmserve_agent.engines.spec import EngineSpec
 
@@ -84,6 +93,7 @@ class ActiveSlot:
     views: dict[str, tuple[int, int]] = field(default_factory=dict)  # param -> (offset, nbytes)
     kv: dict[str, torch.Tensor] = field(default_factory=dict)
     kv_range: tuple[int, int] = (0, 0)  # slot offsets of the KV backing buffer
+    gate: LayerGate | None = None  # per-layer readiness (None: every layer is resident)
 
 
 _ACTIVE: dict[str, ActiveSlot] = {}
@@ -98,6 +108,11 @@ def activate_slot(key: str, slot: ActiveSlot) -> None:
 def release_slot(key: str) -> None:
     with _LOCK:
         _ACTIVE.pop(key, None)
+
+
+def active_slot(key: str) -> ActiveSlot:
+    with _LOCK:
+        return _ACTIVE[key]
 
 
 def _slot_for(load_config: Any) -> ActiveSlot:
@@ -138,6 +153,10 @@ class SlotModelLoader(BaseModelLoader):
                 )
             bind_parameters(model, slot)
             _materialise_buffers(model, slot.device)
+            if slot.gate is not None:
+                from warmserve_agent.engines.vllm.hooks import install_layer_gates
+
+                install_layer_gates(model, slot.spec, slot.views, slot.gate)
             with weights_already_processed(), _keep_slot_weights(slot):
                 from vllm.model_executor.model_loader.utils import (
                     process_weights_after_loading,

@@ -30,6 +30,13 @@ class InstancePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INSTANCE_PHASE_SERVING: _ClassVar[InstancePhase]
     INSTANCE_PHASE_GRACE: _ClassVar[InstancePhase]
 
+class PreparedEngineState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREPARED_ENGINE_STATE_UNSPECIFIED: _ClassVar[PreparedEngineState]
+    PREPARED_ENGINE_STATE_PREPARING: _ClassVar[PreparedEngineState]
+    PREPARED_ENGINE_STATE_READY: _ClassVar[PreparedEngineState]
+    PREPARED_ENGINE_STATE_FAILED: _ClassVar[PreparedEngineState]
+
 class FetchState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FETCH_STATE_UNSPECIFIED: _ClassVar[FetchState]
@@ -52,6 +59,10 @@ INSTANCE_PHASE_UNSPECIFIED: InstancePhase
 INSTANCE_PHASE_STARTING: InstancePhase
 INSTANCE_PHASE_SERVING: InstancePhase
 INSTANCE_PHASE_GRACE: InstancePhase
+PREPARED_ENGINE_STATE_UNSPECIFIED: PreparedEngineState
+PREPARED_ENGINE_STATE_PREPARING: PreparedEngineState
+PREPARED_ENGINE_STATE_READY: PreparedEngineState
+PREPARED_ENGINE_STATE_FAILED: PreparedEngineState
 FETCH_STATE_UNSPECIFIED: FetchState
 FETCH_STATE_LISTING: FetchState
 FETCH_STATE_DOWNLOADING: FetchState
@@ -59,8 +70,42 @@ FETCH_STATE_VERIFYING: FetchState
 FETCH_STATE_DONE: FetchState
 FETCH_STATE_FAILED: FetchState
 
+class PreparedEngine(_message.Message):
+    __slots__ = ("state", "engine", "worker_gpu", "host_bytes", "build_seconds", "message")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_GPU_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUILD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    state: PreparedEngineState
+    engine: str
+    worker_gpu: int
+    host_bytes: int
+    build_seconds: float
+    message: str
+    def __init__(self, state: _Optional[_Union[PreparedEngineState, str]] = ..., engine: _Optional[str] = ..., worker_gpu: _Optional[int] = ..., host_bytes: _Optional[int] = ..., build_seconds: _Optional[float] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ActivationStages(_message.Message):
+    __slots__ = ("process_taken_seconds", "engine_ready_seconds", "weights_resident_seconds", "kv_mapped_seconds", "endpoint_up_seconds", "first_token_seconds", "engine_prepared")
+    PROCESS_TAKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_READY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_RESIDENT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_MAPPED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_UP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_PREPARED_FIELD_NUMBER: _ClassVar[int]
+    process_taken_seconds: float
+    engine_ready_seconds: float
+    weights_resident_seconds: float
+    kv_mapped_seconds: float
+    endpoint_up_seconds: float
+    first_token_seconds: float
+    engine_prepared: bool
+    def __init__(self, process_taken_seconds: _Optional[float] = ..., engine_ready_seconds: _Optional[float] = ..., weights_resident_seconds: _Optional[float] = ..., kv_mapped_seconds: _Optional[float] = ..., endpoint_up_seconds: _Optional[float] = ..., first_token_seconds: _Optional[float] = ..., engine_prepared: _Optional[bool] = ...) -> None: ...
+
 class GpuInfo(_message.Message):
-    __slots__ = ("index", "memory_bytes", "page_bytes", "pages_total", "pages_free", "free_bytes", "state", "worker_pid", "worker_restarts", "slot_ids", "instance_id")
+    __slots__ = ("index", "memory_bytes", "page_bytes", "pages_total", "pages_free", "free_bytes", "state", "worker_pid", "worker_restarts", "slot_ids", "instance_id", "prepared_slot_id", "prepared_engine_host_bytes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +117,8 @@ class GpuInfo(_message.Message):
     WORKER_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_IDS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_SLOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_ENGINE_HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     index: int
     memory_bytes: int
     page_bytes: int
@@ -83,10 +130,12 @@ class GpuInfo(_message.Message):
     worker_restarts: int
     slot_ids: _containers.RepeatedScalarFieldContainer[str]
     instance_id: str
-    def __init__(self, index: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., free_bytes: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., worker_pid: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., slot_ids: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    prepared_slot_id: str
+    prepared_engine_host_bytes: int
+    def __init__(self, index: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., page_bytes: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., free_bytes: _Optional[int] = ..., state: _Optional[_Union[WorkerState, str]] = ..., worker_pid: _Optional[int] = ..., worker_restarts: _Optional[int] = ..., slot_ids: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., prepared_slot_id: _Optional[str] = ..., prepared_engine_host_bytes: _Optional[int] = ...) -> None: ...
 
 class SlotInfo(_message.Message):
-    __slots__ = ("slot_id", "model", "gpus", "layers_resident", "layers_total", "layers_target", "resident_bytes_per_gpu", "weight_bytes_per_gpu", "state", "message", "owner")
+    __slots__ = ("slot_id", "model", "gpus", "layers_resident", "layers_total", "layers_target", "resident_bytes_per_gpu", "weight_bytes_per_gpu", "state", "message", "owner", "prepared_engine")
     SLOT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +147,7 @@ class SlotInfo(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_ENGINE_FIELD_NUMBER: _ClassVar[int]
     slot_id: str
     model: str
     gpus: _containers.RepeatedScalarFieldContainer[int]
@@ -109,10 +159,11 @@ class SlotInfo(_message.Message):
     state: SlotState
     message: str
     owner: str
-    def __init__(self, slot_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., layers_target: _Optional[int] = ..., resident_bytes_per_gpu: _Optional[int] = ..., weight_bytes_per_gpu: _Optional[int] = ..., state: _Optional[_Union[SlotState, str]] = ..., message: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+    prepared_engine: PreparedEngine
+    def __init__(self, slot_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., layers_target: _Optional[int] = ..., resident_bytes_per_gpu: _Optional[int] = ..., weight_bytes_per_gpu: _Optional[int] = ..., state: _Optional[_Union[SlotState, str]] = ..., message: _Optional[str] = ..., owner: _Optional[str] = ..., prepared_engine: _Optional[_Union[PreparedEngine, _Mapping]] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "model", "gpus", "endpoint", "phase", "running", "waiting", "max_batch", "kv_capacity_bytes", "kv_used_bytes", "lendable_bytes", "lent_bytes", "prewarm_hit", "slot_id", "layers_resident", "layers_total", "started_unix", "owner", "grace_started_unix", "engine", "ttft_p95_seconds", "ttft_samples", "ttft_window_seconds", "dropped_requests")
+    __slots__ = ("instance_id", "model", "gpus", "endpoint", "phase", "running", "waiting", "max_batch", "kv_capacity_bytes", "kv_used_bytes", "lendable_bytes", "lent_bytes", "prewarm_hit", "slot_id", "layers_resident", "layers_total", "started_unix", "owner", "grace_started_unix", "engine", "ttft_p95_seconds", "ttft_samples", "ttft_window_seconds", "dropped_requests", "stages")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +188,7 @@ class InstanceInfo(_message.Message):
     TTFT_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TTFT_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model: str
     gpus: _containers.RepeatedScalarFieldContainer[int]
@@ -161,10 +213,11 @@ class InstanceInfo(_message.Message):
     ttft_samples: int
     ttft_window_seconds: float
     dropped_requests: int
-    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., endpoint: _Optional[str] = ..., phase: _Optional[_Union[InstancePhase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., lendable_bytes: _Optional[int] = ..., lent_bytes: _Optional[int] = ..., prewarm_hit: _Optional[bool] = ..., slot_id: _Optional[str] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., started_unix: _Optional[float] = ..., owner: _Optional[str] = ..., grace_started_unix: _Optional[float] = ..., engine: _Optional[str] = ..., ttft_p95_seconds: _Optional[float] = ..., ttft_samples: _Optional[int] = ..., ttft_window_seconds: _Optional[float] = ..., dropped_requests: _Optional[int] = ...) -> None: ...
+    stages: ActivationStages
+    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., endpoint: _Optional[str] = ..., phase: _Optional[_Union[InstancePhase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., lendable_bytes: _Optional[int] = ..., lent_bytes: _Optional[int] = ..., prewarm_hit: _Optional[bool] = ..., slot_id: _Optional[str] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., started_unix: _Optional[float] = ..., owner: _Optional[str] = ..., grace_started_unix: _Optional[float] = ..., engine: _Optional[str] = ..., ttft_p95_seconds: _Optional[float] = ..., ttft_samples: _Optional[int] = ..., ttft_window_seconds: _Optional[float] = ..., dropped_requests: _Optional[int] = ..., stages: _Optional[_Union[ActivationStages, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "num_layers", "weight_bytes", "num_tensors", "max_batch", "source", "disk_bytes", "last_used_unix")
+    __slots__ = ("name", "num_layers", "weight_bytes", "num_tensors", "max_batch", "source", "disk_bytes", "last_used_unix", "profile")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +226,7 @@ class ModelInfo(_message.Message):
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_layers: int
     weight_bytes: int
@@ -181,7 +235,26 @@ class ModelInfo(_message.Message):
     source: str
     disk_bytes: int
     last_used_unix: float
-    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., max_batch: _Optional[int] = ..., source: _Optional[str] = ..., disk_bytes: _Optional[int] = ..., last_used_unix: _Optional[float] = ...) -> None: ...
+    profile: ModelProfile
+    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., max_batch: _Optional[int] = ..., source: _Optional[str] = ..., disk_bytes: _Optional[int] = ..., last_used_unix: _Optional[float] = ..., profile: _Optional[_Union[ModelProfile, _Mapping]] = ...) -> None: ...
+
+class ModelProfile(_message.Message):
+    __slots__ = ("load_bytes_per_second", "layer_compute_seconds", "prompt_tokens", "compute_tp", "head_seconds", "head_start_seconds", "engine_overhead_bytes")
+    LOAD_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    LAYER_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_TP_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_OVERHEAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    load_bytes_per_second: float
+    layer_compute_seconds: float
+    prompt_tokens: int
+    compute_tp: int
+    head_seconds: float
+    head_start_seconds: float
+    engine_overhead_bytes: int
+    def __init__(self, load_bytes_per_second: _Optional[float] = ..., layer_compute_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., compute_tp: _Optional[int] = ..., head_seconds: _Optional[float] = ..., head_start_seconds: _Optional[float] = ..., engine_overhead_bytes: _Optional[int] = ...) -> None: ...
 
 class FetchInfo(_message.Message):
     __slots__ = ("model", "source", "state", "bytes_done", "bytes_total", "bytes_per_second", "eta_seconds", "attempt", "message", "started_unix", "finished_unix")
@@ -266,13 +339,15 @@ class DescribeRequest(_message.Message):
     def __init__(self, fencing_token: _Optional[int] = ...) -> None: ...
 
 class PrewarmRequest(_message.Message):
-    __slots__ = ("request_id", "model", "gpus", "layers", "source", "owner", "fencing_token")
+    __slots__ = ("request_id", "model", "gpus", "layers", "source", "owner", "engine", "engine_args", "fencing_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ARGS_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
@@ -280,8 +355,10 @@ class PrewarmRequest(_message.Message):
     layers: int
     source: str
     owner: str
+    engine: str
+    engine_args: _containers.RepeatedScalarFieldContainer[str]
     fencing_token: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., source: _Optional[str] = ..., owner: _Optional[str] = ..., fencing_token: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., layers: _Optional[int] = ..., source: _Optional[str] = ..., owner: _Optional[str] = ..., engine: _Optional[str] = ..., engine_args: _Optional[_Iterable[str]] = ..., fencing_token: _Optional[int] = ...) -> None: ...
 
 class PrewarmProgress(_message.Message):
     __slots__ = ("slot_id", "layers_loaded", "layers_target", "bytes_loaded", "bytes_target", "bandwidth_bytes_per_s", "done", "slot", "fetch")

@@ -1,35 +1,30 @@
 """warmserve as the Helm chart wires it, on a real kube-apiserver, minus the container runtime:
-node agents with simulated GPUs, the operator and gateway replicas as local processes, each
-under its chart ServiceAccount's token (so a missing RBAC rule fails), and the gateway's demand
-Service whose EndpointSlices list the gateway replicas (written here, as the EndpointSlice
-controller would for the pods).
+node agents with simulated GPUs (``python -m warmserve_agent.testing``), the operator and gateway
+replicas as local processes, each under its chart ServiceAccount's token (so a missing RBAC rule
+fails), and the gateway's demand Service whose EndpointSlices list the gateway replicas (written
+here, as the EndpointSlice controller would for the pods).
 
-Used by ``tests/e2e/test_gateway_e2e.py`` and ``bench/gateway_bench.py`` (cold-start burst).
+Used by the end-to-end tests (``tests/e2e``) and ``bench/gateway_bench.py`` (cold-start burst).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import re
 import signal
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from e2e_support import Procs, _agent_test_helpers, wait_for
-from k8s_support import host_ip
+from warmserve.testing.k8s import host_ip
+from warmserve.testing.procs import Procs
 
 REPO = Path(__file__).resolve().parents[2]
 DEMAND_SERVICE = "gw-demand"
-
-
-def write_model(*args: Any, **kw: Any) -> Path:
-    """tests/agent/conftest.py's real safetensors test model."""
-    return _agent_test_helpers().write_model(*args, **kw)
+WINDOW_S = 5.0  # the operator's window here (divides a day)
 
 
 @dataclass
@@ -37,22 +32,6 @@ class GatewayProc:
     name: str
     api: str
     admin: str
-
-
-_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
-
-
-def log_times(path: Path, pattern: str) -> list[float]:
-    """Unix times of the log lines (``%(asctime)s`` first) that match ``pattern``."""
-    out = []
-    if not path.exists():
-        return out
-    rx = re.compile(pattern)
-    for line in path.read_text(errors="replace").splitlines():
-        m = _STAMP.match(line)
-        if m and rx.search(line):
-            out.append(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp())
-    return out
 
 
 class Stack:
@@ -83,7 +62,7 @@ class Stack:
 
     def install(self) -> None:
         """CRDs, the chart's operator and gateway ServiceAccounts + RBAC, the demand Service."""
-        from k8s_support import apply_chart_gateway_rbac, apply_chart_operator_rbac
+        from warmserve.testing.k8s import apply_chart_gateway_rbac, apply_chart_operator_rbac
 
         self.kubectl("apply", "-f", str(REPO / "crds"))
         self.kubectl(
@@ -119,14 +98,14 @@ class Stack:
     ) -> None:
         """One agent process per node (``{"node-a": "4x64MiB"}``), registered as GPUNodes;
         ``copy_gbps`` > 0 paces weight loads like a host-to-GPU link of that speed; ``extra``:
-        more tests/e2e/agent_proc.py flags (e.g. ``--metrics-port 0``)."""
+        more ``python -m warmserve_agent.testing`` flags (e.g. ``--metrics-port 0``)."""
         files = {}
         for node, gpus in nodes.items():
             files[node] = self.tmp / f"{node}.addr"
             self.procs.start(
                 node,
                 [
-                    sys.executable, str(REPO / "tests/e2e/agent_proc.py"),
+                    sys.executable, "-m", "warmserve_agent.testing",
                     "--models", str(models), "--gpus", gpus, "--node", node,
                     "--address-file", str(files[node]),
                     "--memory-dir", str(self.tmp / f"mem-{node}"),
@@ -135,11 +114,8 @@ class Stack:
                 self.env,
             )  # fmt: skip
         for node, f in files.items():
-            self.agents[f"{self.ns}-{node}"] = wait_for(
-                lambda f=f: f.exists() and f.read_text(),
-                f"agent {node} up",
-                90,
-                lambda n=node: self.procs.log(n),
+            self.agents[f"{self.ns}-{node}"] = self.procs.wait_for(
+                lambda f=f: f.exists() and f.read_text(), f"agent {node} up", 90, names=(node,)
             )
         items = [
             {
@@ -163,7 +139,7 @@ class Stack:
         priority: int,
         *,
         poll_s: float = 5.0,
-        window_s: float = 5.0,
+        window_s: float = WINDOW_S,
         extra: tuple[str, ...] = (),
     ) -> None:
         assert self.op_kubeconfig is not None
@@ -202,19 +178,16 @@ class Stack:
             {**self.env, "KUBECONFIG": str(self.gw_kubeconfig)},
         )  # fmt: skip
         urls = json.loads(
-            wait_for(
-                lambda: addr.exists() and addr.read_text(),
-                f"gateway {name} up",
-                60,
-                lambda: self.procs.log(name),
+            self.procs.wait_for(
+                lambda: addr.exists() and addr.read_text(), f"gateway {name} up", 60, names=(name,)
             )
         )
         gw = GatewayProc(name, urls["api"], urls["admin"])
-        wait_for(
+        self.procs.wait_for(
             lambda: _get_status(gw.api + "/healthz") == 200,
             f"gateway {name} ready (ModelDeployments listed)",
             60,
-            lambda: self.procs.log(name),
+            names=(name,),
         )
         self._endpoint_slice(name, int(gw.admin.rsplit(":", 1)[1]))
         self.gateways[name] = gw
@@ -290,3 +263,31 @@ def metric(admin_url: str, name: str, **labels: str) -> float:
 
 def now() -> float:
     return time.time()
+
+
+def seed_history(kubectl: Any, ns: str, md: str, model: str, avg: float, peak: float) -> None:
+    """A day and a bit of constant load, as if the operator had watched the model for a day.
+
+    Stored where the operator keeps it: in its own namespace (here the same ``ns``), named by
+    the deployment's UID."""
+    import warmserve.api.history as history_io
+    from warmserve.api.history import OWNER_LABEL, configmap_name
+    from warmserve.control.history import LoadHistory
+
+    uid = json.loads(kubectl("get", "wsmd", md, "-n", ns, "-o", "json").stdout)["metadata"]["uid"]
+    h = LoadHistory(WINDOW_S)
+    end = math.floor(time.time() / WINDOW_S)
+    per_day = round(86400 / WINDOW_S)
+    for i in range(end - per_day - 30, end):
+        h.record(i, avg, peak)
+    cm = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": configmap_name(uid),
+            "namespace": ns,
+            "labels": {"app.kubernetes.io/managed-by": "warmserve-operator", OWNER_LABEL: uid},
+        },
+        "data": history_io.to_data(h, model),
+    }
+    kubectl("apply", "-f", "-", input=json.dumps(cm))

@@ -23,7 +23,9 @@ What it models (so that code which is wrong on a GPU is wrong here too):
   with a ``TypeError`` fails the test.
 
 Every violation raises ``AssertionError`` (and is kept in ``violations``).  Nothing here is a
-GPU claim; ``hack/gpu-check.sh`` runs the same contract tests against a real device.
+GPU claim; ``hack/gpu-check.sh`` runs the same contract tests against a real device.  A test
+double for the tests, ``hack/gpu-check.sh --dry-run`` and ``bench/gpu_bench.py --smoke``; never
+used in production.
 """
 
 from __future__ import annotations
@@ -569,8 +571,9 @@ class FakeDriver:
         return self._ok()
 
 
-# One shared instance per process for worker processes (``driver="tests.fake_cuda:DRIVER"``);
-# sized by the environment the test sets before the workers start.
+# One shared instance per process for worker processes
+# (``driver="warmserve_agent.fake_cuda:DRIVER"``); sized by the environment the test sets before
+# the workers start.
 DRIVER = FakeDriver(
     devices=int(os.environ.get("WARMSERVE_FAKE_CUDA_DEVICES", "2")),
     mem_bytes=int(os.environ.get("WARMSERVE_FAKE_CUDA_MEM", str(64 * MiB))),

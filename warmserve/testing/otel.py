@@ -1,4 +1,4 @@
-"""A real OpenTelemetry Collector for the tracing tests, and the spans it received.
+"""A real OpenTelemetry Collector for the tracing tests and benches, and the spans it received.
 
 The collector is the minimal one ``hack/testbin/build.sh otelcol`` builds (OTLP receiver + file
 exporter, ``hack/testbin/otelcol/main.go``).  :class:`Collector` starts it on free loopback ports
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model_sources_support import built_server
+from warmserve.testing.testbin import built_server
 
 SERVER, CLIENT = 2, 3  # OTLP span kinds
 
@@ -141,6 +141,13 @@ class Collector:
             if b"address already in use" not in log_path.read_bytes():
                 break
         raise RuntimeError(f"the collector did not start:\n{log_path.read_text()[-3000:]}")
+
+    def check(self) -> None:
+        """Raise if the collector has exited since it started (for
+        :meth:`~warmserve.testing.procs.Procs.also_check`)."""
+        if self.proc is not None and self.proc.poll() is not None:
+            log = (self.workdir / "collector.log").read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"the collector exited with status {self.proc.returncode}:\n{log}")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
