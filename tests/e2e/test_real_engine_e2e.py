@@ -2,13 +2,13 @@
 hack/vllm/setup.sh): the official ``openai`` client → the gateway → an instance the operator
 started on a node agent → real vLLM (CPU) over a prewarmed slot, on a real kube-apiserver.
 
-The stack is wired as the chart wires it (``gateway_stack.Stack``: CRDs, the chart's operator and
-gateway ServiceAccounts and RBAC rendered by helm, their tokens for the processes, the demand
-Service's EndpointSlices); one agent process with one simulated 1 GiB GPU hosts the ``vllm``
-engine.  Two ModelDeployments with ``engine: vllm``: SmolLM2-135M-Instruct (``smollm2``, the
-real model of warmserve.realmodel) and a second copy of it under another name (``smollm2-b``:
-the only other real model small enough for this machine would double the download).  One
-control plane, one agent and one gateway serve every step:
+The stack is wired as the chart wires it (``warmserve.testing.stack.Stack``: CRDs, the chart's
+operator and gateway ServiceAccounts and RBAC rendered by helm, their tokens for the processes,
+the demand Service's EndpointSlices); one agent process with one simulated 1 GiB GPU hosts the
+``vllm`` engine. Two ModelDeployments with ``engine: vllm``: SmolLM2-135M-Instruct (``smollm2``,
+the real model of warmserve.realmodel) and a second copy of it under another name
+(``smollm2-b``: the only other real model small enough for this machine would double the
+download). One control plane, one agent and one gateway serve every step:
 
 1. both are prewarmed into slots of the **same** GPU (a universal worker holding two real
    models), no instance yet;
@@ -37,8 +37,6 @@ from typing import Any
 
 import openai
 import pytest
-from e2e_support import Procs, seed_history, wait_for
-from gateway_stack import Stack, demand_of, metric
 from real_engine_support import (
     ENGINE_ARGS,
     MAX_TOKENS,
@@ -47,6 +45,9 @@ from real_engine_support import (
     Reference,
     store_models,
 )
+
+from warmserve.testing.procs import Procs, wait_for
+from warmserve.testing.stack import Stack, demand_of, metric, seed_history
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
