@@ -260,13 +260,11 @@ class EnginePreparer:
             return
         rec = PreparedRec(host, engine, args, slot.gpus[0], PreparedReport(PreparedState.PREPARING))
         self.prepared[slot.slot_id] = rec
-        t = threading.Thread(
-            target=self._prepare, args=(slot.slot_id, slot.model, rec, spec), daemon=True
-        )
+        t = threading.Thread(target=self._prepare, args=(slot.slot_id, rec, spec), daemon=True)
         self._threads = [x for x in self._threads if x.is_alive()] + [t]
         t.start()
 
-    def _prepare(self, slot_id: str, model: str, rec: PreparedRec, spec: EngineSpec) -> None:
+    def _prepare(self, slot_id: str, rec: PreparedRec, spec: EngineSpec) -> None:
         """Preparation thread: ask the host, wait for the build (outside the state lock)."""
         assert rec.host is not None
         try:
@@ -281,11 +279,6 @@ class EnginePreparer:
         if rec.over:
             return  # the slot went (or was activated) meanwhile
         r = rec.report
-        if r.state == PreparedState.READY:
-            # What the waiting engine holds beside the weights, charged by placement per replica.
-            # Engines are prepared only where their device is the host (CPU), so host bytes are
-            # the device's bytes; a GPU's context and graphs would be reported here once prepared.
-            self._state.profiles.record_engine_overhead(model, r.host_bytes)
         msg = (
             f"engine {rec.engine} prepared in {r.seconds:.2f}s ({r.host_bytes} host bytes)"
             if r.state == PreparedState.READY

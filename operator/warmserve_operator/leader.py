@@ -319,7 +319,9 @@ class Elector:
                 self._transition(False, "stopped", 0.0)
         if held and self.release_round is not None:
             try:
-                await asyncio.wait_for(self.release_round(), timeout=self.timing.retry_s)
+                # Up to the renew deadline, not one retry: a release slowed by a busy API server
+                # still spares the standby the Lease's expiry, and the stop stays bounded.
+                await asyncio.wait_for(self.release_round(), timeout=self.timing.renew_deadline_s)
                 log.info("event=lease_released")
             except Exception as exc:  # best effort: the Lease then expires as before
                 log.warning("event=lease_release_failed error=%r", str(exc) or type(exc).__name__)

@@ -23,11 +23,10 @@ from hypothesis import strategies as st
 from warmserve_agent.backends.cuda import CudaBackend
 from warmserve_agent.backends.simulated import SimulatedBackend
 from warmserve_agent.engines.kv_geometry import KvGeometry
+from warmserve_agent.fake_cuda import FakeDriver, replay_against_real
 from warmserve_agent.kv_pager import KvPager
 from warmserve_agent.kv_range import KvRange
 from warmserve_agent.memory import MemoryManager, PageTableError
-
-from tests.fake_cuda import FakeDriver, replay_against_real
 
 P = 2 * 1024 * 1024
 MiB = 1024**2

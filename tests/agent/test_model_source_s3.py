@@ -23,6 +23,7 @@ import pytest
 from conftest import write_model
 from warmserve_agent.sources import SourceSettings, open_source
 from warmserve_agent.sources.base import inspect
+from warmserve_agent.sources.disk_reserve import DiskReserve
 from warmserve_agent.sources.fetch_records import FetchFailed
 from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.store import WeightStore
@@ -132,6 +133,8 @@ def upload(url: str, bucket: str, prefix: str, model_dir: Path) -> None:
 
 def fetcher(root: Path, url: str, **kw) -> ModelFetcher:
     root.mkdir(parents=True, exist_ok=True)
+    # No disk reserve unless a test sets one: the machine's free disk is not what it tests.
+    kw.setdefault("reserve", DiskReserve(0.0, 0))
     return ModelFetcher(
         WeightStore(root),
         SourceSettings(s3_endpoint_url=url, s3_region="us-east-1", timeout_s=10),

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from conftest import write_model
 from warmserve_agent.sources import SourceError, SourceSettings, inspect, open_source
+from warmserve_agent.sources.disk_reserve import DiskReserve
 from warmserve_agent.sources.fetch_records import MANIFEST, FetchFailed, FetchState
 from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.store import StoreError, WeightStore
@@ -142,6 +143,8 @@ def fetcher_for(
     settings = kw.pop("settings", None) or SourceSettings(
         hf_endpoint=hub.url if hub else "", hf_token=kw.pop("token", ""), timeout_s=10
     )
+    # No disk reserve unless a test sets one: the machine's free disk is not what it tests.
+    kw.setdefault("reserve", DiskReserve(0.0, 0))
     return ModelFetcher(
         WeightStore(store_root),
         settings,

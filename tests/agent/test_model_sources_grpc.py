@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import PAGE, MiB, write_model
 from warmserve_agent.config import AgentConfig
+from warmserve_agent.sources.disk_reserve import DiskReserve
 from warmserve_agent.testing import AgentThread
 
 from tests.model_sources_support import HubServer, repo_from_dir
@@ -44,6 +45,7 @@ def agent_cfg(tmp_path: Path, hub: HubServer, **kw) -> AgentConfig:
         use_workers=False,
         hf_endpoint=hub.url,
         fetch_backoff_s=0.05,
+        store_reserve=DiskReserve(0.0, 0),  # the machine's free disk is not what it tests
     )
     base.update(kw)
     return AgentConfig(**base)

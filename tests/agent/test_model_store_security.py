@@ -22,6 +22,7 @@ from conftest import write_model
 from hypothesis import HealthCheck, given, settings
 from warmserve_agent.sources import SourceError, SourceSettings, open_source
 from warmserve_agent.sources.base import RemoteFile, select
+from warmserve_agent.sources.disk_reserve import DEFAULT_RESERVE, DiskReserve
 from warmserve_agent.sources.fetch_records import FetchFailed
 from warmserve_agent.sources.fetcher import ModelFetcher
 from warmserve_agent.sources.hf import HfSource
@@ -42,6 +43,8 @@ def fetcher(root: Path, hub: HubServer | None = None, **kw) -> ModelFetcher:
     settings = kw.pop("settings", None) or SourceSettings(
         hf_endpoint=hub.url if hub else "", timeout_s=10
     )
+    # No disk reserve unless a test sets one: the machine's free disk is not what it tests.
+    kw.setdefault("reserve", DiskReserve(0.0, 0))
     kw.setdefault("in_use", lambda: set())
     return ModelFetcher(
         WeightStore(root),
@@ -415,7 +418,7 @@ def test_the_default_reserve_refuses_a_fetch_with_the_numbers(tmp_path: Path, re
     with HubServer(repos) as hub:
         # 100 GiB disk: the default keeps 15 GiB; 15 GiB + need - 1 byte free is too little.
         disk = FakeDisk(100 * GiB, 15 * GiB + need - 1)
-        f = fetcher(tmp_path / "store", hub, disk_space=disk)
+        f = fetcher(tmp_path / "store", hub, disk_space=disk, reserve=DEFAULT_RESERVE)
         with pytest.raises(FetchFailed) as exc:
             fetch(f, "acme/one", "hf://acme/one")
         assert exc.value.code == "RESOURCE_EXHAUSTED"
@@ -432,7 +435,7 @@ def test_the_reserve_is_watched_while_downloading(tmp_path: Path, repos) -> None
     with HubServer(repos) as hub:
         # Room when the fetch starts; then another writer fills the disk.
         disk = FakeDisk(100 * GiB, 50 * GiB, 15 * GiB)
-        f = fetcher(tmp_path / "store", hub, disk_space=disk, parallel=1)
+        f = fetcher(tmp_path / "store", hub, disk_space=disk, parallel=1, reserve=DEFAULT_RESERVE)
         with pytest.raises(FetchFailed, match="while downloading") as exc:
             fetch(f, "acme/one", "hf://acme/one")
         assert exc.value.code == "RESOURCE_EXHAUSTED"

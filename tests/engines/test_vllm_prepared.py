@@ -193,3 +193,47 @@ def test_a_worker_crash_loses_the_prepared_engine_and_the_new_worker_prepares_ag
         assert _tokens(res.instance.endpoint) == reference
         assert new.call("ping")["engine_builds"] == 1, "built once: prepared, not at Activate"
         assert new.call("prepared_state", slot_id=sid).state == PreparedState.NONE
+
+
+def test_a_partial_hit_in_a_pooled_worker_is_not_held_by_its_kv_growth(
+    tmp_path: Path,
+    tiny_root: Path,  # noqa: F811
+    reference: list[int],  # noqa: F811
+) -> None:
+    """The engine in a pooled worker, 1 of 4 layers resident, the rest copied at 1.5 MB/s, KV
+    mapped in the background: the pager's KV raises reach the worker while the request's forward
+    waits for a layer, which arrives through the same worker's command pipe.  A raise that waited
+    for the engine thread held that pipe until the forward gave up (~30 s, kv_grow_failed); the
+    tokens come now within seconds, identical to plain vLLM's."""
+    from warmserve_agent.config import AgentConfig
+    from warmserve_agent.testing import AgentThread
+
+    from warmserve.api.agent.client import SyncAgentClient, pb
+
+    cfg = AgentConfig(
+        model_dir=tiny_root,
+        simulate_gpus=[GPU],
+        listen="127.0.0.1:0",
+        page_bytes=PAGE,
+        memory_dir=tmp_path / "mem",
+        spare_workers=0,
+        engines=("vllm",),
+        sim_copy_bytes_per_s=1.5e6,
+    )
+    with AgentThread(cfg) as agent, SyncAgentClient(agent.address) as c:
+        sid = c.prewarm_wait("tiny", [0], layers=1, engine="vllm", engine_args=ARGS).slot_id
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            (s,) = c.describe().slots
+            if s.prepared_engine.state == pb.PREPARED_ENGINE_STATE_READY:
+                break
+            assert s.prepared_engine.state != pb.PREPARED_ENGINE_STATE_FAILED, s
+            time.sleep(0.1)
+        res = c.activate("tiny", [0], engine="vllm", engine_args=ARGS)
+        assert res.prewarm_hit and res.instance.stages.engine_prepared
+        assert res.instance.instance_id and sid
+        t0 = time.monotonic()
+        assert _tokens(res.instance.endpoint) == reference
+        took = time.monotonic() - t0
+        # the rest of the model (3 layers) streams in ~1 s at 1.5 MB/s; 30 s was the stall
+        assert took < 20, f"first answer took {took:.1f}s: the forward waited on a held pipe"

@@ -58,6 +58,11 @@ from warmserve_agent.engines.vllm.loop import LoopThread
 
 log = logging.getLogger("warmserve.agent.engine.vllm")
 
+
+def _log_failed_growth(fut: Any) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("event=kv_grow_failed error=%r", str(fut.exception()))
+
 # vLLM keeps process-wide state (its distributed environment, the current config): engines of one
 # process are built and torn down one at a time (a worker hosts one; tests run several), and that
 # state is torn down when the last engine built in the process stops.
@@ -176,19 +181,29 @@ class VllmEngine:
         assert self._client is not None and self._kv is not None
         kv = self._kv
         if int(nbytes) >= kv.granted * kv.geometry.block_bytes:
-            return self.grow_kv_cache(nbytes)
+            return self.grow_kv_cache(nbytes, wait=False)
         return int(self._client.call_sync(lambda: kv.resize(int(nbytes))))
 
-    def grow_kv_cache(self, nbytes: int) -> int:
+    def grow_kv_cache(self, nbytes: int, *, wait: bool = True) -> int:
         """Raise the KV capacity to ``nbytes``: the newly usable blocks' pages are mapped in
         this process (checked against the agent's page table on the simulated backend) and
         zeroed, then handed to vLLM's scheduler (engine thread, between steps; ``kv.py``).  The
         one place the KV cache grows: at :meth:`start` (what the agent mapped already: a
         prepared engine's blocks are all held until then) and whenever the agent's background
-        mapping raises the capacity.  Returns the capacity kept, in bytes."""
+        mapping raises the capacity.  Returns the capacity kept, in bytes.
+
+        ``wait=False`` (a raise from the agent's pager) queues the growth for the engine thread
+        and returns the capacity it will keep: the engine may be inside a forward that waits for
+        a layer, which the agent delivers through this worker's command pipe, so waiting here
+        would hold that pipe until the forward gives up (a partial prewarm's first token)."""
         assert self._client is not None and self._kv is not None
         kv = self._kv
-        return int(self._client.call_sync(lambda: kv.resize(int(nbytes))))
+        if wait:
+            return int(self._client.call_sync(lambda: kv.resize(int(nbytes))))
+        fut = self._client.call_later(lambda: kv.resize(int(nbytes)))
+        fut.add_done_callback(_log_failed_growth)
+        g = kv.geometry
+        return min(g.num_blocks, max(0, int(nbytes)) // g.block_bytes) * g.block_bytes
 
     def stop(self) -> None:
         from warmserve_agent.engines.vllm.loader import release_slot

@@ -17,6 +17,7 @@ the stat loggers and their Prometheus metrics — is vLLM's, unchanged.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -122,6 +123,11 @@ class AsyncInprocClient(InprocClient):
         """Run ``fn`` on the engine thread from any other thread and wait for it."""
         result = asyncio.run_coroutine_threadsafe(self._await(fn), self._loop)
         return result.result(timeout_s)
+
+    def call_later(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Queue ``fn`` for the engine thread from any other thread, without waiting: calls run
+        in the order queued, between steps."""
+        return asyncio.run_coroutine_threadsafe(self._await(fn), self._loop)
 
     async def _await(self, fn: Callable[[], Any]) -> Any:
         return await self.call_in_engine_thread(fn)
