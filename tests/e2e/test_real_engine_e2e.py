@@ -122,6 +122,28 @@ class Held:
         return self.answer
 
 
+class Steady:
+    """Requests to one model one after another until stopped: load that keeps its instance
+    serving (the operator drains an idle one after --scale-down-delay) while the test looks."""
+
+    def __init__(self, client: openai.OpenAI, model: str) -> None:
+        self.answered = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, args=(client, model), daemon=True)
+        self._t.start()
+
+    def _run(self, client: openai.OpenAI, model: str) -> None:
+        while not self._stop.is_set():
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+            self.answered += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(120)
+
+
 def _check_tokens(answer: Any, ref: dict[str, Any], model: str) -> None:
     choice = answer.choices[0]
     assert answer.model == model
@@ -203,6 +225,7 @@ def test_real_tokens_through_gateway_operator_agent_and_vllm(
         #    the same GPU.
         t_move = time.monotonic()
         to_b = Held(client, B)
+        steady = Steady(client, B)  # and more, until the checks below are done
         answer_b = to_b.result(START_S + SETTLE_S)
         times["move_to_b_s"] = time.monotonic() - t_move
         _check_tokens(answer_b, reference, B)
@@ -245,6 +268,8 @@ def test_real_tokens_through_gateway_operator_agent_and_vllm(
             r["model"] == A for n in view["nodes"] for g in n["gpus"] for r in g["resident"]
         )
         assert (A in text) and (B in text), text
+        steady.stop()
+        assert steady.answered > 0
         times["total_s"] = time.monotonic() - t_start
         print(table)
         print(text)
