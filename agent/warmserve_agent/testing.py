@@ -132,6 +132,10 @@ def agent_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fetch-attempts", type=int, default=3)
     ap.add_argument("--metrics-port", type=int, default=None)
     ap.add_argument("--allow-engine-arg", action="append", default=[])
+    # The engines the node hosts, as the chart's agent.engines (tests/e2e/
+    # test_real_engine_e2e.py: simulated,vllm, in the venv of hack/vllm/setup.sh).
+    ap.add_argument("--engines", default="simulated")
+    ap.add_argument("--page-bytes", type=int, default=2 * 1024**2)
     return ap
 
 
@@ -161,6 +165,8 @@ async def serve_simulated(args: argparse.Namespace) -> None:
         fetch_attempts=args.fetch_attempts,
         fetch_backoff_s=0.2,
         metrics_port=args.metrics_port,
+        engines=tuple(args.engines.split(",")),
+        page_bytes=args.page_bytes,
         **policy,
     )
     server = await AgentServer(cfg).start()

@@ -3,7 +3,8 @@
 Routes are matched on the request target's normalised path (:func:`.hygiene.normalise_path`),
 exactly, against an allowlist: ``GET /v1/models`` and ``GET /v1/models/{model}`` are answered
 from the catalog (every served deployment the caller may use, with its readiness); ``POST`` to a
-forwarded route (``/v1/chat/completions`` and ``/v1/completions``, more with ``--route``) goes to
+forwarded route (``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
+``/v1/embeddings``, more with ``--route``) goes to
 an instance of the model the JSON body's ``model`` names, resolved among the caller's namespaces
 (:mod:`.names`), at the route's canonical path; everything else is 404 (405 for a known route
 with another method).

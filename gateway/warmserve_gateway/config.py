@@ -7,8 +7,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-# The routes forwarded to engines by default: OpenAI's JSON routes the gateway serves.
-FORWARDED_ROUTES = ("/v1/chat/completions", "/v1/completions")
+# The routes forwarded to engines by default: OpenAI's JSON routes vLLM serves (an engine
+# without one, e.g. /v1/embeddings of a generative model, gets a clear 404: errors.py).
+FORWARDED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 _ROUTE = re.compile(r"/v1(/[A-Za-z0-9_-]+)+")
 
 

@@ -59,3 +59,26 @@ def raw_error(
     if retry_after is not None:
         head.append(f"Retry-After: {int(retry_after)}")
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def route_not_served(status: int, data: bytes, route: str, model: str) -> web.Response | None:
+    """An engine's 404 for the route itself (vLLM registers ``/v1/embeddings`` only for a
+    pooling model and the generation routes only for generative ones, and then answers FastAPI's
+    ``{"detail": "Not Found"}``), as a clear error in OpenAI's shape; None for any other answer,
+    which is relayed as the engine sent it (an engine's own OpenAI error included)."""
+    if status != 404:
+        return None
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        doc = None
+    if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
+        return None
+    return openai_error(
+        404,
+        f"the model {model!r} does not serve POST {route}: its engine has no such route "
+        "(vLLM serves /v1/embeddings for embedding models only, and the completion and "
+        "response routes for generative models only)",
+        param="model",
+        code="unsupported_route",
+    )

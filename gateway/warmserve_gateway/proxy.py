@@ -43,6 +43,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from .errors import route_not_served
 from .holding import Dispatcher, ModelState, Rejected
 from .hygiene import response_headers
 from .metrics import Metrics
@@ -268,6 +269,9 @@ class Proxy:
                             meter.usage(None, (got,))
                         else:
                             meter.usage(got, trace=current_trace())
+                    missing = route_not_served(up.status, data, out.path, st.model)
+                    if missing is not None:
+                        return missing
                     return web.Response(
                         status=up.status, body=data, headers=response_headers(up.headers)
                     )

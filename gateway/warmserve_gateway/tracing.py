@@ -58,7 +58,9 @@ class _Outgoing(Protocol):
 _O = TypeVar("_O", bound=_Outgoing)
 
 # The fixed routes a span may be named after; anything else under /v1/ is "/v1/*".
-ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models"})
+ROUTES = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/models"}
+)
 _OPERATION = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
 _TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
 MAX_ATTRIBUTE_CHARS = 256  # a client's path or model name never makes a span bigger than this

@@ -71,8 +71,12 @@ def parse_usage(value: Any) -> Usage | UsageError | None:
         return None
     if not isinstance(value, dict):
         return UsageError.INVALID
-    given = _count(value.get("prompt_tokens"))
-    made = _count(value.get("completion_tokens", 0))
+    if "prompt_tokens" not in value and "input_tokens" in value:  # the Responses API's names
+        given = _count(value.get("input_tokens"))
+        made = _count(value.get("output_tokens", 0))
+    else:
+        given = _count(value.get("prompt_tokens"))
+        made = _count(value.get("completion_tokens", 0))
     if given is None or made is None:
         return UsageError.INVALID
     return Usage(given, made)

@@ -168,7 +168,10 @@ def test_simulated_stream_options_have_vllms_shape_and_the_gateway_counts_vllm(
     want_in = 5 * sum(u["prompt_tokens"] for u in usage.values())
     want_out = 5 * sum(u["completion_tokens"] for u in usage.values())
     assert want_out == 5 * (5 + 4)
-    series = 'warmserve_gateway_tokens_total{key="",model="tiny",namespace="default",type="%s"}'
+    series = (
+        'warmserve_gateway_tokens_total{key="_anonymous",model="tiny",namespace="default",'
+        'type="%s"}'
+    )
     assert f"{series % 'input'} {float(want_in)}" in text, text
     assert f"{series % 'output'} {float(want_out)}" in text, text
     assert "warmserve_gateway_usage_errors_total{" not in text

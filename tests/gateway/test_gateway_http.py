@@ -74,9 +74,14 @@ async def test_openai_routes_and_model_names(make_gateway: Any, tiny: Any) -> No
         async with s.get(f"{api}/v1/models/chat") as r:
             assert r.status == 200 and (await r.json())["id"] == "tiny"
         # Only allowlisted routes go to engines (--route adds some): the gateway answers 404.
-        st, _, doc = await post(s, f"{api}/v1/embeddings", {"model": "tiny", "input": "x"})
+        st, _, doc = await post(s, f"{api}/v1/tokenize", {"model": "tiny", "prompt": "x"})
         assert st == 404
         assert_openai_error(doc, "not_found")
+        # An allowlisted route the model's engine lacks (a generative model's embeddings): the
+        # engine's 404 becomes one in OpenAI's shape naming model and route.
+        st, _, doc = await post(s, f"{api}/v1/embeddings", {"model": "tiny", "input": "x"})
+        assert st == 404
+        assert_openai_error(doc, "unsupported_route")
         async with s.get(f"{api}/healthz") as r:
             assert r.status == 200
         async with s.get(f"{api}/nope") as r:

@@ -47,7 +47,7 @@ async def test_paths_are_normalised_and_only_allowlisted_routes_reach_engines(
         "/v1/..%2f..%2fmetrics",
         "/v1/chat%2Fcompletions",
         "/V1/chat/completions",
-        "/v1/embeddings",
+        "/v1/embeddings/x",
         "/v1/tokenize",
         "/metrics",
         "/v1/chat/completions%00",
@@ -82,10 +82,15 @@ async def test_paths_are_normalised_and_only_allowlisted_routes_reach_engines(
 async def test_an_extra_route_is_forwarded_only_when_the_admin_allows_it(
     make_gateway: Any, recorder: Any
 ) -> None:
-    routes = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+    st_, _, _ = await raw_http(
+        (await make_gateway([md("rec", "rec", [("r1", recorder.url)])]))[0].urls["api"],
+        post("/v1/score"),
+    )
+    assert st_ == 404 and recorder.paths() == []
+    routes = ("/v1/chat/completions", "/v1/completions", "/v1/score")
     gw, _ = await make_gateway([md("rec", "rec", [("r1", recorder.url)])], forwarded_routes=routes)
-    st_, _, _ = await raw_http(gw.urls["api"], post("/v1/./embeddings"))
-    assert st_ == 200 and recorder.paths() == ["/v1/embeddings"]
+    st_, _, _ = await raw_http(gw.urls["api"], post("/v1/./score"))
+    assert st_ == 200 and recorder.paths() == ["/v1/score"]
 
 
 async def test_hop_by_hop_headers_are_stripped_both_ways(make_gateway: Any, recorder: Any) -> None:

@@ -33,7 +33,20 @@ def register(subparsers: Any) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--gpus", default="2x8x80GiB", help="NODESxGPUSxMEMORY of the simulated cluster")
+    p.add_argument(
+        "--gpus",
+        default=None,
+        help="NODESxGPUSxMEMORY of the simulated cluster (default 2x8x80GiB; 1x2x1GiB with "
+        "--engine vllm)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["simulated", "vllm"],
+        default="simulated",
+        help="simulated: four Llama-2 stand-ins on the simulated engine (needs nothing); vllm: "
+        "real tokens from real vLLM on the CPU for the models that fit one (SmolLM2-135M, twice), "
+        "after hack/vllm/setup.sh (~5 GB, once)",
+    )
     p.add_argument(
         "--trace",
         default=None,
@@ -106,6 +119,7 @@ def run_up(args: argparse.Namespace) -> int:
         port=args.port,
         rps=args.rps,
         tty=False if args.plain else None,
+        engine=args.engine,
     )
     try:
         up(opts, _say)

@@ -129,6 +129,9 @@ class Kubelet:
         self.log = log
         self.pods: dict[str, Pod] = {}
         self.host_ip = host_ip()
+        # The image of a component, where it is not this python: its interpreter and the
+        # PYTHONPATH that finds the checkout (the agents under --engine vllm: realengine.py).
+        self.python_for: dict[str, tuple[str, str]] = {}
 
     # ---- nodes ------------------------------------------------------------------------------
 
@@ -170,14 +173,14 @@ class Kubelet:
         pdir = self.dir / pod.name
         mounts = self._volumes(pod, pdir, spec, c)
         env = self._env(pod, c)
-        argv = (
-            [sys.executable, "-m", "warmserve"]
-            if c["command"] == ["warmserve"]
-            else list(c["command"])
-        )
+        component = pod.template["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+        python, pythonpath = self.python_for.get(str(component), (sys.executable, ""))
+        argv = [python, "-m", "warmserve"] if c["command"] == ["warmserve"] else list(c["command"])
         for arg in c.get("args") or []:
             argv.append(translate_arg(_expand(str(arg), env), pod.ip, mounts, remap))
         proc_env = {**self.env, **env}
+        if pythonpath:
+            proc_env["PYTHONPATH"] = pythonpath
         if spec.get("automountServiceAccountToken", True):  # as the kubelet: no token if off
             sa = spec.get("serviceAccountName", "default")
             kcfg = self.plane.kubeconfig_for(

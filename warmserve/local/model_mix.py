@@ -44,6 +44,14 @@ class LocalModel:
     prefill_tok_s: float
     decode_tok_s: float
     kv_kib_per_token: float
+    # A warmserve.realmodel name: the model serves those real weights on the vllm engine
+    # (``up --engine vllm``); empty: stand-in weights on the simulated engine.
+    real: str = ""
+    engine_args: tuple[str, ...] = ()
+    engine_start_s: float = 0.0  # an engine's own start on top of the load (vLLM builds one)
+
+
+ENGINES = ("simulated", "vllm")
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,9 @@ class ModelMix:
     max_grace_s: float
     max_hold_s: float
     max_queue: int
+    engine: str = "simulated"
+    max_input_tokens: int = 0  # caps on the lengths trace's requests (0: none)
+    max_output_tokens: int = 0
 
     @property
     def copy_bytes_per_s(self) -> float:
@@ -73,7 +84,7 @@ class ModelMix:
 
     def cold_start_s(self, m: LocalModel) -> float:
         """T_c of Eq. 7-8: the seconds a whole load takes here (shards load in parallel)."""
-        return round(self.weight_bytes(m) / m.tp / self.copy_bytes_per_s, 2)
+        return round(self.weight_bytes(m) / m.tp / self.copy_bytes_per_s + m.engine_start_s, 2)
 
     def weight_bytes(self, m: LocalModel) -> int:
         return int(m.weight_gib * GIB / self.byte_scale)
@@ -100,6 +111,9 @@ def parse(doc: Any, source: str = "up.yaml") -> ModelMix:
         name = str(m.get("name", ""))
         if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{0,62}", name):
             raise UpConfigError(f"{where}.name must be a DNS label, got {name!r}")
+        args = m.get("engine_args") or []
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise UpConfigError(f"{where}.engine_args must be a list of strings")
         models.append(
             LocalModel(
                 name=name,
@@ -112,11 +126,22 @@ def parse(doc: Any, source: str = "up.yaml") -> ModelMix:
                 prefill_tok_s=_num(m, "prefill_tok_s", where),
                 decode_tok_s=_num(m, "decode_tok_s", where),
                 kv_kib_per_token=_num(m, "kv_kib_per_token", where),
+                real=str(m.get("real") or ""),
+                engine_args=tuple(args),
+                engine_start_s=float(m.get("engine_start_s") or 0.0),
             )
         )
     if not models:
         raise UpConfigError(f"{source}: no models")
     wl, pol, gw = doc.get("workload") or {}, doc.get("policy") or {}, doc.get("gateway") or {}
+    engine = str(doc.get("engine", "simulated"))
+    if engine not in ENGINES:
+        raise UpConfigError(f"{source}: engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "simulated" and any(m.real for m in models):
+        raise UpConfigError(f"{source}: real models need engine: vllm")
+    caps = {k: int(doc.get(k) or 0) for k in ("max_input_tokens", "max_output_tokens")}
+    if any(v < 0 for v in caps.values()):
+        raise UpConfigError(f"{source}: max_input_tokens and max_output_tokens must be >= 0")
     return ModelMix(
         name=str(doc.get("name", "up")),
         byte_scale=int(_num(doc, "byte_scale", source)),
@@ -135,12 +160,16 @@ def parse(doc: Any, source: str = "up.yaml") -> ModelMix:
         max_grace_s=_num(pol, "max_grace_s", f"{source}: policy"),
         max_hold_s=_num(gw, "max_hold_s", f"{source}: gateway"),
         max_queue=int(_num(gw, "max_queue", f"{source}: gateway")),
+        engine=engine,
+        **caps,
     )
 
 
-def load_default() -> ModelMix:
-    text = (resources.files("warmserve.data") / "examples" / "up.yaml").read_text()
-    return parse(yaml.safe_load(text))
+def load_default(engine: str = "simulated") -> ModelMix:
+    """``up.yaml`` (the simulated engine) or ``up-vllm.yaml`` (``--engine vllm``)."""
+    name = "up.yaml" if engine == "simulated" else f"up-{engine}.yaml"
+    text = (resources.files("warmserve.data") / "examples" / name).read_text()
+    return parse(yaml.safe_load(text), name)
 
 
 # ---- stand-in weights ---------------------------------------------------------------------------
@@ -151,14 +180,18 @@ _EDGE_SHARE = 0.02
 _HIDDEN = 64  # row width of every stand-in tensor; only the byte counts matter
 
 
-def write_weights(mix: ModelMix, root: Path) -> Path:
+def write_weights(mix: ModelMix, root: Path, real: dict[str, Path] | None = None) -> Path:
     """Write each model's stand-in checkpoint under ``root`` (skipped when already written for
-    this configuration); returns ``root``."""
+    this configuration), or link a real model's files (``real``: realmodel name -> its verified
+    directory); returns ``root``."""
     from safetensors.numpy import save_file
 
     root.mkdir(parents=True, exist_ok=True)
     for idx, m in enumerate(mix.models):
         d = root / store_dirname(m.name)  # the agent's store layout (warmserve.modelref)
+        if m.real:
+            link_real(d, (real or {})[m.real])
+            continue
         profile = {
             "max_batch": m.max_batch,
             "prefill_tok_s": m.prefill_tok_s,
@@ -191,6 +224,22 @@ def write_weights(mix: ModelMix, root: Path) -> Path:
     return root
 
 
+def link_real(dest: Path, src: Path) -> None:
+    """A real model's files in the store (hard links: the cache is verified, read-only to us)."""
+    import os
+    import shutil
+
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith("WARMSERVE-"):
+            try:
+                os.link(f, dest / f.name)
+            except OSError:
+                shutil.copy2(f, dest / f.name)
+
+
 # ---- ModelDeployments ---------------------------------------------------------------------------
 
 
@@ -220,6 +269,8 @@ def model_deployments(mix: ModelMix, namespace: str, *, prewarm: bool) -> list[d
                 },
             }
         )
+        if m.real:  # real weights: the vllm engine (the agents' default stays simulated)
+            out[-1]["spec"]["engine"] = {"name": "vllm", "args": list(m.engine_args)}
     return out
 
 

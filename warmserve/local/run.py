@@ -103,6 +103,9 @@ def replay_once(
         "Ctrl-C: stop the replay and write the report (the stack keeps running)",
     ]
     title = f"warmserve up [{label}] {plan.trace} at {plan.speed:g}x"
+    real = [m.name for m in mix.models if m.real]
+    if real:  # which models answer with real tokens (the others would be simulated)
+        title += f" · real vLLM: {', '.join(real)}"
     interrupted = asyncio.run(
         _drive(replayer, sampler, View(title, sampler, replayer, footer, tty=tty, log=say), t0_mono)
     )

@@ -27,6 +27,7 @@ import yaml
 from . import procs
 from .controlplane import CHART, ControlPlane
 from .kubelet import Kubelet, Pod, marker_env, pod_network
+from .realengine import source_path
 from .model_mix import ModelMix, simulated_gpus_flag, write_weights
 from .state import Stack, StackError
 from .workload import ReplayPlan
@@ -54,8 +55,10 @@ def values(
     mix: ModelMix, plan: ReplayPlan, gpus_per_node: int, gib: float, models: Path
 ) -> dict[str, Any]:
     """The chart values of the local stack: the time-compressed operator, simulated GPUs at the
-    byte scale, the stand-in model cache; everything else is the chart's default."""
+    byte scale, the stand-in model cache (real models linked in); everything else is the
+    chart's default.  ``engine: vllm`` scenarios: the agents host vllm too, with 2 MiB pages."""
     speed = plan.speed
+    pages = [] if mix.engine == "vllm" else ["--page-size=64KiB"]
     return {
         "operator": {
             "windowSeconds": plan.window_s,
@@ -70,7 +73,8 @@ def values(
             "simulateGpus": simulated_gpus_flag(gpus_per_node, gib, mix.byte_scale),
             "gpuResource": {"count": 0},
             "modelCache": {"hostPath": str(models)},
-            "extraArgs": [f"--sim-copy-gbps={mix.copy_bytes_per_s / 1e9:.6g}", "--page-size=64KiB"],
+            "extraArgs": [f"--sim-copy-gbps={mix.copy_bytes_per_s / 1e9:.6g}", *pages],
+            "engines": "simulated,vllm" if mix.engine == "vllm" else "simulated",
         },
         "gateway": {"replicas": 2},
     }
@@ -108,7 +112,12 @@ def start(
     gib: float,
     port: int,
     say: Callable[[str], None],
+    *,
+    real: dict[str, Path] | None = None,
+    agent_python: str = "",
 ) -> Running:
+    """``real``: the real models' directories; ``agent_python``: the agents' interpreter (the
+    vLLM venv's under ``--engine vllm``)."""
     env = marker_env(stack)
     t0 = time.monotonic()
     say("starting the control plane (etcd + kube-apiserver)")
@@ -118,7 +127,7 @@ def start(
     plane.kubeconfig_for(None, NAMESPACE, stack.kubeconfig)
     say(f"control plane ready in {time.monotonic() - t0:.0f}s at {plane.server}")
 
-    models = write_weights(mix, stack.dir / "models")
+    models = write_weights(mix, stack.dir / "models", real)
     vals = values(mix, plan, gpus_per_node, gib, models)
     vfile = stack.dir / "helm" / "values.yaml"
     vfile.parent.mkdir(parents=True, exist_ok=True)
@@ -137,6 +146,8 @@ def start(
     )
 
     kubelet = Kubelet(plane, stack, NAMESPACE, stack.dir / "pods", env, log=say)
+    if agent_python:
+        kubelet.python_for["agent"] = (agent_python, source_path())
     workloads = plane.get("-n", NAMESPACE, "deployments,daemonsets")["items"]
     by_comp = {
         w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: w

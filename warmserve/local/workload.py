@@ -125,12 +125,21 @@ def plan(mix: ModelMix, trace: str, speed: float, minutes: float) -> ReplayPlan:
     return _plan_series(mix, trace, speed, minutes, window, day)
 
 
+def _capped(mix: ModelMix, inp: np.ndarray, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The scenario's caps on request lengths (a real model's context, a CPU's pace)."""
+    if mix.max_input_tokens:
+        inp = np.minimum(inp, mix.max_input_tokens)
+    if mix.max_output_tokens:
+        out = np.minimum(out, mix.max_output_tokens)
+    return inp, out
+
+
 def _plan_series(
     mix: ModelMix, trace: str, speed: float, minutes: float, window: float, day: float
 ) -> ReplayPlan:
     try:
         counts = wl.read_minute_series(trace)
-        lengths = wl.read_lengths(mix.lengths)
+        lengths = _capped(mix, *wl.read_lengths(mix.lengths))
     except (wl.WorkloadError, TraceError) as exc:
         raise PlanError(
             f"{exc}; warmserve up replays per-minute request-count series or request-level "
@@ -225,6 +234,7 @@ def _plan_requests(
     p = min(1.0, mix.rps / rate_wall) if rate_wall > 0 else 1.0
     sel = rng.random(arr.size) < p
     arr, inp, out = arr[sel], inp[sel].astype(np.int64), out[sel].astype(np.int64)
+    inp, out = _capped(mix, inp, out)
     shares = wl.power_law_shares(len(mix.models), mix.alpha)
     model = rng.choice(len(mix.models), size=arr.size, p=shares).astype(np.int32)
     warm_s = warm_min * 60 / speed

@@ -1,10 +1,11 @@
 """The simulated engine's OpenAI-compatible HTTP side (:class:`OpenAIServing`, mixed into
 :class:`~warmserve_agent.engines.simulated.SimulatedEngine`): the aiohttp server on its own
-thread's loop, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming),
-``/metrics`` (vLLM's metric names) and ``/health``; admission against the batch limit, the
-bounded queue and the KV capacity; tokens paced from the model's profile; ``usage`` as vLLM
-0.32 reports it (always in a whole answer; in a stream only with
-``stream_options.include_usage``, as a last chunk without choices that takes the
+thread's loop, ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming,
+``n`` choices), ``/v1/responses``, ``/v1/embeddings`` refused as vLLM refuses it for a generative
+model (:mod:`.simulated_answers`), ``/metrics`` (vLLM's metric names) and ``/health``;
+admission against the batch limit, the bounded queue and the KV capacity; tokens paced from
+the model's profile; ``usage`` as vLLM 0.32 reports it (always in a whole answer; in a stream
+only with ``stream_options.include_usage``, as a last chunk without choices that takes the
 ``system_fingerprint`` from the finish chunk).  The engine's state
 (:class:`EngineState`) is shared with the engine side, which owns weights and the Engine
 protocol.  Behaviour and simplifications: :mod:`warmserve_agent.engines.simulated`.
@@ -27,6 +28,7 @@ from typing import Any
 
 from warmserve_agent.engine import TtftWindow
 from warmserve_agent.engine_events import EngineEventKind, EventSender
+from warmserve_agent.engines import simulated_answers as answers
 from warmserve_agent.engines.simulated_kv import SimKvCache
 from warmserve_agent.engines.spec import EngineSpec
 
@@ -114,6 +116,8 @@ class OpenAIServing:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/responses", self._responses)
+        app.router.add_post("/v1/embeddings", self._no_embeddings)
         app.router.add_get("/metrics", self._metrics_handler)
         # handler_cancellation: a client that disconnects cancels its handler, so a request
         # abandoned while queued or decoding releases its place and KV at once.
@@ -187,7 +191,7 @@ class OpenAIServing:
             prompt = " ".join(str(p) for p in prompt)
         if not isinstance(prompt, str):
             return self._error(400, "prompt must be a string or a list of strings")
-        return await self._generate(request, body, prompt, chat=False)
+        return await self._generate(request, body, prompt, "completion")
 
     async def _chat(self, request: Any) -> Any:
         body, err = await self._parse(request)
@@ -198,11 +202,39 @@ class OpenAIServing:
         if not isinstance(msgs, list) or not msgs:
             return self._error(400, "messages must be a non-empty list")
         prompt = " ".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
-        return await self._generate(request, body, prompt, chat=True)
+        return await self._generate(request, body, prompt, "chat")
 
-    def _token(self, prompt: str, i: int) -> str:
+    async def _responses(self, request: Any) -> Any:
+        assert self.spec is not None
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return self._error(400, "request body must be JSON")
+        if not isinstance(body, dict):
+            return self._error(400, "request body must be a JSON object")
+        if body.get("model") not in (None, self.spec.model):
+            return self._error(
+                404, f"model {body.get('model')!r} is not served here; this is {self.spec.model}"
+            )
+        try:
+            prompt, max_tokens = answers.responses_prompt(body)
+        except answers.BadRequest as exc:
+            return self._error(400, str(exc))
+        return await self._generate(
+            request, {**body, "max_tokens": max_tokens}, prompt, "responses"
+        )
+
+    async def _no_embeddings(self, request: Any) -> Any:
+        from aiohttp import web
+
+        # vLLM registers /v1/embeddings only for a pooling model; this engine simulates
+        # generative ones, so it answers what vLLM's server answers for them.
+        return web.json_response(answers.NOT_FOUND_BODY, status=404)
+
+    def _token(self, prompt: str, i: int, choice: int = 0) -> str:
+        extra = choice.to_bytes(4, "little") if choice else b""  # choice 0: the one-choice words
         h = hashlib.blake2b(
-            self._st.seed + prompt.encode() + i.to_bytes(4, "little"), digest_size=4
+            self._st.seed + prompt.encode() + i.to_bytes(4, "little") + extra, digest_size=4
         )
         return _VOCAB[int.from_bytes(h.digest(), "little") % len(_VOCAB)]
 
@@ -266,17 +298,23 @@ class OpenAIServing:
         await self._notify()
         self._events.send(EngineEventKind.FINISHED)  # Eq. 1 is re-checked on completion
 
-    async def _generate(self, request: Any, body: dict[str, Any], prompt: str, chat: bool) -> Any:
+    async def _generate(self, request: Any, body: dict[str, Any], prompt: str, kind: str) -> Any:
+        """Admit, prefill and decode one request; ``kind``: completion, chat or responses."""
         from aiohttp import web
 
         assert self.spec is not None
         prof = self.spec.profile
+        chat = kind == "chat"
+        try:
+            n = 1 if kind == "responses" else answers.choices_n(body)
+        except answers.BadRequest as exc:
+            return self._error(400, str(exc))
         n_prompt = max(1, len(prompt.split()))
         max_tokens = body.get("max_tokens", 16)
         stream = bool(body.get("stream", False))
         include_usage, continuous = _include_usage(body)
         kvt = prof.kv_bytes_per_token
-        need = (n_prompt + max_tokens) * kvt
+        need = (n_prompt + n * max_tokens) * kvt
         if self.max_model_len and n_prompt + max_tokens > self.max_model_len:
             return self._error(
                 400,
@@ -286,7 +324,7 @@ class OpenAIServing:
             )
         if self._kv.pages_for(need) > self._kv.total:
             return self._error(
-                400, f"prompt + max_tokens need {need} KV bytes, more than the cache"
+                400, f"prompt + n x max_tokens need {need} KV bytes, more than the cache"
             )
         if self._st.waiting >= self.max_waiting:
             self._st.dropped += 1
@@ -303,7 +341,8 @@ class OpenAIServing:
         self._st.kv_used += used
         created = int(time.time())
         resp: web.StreamResponse | None = None
-        words: list[str] = []
+        words: list[list[str]] = [[] for _ in range(n)]
+        answer = answers.ResponseAnswer(self.spec.model, body, created)
         try:
             self._kv.prefill(rid, pages)
             await self._prefill(n_prompt)
@@ -318,19 +357,27 @@ class OpenAIServing:
             if stream:
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(request)
+                if kind == "responses":
+                    for event in answer.opening(n_prompt):
+                        await resp.write(event)
             for i in range(max_tokens):
                 if i:
                     await asyncio.sleep(1.0 / prof.decode_tok_s)
-                w = self._token(prompt, i)
-                words.append(w)
-                self._kv.token(pages, n_prompt + i, kvt)
-                self._st.kv_used += kvt
-                used += kvt
-                if resp is not None:
+                for c in range(n):  # vLLM streams the choices interleaved, by index
+                    w = self._token(prompt, i, c)
+                    words[c].append(w)
+                    self._kv.token(pages, n_prompt + i * n + c, kvt)
+                    self._st.kv_used += kvt
+                    used += kvt
+                    if resp is None:
+                        continue
                     piece = ("" if i == 0 else " ") + w
-                    chunk = self._chunk(rid, created, piece, chat, None)
+                    if kind == "responses":
+                        await resp.write(answer.delta(piece))
+                        continue
+                    chunk = self._chunk(rid, created, piece, chat, None, c)
                     if continuous:
-                        chunk["usage"] = _usage(n_prompt, i + 1)
+                        chunk["usage"] = _usage(n_prompt, i * n + c + 1)
                     await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         except asyncio.CancelledError:
             self._st.dropped += 1  # the client went away mid-generation
@@ -338,19 +385,29 @@ class OpenAIServing:
         finally:
             await self._release(need, used, rid, pages)
             self._metrics.prompt_tokens.inc(n_prompt)
-            self._metrics.gen_tokens.inc(len(words))
+            self._metrics.gen_tokens.inc(sum(len(w) for w in words))
             self._metrics.e2e.observe(time.perf_counter() - t_arrive)
-        usage = _usage(n_prompt, len(words))
+        generated = sum(len(w) for w in words)
+        usage = _usage(n_prompt, generated)
+        texts = [" ".join(w) for w in words]
+        if kind == "responses":
+            if resp is not None:
+                for event in answer.closing(texts[0], n_prompt, generated):
+                    await resp.write(event)
+                await resp.write_eof()
+                return resp
+            return web.json_response(answer.response(texts[0], n_prompt, generated, True))
         if resp is not None:
             # As vLLM: usage only when stream_options.include_usage asked for it, in a chunk of
             # its own without choices after the last one, which then carries the fingerprint.
             fingerprint = f"warmserve-sim-{self._st.seed[:4].hex()}"
-            final = self._chunk(rid, created, "", chat, "length")
-            if continuous:
-                final["usage"] = usage
-            if not include_usage:
-                final["system_fingerprint"] = fingerprint
-            await resp.write(f"data: {json.dumps(final)}\n\n".encode())
+            for c in range(n):
+                final = self._chunk(rid, created, "", chat, "length", c)
+                if continuous:
+                    final["usage"] = usage
+                if not include_usage and c == n - 1:
+                    final["system_fingerprint"] = fingerprint
+                await resp.write(f"data: {json.dumps(final)}\n\n".encode())
             if include_usage:
                 last = {**self._chunk(rid, created, "", chat, None), "choices": []}
                 last.update(usage=usage, system_fingerprint=fingerprint)
@@ -358,37 +415,35 @@ class OpenAIServing:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
-        text = " ".join(words)
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": "length",
-            }
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": "length", "logprobs": None}
-            obj = "text_completion"
+        choices: list[dict[str, Any]] = []
+        for c, text in enumerate(texts):
+            if chat:
+                msg = {"role": "assistant", "content": text}
+                choices.append({"index": c, "message": msg, "finish_reason": "length"})
+            else:
+                choices.append(
+                    {"index": c, "text": text, "finish_reason": "length", "logprobs": None}
+                )
         return web.json_response(
             {
                 "id": rid,
-                "object": obj,
+                "object": "chat.completion" if chat else "text_completion",
                 "created": created,
                 "model": self.spec.model,
-                "choices": [choice],
+                "choices": choices,
                 "usage": usage,
             }
         )
 
     def _chunk(
-        self, rid: str, created: int, piece: str, chat: bool, finish: str | None
+        self, rid: str, created: int, piece: str, chat: bool, finish: str | None, index: int = 0
     ) -> dict[str, Any]:
         assert self.spec is not None
         if chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": piece}}
+            choice: dict[str, Any] = {"index": index, "delta": {"content": piece}}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": piece, "logprobs": None}
+            choice = {"index": index, "text": piece, "logprobs": None}
             obj = "text_completion"
         choice["finish_reason"] = finish
         return {

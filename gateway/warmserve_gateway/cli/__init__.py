@@ -205,8 +205,8 @@ def register(subparsers: Any) -> None:
         action="append",
         default=[],
         dest="routes",
-        help="forward POST requests on this OpenAI route too, e.g. /v1/embeddings (repeatable; "
-        "always: /v1/chat/completions, /v1/completions)",
+        help="forward POST requests on this OpenAI route too, e.g. /v1/score (repeatable; "
+        "always: /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings)",
     )
     p.add_argument(
         "--max-held",
