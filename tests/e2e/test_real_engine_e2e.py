@@ -37,7 +37,8 @@ from typing import Any
 
 import openai
 import pytest
-from real_engine_support import (
+
+from tests.e2e.real_engine_support import (
     ENGINE_ARGS,
     MAX_TOKENS,
     QUESTION,
@@ -45,7 +46,6 @@ from real_engine_support import (
     Reference,
     store_models,
 )
-
 from warmserve.testing.procs import Procs, wait_for
 from warmserve.testing.stack import Stack, demand_of, metric, seed_history
 

@@ -20,8 +20,9 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from gw_support import Engines, md
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.gateway.gw_support import Engines, md
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_up_cli import one_line_error
-from up_support import warmserve
 
+from tests.local.test_up_cli import one_line_error
+from tests.local.up_support import warmserve
 from warmserve.local.model_mix import UpConfigError, load_default, model_deployments, parse
 from warmserve.local.workload import plan
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from up_support import warmserve
 
+from tests.local.up_support import warmserve
 from warmserve.local import procs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]

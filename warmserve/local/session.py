@@ -11,11 +11,11 @@ from warmserve.textfmt import columns
 
 from . import procs
 from .controlplane import REPO, check_checkout, ensure_binaries
+from .model_mix import ENGINES, UpConfigError, load_default, parse_gpus
 from .realengine import SAMPLE_QUESTION, find_vllm_python, real_models, sample_answers
 from .realengine import describe as describe_engine
 from .report import RunData, headline, table, write
 from .run import info_of, replay_once, reset_for_next, settle_note
-from .model_mix import ENGINES, UpConfigError, load_default, parse_gpus
 from .stack import down, start
 from .state import (
     Stack,

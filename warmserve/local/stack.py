@@ -27,8 +27,8 @@ import yaml
 from . import procs
 from .controlplane import CHART, ControlPlane
 from .kubelet import Kubelet, Pod, marker_env, pod_network
-from .realengine import source_path
 from .model_mix import ModelMix, simulated_gpus_flag, write_weights
+from .realengine import source_path
 from .state import Stack, StackError
 from .workload import ReplayPlan
 from .workload_controllers import endpoint_slices, workload_status
