@@ -179,6 +179,30 @@ def wait_for(pred, timeout_s: float, what: str, poll_s: float = 0.02):  # type: 
     raise RuntimeError(f"timed out waiting for {what}")
 
 
+def profile_forward(client, model: str, args: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """One unmeasured start, kept until the agent has timed the model's forward on it.
+
+    The agent times a forward on each new instance of a model it has no timing for, in the
+    background with its own requests (``warmserve_agent.model_profile``): inside a measured
+    start those would share the engine with the measured request, and an instance ended after
+    its first token cuts the timing short, so the next start is timed again; one probe left in
+    an engine whose KV range grace lending took back waits for blocks, and ending that
+    instance then timed out (DEADLINE_EXCEEDED)."""
+    client.prewarm_wait(model, [0], 0, engine="vllm", engine_args=args)
+    res = client.activate(model, [0], engine="vllm", engine_args=args)
+
+    def timed():  # type: ignore[no-untyped-def]
+        (m,) = [m for m in client.describe().models if m.name == model]
+        return m.HasField("profile") and m.profile.compute_tp > 0
+
+    try:
+        wait_for(timed, 300, "the agent's timed forward", poll_s=0.2)
+    finally:
+        client.begin_grace(res.instance.instance_id)
+        client.end_instance(res.instance.instance_id, evict_weights=True)
+        time.sleep(0.3)  # the worker tears the engine down after answering
+
+
 def hit_round(  # type: ignore[no-untyped-def]
     client, model: str, layers: int, total: int, args: list[str], prompt, after_weights=False
 ) -> dict:
@@ -299,6 +323,8 @@ def bench_model(name: str, model_dir: Path, root: Path, tmp: Path, gpu_bytes: in
     t_start = time.perf_counter()
     with AgentThread(cfg) as agent, SyncAgentClient(agent.address) as client:
         pool_s = time.perf_counter() - t_start
+        if not a.smoke:
+            profile_forward(client, name, args)
         for r in range(a.rounds):
             for f in fracs:
                 n = total if f >= 1 else max(1, math.ceil(f * total))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -235,3 +236,43 @@ def test_measured_cpu_names_the_bad_field(tmp_path, edit, field):
         load_startup("measured-cpu", H800, results_dir=tmp_path)
 
 
+
+
+# --- the committed measured-cpu (bench/results/engine-cpu.json, a real run) ---
+
+RESULT = Path(__file__).resolve().parents[2] / "bench" / "results" / "engine-cpu.json"
+
+
+def test_committed_measured_cpu_is_a_real_engine_run_reproduced_by_its_constants():
+    data = json.loads(RESULT.read_text())
+    assert data["smoke"] is False and "--figure8" in data["command"]
+    assert "--smoke" not in data["command"]
+    assert "measured-cpu" in list_startup_profiles()
+    sp = load_startup("measured-cpu", H800)
+    assert sp.name == "measured-cpu" and "CPU model of a GPU system" in sp.description
+    # every constant cited to the committed file and the command that wrote it
+    for k, v in sp.sources.items():
+        assert "bench/results/engine-cpu.json" in v and data["command"] in v, k
+    (model,) = [m for m in data["models"] if "figure8" in data["summary"][m["model"]]]
+    f8 = data["summary"][model["model"]]["figure8"]
+    st = sp.stages
+    assert st is not None
+    load_all = sp.load_setup_s + model["weight_bytes"] / sp.load_bw
+    # taken as measured
+    assert st.activation_s == f8["weights"]["ttft_p50_s"]
+    assert st.import_s == f8["no_prewarm"]["import_p50_s"]
+    # the fresh process comes back within 2 % (stock_slowdown is derived from it by difference)
+    assert (st.import_s + st.engine_init_s + sp.stock_slowdown * load_all + st.activation_s
+            == pytest.approx(f8["no_prewarm"]["ttft_p50_s"], rel=0.02))
+    # The pooled cold start: exact by difference unless engine_init_s was clamped at 0, as in
+    # this run: the fitted weight path (prewarm times, each beside the prepared engine's build
+    # on the same 2 cores) takes longer for all weights than the whole measured cold start, so
+    # the profile overstates it; stated tolerance 30 %.  The engine start (29 layers loaded at
+    # Activate) is not reproduced: the fitted path gives ~2 s, the run 0.2 s (its weights stage
+    # shows the layers landing in ~0.1 s): docs/simulator.md.
+    pool = st.activation_s + st.engine_init_s + load_all
+    if st.engine_init_s > 0:
+        assert pool == pytest.approx(f8["process_pool"]["ttft_p50_s"], rel=0.02)
+    else:
+        assert pool >= f8["process_pool"]["ttft_p50_s"]
+        assert pool == pytest.approx(f8["process_pool"]["ttft_p50_s"], rel=0.30)
