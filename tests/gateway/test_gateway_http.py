@@ -361,9 +361,13 @@ async def test_every_instance_refusing_holds_the_request_until_one_serves(
         task = asyncio.create_task(
             post(s, f"{gw.urls['api']}/v1/chat/completions", {"model": "gone", **CHAT})
         )
-        await asyncio.sleep(0.5)
+        st = None
+        for _ in range(100):  # refused by both ended instances, then held (slower under load)
+            await asyncio.sleep(0.1)
+            st = gw.dispatcher.state("tiny")
+            if task.done() or (st is not None and st.held == 1):
+                break
         assert not task.done()
-        st = gw.dispatcher.state("tiny")
         assert st is not None and st.held == 1, "held: its demand starts an instance"
         src.modified(md("gone", "tiny", [(live_id, live_url)], max_hold_s=20))
         code, _, doc = await asyncio.wait_for(task, 10)
