@@ -90,6 +90,10 @@ class VllmEngine:
         self._serve_task: asyncio.Task[Any] | None = None
         self._gate: LayerGate | None = None
         self._kv: SlotKvPool | None = None
+        # The last capacity the agent asked for (raises are queued, so vLLM's own count lags):
+        # a request below it is a lowering, answered only once vLLM has kept what it must.
+        self._kv_asked = 0
+        self._kv_lock = threading.Lock()
         self._events = EventSender("", "")
         self._prepared = False  # built by prepare() and not started yet
         self._t_start = 0.0
@@ -180,9 +184,14 @@ class VllmEngine:
         (Eq. 1).  Answers the capacity kept, in bytes."""
         assert self._client is not None and self._kv is not None
         kv = self._kv
-        if int(nbytes) >= kv.granted * kv.geometry.block_bytes:
-            return self.grow_kv_cache(nbytes, wait=False)
-        return int(self._client.call_sync(lambda: kv.resize(int(nbytes))))
+        with self._kv_lock:
+            if int(nbytes) >= self._kv_asked:
+                return self.grow_kv_cache(nbytes, wait=False)
+            # A lowering waits for the raises queued before it and for vLLM's answer: it keeps
+            # the blocks in use, and the agent gives away only the pages above what it kept.
+            kept = int(self._client.call_sync(lambda: kv.resize(int(nbytes))))
+            self._kv_asked = kept
+            return kept
 
     def grow_kv_cache(self, nbytes: int, *, wait: bool = True) -> int:
         """Raise the KV capacity to ``nbytes``: the newly usable blocks' pages are mapped in
@@ -199,11 +208,14 @@ class VllmEngine:
         assert self._client is not None and self._kv is not None
         kv = self._kv
         if wait:
-            return int(self._client.call_sync(lambda: kv.resize(int(nbytes))))
+            kept = int(self._client.call_sync(lambda: kv.resize(int(nbytes))))
+            self._kv_asked = kept
+            return kept
         fut = self._client.call_later(lambda: kv.resize(int(nbytes)))
         fut.add_done_callback(_log_failed_growth)
         g = kv.geometry
-        return min(g.num_blocks, max(0, int(nbytes)) // g.block_bytes) * g.block_bytes
+        self._kv_asked = min(g.num_blocks, max(0, int(nbytes)) // g.block_bytes) * g.block_bytes
+        return self._kv_asked
 
     def stop(self) -> None:
         from warmserve_agent.engines.vllm.loader import release_slot
@@ -216,6 +228,7 @@ class VllmEngine:
         self._slot = None
         self._llm = self._client = self._server = self._app = None
         self._kv = None
+        self._kv_asked = 0
         self._events.close()
         if self._mem is not None:
             self._mem.close()
