@@ -153,6 +153,20 @@ def test_every_dashboard_panel_has_data_on_a_real_prometheus(
                 SETTLE_S,
                 logs,
             )
+            # The held requests all finish at once, so the GenAI histograms' series are born
+            # with their final counts and their rate is 0 (a NaN quantile) unless more requests
+            # land after Prometheus has their first sample: a second round, served directly.
+            wait_for(
+                lambda: prom.get("/api/v1/query", query="gen_ai_client_token_usage_count")[
+                    "result"
+                ],
+                "Prometheus holds the gateway's GenAI histograms",
+                SETTLE_S,
+                logs,
+            )
+            time.sleep(2.5)  # past the next scrape (every second)
+            _chat(gw.api, "tiny-chat", 2, "sk-dashboard-alice")
+            _chat(gw.api, "tiny-chat", 2, "sk-dashboard-bob", stream=False)
             from tests.e2e.e2e_support import describe_agents
 
             (inst,) = instances_of(describe_agents(st.agents), "tiny-code")
