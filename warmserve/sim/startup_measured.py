@@ -11,13 +11,18 @@ own start, medians over rounds (``summary.<model>.figure8``):
   all): the rest of the weights loaded at activation;
 * ``weights``: the full prewarm hit.
 
-The weight path comes from the prewarms before those starts, not from their first tokens: each
-prewarm's time (store to slot, ``prewarm_p50_s`` of the engine start and of every hit) against
-the bytes it loaded; a least-squares line through those points has slope 1 / ``load.bw`` and
-intercept ``load.setup_s``.  (Not from partial starts' first tokens: those also carry what the
-request waits for beside the weights.)  The stages are then the differences of the starts under
-that weight path (:func:`engine_bench_profile`).  Every constant's source names the file, its
-command and the fields it came from.  Measured on CPU: a model of the start-up of *this*
+The weight path comes from the partial prewarm hits (``engine`` and the bench's hits below
+all layers), round by round: each start's ``weights_resident`` stage (Activate until every layer
+is in its slot; the engine was prepared, so nothing else runs beside the load) against the
+bytes it loaded at Activate; a least-squares line through those points has slope
+1 / ``load.bw`` and intercept ``load.setup_s``.  Not from the prewarms' own times: a prewarm call
+also creates and maps its slot and shares the CPU with the engine prepared beside it (1.5 s on
+2 cores), so a line through them took longer for all weights than the whole measured pooled
+cold start, engine build included.  Not from the
+partial starts' first tokens either: those also carry what the request waits for beside the
+weights.  The stages are then the differences of the starts under that weight path
+(:func:`engine_bench_profile`).  Every constant's source names the file, its command and the
+fields it came from.  Measured on CPU: a model of the start-up of *this*
 machine's engine, not of a GPU.
 """
 
@@ -60,6 +65,32 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def _weight_points(
+    row: dict[str, Any], origin: str, model: str, layers: int, wbytes: float
+) -> tuple[list[tuple[float, float]], list[str]]:
+    """(bytes loaded at Activate, seconds until all layers were resident) of every round of a
+    partial prewarm hit whose engine was prepared (module docstring), and which starts they are."""
+    starts: list[tuple[str, Any]] = [("figure8.engine", (row.get("figure8") or {}).get("engine"))]
+    starts += [(f"hits.{f}", rounds) for f, rounds in sorted((row.get("hits") or {}).items())]
+    points: list[tuple[float, float]] = []
+    used: list[str] = []
+    for label, rounds in starts:
+        if not isinstance(rounds, list):
+            continue
+        n = 0
+        for i, r in enumerate(rounds):
+            at = f"{origin}: models[{model}].{label}[{i}]"
+            res = _pos(r, at, "layers_resident", strict=False)
+            if not (0 < res < layers and r.get("engine_prepared")):
+                continue
+            y = _pos(r, at, "stages", "weights_resident")
+            points.append(((layers - res) / layers * wbytes, y))
+            n += 1
+        if n:
+            used.append(f"{label} x{n} ({layers - res:g} layers loaded)")
+    return points, used
+
+
 def engine_bench_profile(data: dict[str, Any], origin: str, name: str) -> StartupProfile:
     """The profile of a real (non-smoke) engine-bench result with Figure 8 starts."""
     prov = {k: str(_get(data, origin, k)) for k in _PROVENANCE}
@@ -84,28 +115,18 @@ def engine_bench_profile(data: dict[str, Any], origin: str, name: str) -> Startu
     f8 = ("summary", model, "figure8")
     t = {k: _pos(data, origin, *f8, k, "ttft_p50_s") for k in _STARTS}
     import_s = _pos(data, origin, *f8, "no_prewarm", "import_p50_s")
-    # the weight path: each prewarm's time (store -> slot) against the bytes it loaded
-    points: list[tuple[float, float]] = []
-    used: list[str] = []
-    eng = ("summary", model, "figure8", "engine")
-    sizes = [(eng, "figure8.engine")] + [
-        (("summary", model, "hits", f), f"hits.{f}")
-        for f in sorted(_get(data, origin, "summary", model, "hits"))
-    ]
-    for keys, label in sizes:
-        res = _pos(data, origin, *keys, "layers_resident")
-        points.append((res / layers * wbytes, _pos(data, origin, *keys, "prewarm_p50_s")))
-        used.append(f"{label} ({res:g}/{layers} layers)")
+    points, used = _weight_points(rows[0], origin, model, layers, wbytes)
     if len({x for x, _ in points}) < 2:
         raise ProfileError(
-            f"{origin}: summary.{model}: need prewarms of at least two sizes to fit the weight "
-            "path (the engine start's and a hit's)"
+            f"{origin}: models[{model}]: need partial prewarm hits (engine prepared, 0 < layers "
+            "resident < all) of at least two sizes to fit the weight path"
         )
     a, b = _fit(points)
     if b <= 0:
         raise ProfileError(
-            f"{origin}: summary.{model}: the prewarm times {[round(y, 3) for _, y in points]} do "
-            "not grow with the bytes loaded: no weight-path bandwidth can be fitted"
+            f"{origin}: models[{model}]: the partial hits' weights stage "
+            f"{[round(y, 3) for _, y in points]} does not grow with the bytes loaded: no "
+            "weight-path bandwidth can be fitted"
         )
     bw = 1.0 / b
     setup = max(0.0, a)
@@ -120,9 +141,10 @@ def engine_bench_profile(data: dict[str, Any], origin: str, name: str) -> Startu
     )
     fig = f"summary.{model}.figure8"
     fit_how = (
-        f"least-squares line of the prewarm time p50 (store to slot) against the bytes it loaded "
-        f"({wbytes:.0f} B x layers / {layers}) over {', '.join(used)}: slope {b:.4g} s/B, "
-        f"intercept {a:.3f} s"
+        f"least-squares line of the weights_resident stage (Activate to all layers in the slot, "
+        f"engine prepared) against the bytes loaded at Activate ({wbytes:.0f} B x layers not "
+        f"resident / {layers}) over {len(points)} partial hits ({', '.join(used)}): slope "
+        f"{b:.4g} s/B, intercept {a:.3f} s"
     )
     sources = {
         "stages.process_start_s": (
