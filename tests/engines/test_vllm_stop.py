@@ -72,11 +72,13 @@ def test_end_instance_aborts_a_request_starved_of_kv_blocks(
         assert eng.stats().waiting == 2 and not answer, "the requests wait for KV blocks"
         core.begin_grace(inst.instance_id)
         t0 = time.monotonic()
-        core.end_instance(inst.instance_id)
+        core.end_instance(inst.instance_id, evict_weights=True)  # no engine prepared after
         took = time.monotonic() - t0
         for c in clients:
             c.join(30)
-        assert took < 5.0, f"EndInstance waited {took:.1f} s for the starved requests"
+        # an idle instance's end takes 2.4 s at load 6.6 on 2 CPUs (vLLM's teardown); before,
+        # this one took 32.6 s (uvicorn waited 30 s for the requests)
+        assert took < 10.0, f"EndInstance waited {took:.1f} s for the starved requests"
         # vLLM's answers to an aborted request: what it has (nothing here), finish_reason abort
         assert answer and answer[0][0] == 200, answer
         (choice,) = answer[0][1]["choices"]

@@ -48,7 +48,7 @@ from warmserve_agent.engine import (
 from warmserve_agent.engine_events import EventSender
 from warmserve_agent.engines.simulated_kv import SimKvCache
 from warmserve_agent.engines.simulated_openai import EngineState, OpenAIServing
-from warmserve_agent.engines.slotmem import SlotMemory
+from warmserve_agent.engines.slotmem import SlotMemory, SlotMemoryKind
 from warmserve_agent.engines.spec import EngineSpec, EngineStages, EngineStats
 
 
@@ -114,7 +114,11 @@ class SimulatedEngine(OpenAIServing):
         # host verifies the other ranks in their own workers.
         for rank, region in enumerate(spec.regions):
             if region.host_file or (region.local and self._backend is not None):
-                self._mem[rank] = SlotMemory(region, self._backend, partial=True)
+                mem = self._mem[rank] = SlotMemory(region, self._backend, partial=True)
+                if mem.kind != SlotMemoryKind.DEVICE:
+                    # mapped now, as vLLM's build maps its parameters over the slot: through
+                    # the slot's page table, which goes with the slot
+                    mem.host_mapping()
         if not self._mem:
             raise EngineError("the engine cannot read any shard of its slot")
         self._st.layers_total = spec.layers_total
