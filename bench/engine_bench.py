@@ -185,9 +185,8 @@ def profile_forward(client, model: str, args: list[str]) -> None:  # type: ignor
     The agent times a forward on each new instance of a model it has no timing for, in the
     background with its own requests (``warmserve_agent.model_profile``): inside a measured
     start those would share the engine with the measured request, and an instance ended after
-    its first token cuts the timing short, so the next start is timed again; one probe left in
-    an engine whose KV range grace lending took back waits for blocks, and ending that
-    instance then timed out (DEADLINE_EXCEEDED)."""
+    its first token cuts the timing short (BeginGrace cancels the probe), so the next start
+    would be timed again."""
     client.prewarm_wait(model, [0], 0, engine="vllm", engine_args=args)
     res = client.activate(model, [0], engine="vllm", engine_args=args)
 

@@ -13,7 +13,10 @@ rate measured here), per-layer forward compute, and the activation's head start.
   token, each the fastest of :data:`PROBE_REPEATS`; their difference is the forward of the
   prompt without the fixed costs of a request (HTTP, scheduling, the first token's sampling),
   divided by the layers (0 when it is below what a request's timing resolves: a forward too
-  short to matter).  The fastest measurement is kept (load from serving traffic only adds);
+  short to matter).  The fastest measurement is kept (load from serving traffic only adds).
+  The probe measures an idle serving instance or nothing: the agent cancels it when the
+  instance begins grace or ends (its request is given up, so it never waits for KV blocks that
+  grace lent away);
 * **head start**: the fastest prewarm-hit activation (``record_activation``): the rest of a
   partially resident model streams in while the instance activates;
 * **engine overhead**: bytes per GPU a prepared engine occupies beside the weights
@@ -26,14 +29,12 @@ timed forward.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 from warmserve.api.agent.v1 import agent_pb2 as pb
 
@@ -128,24 +129,27 @@ class ModelProfiles:
             )
 
 
-def _complete(endpoint: str, model: str, tokens: int, timeout_s: float) -> float:
+class _Refused(Exception):
+    """The engine answered a probe request with an HTTP error (e.g. a prompt beyond its
+    context)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
+
+
+async def _complete(session: Any, url: str, model: str, tokens: int) -> float:
     """Seconds for one ``max_tokens: 1`` completion of a ``tokens``-token prompt."""
-    body = json.dumps(
-        {"model": model, "prompt": [PROBE_TOKEN_ID] * tokens, "max_tokens": 1, "stream": False}
-    ).encode()
-    req = urllib.request.Request(
-        f"{endpoint.rstrip('/')}/v1/completions",
-        data=body,
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
+    body = {"model": model, "prompt": [PROBE_TOKEN_ID] * tokens, "max_tokens": 1, "stream": False}
     t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        resp.read()
+    async with session.post(url, json=body) as resp:
+        await resp.read()
+        if resp.status >= 400:
+            raise _Refused(resp.status)
     return time.perf_counter() - t0
 
 
-def time_forward(
+async def time_forward(
     endpoint: str,
     model: str,
     num_layers: int,
@@ -155,28 +159,36 @@ def time_forward(
     """(per-layer forward seconds, prompt tokens) on the engine at ``endpoint`` for the first
     prompt size in ``sizes`` it takes (module docstring), or ``None`` when the engine did not
     answer or the difference was not positive (a busy engine: measured again at the next
-    instance).  Blocking: run it in a thread."""
-    def fastest(tokens: int) -> float:
-        return min(_complete(endpoint, model, tokens, timeout_s) for _ in range(PROBE_REPEATS))
+    instance).  Cancelling it gives its request up at once (the connection is closed, so the
+    engine drops the request): a probe must never hold an instance that stops serving."""
+    import aiohttp
 
-    try:
-        _complete(endpoint, model, 1, timeout_s)  # warm-up: first-request costs are not compute
-        one = fastest(1)
-    except Exception as exc:  # the instance may end meanwhile; nothing to record
-        log.info("event=forward_probe_failed model=%s err=%s", model, exc)
-        return None
-    for tokens in sizes:
+    url = f"{endpoint.rstrip('/')}/v1/completions"
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def fastest(tokens: int) -> float:
+            return min([await _complete(session, url, model, tokens) for _ in range(PROBE_REPEATS)])
+
         try:
-            full = fastest(tokens)
-        except urllib.error.HTTPError as exc:  # refused (a prompt beyond its context): shorter
-            log.info("event=forward_probe_refused model=%s tokens=%d code=%s", model, tokens,
-                     exc.code)
-            continue
-        except Exception as exc:
+            # warm-up: first-request costs are not compute
+            await _complete(session, url, model, 1)
+            one = await fastest(1)
+        except Exception as exc:  # the instance may end meanwhile; nothing to record
             log.info("event=forward_probe_failed model=%s err=%s", model, exc)
             return None
-        per_layer = max(0.0, (full - one) / num_layers)
-        log.info("event=forward_timed model=%s tokens=%d per_layer_s=%.6f one_s=%.6f",
-                 model, tokens, per_layer, one)
-        return per_layer, tokens
+        for tokens in sizes:
+            try:
+                full = await fastest(tokens)
+            except _Refused as exc:  # refused (a prompt beyond its context): shorter
+                log.info("event=forward_probe_refused model=%s tokens=%d code=%s", model,
+                         tokens, exc.status)
+                continue
+            except Exception as exc:
+                log.info("event=forward_probe_failed model=%s err=%s", model, exc)
+                return None
+            per_layer = max(0.0, (full - one) / num_layers)
+            log.info("event=forward_timed model=%s tokens=%d per_layer_s=%.6f one_s=%.6f",
+                     model, tokens, per_layer, one)
+            return per_layer, tokens
     return None

@@ -350,6 +350,8 @@ class NodeCore:
             for inst in list(state.instances.values()):
                 with contextlib.suppress(Exception):
                     inst.engine.stop()
+            for sid in list(self.preparer.wanted) + list(self.preparer.prepared):
+                self.preparer.forget(sid)  # a build under way is cancelled, a built one dropped
             for slot in state.slots.values():
                 slot.cancel.set()
             for slot in state.slots.values():

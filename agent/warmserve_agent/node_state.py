@@ -219,9 +219,11 @@ class NodeState:
         slot.cancel.set()
         if slot.loader is not None and slot.loader is not threading.current_thread():
             slot.loader.join()
+        # its prepared engine first: a build of it is cancelled before the slot's pages (and
+        # page table) can go, so it never fails over a slot that is gone
+        self.on_slot_gone(slot.slot_id)
         self.mm.retire_slot(slot.slot_id)
         del self.slots[slot.slot_id]
-        self.on_slot_gone(slot.slot_id)
         self.emit(EventKind.SLOT_REMOVED, slot.slot_id)
         self.kick_unmap()
 

@@ -14,12 +14,12 @@ which hands it the call table, the fetch coordinator and the describer.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 import grpc
 
 from warmserve.api.agent.v1 import agent_pb2 as pb
+from warmserve.policy.cluster import InstancePhase
 from warmserve_agent.fencing import enforce
 from warmserve_agent.model_profile import time_forward
 from warmserve_agent.node import NodeCore
@@ -44,7 +44,9 @@ class InstanceHandler:
         self.fetches = fetches
         self.describer = describer
         self._probing: set[str] = set()  # models whose forward is being timed
-        self._tasks: set[asyncio.Task[None]] = set()
+        # instance id -> the probe timing a forward on it (held: a task nothing references may
+        # be collected mid-run)
+        self._probes: dict[str, asyncio.Task[None]] = {}
 
     async def activate(self, request: pb.ActivateRequest, context: Any) -> pb.ActivateResponse:
         args = tuple(request.engine_args)
@@ -96,13 +98,17 @@ class InstanceHandler:
     def _profile(self, inst: Any) -> None:
         """Feed the model's profile (:mod:`~warmserve_agent.model_profile`): a prewarm hit's
         activation is the head start the streamed layers get; a model without a timed forward
-        gets one on this instance, in the background (Activate answers first)."""
+        gets one on this instance, in the background (Activate answers first), while it serves:
+        BeginGrace and EndInstance cancel it (:meth:`_stop_probe`)."""
         profiles = self.core.state.profiles
         if inst.prewarm_hit:
             profiles.record_activation(inst.model, inst.activation_seconds)
         if not inst.endpoint or inst.model in self._probing or not profiles.wants_forward(
             inst.model
         ):
+            return
+        # a replayed Activate answers an instance that may be in grace or gone by now
+        if inst.phase != InstancePhase.SERVING or inst.instance_id not in self.core.instances:
             return
         try:
             layers = self.core.store.model(inst.model).num_layers
@@ -111,28 +117,37 @@ class InstanceHandler:
 
         async def probe() -> None:
             try:
-                got = await asyncio.to_thread(time_forward, inst.endpoint, inst.model, layers)
+                got = await time_forward(inst.endpoint, inst.model, layers)
                 if got is not None:
                     profiles.record_forward(inst.model, len(inst.gpus), got[1], got[0])
             finally:
                 self._probing.discard(inst.model)
-                self._tasks.discard(task)
+                if self._probes.get(inst.instance_id) is task:
+                    del self._probes[inst.instance_id]
 
         self._probing.add(inst.model)
         task = asyncio.get_running_loop().create_task(probe())
-        self._tasks.add(task)  # held: a task nothing references may be collected mid-run
+        self._probes[inst.instance_id] = task
+
+    async def _stop_probe(self, instance_id: str) -> None:
+        """Cancel the probe on ``instance_id`` and wait until its request is given up: a
+        grace instance lends its free KV (Eq. 1), where the probe's request would wait for
+        blocks and hold the engine's stop; an ended one has nothing left to measure."""
+        task = self._probes.pop(instance_id, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})  # never raises: our own cancellation stays ours
 
     async def close(self) -> None:
         """Stop timing forwards (the agent stops)."""
-        for t in list(self._tasks):
-            t.cancel()
-        for t in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        for iid in list(self._probes):
+            await self._stop_probe(iid)
 
     async def begin_grace(
         self, request: pb.BeginGraceRequest, context: Any
     ) -> pb.BeginGraceResponse:
+        await enforce(self.calls.fence, "BeginGrace", request.fencing_token, context)
+        await self._stop_probe(request.instance_id)  # before any of its KV is lent
         inst, _ = await self.calls.once(
             "BeginGrace",
             request.request_id,
@@ -141,11 +156,14 @@ class InstanceHandler:
             lambda: self.core.begin_grace(request.instance_id),
             request.fencing_token,
         )
+        await self._stop_probe(request.instance_id)  # one a racing Activate replay started
         return pb.BeginGraceResponse(instance=self.describer.instance_pb(inst))
 
     async def end_instance(
         self, request: pb.EndInstanceRequest, context: Any
     ) -> pb.EndInstanceResponse:
+        await enforce(self.calls.fence, "EndInstance", request.fencing_token, context)
+        await self._stop_probe(request.instance_id)
         inst, _ = await self.calls.once(
             "EndInstance",
             request.request_id,

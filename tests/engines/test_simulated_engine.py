@@ -151,3 +151,61 @@ def test_a_stopped_engine_refuses_loop_calls_at_once_and_leaks_no_coroutine() ->
         gc.collect()
     assert not [w for w in caught if "never awaited" in str(w.message)]
     loop.close()
+
+
+def test_stop_aborts_the_requests_in_flight_at_once_as_vllm_does(
+    make_core: Callable[..., NodeCore], model_root: Path
+) -> None:
+    """Ending an instance with a request decoding (streamed) and one queued behind it: the
+    engine aborts both, each answered at once as vLLM answers an aborted request (the tokens so
+    far, ``finish_reason`` ``abort``), instead of waiting for them (before, stop waited for the
+    handlers: aiohttp's shutdown timeout, cut off after 10 s with the engine left running)."""
+    import threading
+    import urllib.request
+
+    core = _slow_core(make_core, model_root)  # batch 1, 1 s per token
+    inst, _ = core.activate("gamma", [0])
+    url = f"{inst.endpoint}/v1/completions"
+    streamed: list[bytes] = []
+    queued: list[tuple[int, dict]] = []
+
+    def stream() -> None:
+        body = json.dumps({"prompt": "x", "max_tokens": 60, "stream": True}).encode()
+        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            streamed.append(r.read())
+
+    threads = [
+        threading.Thread(target=stream, daemon=True),
+        threading.Thread(
+            target=lambda: queued.append(post_json(url, {"prompt": "y", "max_tokens": 60}, 60)),
+            daemon=True,
+        ),
+    ]
+    threads[0].start()
+    deadline = time.monotonic() + 15
+    while inst.engine.stats().running < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    threads[1].start()
+    while inst.engine.stats().waiting < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    st = inst.engine.stats()
+    assert (st.running, st.waiting) == (1, 1), st
+    time.sleep(1.2)  # the streamed request has sent a token or two
+    core.begin_grace(inst.instance_id)
+    t0 = time.monotonic()
+    core.end_instance(inst.instance_id)
+    took = time.monotonic() - t0
+    for t in threads:
+        t.join(10)
+    assert took < 3.0, f"EndInstance waited {took:.1f} s for the requests in flight"
+    # queued: nothing generated (vLLM answers 200, empty text, finish_reason abort)
+    assert queued and queued[0][0] == 200, queued
+    (choice,) = queued[0][1]["choices"]
+    assert (choice["text"], choice["finish_reason"]) == ("", "abort")
+    assert queued[0][1]["usage"]["completion_tokens"] == 0
+    # streamed: its tokens, then a last chunk that says abort, then the end
+    assert streamed, "the streamed request got no answer"
+    events = [json.loads(e[6:]) for e in streamed[0].decode().split("\n\n")[:-2]]
+    assert streamed[0].decode().endswith("data: [DONE]\n\n")
+    assert [e["choices"][0]["finish_reason"] for e in events][-2:] == [None, "abort"], events

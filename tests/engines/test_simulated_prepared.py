@@ -232,3 +232,97 @@ def test_stage_metrics_are_exported(make_core: Callable[..., NodeCore]) -> None:
     assert line in text, text
     assert 'stage="process_taken",start="hit_prepared"' in text
     assert inst.stages.engine_prepared
+
+
+class HeldHost(InProcessEngine):
+    """The in-process host whose preparations first wait for ``HeldHost.gate``: as a worker's
+    preparation waits for the engine of the slot before it, still being torn down
+    (``PreparedEngine(after=...)``), the window in which the slot may go."""
+
+    gate = threading.Event()
+
+    def prepare(self, spec):  # type: ignore[no-untyped-def]
+        from warmserve_agent.engines import engine_info
+        from warmserve_agent.engines.prepared import PreparedEngine
+
+        teardown = threading.Thread(target=HeldHost.gate.wait, daemon=True)
+        teardown.start()
+        self._prepared = PreparedEngine(engine_info(spec.engine).create(), spec, after=(teardown,))
+
+
+def test_a_slot_evicted_while_its_engine_prepares_cancels_the_preparation(
+    tmp_path: Path, model_root: Path, caplog
+) -> None:  # type: ignore[no-untyped-def]
+    """The slot goes while its engine's build waits for the engine before it: the build is
+    cancelled at once (the eviction's teardown does not wait for the engine before it, however
+    long that takes) and never runs over the slot that is gone (before: it did once that engine
+    was down, and failed, ``engine_prepare_failed ... FileNotFoundError`` at WARNING: the
+    slot's page table was gone); nothing is left of the engine, and the process prepares the
+    next slot."""
+    import logging
+
+    backend = SimulatedBackend(tmp_path / "gpus", page_bytes=PAGE)
+    hosts: list[HeldHost] = []
+
+    def host(group):  # type: ignore[no-untyped-def]
+        hosts.append(HeldHost(group))
+        return hosts[-1]
+
+    core = NodeCore(MemoryManager(backend), WeightStore(model_root), {0: 4 * 1024**2}, host)
+    HeldHost.gate.clear()
+    caplog.set_level(logging.INFO, logger="warmserve.agent")
+    try:
+        a = core.prewarm("alpha", [0], engine_args=ARGS)
+        a.loader.join()
+        deadline = time.monotonic() + 10
+        while not hosts or hosts[-1]._prepared is None:
+            assert time.monotonic() < deadline, "no preparation began"
+            time.sleep(0.01)
+        prep = hosts[-1]._prepared
+        assert prep is not None and prep.report().state == PreparedState.PREPARING
+        core.evict(a.slot_id)
+        assert core.kv_idle(), "the slot's pages are unmapped, its page table removed"
+        prep.thread.join(5)
+        ended_while_held = not prep.thread.is_alive()
+        HeldHost.gate.set()  # the engine before it is down
+        prep.thread.join(10)
+        core.preparer.settle()
+        said = [r.getMessage() for r in caplog.records]
+        assert not [m for m in said if "engine_prepare_failed" in m], said
+        assert ended_while_held, "the evicted slot's preparation waited for the engine before it"
+        assert [m for m in said if "engine_prepare_cancelled" in m], said
+        eng: SimulatedEngine = prep.engine
+        assert eng._thread is None and not eng._mem, "nothing of the engine was built"
+        # the process is free: the next slot's engine is prepared in it and serves
+        b = core.prewarm("beta", [0], layers=1, engine_args=ARGS)
+        b.loader.join()
+        core.preparer.settle()
+        assert core.preparer.prepared[b.slot_id].report.state == PreparedState.READY
+        inst, _ = core.activate("beta", [0], engine_args=ARGS)
+        assert inst.prewarm_hit and inst.stages.engine_prepared
+        assert _text(inst.endpoint)
+    finally:
+        HeldHost.gate.set()
+        core.shutdown()
+        core.mm.close()
+
+
+def test_shutdown_tears_the_prepared_engines_down(tmp_path: Path, model_root: Path) -> None:
+    """A node that shuts down takes its prepared engines along (before: an in-process one kept
+    serving nothing over a slot whose memory was closed, and a build under way then failed
+    over it, logged as a failed preparation in whatever ran next)."""
+    core, hosts = _core(tmp_path, model_root)
+    try:
+        core.prewarm("alpha", [0], engine_args=ARGS).loader.join()  # type: ignore[union-attr]
+        core.preparer.settle()
+        eng: SimulatedEngine = hosts[-1]._prepared.engine  # type: ignore[union-attr]
+        thread = eng._thread
+        assert thread is not None and thread.is_alive()
+    finally:
+        core.shutdown()
+        core.mm.close()
+    deadline = time.monotonic() + 10  # torn down in the background
+    while (thread.is_alive() or eng._mem) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not thread.is_alive() and not eng._mem, "the prepared engine outlived its node"
+    assert not core.preparer.prepared and not core.preparer.wanted

@@ -78,3 +78,29 @@ def test_close_waits_for_a_read_in_progress(
     assert got == [b"x" * 16] and not closer.is_alive()
     with pytest.raises(SlotMemoryError, match="closed"):
         mem.read(0, 1)
+
+
+def test_a_slot_whose_page_table_is_gone_is_a_typed_engine_error(tmp_path: Path) -> None:
+    """An engine built over a slot evicted meanwhile (its page table removed) gets
+    ``SlotGone``, an ``EngineError`` (no traceback logged as a failed build), not a bare
+    ``FileNotFoundError``."""
+    from warmserve_agent.engine import EngineError
+    from warmserve_agent.engines.slotmem import SlotGone
+
+    f = tmp_path / "gpu0.mem"
+    f.write_bytes(bytes(4 * PAGE))
+    region = SlotRegion(
+        gpu=0,
+        va=0,
+        page_bytes=PAGE,
+        weight_bytes=2 * PAGE,
+        kv_bytes=PAGE,
+        host_file=str(f),
+        ppages=(3, 1, 2),
+        page_table=str(tmp_path / "gpu0-0.pt"),  # removed with the slot
+    )
+    mem = SlotMemory(region, partial=True)
+    with pytest.raises(SlotGone, match="page table is gone") as e:
+        mem.host_mapping()
+    assert isinstance(e.value, EngineError) and isinstance(e.value, SlotMemoryError)
+    mem.close()

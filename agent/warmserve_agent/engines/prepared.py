@@ -70,6 +70,7 @@ class PreparedEngine:
         self.key = spec.prepared_key()
         self._backend = backend
         self._report = PreparedReport(PreparedState.PREPARING)
+        self.cancelled = threading.Event()  # its slot went (drop): build nothing more
         self.thread = threading.Thread(
             target=self._build, args=(tuple(after),), name=f"prepare-{spec.slot_id}", daemon=True
         )
@@ -84,8 +85,12 @@ class PreparedEngine:
             return 0
 
     def _build(self, after: tuple[threading.Thread, ...]) -> None:
-        for t in after:
-            t.join()
+        for t in after:  # a drop meanwhile does not wait for them: it builds nothing
+            while t.is_alive() and not self.cancelled.is_set():
+                t.join(0.05)
+        if self.cancelled.is_set():  # the slot went while the engine before it was torn down
+            self._cancel(0.0, "before its build")
+            return
         gc.collect()
         trim_heap()
         rss0, ring0, t0 = anon_rss_bytes(), self._staging(), time.perf_counter()
@@ -94,6 +99,9 @@ class PreparedEngine:
         except Exception as exc:
             with contextlib.suppress(Exception):
                 self.engine.stop()
+            if self.cancelled.is_set():  # failed over a slot that went meanwhile: expected
+                self._cancel(time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
+                return
             self._report = PreparedReport(
                 PreparedState.FAILED, time.perf_counter() - t0, 0, f"{type(exc).__name__}: {exc}"
             )
@@ -117,6 +125,21 @@ class PreparedEngine:
             self._report.host_bytes,
         )
 
+    def _cancel(self, seconds: float, why: str) -> None:
+        if seconds:  # what a build cut short left behind goes back to the system
+            gc.collect()
+            trim_heap()
+        self._report = PreparedReport(
+            PreparedState.FAILED, seconds, 0, f"cancelled: its slot went ({why})"
+        )
+        log.info(
+            "event=engine_prepare_cancelled slot=%s engine=%s seconds=%.3f why=%s",
+            self.slot_id,
+            self.spec.engine,
+            seconds,
+            why,
+        )
+
     def report(self, wait_s: float = 0.0) -> PreparedReport:
         """Its state, after waiting up to ``wait_s`` for the build to finish."""
         if wait_s > 0:
@@ -135,8 +158,11 @@ class PreparedEngine:
         return None
 
     def drop(self) -> threading.Thread:
-        """Tear it down in the background (after its build, which cannot be interrupted);
-        returns the thread doing it, which anything building in this process must wait for."""
+        """Tear it down in the background; returns the thread doing it, which anything
+        building in this process must wait for.  A build not begun yet (waiting for ``after``)
+        never begins; one under way cannot be interrupted: it ends (a failure over the slot
+        that went is no error) and is stopped."""
+        self.cancelled.set()
 
         def stop() -> None:
             self.thread.join()

@@ -24,8 +24,10 @@ nothing was prepared).
 Queue: at most ``profile.max_waiting`` requests wait for admission (default 4 x the
 batch limit); more are refused at once with 429, and a request whose client disconnects while it
 waits or while it decodes is dropped (aiohttp cancels its handler), so abandoned requests never
-count as load.  Engine args: vLLM's (``--max-num-seqs`` caps the batch, ``--max-model-len``
-refuses longer requests, like vLLM); the others are accepted and have no effect here.
+count as load.  Stopping the engine aborts the requests in flight or queued, each answered with
+an error, instead of waiting for them (as the ``vllm`` engine aborts them in vLLM).  Engine
+args: vLLM's (``--max-num-seqs`` caps the batch, ``--max-model-len`` refuses longer requests,
+like vLLM); the others are accepted and have no effect here.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from warmserve_agent.engine import (
 from warmserve_agent.engine_events import EventSender
 from warmserve_agent.engines.simulated_kv import SimKvCache
 from warmserve_agent.engines.simulated_openai import EngineState, OpenAIServing
-from warmserve_agent.engines.slotmem import SlotMemory
+from warmserve_agent.engines.slotmem import SlotMemory, SlotMemoryKind
 from warmserve_agent.engines.spec import EngineSpec, EngineStages, EngineStats
 
 
@@ -112,7 +114,11 @@ class SimulatedEngine(OpenAIServing):
         # host verifies the other ranks in their own workers.
         for rank, region in enumerate(spec.regions):
             if region.host_file or (region.local and self._backend is not None):
-                self._mem[rank] = SlotMemory(region, self._backend, partial=True)
+                mem = self._mem[rank] = SlotMemory(region, self._backend, partial=True)
+                if mem.kind != SlotMemoryKind.DEVICE:
+                    # mapped now, as vLLM's build maps its parameters over the slot: through
+                    # the slot's page table, which goes with the slot
+                    mem.host_mapping()
         if not self._mem:
             raise EngineError("the engine cannot read any shard of its slot")
         self._st.layers_total = spec.layers_total
@@ -218,11 +224,17 @@ class SimulatedEngine(OpenAIServing):
         """KV accesses refused because their page was not mapped to this engine (tests)."""
         return 0 if self._kv is None else self._kv.violations
 
+    async def _close(self) -> None:
+        # requests in flight are answered with an error first: the server's shutdown would
+        # wait for them (a long answer, a request waiting for KV pages lent in grace)
+        await self._abort_all()
+        await self._runner.cleanup()
+
     def stop(self) -> None:
         if self._loop is not None and self._runner is not None and not self._stopping:
             with self._loop_lock:  # nothing new is scheduled from here on (a loader thread's
                 self._stopping = True  # layers_ready racing stop must not be left pending)
-                done = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+                done = asyncio.run_coroutine_threadsafe(self._close(), self._loop)
             done.result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:

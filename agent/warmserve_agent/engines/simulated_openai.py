@@ -34,6 +34,7 @@ from warmserve_agent.engines.spec import EngineSpec
 
 log = logging.getLogger("warmserve.agent.engine")
 
+ABORTED = "the engine stopped before the request finished: request aborted"
 _WORDS = (
     "the a warm serve model token cache page slot layer prefill decode batch grace "
     "prewarm universal dedicated idle worker memory gpu weights kv request load window peak"
@@ -55,6 +56,10 @@ class EngineState:
     cond: asyncio.Condition | None = None
     seed: bytes = b""
     bad: list[str] = field(default_factory=list)
+    # the handlers of the requests being served or queued, and whether the engine aborts them
+    # (it stops): stop never waits for a request, as vLLM's abort
+    inflight: set[asyncio.Task[Any]] = field(default_factory=set)
+    aborting: bool = False
 
 
 class OpenAIServing:
@@ -298,8 +303,42 @@ class OpenAIServing:
         await self._notify()
         self._events.send(EngineEventKind.FINISHED)  # Eq. 1 is re-checked on completion
 
+    async def _abort_all(self) -> None:
+        """Abort every request in flight or queued (the engine stops) and wait for their
+        answers to be written: as vLLM's abort, each answers at once (``finish_reason``
+        ``abort`` with the tokens so far), so the server's shutdown never waits for one."""
+        st = self._st
+        st.aborting = True
+        for task in list(st.inflight):
+            task.cancel()
+        if st.inflight:
+            await asyncio.wait(set(st.inflight), timeout=5)
+
+    def _aborted(self) -> bool:
+        """Whether the cancellation being handled is the engine's abort (then taken back, so the
+        request answers) rather than its client going away."""
+        task = asyncio.current_task()
+        if not self._st.aborting or task is None:
+            return False
+        task.uncancel()
+        return True
+
     async def _generate(self, request: Any, body: dict[str, Any], prompt: str, kind: str) -> Any:
-        """Admit, prefill and decode one request; ``kind``: completion, chat or responses."""
+        """One request (``kind``: completion, chat or responses), held in ``inflight`` so that
+        stopping the engine aborts it (:meth:`_abort_all`)."""
+        st = self._st
+        task = asyncio.current_task()
+        if st.aborting or task is None:
+            return self._error(503, ABORTED, kind="ServiceUnavailableError")
+        st.inflight.add(task)
+        try:
+            return await self._run(request, body, prompt, kind)
+        finally:
+            st.inflight.discard(task)
+
+    async def _run(self, request: Any, body: dict[str, Any], prompt: str, kind: str) -> Any:
+        """Admit, prefill and decode one request; aborted (the engine stops), it answers what
+        it has with ``finish_reason`` ``abort``, as vLLM does."""
         from aiohttp import web
 
         assert self.spec is not None
@@ -336,73 +375,94 @@ class OpenAIServing:
             )
         t_arrive = time.perf_counter()
         rid = f"cmpl-{uuid.uuid4().hex[:12]}"
-        pages = await self._admit(need, rid)
-        used = n_prompt * kvt
-        self._st.kv_used += used
         created = int(time.time())
         resp: web.StreamResponse | None = None
         words: list[list[str]] = [[] for _ in range(n)]
         answer = answers.ResponseAnswer(self.spec.model, body, created)
+        finish = "length"
         try:
-            self._kv.prefill(rid, pages)
-            await self._prefill(n_prompt)
-            ttft = time.perf_counter() - t_arrive
-            self._first_token()
-            if self.spec.traces_endpoint:
-                from warmserve_agent.engines import tracing
-
-                tracing.note(**{"gen_ai.latency.time_to_first_token": ttft})
-            self._metrics.ttft.observe(ttft)
-            self.ttft.observe(ttft)
-            if stream:
-                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-                await resp.prepare(request)
-                if kind == "responses":
-                    for event in answer.opening(n_prompt):
-                        await resp.write(event)
-            for i in range(max_tokens):
-                if i:
-                    await asyncio.sleep(1.0 / prof.decode_tok_s)
-                for c in range(n):  # vLLM streams the choices interleaved, by index
-                    w = self._token(prompt, i, c)
-                    words[c].append(w)
-                    self._kv.token(pages, n_prompt + i * n + c, kvt)
-                    self._st.kv_used += kvt
-                    used += kvt
-                    if resp is None:
-                        continue
-                    piece = ("" if i == 0 else " ") + w
-                    if kind == "responses":
-                        await resp.write(answer.delta(piece))
-                        continue
-                    chunk = self._chunk(rid, created, piece, chat, None, c)
-                    if continuous:
-                        chunk["usage"] = _usage(n_prompt, i * n + c + 1)
-                    await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            pages: list[int] | None = await self._admit(need, rid)
         except asyncio.CancelledError:
-            self._st.dropped += 1  # the client went away mid-generation
-            raise
-        finally:
-            await self._release(need, used, rid, pages)
-            self._metrics.prompt_tokens.inc(n_prompt)
-            self._metrics.gen_tokens.inc(sum(len(w) for w in words))
-            self._metrics.e2e.observe(time.perf_counter() - t_arrive)
+            if not self._aborted():
+                raise
+            pages, finish = None, "abort"
+        if pages is not None:
+            used = n_prompt * kvt
+            self._st.kv_used += used
+            try:
+                self._kv.prefill(rid, pages)
+                await self._prefill(n_prompt)
+                ttft = time.perf_counter() - t_arrive
+                self._first_token()
+                if self.spec.traces_endpoint:
+                    from warmserve_agent.engines import tracing
+
+                    tracing.note(**{"gen_ai.latency.time_to_first_token": ttft})
+                self._metrics.ttft.observe(ttft)
+                self.ttft.observe(ttft)
+                if stream:
+                    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                    await resp.prepare(request)
+                    if kind == "responses":
+                        for event in answer.opening(n_prompt):
+                            await resp.write(event)
+                for i in range(max_tokens):
+                    if i:
+                        await asyncio.sleep(1.0 / prof.decode_tok_s)
+                    for c in range(n):  # vLLM streams the choices interleaved, by index
+                        w = self._token(prompt, i, c)
+                        words[c].append(w)
+                        self._kv.token(pages, n_prompt + i * n + c, kvt)
+                        self._st.kv_used += kvt
+                        used += kvt
+                        if resp is None:
+                            continue
+                        piece = ("" if i == 0 else " ") + w
+                        if kind == "responses":
+                            await resp.write(answer.delta(piece))
+                            continue
+                        chunk = self._chunk(rid, created, piece, chat, None, c)
+                        if continuous:
+                            chunk["usage"] = _usage(n_prompt, i * n + c + 1)
+                        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            except asyncio.CancelledError:
+                if not self._aborted():
+                    self._st.dropped += 1  # the client went away mid-generation
+                    raise
+                finish = "abort"
+            finally:
+                await self._release(need, used, rid, pages)
+                self._metrics.prompt_tokens.inc(n_prompt)
+                self._metrics.gen_tokens.inc(sum(len(w) for w in words))
+                self._metrics.e2e.observe(time.perf_counter() - t_arrive)
         generated = sum(len(w) for w in words)
         usage = _usage(n_prompt, generated)
         texts = [" ".join(w) for w in words]
         if kind == "responses":
+            if finish == "abort":  # not a completed response: an error, in the stream if any
+                if resp is None:
+                    return self._error(503, ABORTED, kind="ServiceUnavailableError")
+                await resp.write(answer.event("error", code="aborted", message=ABORTED))
+                await resp.write_eof()
+                return resp
             if resp is not None:
                 for event in answer.closing(texts[0], n_prompt, generated):
                     await resp.write(event)
                 await resp.write_eof()
                 return resp
             return web.json_response(answer.response(texts[0], n_prompt, generated, True))
+        if stream and resp is None:  # aborted before its first token: vLLM's bare end
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         if resp is not None:
             # As vLLM: usage only when stream_options.include_usage asked for it, in a chunk of
             # its own without choices after the last one, which then carries the fingerprint.
             fingerprint = f"warmserve-sim-{self._st.seed[:4].hex()}"
             for c in range(n):
-                final = self._chunk(rid, created, "", chat, "length", c)
+                final = self._chunk(rid, created, "", chat, finish, c)
                 if continuous:
                     final["usage"] = usage
                 if not include_usage and c == n - 1:
@@ -419,10 +479,10 @@ class OpenAIServing:
         for c, text in enumerate(texts):
             if chat:
                 msg = {"role": "assistant", "content": text}
-                choices.append({"index": c, "message": msg, "finish_reason": "length"})
+                choices.append({"index": c, "message": msg, "finish_reason": finish})
             else:
                 choices.append(
-                    {"index": c, "text": text, "finish_reason": "length", "logprobs": None}
+                    {"index": c, "text": text, "finish_reason": finish, "logprobs": None}
                 )
         return web.json_response(
             {

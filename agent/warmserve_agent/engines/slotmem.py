@@ -40,6 +40,7 @@ from collections.abc import Iterable, Sequence
 from enum import StrEnum
 from typing import Any
 
+from warmserve_agent.engine import EngineError
 from warmserve_agent.engines.spec import SlotRegion
 
 _PROT_NONE, _PROT_READ, _PROT_WRITE = 0, mmap.PROT_READ, mmap.PROT_WRITE
@@ -51,6 +52,11 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 class SlotMemoryError(RuntimeError):
     pass
+
+
+class SlotGone(SlotMemoryError, EngineError):
+    """The slot was evicted (its page table removed) while an engine was built over it: an
+    engine prepared for it is cancelled then, so this is no engine failure to report loudly."""
 
 
 class KvAccessError(SlotMemoryError):
@@ -284,7 +290,12 @@ class SlotMemory:
             if self._pt is None:
                 from warmserve_agent.backends.simulated import PageTableView
 
-                self._pt = PageTableView(r.page_table)
+                try:
+                    self._pt = PageTableView(r.page_table)
+                except FileNotFoundError:
+                    raise SlotGone(
+                        f"GPU {r.gpu}: the slot's page table is gone (the slot was evicted)"
+                    ) from None
             return {v: self._pt.ppage(v) for v in vs}
         if self.kind == SlotMemoryKind.HOST_BACKEND:
             tr = self.backend.translation(r.gpu)

@@ -338,7 +338,23 @@ class VllmEngine:
     async def _shutdown(self) -> None:
         if self._server is not None and self._serve_task is not None:
             self._server.should_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._serve_task, 30)
+            # uvicorn waits for the requests in flight: abort them in vLLM (each answers at
+            # once), again for any that reached the engine meanwhile, so stop never waits for a
+            # request (a long answer, one waiting for KV blocks lent in grace)
+            end = time.monotonic() + 30
+            while not self._serve_task.done() and time.monotonic() < end:
+                await self._abort_requests()
+                await asyncio.wait({self._serve_task}, timeout=0.1)
+            if not self._serve_task.done():
+                self._serve_task.cancel()
+                await asyncio.wait({self._serve_task}, timeout=5)
         if self._llm is not None:
             self._llm.shutdown()
+
+    async def _abort_requests(self) -> None:
+        if self._llm is None:
+            return
+        ids = list(self._llm.output_processor.request_states)
+        if ids:
+            with contextlib.suppress(Exception):  # the engine may have died: nothing to wait on
+                await self._llm.abort(ids, internal=True)
