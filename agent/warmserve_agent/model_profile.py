@@ -20,8 +20,10 @@ rate measured here), per-layer forward compute, and the activation's head start.
 * **head start**: the fastest prewarm-hit activation (``record_activation``): the rest of a
   partially resident model streams in while the instance activates;
 * **engine overhead**: bytes per GPU a prepared engine occupies beside the weights
-  (``record_engine_overhead``; the largest report is kept).  Nothing on a plain agent reports
-  it: the engine that is prepared at prewarm time does.
+  (``record_engine_overhead``; the largest report is kept).  Nothing reports it yet: an engine
+  prepared here holds host memory (``PreparedReport.host_bytes``, shown in Describe), not GPU
+  pages; a prepared engine's device memory on a GPU is what the GPU kit is to measure and report
+  here, so until then it is 0 and placement charges nothing for it.
 
 Every value is 0 until measured; the operator falls back to all layers without a load rate and a
 timed forward.
