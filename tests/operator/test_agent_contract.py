@@ -220,7 +220,10 @@ async def test_a_hit_uses_the_engine_its_prewarm_prepared(agent: Any) -> None:
     res = await agent.activate(A, (0,), slot.slot_id, rid("act"), "uid-1", "simulated", args)
     assert res.hit and res.engine_prepared
     names = [name for name, _ in res.stages]
-    assert {"process", "engine", "weights", "KV", "endpoint"} <= set(names), names
+    # KV may be mapped after Activate answers (the agent's pager maps the range in the
+    # background; a loaded machine finishes it later): it is not part of the answer's contract.
+    assert {"process", "engine", "weights", "endpoint"} <= set(names), names
+    assert set(names) <= {"process", "engine", "weights", "KV", "endpoint", "first token"}, names
     assert res.stages_text().startswith("stages: process ")
     assert res.stages_text().endswith("(engine prepared at prewarm)")
     other = await agent.prewarm(B, (1,), 0, rid("pre"), "uid-2", engine="simulated")
