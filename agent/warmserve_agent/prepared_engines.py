@@ -158,7 +158,9 @@ def slot_engine_spec(
                 nbytes=p.tensor.nbytes,
                 dtype=p.tensor.dtype,
                 shape=p.tensor.shape,
-                shard_len=tuple(p.shard(r)[1] for r in range(tp)),
+                shard_len=tuple(p.shard_len(r) for r in range(tp)),
+                split=p.split.value,
+                slot_bytes=p.shard_bytes,
             )
             for p in layout.placements
         ),

@@ -62,7 +62,9 @@ class SlotRegion:
 @dataclass(frozen=True, slots=True)
 class TensorPlacement:
     """A checkpoint tensor in the slot: rank ``r``'s shard is ``shard_len[r]`` bytes at
-    ``offset`` (the store's byte split, ``store.SlotLayout``)."""
+    ``offset`` (``store.SlotLayout``), in ``slot_bytes`` reserved on every rank; ``split`` is how
+    the ranks split it (``warmserve.policy.tensor_parallel.Split``: ``bytes`` is no split an
+    engine's tensor-parallel layers know)."""
 
     name: str
     layer: int
@@ -71,6 +73,8 @@ class TensorPlacement:
     dtype: str  # safetensors dtype: BF16, F16, F32, ...
     shape: tuple[int, ...]
     shard_len: tuple[int, ...]
+    split: str = "replicated"
+    slot_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
