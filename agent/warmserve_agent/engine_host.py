@@ -27,7 +27,7 @@ from warmserve_agent.engine import Engine, WeightsMismatch
 from warmserve_agent.engines import engine_info
 from warmserve_agent.engines.prepared import PreparedEngine
 from warmserve_agent.engines.spec import EngineSpec, EngineStats, PreparedReport, PreparedState
-from warmserve_agent.worker import WorkerPool, timeout_for_bytes
+from warmserve_agent.worker import WorkerHandle, WorkerPool, timeout_for_bytes
 
 PREPARED_POLL_S = 0.05
 
@@ -102,8 +102,19 @@ class WorkerEngine:
         self._prepared_slot = ""
         self.process_taken_at = time.perf_counter()  # a pooled worker: running already
 
+    def _ranks(self, spec: EngineSpec | None) -> list[tuple[int, WorkerHandle]]:
+        """The other ranks' workers of a tensor-parallel engine hosted rank by rank
+        (``engines/vllm/tp_executor.py``); none for TP 1 or an engine that verifies only."""
+        if spec is None or not spec.tp_peers:
+            return []
+        return [(r, self.pool.worker(g)) for r, g in enumerate(self.gpus) if r]
+
     def prepare(self, spec: EngineSpec) -> None:
-        """The worker builds ``spec``'s engine on a thread of its own; returns at once."""
+        """The worker builds ``spec``'s engine on a thread of its own; returns at once.  The
+        other ranks listen first: rank 0's build forms their process group (prewarm time)."""
+        self._spec = spec
+        for r, w in self._ranks(spec):
+            w.call("prepare_rank", spec=spec, rank=r)
         self.worker.call("prepare_engine", spec=spec)
         self._prepared_slot = spec.slot_id
 
@@ -124,6 +135,15 @@ class WorkerEngine:
         if slot and self.worker.alive():
             with contextlib.suppress(Exception):  # a worker dying meanwhile took it along
                 self.worker.call("drop_prepared", slot_id=slot)
+        if slot:
+            self._stop_ranks(slot)
+
+    def _stop_ranks(self, slot_id: str) -> None:
+        """Tear the other ranks down (rank 0's teardown closed their links, ending the group)."""
+        for _, w in self._ranks(self._spec):
+            if w.alive():
+                with contextlib.suppress(Exception):
+                    w.call("stop_rank", timeout_s=90.0, slot_id=slot_id)
 
     def _verify_remote(self, start: int, end: int) -> None:
         spec = self._spec
@@ -159,19 +179,41 @@ class WorkerEngine:
         local = sum(t.shard_len[0] for t in spec.tensors)
         timeout = max(self.start_timeout_s, 60 + timeout_for_bytes(local))
         self._prepared_slot = ""  # the worker uses (or drops) its prepared engine now
-        return str(self.worker.call("start_engine", timeout_s=timeout, spec=spec))
+        ranks = self._ranks(spec)
+        for r, w in ranks:  # idempotent when prepared at prewarm (the group exists already)
+            w.call("prepare_rank", spec=spec, rank=r)
+            w.call("start_rank", spec=spec)
+        endpoint = str(self.worker.call("start_engine", timeout_s=timeout, spec=spec))
+        for _, w in ranks:  # built only now (no prepared engine): the KV mapped so far
+            w.call("rank_kv", slot_id=spec.slot_id, nbytes=spec.kv_capacity_bytes // spec.tp_size)
+        return endpoint
 
     def layers_ready(self, n: int) -> None:
         if n > self._layers:
             self._verify_remote(self._layers, n)
         assert self._spec is not None
         layer_bytes = sum(t.shard_len[0] for t in self._spec.tensors if self._layers <= t.layer < n)
+        for _, w in self._ranks(self._spec):  # every rank's gate opens before rank 0 runs it
+            w.call("rank_layers_ready", slot_id=self._spec.slot_id, n=n)
         # A WeightsMismatch in the worker arrives as one (worker_errors).
         self.worker.call("layers_ready", timeout_s=timeout_for_bytes(layer_bytes), n=n)
         self._layers = max(self._layers, n)
 
     def set_kv_capacity(self, nbytes: int) -> int:
-        return int(self.worker.call("set_kv_capacity", nbytes=nbytes))
+        ranks = self._ranks(self._spec)
+        if not ranks:
+            return int(self.worker.call("set_kv_capacity", nbytes=nbytes))
+        assert self._spec is not None
+        sid, tp = self._spec.slot_id, self._spec.tp_size
+        # A raise: every other rank maps and zeroes its pages before rank 0 hands the blocks
+        # out; a lowering: rank 0 keeps what is in use, then the ranks give up the rest.
+        for _, w in ranks:
+            if nbytes // tp > int(w.call("rank_kv", slot_id=sid, nbytes=-1)):
+                w.call("rank_kv", slot_id=sid, nbytes=nbytes // tp)
+        kept = int(self.worker.call("set_kv_capacity", nbytes=nbytes))
+        for _, w in ranks:
+            w.call("rank_kv", slot_id=sid, nbytes=kept // tp)
+        return kept
 
     def stats(self) -> EngineStats:
         return self.worker.call("stats")
@@ -180,6 +222,8 @@ class WorkerEngine:
         self.drop_prepared()
         if self.worker.alive():
             self.worker.call("stop_engine", timeout_s=60.0)
+        if self._spec is not None and self._spec.tp_peers:
+            self._stop_ranks(self._spec.slot_id)
 
 
 class FreshWorkerEngine(WorkerEngine):

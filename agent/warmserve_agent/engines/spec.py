@@ -119,6 +119,12 @@ class EngineSpec:
     slot_id: str = ""
     # the agent's engine-event socket (engine_events.py: request completions, KV wanted); "" off
     events_addr: str = ""
+    # Tensor parallelism over pooled workers (vllm/tp_executor.py): rank r >= 1 listens on
+    # ``tp_peers[r - 1]`` (Unix sockets in the agent's private directory, ``tp_authkey`` hex),
+    # the ranks' process group meets at ``tp_init`` (a file store there).  Empty for TP 1.
+    tp_peers: tuple[str, ...] = ()
+    tp_init: str = ""
+    tp_authkey: str = ""
 
     @property
     def tp_size(self) -> int:
@@ -144,6 +150,9 @@ class EngineSpec:
             self.trace_sample_ratio,
             self.profile,
             tuple((r.gpu, r.va, r.page_bytes, r.weight_bytes, r.local) for r in self.regions),
+            self.tp_peers,
+            self.tp_init,
+            self.tp_authkey,
         )
 
     def url(self, port: int) -> str:

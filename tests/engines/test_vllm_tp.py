@@ -1,0 +1,109 @@
+"""Tensor parallelism on real vLLM (CPU): a TP=2 tiny Llama prewarmed on a 2-GPU group of an
+agent with pooled workers, each rank's shards in its own GPU's slot, rank 1 a pooled worker
+adopted by rank 0's executor, the ranks' process group formed when the engine is prepared at
+prewarm time.  The hit's tokens equal plain vLLM ``--tensor-parallel-size 2`` on the same
+weights; the weight files are overwritten before the Activate, so nothing is read from them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.engines.test_vllm_engine import (
+    ARGS,
+    PAGE,
+    PROMPT,
+    _garble_weight_files,
+    _tokens,
+)
+
+pytestmark = pytest.mark.vllm
+
+REF_TP2 = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256,
+          kv_cache_memory_bytes=8 * 1024**2, tensor_parallel_size=2,
+          distributed_executor_backend="mp")
+out = llm.generate([{"prompt_token_ids": json.loads(sys.argv[2])}],
+                   SamplingParams(max_tokens=int(sys.argv[3]), temperature=0))
+print("TOKENS " + json.dumps(list(out[0].outputs[0].token_ids)), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.fixture(scope="module")
+def tp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from warmserve_agent.engines.vllm.tiny import make_tiny_llama
+
+    root = tmp_path_factory.mktemp("tpmodels")
+    # 4 heads / 2 KV heads, vocabulary 512: every tensor splits 2 ways as vLLM's layers load it
+    make_tiny_llama(root / "tiny", layers=4, hidden=128, heads=4, kv_heads=2, seed=11)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference_tp2(tp_root: Path) -> list[int]:
+    """Greedy tokens of plain vLLM with --tensor-parallel-size 2 loading the files itself."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), VLLM_CPU_OMP_THREADS_BIND="0|1")
+    out = subprocess.run(
+        [sys.executable, "-c", REF_TP2, str(tp_root / "tiny"), json.dumps(PROMPT), "16"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    line = next((x for x in out.stdout.splitlines() if x.startswith("TOKENS ")), None)
+    assert line, f"reference vLLM (TP 2) failed:\n{out.stderr[-4000:]}"
+    return json.loads(line[7:])
+
+
+def test_tp2_hit_from_per_rank_slots_equals_plain_vllm_tp2(
+    tmp_path: Path, tp_root: Path, reference_tp2: list[int]
+) -> None:
+    from warmserve_agent.config import AgentConfig, parse_simulated_gpus
+    from warmserve_agent.testing import AgentThread
+
+    from warmserve.api.agent.client import SyncAgentClient, pb
+
+    cfg = AgentConfig(
+        model_dir=tp_root,
+        simulate_gpus=parse_simulated_gpus("2x48MiB"),
+        listen="127.0.0.1:0",
+        page_bytes=PAGE,
+        memory_dir=tmp_path / "mem",
+        spare_workers=0,
+        engines=("vllm",),
+    )
+    with AgentThread(cfg) as agent, SyncAgentClient(agent.address) as c:
+        t0 = time.monotonic()
+        sid = c.prewarm_wait("tiny", [0, 1], engine="vllm", engine_args=ARGS).slot_id
+        deadline = time.monotonic() + 600
+        while True:
+            (s,) = c.describe().slots
+            st = s.prepared_engine.state
+            assert st != pb.PREPARED_ENGINE_STATE_FAILED, s.prepared_engine.message
+            if st == pb.PREPARED_ENGINE_STATE_READY:
+                break
+            assert time.monotonic() < deadline, "no prepared engine"
+            time.sleep(0.2)
+        prepared_s = time.monotonic() - t0
+        # the group exists now: rank 1's worker holds its rank, joined at prewarm time
+        rank1 = agent.server.pool.worker(1)
+        assert rank1.call("ping")["engine_builds"] == 0
+        garbled = _garble_weight_files(tp_root / "tiny")  # a read at activation would show
+        assert garbled > 0
+        t1 = time.monotonic()
+        res = c.activate("tiny", [0, 1], slot_id=sid, engine="vllm", engine_args=ARGS)
+        activate_s = time.monotonic() - t1
+        assert res.prewarm_hit and res.instance.stages.engine_prepared
+        assert _tokens(res.instance.endpoint) == reference_tp2
+        assert agent.server.pool.worker(0).call("ping")["engine_builds"] == 1
+        print(f"TP2 prepared in {prepared_s:.1f}s, Activate {activate_s * 1000:.0f} ms")
