@@ -260,6 +260,8 @@ def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> 
         "rank_layers_ready": lambda slot_id, n: the_rank(slot_id).layers_ready(n),
         "rank_kv": lambda slot_id, nbytes: the_rank(slot_id).resize_kv(nbytes),
         "stop_rank": stop_rank,
+        # introspection (tests): the parameters of the engine or rank held, in its slot
+        "slot_params": lambda: (state["rank"] or engine()).slot_params(),
     }
     while True:
         try:

@@ -6,6 +6,7 @@ weights; the weight files are overwritten before the Activate, so nothing is rea
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -37,6 +38,55 @@ out = llm.generate([{"prompt_token_ids": json.loads(sys.argv[2])}],
 print("TOKENS " + json.dumps(list(out[0].outputs[0].token_ids)), flush=True)
 os._exit(0)
 """
+
+
+# vLLM's fused parameters and the checkpoint tensors they load, in order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _rank_shards(model_dir: Path, tp: int, rank: int) -> dict[str, bytes]:
+    """What rank ``rank`` of ``tp`` must hold for each of vLLM's parameter names: the slices
+    ``warmserve.policy.tensor_parallel.rank_slice`` gives (checked against vLLM's own weight
+    loaders in test_vllm_tp_layout.py), fused parts concatenated, read from the files now."""
+    from safetensors.numpy import load_file
+
+    from warmserve.policy.tensor_parallel import rank_slice, tp_shape_from_config
+
+    shape = tp_shape_from_config(json.loads((model_dir / "config.json").read_text()))
+    ckpt: dict[str, object] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        ckpt.update(load_file(str(f)))
+
+    def piece(name: str) -> bytes:
+        a = ckpt[name]
+        raw = a.tobytes()  # type: ignore[attr-defined]
+        sl = rank_slice(name, a.shape, a.itemsize, tp, rank, shape)  # type: ignore[attr-defined]
+        return b"".join(raw[s : s + n] for s, n in sl.ranges)
+
+    out: dict[str, bytes] = {}
+    for name in ckpt:
+        module = name.rsplit(".", 2)[-2]
+        fused = next((f for f, parts in FUSED.items() if module in parts), None)
+        if fused is None:
+            out[name] = piece(name)
+        elif module == FUSED[fused][0]:
+            out[name.replace(module, fused)] = b"".join(
+                piece(name.replace(module, part)) for part in FUSED[fused]
+            )
+    return out
+
+
+def _check_rank_params(
+    params: dict[str, tuple[int, int, bytes]], want: dict[str, bytes], rank: int
+) -> None:
+    """Every parameter of the rank is a view of its own slot, holding exactly its shard."""
+    assert set(params) == set(want), (rank, sorted(set(params) ^ set(want)))
+    for name, (off, n, data) in params.items():
+        assert off >= 0, f"rank {rank}: {name} is not a view of its slot"
+        assert n >= len(want[name]), (rank, name, n, len(want[name]))
+        assert data[: len(want[name])] == want[name], f"rank {rank}: {name} holds other bytes"
+    spans = sorted((off, off + n) for off, n, _ in params.values())
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), f"rank {rank}: views overlap"
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +148,8 @@ def test_tp2_hit_from_per_rank_slots_equals_plain_vllm_tp2(
         # the group exists now: rank 1's worker holds its rank, joined at prewarm time
         rank1 = agent.server.pool.worker(1)
         assert rank1.call("ping")["engine_builds"] == 0
+        shards = [_rank_shards(tp_root / "tiny", 2, r) for r in range(2)]
+        assert shards[0] != shards[1]
         garbled = _garble_weight_files(tp_root / "tiny")  # a read at activation would show
         assert garbled > 0
         t1 = time.monotonic()
@@ -106,4 +158,6 @@ def test_tp2_hit_from_per_rank_slots_equals_plain_vllm_tp2(
         assert res.prewarm_hit and res.instance.stages.engine_prepared
         assert _tokens(res.instance.endpoint) == reference_tp2
         assert agent.server.pool.worker(0).call("ping")["engine_builds"] == 1
+        for r in range(2):  # rank r's parameters: views of GPU r's slot, its shards there
+            _check_rank_params(agent.server.pool.worker(r).call("slot_params"), shards[r], r)
         print(f"TP2 prepared in {prepared_s:.1f}s, Activate {activate_s * 1000:.0f} ms")

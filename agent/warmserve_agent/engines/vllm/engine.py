@@ -334,6 +334,13 @@ class VllmEngine:
             "kv": {n: (t.data_ptr(), extent(t)) for n, t in self._slot.kv.items()},
         }
 
+    def slot_params(self) -> dict[str, tuple[int, int, bytes]]:
+        """Every parameter's offset in the slot and the slot's bytes there (``tp_executor``)."""
+        from warmserve_agent.engines.vllm.tp_executor import slot_params
+
+        assert self._mem is not None
+        return slot_params(self.model(), self._mem)
+
     # ---- on the engine's loop ------------------------------------------------------------------
     async def _open_endpoint(self, spec: EngineSpec) -> str:
         from warmserve_agent.engines.vllm.build import open_endpoint

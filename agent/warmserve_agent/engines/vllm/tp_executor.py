@@ -188,6 +188,20 @@ def _connect(addr: str, key: bytes) -> Connection:
             time.sleep(0.05)
 
 
+def slot_params(model: Any, mem: Any) -> dict[str, tuple[int, int, bytes]]:
+    """Each parameter of ``model`` as ``(offset, nbytes, slot bytes)``: its data pointer's
+    offset from the slot's base (``-1`` outside the slot's weight range, bytes empty) and the
+    bytes the slot holds there, read through the slot memory rather than the tensor (tests
+    compare them with the checkpoint's shard for the rank)."""
+    base, limit = mem.base, mem.region.weight_bytes
+    out: dict[str, tuple[int, int, bytes]] = {}
+    for name, p in model.named_parameters():
+        off, n = p.data_ptr() - base, p.numel() * p.element_size()
+        inside = off >= 0 and off + n <= limit
+        out[name] = (off if inside else -1, n, mem.read(off, n) if inside else b"")
+    return out
+
+
 # ---- rank r >= 1, in the pooled worker of GPU r -------------------------------------------------
 class VllmRank:
     """Rank ``rank`` of a tensor-parallel vLLM engine over this GPU's slot (module docstring):
@@ -358,6 +372,11 @@ class VllmRank:
                 for n, p in self.model().named_parameters()
             },
         }
+
+    def slot_params(self) -> dict[str, tuple[int, int, bytes]]:
+        """Introspection for tests: :func:`slot_params` of this rank's model and slot."""
+        assert self._mem is not None
+        return slot_params(self.model(), self._mem)
 
     def _shutdown_worker(self) -> None:
         w, self._worker = self._worker, None
