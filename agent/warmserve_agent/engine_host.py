@@ -20,6 +20,7 @@ instance: a pooled worker's at once, a fresh one's once started.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 
@@ -29,7 +30,12 @@ from warmserve_agent.engines.prepared import PreparedEngine
 from warmserve_agent.engines.spec import EngineSpec, EngineStats, PreparedReport, PreparedState
 from warmserve_agent.worker import WorkerHandle, WorkerPool, timeout_for_bytes
 
+log = logging.getLogger("warmserve.agent")
+
 PREPARED_POLL_S = 0.05
+# How long rank 0 of a tensor-parallel engine that lost a rank gets to stop before its process
+# is ended (a graceful stop of the tiny test model takes ~1-3 s on a loaded 2-core VM).
+TP_LOST_STOP_S = 10.0
 
 
 class InProcessEngine:
@@ -132,11 +138,34 @@ class WorkerEngine:
 
     def drop_prepared(self) -> None:
         slot, self._prepared_slot = self._prepared_slot, ""
-        if slot and self.worker.alive():
+        if slot and self.worker.alive() and self._rank_lost():
+            # a build still running with a rank gone waits in a collective forever; a built
+            # one is idle and drops
+            try:
+                rep = self.worker.call("prepared_state", slot_id=slot, timeout_s=5.0)
+                if rep.state == PreparedState.PREPARING:
+                    raise TimeoutError("still building")
+                self.worker.call("drop_prepared", slot_id=slot, timeout_s=TP_LOST_STOP_S)
+            except Exception:
+                self._end_rank0("its prepared engine's build lost a rank")
+        elif slot and self.worker.alive():
             with contextlib.suppress(Exception):  # a worker dying meanwhile took it along
                 self.worker.call("drop_prepared", slot_id=slot)
         if slot:
             self._stop_ranks(slot)
+
+    def _rank_lost(self) -> bool:
+        return any(not w.alive() for _, w in self._ranks(self._spec))
+
+    def _end_rank0(self, why: str) -> None:
+        """Rank 0's process cannot be trusted to stop: a collective whose peer died never
+        returns (vLLM's CPU shared-memory all-reduce spins on the peer's flag; NCCL waits
+        likewise).  End it: the worker monitor replaces it as any dead worker (with memory in
+        the workers, its GPU's other slots go with it)."""
+        log.warning(
+            "event=tp_rank0_killed gpu=%d pid=%d why=%s", self.gpus[0], self.worker.pid, why
+        )
+        self.worker.kill()
 
     def _stop_ranks(self, slot_id: str) -> None:
         """Tear the other ranks down (rank 0's teardown closed their links, ending the group)."""
@@ -220,7 +249,12 @@ class WorkerEngine:
 
     def stop(self) -> None:
         self.drop_prepared()
-        if self.worker.alive():
+        if self.worker.alive() and self._rank_lost():
+            try:  # idle between steps it stops; inside a step's collective it never returns
+                self.worker.call("stop_engine", timeout_s=TP_LOST_STOP_S)
+            except Exception:
+                self._end_rank0("a rank died under its serving engine")
+        elif self.worker.alive():
             self.worker.call("stop_engine", timeout_s=60.0)
         if self._spec is not None and self._spec.tp_peers:
             self._stop_ranks(self._spec.slot_id)

@@ -365,6 +365,11 @@ class WorkerHandle:
             raise WorkerFault.from_wire(result).exception(f"worker gpu {self.gpu}: {cmd} failed")
         return result
 
+    def kill(self) -> None:
+        """End the process at once (SIGKILL); the pool's monitor replaces it as a dead worker."""
+        if self.alive():
+            self.proc.kill()
+
     def wait_ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
         # generous: a worker preloading vLLM imports torch + vllm (10-30 s on a loaded CPU)
         return self.call("ping", timeout_s=timeout_s)

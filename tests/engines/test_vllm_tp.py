@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.engines.helpers import post_json
 from tests.engines.test_vllm_engine import (
     ARGS,
     PAGE,
@@ -161,3 +162,104 @@ def test_tp2_hit_from_per_rank_slots_equals_plain_vllm_tp2(
         for r in range(2):  # rank r's parameters: views of GPU r's slot, its shards there
             _check_rank_params(agent.server.pool.worker(r).call("slot_params"), shards[r], r)
         print(f"TP2 prepared in {prepared_s:.1f}s, Activate {activate_s * 1000:.0f} ms")
+
+
+def _prepared_ready(c: object, deadline_s: float = 600) -> None:
+    from warmserve.api.agent.client import pb
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        (s,) = c.describe().slots  # type: ignore[attr-defined]
+        st = s.prepared_engine.state
+        assert st != pb.PREPARED_ENGINE_STATE_FAILED, s.prepared_engine.message
+        if st == pb.PREPARED_ENGINE_STATE_READY:
+            return
+        assert time.monotonic() < deadline, "no prepared engine"
+        time.sleep(0.2)
+
+
+def test_tp2_dead_rank_ends_the_instance_frees_both_slots_and_the_workers_serve_again(
+    tmp_path: Path, tp_root: Path
+) -> None:
+    """Rank 1's pooled worker is killed (SIGKILL) while the TP=2 instance answers a stream of
+    requests.  Memory owned by the workers, as deployed on GPUs: GPU 1's memory dies with it.
+    The instance ends (INSTANCE_REMOVED), every rank's slot and pages are freed, the request in
+    flight returns, nothing waits long; rank 0's worker and rank 1's replacement then prewarm,
+    prepare and serve a TP=2 slot of the same model again."""
+    import signal
+    import threading
+    import urllib.error
+
+    from warmserve_agent.config import AgentConfig, parse_simulated_gpus
+    from warmserve_agent.testing import AgentThread
+
+    from warmserve.api.agent.client import SyncAgentClient
+
+    cfg = AgentConfig(
+        model_dir=tp_root,
+        simulate_gpus=parse_simulated_gpus("2x48MiB"),
+        listen="127.0.0.1:0",
+        page_bytes=PAGE,
+        memory_dir=tmp_path / "mem",
+        spare_workers=0,
+        memory_in_workers=True,
+        engines=("vllm",),
+    )
+    with AgentThread(cfg) as agent, SyncAgentClient(agent.address) as c:
+        pool = agent.server.pool
+        sid = c.prewarm_wait("tiny", [0, 1], engine="vllm", engine_args=ARGS).slot_id
+        _prepared_ready(c)
+        res = c.activate("tiny", [0, 1], slot_id=sid, engine="vllm", engine_args=ARGS)
+        want = _tokens(res.instance.endpoint)
+        pid0, pid1 = pool.worker(0).pid, pool.worker(1).pid
+
+        outcomes: list[str] = []
+        stop = threading.Event()
+
+        def load() -> None:  # requests in flight when the rank dies
+            body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "temperature": 0}
+            while not stop.is_set():
+                try:
+                    status, _ = post_json(f"{res.instance.endpoint}/v1/completions", body, 60)
+                    outcomes.append(str(status))
+                except (urllib.error.URLError, OSError) as exc:
+                    outcomes.append(type(exc).__name__)
+                    return  # the endpoint is gone
+
+        t = threading.Thread(target=load, daemon=True)
+        t.start()
+        while not outcomes:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        os.kill(pid1, signal.SIGKILL)
+        gone_s = 0.0
+        while True:  # rank 0 in a collective with the dead rank never returns: it is ended
+            d = c.describe()
+            gone = not d.instances and not d.slots
+            freed = all(g.pages_free == g.pages_total for g in d.gpus)
+            if gone and freed and not gone_s:
+                gone_s = time.monotonic() - t0
+            alive = all(pool.worker(g).alive() for g in (0, 1))
+            if gone_s and alive and d.gpus[1].worker_restarts == 1:
+                break
+            assert time.monotonic() < t0 + 150, f"not cleaned up and replaced in 150 s:\n{d}"
+            time.sleep(0.2)
+        assert gone_s < 30, f"the instance and its slots took {gone_s:.1f} s to go"
+        replaced_s = time.monotonic() - t0
+        stop.set()
+        t.join(timeout=30)
+        assert not t.is_alive(), "a request in flight when rank 1 died never returned"
+        assert pool.worker(1).pid != pid1
+        assert not d.gpus[0].prepared_slot_id and not d.gpus[1].prepared_slot_id
+        rank0_ended = pool.worker(0).pid != pid0
+
+        # the survivors serve again: the same group, a new slot, the engine prepared anew
+        sid2 = c.prewarm_wait("tiny", [0, 1], engine="vllm", engine_args=ARGS).slot_id
+        _prepared_ready(c)
+        res2 = c.activate("tiny", [0, 1], slot_id=sid2, engine="vllm", engine_args=ARGS)
+        assert res2.prewarm_hit and res2.instance.stages.engine_prepared
+        assert _tokens(res2.instance.endpoint) == want
+        print(
+            f"dead rank: instance and slots gone in {gone_s:.1f} s, workers replaced in "
+            f"{replaced_s:.1f} s (rank 0's ended: {rank0_ended}), outcomes {outcomes[-3:]}"
+        )

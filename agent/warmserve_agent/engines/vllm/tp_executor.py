@@ -28,6 +28,7 @@ slots and instances (``NodeCore.gpu_lost``), freeing every rank's slot.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from concurrent.futures import Future
@@ -202,6 +203,13 @@ def slot_params(model: Any, mem: Any) -> dict[str, tuple[int, int, bytes]]:
     return out
 
 
+def _own_region(spec: Any, rank: int) -> Any:
+    """Rank ``rank``'s region as its own worker sees it: GPU ``rank``'s worker owns that GPU's
+    memory when memory lives in the workers, so the region is local there (the spec marks only
+    rank 0's, the engine's process)."""
+    return dataclasses.replace(spec.regions[rank], local=True)
+
+
 # ---- rank r >= 1, in the pooled worker of GPU r -------------------------------------------------
 class VllmRank:
     """Rank ``rank`` of a tensor-parallel vLLM engine over this GPU's slot (module docstring):
@@ -234,7 +242,7 @@ class VllmRank:
         from warmserve_agent.engines.vllm.loader import ActiveSlot, activate_slot
 
         self.spec, self.rank = spec, rank
-        region = spec.regions[rank]
+        region = _own_region(spec, rank)
         self._mem = SlotMemory(region, self._backend, partial=True)
         device = torch.device(
             f"cuda:{region.gpu}" if self._mem.kind == SlotMemoryKind.DEVICE else "cpu"
@@ -313,7 +321,7 @@ class VllmRank:
     # ---- driven by the agent, through this worker's pipe ----------------------------------------
     def start(self, spec: Any) -> None:
         """Activation: the weights mapped since the preparation, the KV the agent mapped."""
-        self._mem.update(spec.regions[self.rank])
+        self._mem.update(_own_region(spec, self.rank))
         self.layers_ready(spec.layers_resident)
         if self._nb:  # built (prepared at prewarm): before rank 0 hands the blocks out
             self.resize_kv(spec.kv_capacity_bytes // spec.tp_size)
