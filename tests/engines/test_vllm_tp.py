@@ -185,7 +185,9 @@ def test_tp2_dead_rank_ends_the_instance_frees_both_slots_and_the_workers_serve_
     requests.  Memory owned by the workers, as deployed on GPUs: GPU 1's memory dies with it.
     The instance ends (INSTANCE_REMOVED), every rank's slot and pages are freed, the request in
     flight returns, nothing waits long; rank 0's worker and rank 1's replacement then prewarm,
-    prepare and serve a TP=2 slot of the same model again."""
+    prepare and serve a TP=2 slot of the same model again (its group formed a second time at
+    Activate: the engine prepared for other arguments is dropped), and EndInstance of that
+    instance returns in bounded time."""
     import signal
     import threading
     import urllib.error
@@ -253,13 +255,22 @@ def test_tp2_dead_rank_ends_the_instance_frees_both_slots_and_the_workers_serve_
         assert not d.gpus[0].prepared_slot_id and not d.gpus[1].prepared_slot_id
         rank0_ended = pool.worker(0).pid != pid0
 
-        # the survivors serve again: the same group, a new slot, the engine prepared anew
-        sid2 = c.prewarm_wait("tiny", [0, 1], engine="vllm", engine_args=ARGS).slot_id
+        # The survivors serve again: the same group, a new slot whose engine is prepared for
+        # other arguments (its group forms at prewarm), so Activate drops it and builds its
+        # own, the group formed anew over the same ranks' slots.
+        other = [*ARGS, "--max-num-seqs", "17"]
+        sid2 = c.prewarm_wait("tiny", [0, 1], engine="vllm", engine_args=other).slot_id
         _prepared_ready(c)
         res2 = c.activate("tiny", [0, 1], slot_id=sid2, engine="vllm", engine_args=ARGS)
-        assert res2.prewarm_hit and res2.instance.stages.engine_prepared
+        assert res2.prewarm_hit and not res2.instance.stages.engine_prepared
         assert _tokens(res2.instance.endpoint) == want
+        c.begin_grace(res2.instance.instance_id)  # ends in time: every rank's thread wakes
+        t1 = time.monotonic()
+        c.end_instance(res2.instance.instance_id, evict_weights=True)
+        end_s = time.monotonic() - t1
+        assert end_s < 20, f"EndInstance of the TP=2 instance took {end_s:.1f} s"
         print(
             f"dead rank: instance and slots gone in {gone_s:.1f} s, workers replaced in "
-            f"{replaced_s:.1f} s (rank 0's ended: {rank0_ended}), outcomes {outcomes[-3:]}"
+            f"{replaced_s:.1f} s (rank 0's ended: {rank0_ended}), outcomes {outcomes[-3:]}; "
+            f"EndInstance {end_s:.1f} s"
         )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import socket
 import threading
 from concurrent.futures import Future
 from multiprocessing.connection import Client, Connection, Listener
@@ -101,6 +102,7 @@ def _make_executor_class() -> type:
             self._gather("init_worker")
             self.collective_rpc("init_device")  # the ranks' process group forms here
             self.collective_rpc("load_model")
+            self.collective_rpc(warm_vocab_masking)  # each rank alone: no collective inside
             from vllm.platforms import current_platform
 
             current_platform.update_block_size_for_backend(self.vllm_config)
@@ -171,6 +173,35 @@ def _make_executor_class() -> type:
     PooledRankExecutor.__qualname__ = "PooledRankExecutor"
     _CLASS.append(PooledRankExecutor)
     return PooledRankExecutor
+
+
+def warm_vocab_masking(wrapper: Any) -> None:
+    """Compile vLLM's vocabulary-parallel masking now, while the engine is prepared: with TP > 1
+    the embedding masks token ids through a ``torch.compile``'d helper that is compiled at the
+    first forward, and the slot engine skips vLLM's profile and warm-up runs (the KV size is
+    given), so the first request paid it (3.9-5.7 s of a TP=2 hit's first token on this CPU,
+    py-spy: inductor's load inside ``VocabParallelEmbedding.forward``).  Token ids are int32 as
+    in vLLM's input buffer; two lengths, as the compile is dynamic."""
+    import torch
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        VocabParallelEmbedding,
+        get_masked_input_and_mask,
+    )
+
+    model = getattr(wrapper, "worker", wrapper).model_runner.model
+    for m in model.modules():
+        if isinstance(m, VocabParallelEmbedding) and m.tp_size > 1:
+            si = m.shard_indices
+            for n in (1, 5):
+                get_masked_input_and_mask(
+                    torch.zeros(n, dtype=torch.int32, device=m.weight.device),
+                    si.org_vocab_start_index,
+                    si.org_vocab_end_index,
+                    si.num_org_vocab_padding,
+                    si.added_vocab_start_index,
+                    si.added_vocab_end_index,
+                )
+            return  # one compile serves every module (the same helper)
 
 
 def _connect(addr: str, key: bytes) -> Connection:
@@ -261,27 +292,33 @@ class VllmRank:
     def _serve(self) -> None:
         from warmserve_agent.engines.vllm.loader import slot_kv_cache
 
-        assert self._listener is not None
-        try:
-            conn = self._listener.accept()
-        except OSError:
-            return  # closed before rank 0 came
-        with conn, slot_kv_cache(self._slot):
-            while True:
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    break
-                if msg[0] == "close":
-                    break
-                try:
-                    conn.send(("ok", self._run(msg)))
-                except Exception as exc:
-                    log.exception("event=tp_rank_call_failed rank=%d", self.rank)
-                    self.error = f"{type(exc).__name__}: {exc}"
-                    with contextlib.suppress(Exception):
-                        conn.send(("err", self.error))
-        self._shutdown_worker()
+        # One rank-0 engine after another over this slot: a prepared engine built for other
+        # arguments is dropped at activation and the activation's own engine connects anew.
+        while (listener := self._listener) is not None:
+            try:
+                conn = listener.accept()
+            except OSError:
+                return  # closed: the rank stops
+            with conn, slot_kv_cache(self._slot):
+                while True:
+                    try:
+                        msg = conn.recv()
+                    except (EOFError, OSError):
+                        break
+                    if msg[0] == "close":
+                        break
+                    try:
+                        conn.send(("ok", self._run(msg)))
+                    except Exception as exc:
+                        log.exception("event=tp_rank_call_failed rank=%d", self.rank)
+                        self.error = f"{type(exc).__name__}: {exc}"
+                        with contextlib.suppress(Exception):
+                            conn.send(("err", self.error))
+            if self._kv is not None:  # its blocks' pages: unmapped here until the next asks
+                with contextlib.suppress(Exception):
+                    self.resize_kv(0)
+            self._shutdown_worker()
+            self._nb, self._kv, self._granted = 0, None, 0  # the next engine sizes its own
 
     def _run(self, msg: tuple[Any, ...]) -> Any:
         if msg[0] == "init":
@@ -398,10 +435,14 @@ class VllmRank:
 
         if self._gate is not None:
             self._gate.close()
-        if self._listener is not None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            # closing a listening socket does not wake a thread blocked in accept(); a
+            # shutdown does (the serving thread then sees no listener and ends)
             with contextlib.suppress(Exception):
-                self._listener.close()
-            self._listener = None
+                listener._listener._socket.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]
+            with contextlib.suppress(Exception):
+                listener.close()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
