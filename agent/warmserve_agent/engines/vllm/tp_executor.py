@@ -292,33 +292,29 @@ class VllmRank:
     def _serve(self) -> None:
         from warmserve_agent.engines.vllm.loader import slot_kv_cache
 
-        # One rank-0 engine after another over this slot: a prepared engine built for other
-        # arguments is dropped at activation and the activation's own engine connects anew.
-        while (listener := self._listener) is not None:
-            try:
-                conn = listener.accept()
-            except OSError:
-                return  # closed: the rank stops
-            with conn, slot_kv_cache(self._slot):
-                while True:
-                    try:
-                        msg = conn.recv()
-                    except (EOFError, OSError):
-                        break
-                    if msg[0] == "close":
-                        break
-                    try:
-                        conn.send(("ok", self._run(msg)))
-                    except Exception as exc:
-                        log.exception("event=tp_rank_call_failed rank=%d", self.rank)
-                        self.error = f"{type(exc).__name__}: {exc}"
-                        with contextlib.suppress(Exception):
-                            conn.send(("err", self.error))
-            if self._kv is not None:  # its blocks' pages: unmapped here until the next asks
-                with contextlib.suppress(Exception):
-                    self.resize_kv(0)
-            self._shutdown_worker()
-            self._nb, self._kv, self._granted = 0, None, 0  # the next engine sizes its own
+        listener = self._listener
+        if listener is None:
+            return
+        try:
+            conn = listener.accept()
+        except OSError:
+            return  # shut down before rank 0 came (stop)
+        with conn, slot_kv_cache(self._slot):
+            while True:
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    break
+                if msg[0] == "close":
+                    break
+                try:
+                    conn.send(("ok", self._run(msg)))
+                except Exception as exc:
+                    log.exception("event=tp_rank_call_failed rank=%d", self.rank)
+                    self.error = f"{type(exc).__name__}: {exc}"
+                    with contextlib.suppress(Exception):
+                        conn.send(("err", self.error))
+        self._shutdown_worker()
 
     def _run(self, msg: tuple[Any, ...]) -> Any:
         if msg[0] == "init":
