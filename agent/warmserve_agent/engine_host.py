@@ -169,10 +169,17 @@ class WorkerEngine:
 
     def _stop_ranks(self, slot_id: str) -> None:
         """Tear the other ranks down (rank 0's teardown closed their links, ending the group)."""
+        lost = False
         for _, w in self._ranks(self._spec):
             if w.alive():
                 with contextlib.suppress(Exception):
                     w.call("stop_rank", timeout_s=90.0, slot_id=slot_id)
+            else:
+                lost = True
+        if lost:  # a dead rank never unlinks its part of the group's shared memory
+            from warmserve_agent.engines.vllm.tp_executor import remove_group_shm
+
+            remove_group_shm(slot_id)
 
     def _verify_remote(self, start: int, end: int) -> None:
         spec = self._spec

@@ -365,10 +365,14 @@ class WorkerHandle:
             raise WorkerFault.from_wire(result).exception(f"worker gpu {self.gpu}: {cmd} failed")
         return result
 
-    def kill(self) -> None:
-        """End the process at once (SIGKILL); the pool's monitor replaces it as a dead worker."""
+    def kill(self, timeout_s: float = 10.0) -> None:
+        """End the process at once (SIGKILL) and reap it, so that ``alive()`` is false when this
+        returns (callers then skip its memory, ``backends/workers.py``); the pool's monitor
+        replaces it as a dead worker."""
         if self.alive():
             self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout_s)
 
     def wait_ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
         # generous: a worker preloading vLLM imports torch + vllm (10-30 s on a loaded CPU)

@@ -247,6 +247,8 @@ def test_tp2_dead_rank_ends_the_instance_frees_both_slots_and_the_workers_serve_
             assert time.monotonic() < t0 + 150, f"not cleaned up and replaced in 150 s:\n{d}"
             time.sleep(0.2)
         assert gone_s < 30, f"the instance and its slots took {gone_s:.1f} s to go"
+        # the group's shared memory (vLLM's CPU all-reduce) does not outlive its ranks
+        assert not list(Path("/dev/shm").glob(f"{sid}.store-*"))
         replaced_s = time.monotonic() - t0
         stop.set()
         t.join(timeout=30)

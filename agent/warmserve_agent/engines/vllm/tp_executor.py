@@ -204,6 +204,22 @@ def warm_vocab_masking(wrapper: Any) -> None:
             return  # one compile serves every module (the same helper)
 
 
+def remove_group_shm(slot_id: str, shm_dir: str = "/dev/shm") -> int:
+    """Unlink what vLLM's CPU shared-memory all-reduce left of ``slot_id``'s group: one 8 MiB
+    segment per rank, named after the group's store (``<slot>.store-tp:...-cpushm_<rank>``),
+    which a rank killed inside the group never unlinks (seen: one pair per killed TP=2 group).
+    Returns how many were removed."""
+    import glob
+    import os
+
+    n = 0
+    for path in glob.glob(os.path.join(glob.escape(shm_dir), glob.escape(slot_id) + ".store-*")):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            n += 1
+    return n
+
+
 def _connect(addr: str, key: bytes) -> Connection:
     """A link to the rank listening on ``addr`` (it may still be starting: retried)."""
     import time
