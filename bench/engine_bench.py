@@ -20,6 +20,9 @@ hits with part of the layers resident, and a fresh vLLM process for comparison.
   (+engine), the full hit (+weights resident); each prewarm is timed too (the weight path).  The
   JSON a ``measured-<name>`` start-up profile is built from (``warmserve/sim/startup_measured.py``,
   ``--out bench/results/engine-<name>.json``).
+* **tensor parallel** (tiny model; ``--no-tp`` skips, ``bench/engine_tp.py``): a TP=1 hit, TP=2
+  hits with the ranks' group formed at prewarm and at Activate, and a fresh TP=2 vLLM process,
+  on an agent with two simulated GPUs; goal: the TP=2 hit's TTFT <= 1.5x the TP=1 hit's.
 * **prepared engine's cost**: the worker's anonymous resident memory with the engine prepared
   minus after it was torn down, and the growth the worker measured while building it.
 
@@ -54,6 +57,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from engine_tp import bench_tp, print_tp, summarize_tp
 
 from warmserve.testing.smoke import add_smoke_flag, apply_smoke
 
@@ -530,6 +535,12 @@ def main() -> int:
         "fresh process (no prewarm) and the full hit (+weights resident); the JSON a "
         "measured-<name> start-up profile is built from (warmserve/sim/startup_measured.py)",
     )
+    ap.add_argument(
+        "--no-tp",
+        action="store_true",
+        help="skip the tensor-parallel rows (tiny model: TP=1 hit, TP=2 hits with the group "
+        "formed at prewarm / at Activate, a fresh TP=2 process; bench/engine_tp.py)",
+    )
     ap.add_argument("--out", help="result file (default: bench/results/engine_bench.json)")
     add_smoke_flag(ap, SMOKE, "one full hit, no fresh process")
     a = ap.parse_args()
@@ -546,6 +557,7 @@ def main() -> int:
     args = ["--enforce-eager", "--max-model-len", str(a.max_model_len)]
     up_before = uptime()
     results = []
+    tp_results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp_s:
         tmp = Path(tmp_s)
         root = tmp / "models"
@@ -571,8 +583,23 @@ def main() -> int:
             else:
                 raise SystemExit(f"unknown model {name!r} (tiny, smollm2)")
             results.append(bench_model(name, model_dir, root, tmp, gpu, a, args))
+            if name == "tiny" and not a.no_tp:
+                tp_results.append(
+                    bench_tp(
+                        name,
+                        model_dir,
+                        root,
+                        tmp,
+                        gpu,
+                        a,
+                        args,
+                        warm_up=lambda c, n=name: profile_forward(c, n, args),
+                        loadavg=loadavg,
+                    )
+                )
     up_after = uptime()
     summaries = [summarize(m) for m in results]
+    tp_summaries = [summarize_tp(m) for m in tp_results]
     doc = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": platform.node(),
@@ -588,18 +615,29 @@ def main() -> int:
         "cpu_model": cpu_model(),
         "models": results,
         "summary": {m["model"]: s for m, s in zip(results, summaries, strict=True)},
+        "tensor_parallel": {
+            "models": tp_results,
+            "summary": {m["model"]: s for m, s in zip(tp_results, tp_summaries, strict=True)},
+        },
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=1))
     print(f"vLLM CPU; args {' '.join(args)}; rounds={a.rounds}; {os.cpu_count()} CPUs")
     print(f"uptime before: {up_before}\nuptime after:  {up_after}")
     print_tables(results, summaries)
+    for m, s in zip(tp_results, tp_summaries, strict=True):
+        print_tp(m, s)
     print(f"saved {a.out}")
     unprepared = [
         f"{m['model']} {f}"
         for m in results
         for f, rows in m["hits"].items()
         if not all(r["engine_prepared"] for r in rows)
+    ] + [
+        f"{m['model']} {k}"
+        for m in tp_results
+        for k, rows in m["rows"].items()
+        if k != "tp2_at_activation" and not all(r["engine_prepared"] for r in rows)
     ]
     if unprepared:  # a hit that built its engine is a failure of what this bench measures
         print(f"ERROR: hits without a prepared engine: {unprepared}", file=sys.stderr)

@@ -44,6 +44,7 @@ from warmserve_agent.node_records import EventKind, InstanceRec, Refusal, SlotRe
 from warmserve_agent.node_state import NodeState
 from warmserve_agent.prepared_engines import EnginePreparer, EngineSettings, slot_engine_spec
 from warmserve_agent.prewarm_slots import Prewarmer
+from warmserve_agent.store import SlotLayout
 
 log = logging.getLogger("warmserve.agent.node")  # one logger for the whole node core
 
@@ -95,6 +96,20 @@ class Activator:
             raise Refusal("INVALID_ARGUMENT", str(exc)) from None
         return name
 
+    @staticmethod
+    def check_tp(engine: str, layout: SlotLayout) -> None:
+        """Refuse a tensor-parallel group the engine cannot split this model over (before any
+        state changes): an engine whose ranks load tensors as vLLM's layers do needs every
+        tensor split by rows/columns (``store.SlotLayout.tp_layers_problem``)."""
+        if not ENGINES[engine].tp_layers:
+            return
+        why = layout.tp_layers_problem()
+        if why:
+            raise Refusal(
+                "FAILED_PRECONDITION",
+                f"engine {engine!r} cannot serve tensorParallel={layout.tp}: {why}",
+            )
+
     def activate(
         self,
         model: str,
@@ -115,6 +130,7 @@ class Activator:
             group = state.check_gpus(gpus)
             layout = state.model_layout(model, len(group))
             engine_name = self.check_engine(engine, engine_args)
+            self.check_tp(engine_name, layout)
             for g in group:
                 rec = state.gpus[g]
                 if rec.state in (WorkerState.DEDICATED, WorkerState.GRACE):

@@ -20,6 +20,7 @@ instance: a pooled worker's at once, a fresh one's once started.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 
@@ -27,9 +28,14 @@ from warmserve_agent.engine import Engine, WeightsMismatch
 from warmserve_agent.engines import engine_info
 from warmserve_agent.engines.prepared import PreparedEngine
 from warmserve_agent.engines.spec import EngineSpec, EngineStats, PreparedReport, PreparedState
-from warmserve_agent.worker import WorkerPool, timeout_for_bytes
+from warmserve_agent.worker import WorkerHandle, WorkerPool, timeout_for_bytes
+
+log = logging.getLogger("warmserve.agent")
 
 PREPARED_POLL_S = 0.05
+# How long rank 0 of a tensor-parallel engine that lost a rank gets to stop before its process
+# is ended (a graceful stop of the tiny test model takes ~1-3 s on a loaded 2-core VM).
+TP_LOST_STOP_S = 10.0
 
 
 class InProcessEngine:
@@ -102,8 +108,19 @@ class WorkerEngine:
         self._prepared_slot = ""
         self.process_taken_at = time.perf_counter()  # a pooled worker: running already
 
+    def _ranks(self, spec: EngineSpec | None) -> list[tuple[int, WorkerHandle]]:
+        """The other ranks' workers of a tensor-parallel engine hosted rank by rank
+        (``engines/vllm/tp_executor.py``); none for TP 1 or an engine that verifies only."""
+        if spec is None or not spec.tp_peers:
+            return []
+        return [(r, self.pool.worker(g)) for r, g in enumerate(self.gpus) if r]
+
     def prepare(self, spec: EngineSpec) -> None:
-        """The worker builds ``spec``'s engine on a thread of its own; returns at once."""
+        """The worker builds ``spec``'s engine on a thread of its own; returns at once.  The
+        other ranks listen first: rank 0's build forms their process group (prewarm time)."""
+        self._spec = spec
+        for r, w in self._ranks(spec):
+            w.call("prepare_rank", spec=spec, rank=r)
         self.worker.call("prepare_engine", spec=spec)
         self._prepared_slot = spec.slot_id
 
@@ -121,9 +138,48 @@ class WorkerEngine:
 
     def drop_prepared(self) -> None:
         slot, self._prepared_slot = self._prepared_slot, ""
-        if slot and self.worker.alive():
+        if slot and self.worker.alive() and self._rank_lost():
+            # a build still running with a rank gone waits in a collective forever; a built
+            # one is idle and drops
+            try:
+                rep = self.worker.call("prepared_state", slot_id=slot, timeout_s=5.0)
+                if rep.state == PreparedState.PREPARING:
+                    raise TimeoutError("still building")
+                self.worker.call("drop_prepared", slot_id=slot, timeout_s=TP_LOST_STOP_S)
+            except Exception:
+                self._end_rank0("its prepared engine's build lost a rank")
+        elif slot and self.worker.alive():
             with contextlib.suppress(Exception):  # a worker dying meanwhile took it along
                 self.worker.call("drop_prepared", slot_id=slot)
+        if slot:
+            self._stop_ranks(slot)
+
+    def _rank_lost(self) -> bool:
+        return any(not w.alive() for _, w in self._ranks(self._spec))
+
+    def _end_rank0(self, why: str) -> None:
+        """Rank 0's process cannot be trusted to stop: a collective whose peer died never
+        returns (vLLM's CPU shared-memory all-reduce spins on the peer's flag; NCCL waits
+        likewise).  End it: the worker monitor replaces it as any dead worker (with memory in
+        the workers, its GPU's other slots go with it)."""
+        log.warning(
+            "event=tp_rank0_killed gpu=%d pid=%d why=%s", self.gpus[0], self.worker.pid, why
+        )
+        self.worker.kill()
+
+    def _stop_ranks(self, slot_id: str) -> None:
+        """Tear the other ranks down (rank 0's teardown closed their links, ending the group)."""
+        lost = False
+        for _, w in self._ranks(self._spec):
+            if w.alive():
+                with contextlib.suppress(Exception):
+                    w.call("stop_rank", timeout_s=90.0, slot_id=slot_id)
+            else:
+                lost = True
+        if lost:  # a dead rank never unlinks its part of the group's shared memory
+            from warmserve_agent.engines.vllm.tp_executor import remove_group_shm
+
+            remove_group_shm(slot_id)
 
     def _verify_remote(self, start: int, end: int) -> None:
         spec = self._spec
@@ -159,27 +215,56 @@ class WorkerEngine:
         local = sum(t.shard_len[0] for t in spec.tensors)
         timeout = max(self.start_timeout_s, 60 + timeout_for_bytes(local))
         self._prepared_slot = ""  # the worker uses (or drops) its prepared engine now
-        return str(self.worker.call("start_engine", timeout_s=timeout, spec=spec))
+        ranks = self._ranks(spec)
+        for r, w in ranks:  # idempotent when prepared at prewarm (the group exists already)
+            w.call("prepare_rank", spec=spec, rank=r)
+            w.call("start_rank", spec=spec)
+        endpoint = str(self.worker.call("start_engine", timeout_s=timeout, spec=spec))
+        for _, w in ranks:  # built only now (no prepared engine): the KV mapped so far
+            w.call("rank_kv", slot_id=spec.slot_id, nbytes=spec.kv_capacity_bytes // spec.tp_size)
+        return endpoint
 
     def layers_ready(self, n: int) -> None:
         if n > self._layers:
             self._verify_remote(self._layers, n)
         assert self._spec is not None
         layer_bytes = sum(t.shard_len[0] for t in self._spec.tensors if self._layers <= t.layer < n)
+        for _, w in self._ranks(self._spec):  # every rank's gate opens before rank 0 runs it
+            w.call("rank_layers_ready", slot_id=self._spec.slot_id, n=n)
         # A WeightsMismatch in the worker arrives as one (worker_errors).
         self.worker.call("layers_ready", timeout_s=timeout_for_bytes(layer_bytes), n=n)
         self._layers = max(self._layers, n)
 
     def set_kv_capacity(self, nbytes: int) -> int:
-        return int(self.worker.call("set_kv_capacity", nbytes=nbytes))
+        ranks = self._ranks(self._spec)
+        if not ranks:
+            return int(self.worker.call("set_kv_capacity", nbytes=nbytes))
+        assert self._spec is not None
+        sid, tp = self._spec.slot_id, self._spec.tp_size
+        # A raise: every other rank maps and zeroes its pages before rank 0 hands the blocks
+        # out; a lowering: rank 0 keeps what is in use, then the ranks give up the rest.
+        for _, w in ranks:
+            if nbytes // tp > int(w.call("rank_kv", slot_id=sid, nbytes=-1)):
+                w.call("rank_kv", slot_id=sid, nbytes=nbytes // tp)
+        kept = int(self.worker.call("set_kv_capacity", nbytes=nbytes))
+        for _, w in ranks:
+            w.call("rank_kv", slot_id=sid, nbytes=kept // tp)
+        return kept
 
     def stats(self) -> EngineStats:
         return self.worker.call("stats")
 
     def stop(self) -> None:
         self.drop_prepared()
-        if self.worker.alive():
+        if self.worker.alive() and self._rank_lost():
+            try:  # idle between steps it stops; inside a step's collective it never returns
+                self.worker.call("stop_engine", timeout_s=TP_LOST_STOP_S)
+            except Exception:
+                self._end_rank0("a rank died under its serving engine")
+        elif self.worker.alive():
             self.worker.call("stop_engine", timeout_s=60.0)
+        if self._spec is not None and self._spec.tp_peers:
+            self._stop_ranks(self._spec.slot_id)
 
 
 class FreshWorkerEngine(WorkerEngine):

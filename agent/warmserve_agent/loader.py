@@ -43,12 +43,15 @@ class LoadReport:
 
 
 def layer_ranges(layout: SlotLayout, layer: int, rank: int) -> list[tuple[int, str, int, int]]:
-    """``(slot offset, file, file offset, nbytes)`` of rank's shards of one layer's tensors."""
+    """``(slot offset, file, file offset, nbytes)`` of rank's shards of one layer's tensors (a
+    row-parallel shard is one range per row, concatenated in the slot)."""
     out = []
     for pl in layout.layer_placements(layer):
-        s, n = pl.shard(rank)
-        if n:
-            out.append((pl.slot_offset, str(pl.tensor.file), pl.tensor.offset + s, n))
+        at = pl.slot_offset
+        for s, n in pl.ranges(rank):
+            if n:
+                out.append((at, str(pl.tensor.file), pl.tensor.offset + s, n))
+                at += n
     return out
 
 
@@ -145,8 +148,7 @@ def verify_layers(
         if not (from_layer <= pl.tensor.layer < upto_layer):
             continue
         for rank in ranks:
-            _, n = pl.shard(rank)
-            data = read(rank, pl.slot_offset, n)
+            data = read(rank, pl.slot_offset, pl.shard_len(rank))
             if hashlib.blake2b(data, digest_size=16).digest() != digests_by_rank[rank][i]:
                 bad.append(f"{pl.tensor.name}[rank {rank}]")
     return bad

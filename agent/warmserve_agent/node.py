@@ -192,7 +192,12 @@ class NodeCore:
         """Prewarm, and have the slot's worker prepare ``engine`` (default: the node's) with
         ``engine_args`` for it (checked like Activate's, before anything changes)."""
         name = self.activator.check_engine(engine, engine_args)
-        slot = self.prewarmer.prewarm(model, gpus, layers, owner)
+        group = list(gpus)
+        if len(group) > 1:
+            with self.state.lock:
+                layout = self.state.model_layout(model, len(self.state.check_gpus(group)))
+            self.activator.check_tp(name, layout)
+        slot = self.prewarmer.prewarm(model, group, layers, owner)
         self.preparer.want(slot, name, engine_args)
         return slot
 

@@ -30,10 +30,16 @@ made, for a preparation (no instance yet, KV pages not mapped) and an activation
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
+import secrets
+import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from warmserve.api.agent.wire import SlotState
 from warmserve.engine_args import DEFAULT_POLICY, EngineArgPolicy
@@ -158,7 +164,9 @@ def slot_engine_spec(
                 nbytes=p.tensor.nbytes,
                 dtype=p.tensor.dtype,
                 shape=p.tensor.shape,
-                shard_len=tuple(p.shard(r)[1] for r in range(tp)),
+                shard_len=tuple(p.shard_len(r) for r in range(tp)),
+                split=p.split.value,
+                slot_bytes=p.shard_bytes,
             )
             for p in layout.placements
         ),
@@ -176,7 +184,31 @@ def slot_engine_spec(
         trace_sample_ratio=settings.traces[1],
         slot_id=slot.slot_id,
         events_addr=events_addr,
+        **_tp_rendezvous(slot, engine),
     )
+
+
+_TP_SECRET = secrets.token_bytes(32)
+_TP_DIR: list[str] = []
+
+
+def _tp_rendezvous(slot: SlotRec, engine: str) -> dict[str, Any]:
+    """Where a tensor-parallel engine's ranks meet (``EngineSpec.tp_*``): each rank >= 1 listens
+    on a Unix socket in a private directory (mode 0700, created once per agent process) with a
+    per-slot key, and their process group's file store lies beside them.  The same for the
+    slot's preparation and its activation (a prepared engine's group is reused)."""
+    tp = len(slot.gpus)
+    if tp == 1 or not ENGINES[engine].tp_layers:
+        return {}
+    if not _TP_DIR:
+        _TP_DIR.append(tempfile.mkdtemp(prefix="warmserve-tp-"))
+    d = _TP_DIR[0]
+    key = hmac.new(_TP_SECRET, slot.slot_id.encode(), hashlib.sha256).hexdigest()
+    return {
+        "tp_peers": tuple(os.path.join(d, f"{slot.slot_id}-{r}.sock") for r in range(1, tp)),
+        "tp_init": f"file://{os.path.join(d, slot.slot_id + '.store')}",
+        "tp_authkey": key,
+    }
 
 
 @dataclass

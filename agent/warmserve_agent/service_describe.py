@@ -206,6 +206,8 @@ class Describer:
                     source=source,
                     disk_bytes=disk,
                     last_used_unix=used,
+                    attention_heads=m.tp_shape.heads if m.tp_shape else 0,
+                    kv_heads=m.tp_shape.kv_heads if m.tp_shape else 0,
                 )
             )
         self._catalog_cache = (stamp, now, models)

@@ -31,10 +31,14 @@ Slot layout: tensors are placed in layer order (then by name, with the projectio
 fuses — q/k/v, gate/up — adjacent and in that order), each at a 256-byte aligned offset from the
 slot start; the weights of the first N layers are a prefix of the slot.
 
-Tensor parallelism (a group of D GPUs): each tensor's bytes are split evenly into D contiguous
-shards of ``ceil(n/D)`` bytes (the last may be shorter); rank r's shard sits at the same slot
-offset on GPU r.  This is a byte split, not a semantic (row/column) split: the simulated engine
-only needs verifiable bytes; a vLLM adapter would shard by its own rules (later issue).
+Tensor parallelism (a group of D GPUs): rank r's shard of every tensor sits at the same slot
+offset on GPU r.  When ``config.json`` declares the head geometry (heads, KV heads, hidden,
+intermediate, vocabulary) and D splits it, each tensor is split as vLLM's tensor-parallel layers
+load it (:mod:`warmserve.policy.tensor_parallel`: column-parallel by heads/rows, row-parallel by
+input columns, the vocabulary padded to 64 and split by rows, norms replicated), so a rank's slot
+holds exactly its parameters.  A tensor with no such split (or a model without the geometry) is
+split by bytes into D contiguous shards of ``ceil(n/D)``: verifiable bytes for the simulated
+engine, refused by vLLM (``Placement.byte_split``).
 
 Host copies: a model's file bytes are read once into (pageable) host memory for hashing and kept
 in an LRU cache bounded by ``host_cache_bytes``.  Loading does not use them: the process owning a
@@ -55,6 +59,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from warmserve.modelref import SourceURIError, model_of_store_entry, store_dirname
+from warmserve.policy.tensor_parallel import (
+    RankSlice,
+    Split,
+    TpShape,
+    rank_slice,
+    shape_problem,
+    tensor_split,
+    tp_shape_from_config,
+)
 from warmserve_agent.safe_text import shown, shown_names
 from warmserve_agent.store_errors import StoreError, UnknownModel
 from warmserve_agent.store_layout import upgrade_layout
@@ -93,22 +106,48 @@ class ModelEntry:
     num_layers: int
     tensors: tuple[TensorEntry, ...]  # slot order: by layer, then name
     profile: EngineProfile
+    tp_shape: TpShape | None = None  # head geometry from config.json (tensor-parallel splits)
 
     @property
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
 
+DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2}
+DTYPE_BYTES |= {"I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
 @dataclass(frozen=True)
 class Placement:
     tensor: TensorEntry
     slot_offset: int
-    shard_bytes: int  # ceil(nbytes / tp)
+    shard_bytes: int  # slot bytes reserved on every rank
+    slices: tuple[RankSlice, ...]  # rank r's bytes of the tensor
+    split: Split = Split.REPLICATED
+
+    @property
+    def byte_split(self) -> bool:
+        """Split by bytes, not as an engine's tensor-parallel layers load it (tp > 1 only)."""
+        return self.split == Split.BYTES
+
+    def ranges(self, rank: int) -> tuple[tuple[int, int], ...]:
+        """(start within the tensor, length) of rank's pieces, concatenated in the slot."""
+        return self.slices[rank].ranges
+
+    def shard_len(self, rank: int) -> int:
+        """Bytes of rank's shard that hold the tensor's data (from the slot offset on)."""
+        return self.slices[rank].nbytes
 
     def shard(self, rank: int) -> tuple[int, int]:
-        """(start within the tensor, length) of rank's shard."""
-        start = min(rank * self.shard_bytes, self.tensor.nbytes)
-        return start, min(self.shard_bytes, self.tensor.nbytes - start)
+        """(start within the tensor, length) of rank's shard when it is one piece."""
+        r = self.ranges(rank)
+        if len(r) > 1:
+            raise ValueError(f"{self.tensor.name}: rank {rank}'s shard is {len(r)} pieces")
+        return r[0] if r else (self.tensor.nbytes, 0)
+
+    def shard_data(self, data: memoryview | bytes, rank: int) -> bytes:
+        """Rank's shard of the tensor's bytes ``data``."""
+        return b"".join(bytes(data[s : s + n]) for s, n in self.ranges(rank))
 
 
 @dataclass(frozen=True)
@@ -128,8 +167,13 @@ class SlotLayout:
         placements = []
         ends = [0] * model.num_layers
         for t in model.tensors:
-            shard = math.ceil(t.nbytes / tp)
-            placements.append(Placement(t, off, shard))
+            item = DTYPE_BYTES.get(t.dtype, 1)
+            shape = t.shape if math.prod(t.shape) * item == t.nbytes else (t.nbytes,)
+            tp_shape = model.tp_shape if shape == t.shape else None
+            slices = tuple(rank_slice(t.name, shape, item, tp, r, tp_shape) for r in range(tp))
+            split = tensor_split(t.name, shape, tp, tp_shape)
+            shard = slices[0].slot_bytes
+            placements.append(Placement(t, off, shard, slices, split))
             off = -(-(off + shard) // ALIGN) * ALIGN
             ends[t.layer] = off
         for i in range(1, len(ends)):  # a layer without tensors ends where the previous did
@@ -146,6 +190,29 @@ class SlotLayout:
 
     def layer_placements(self, layer: int) -> list[Placement]:
         return [p for p in self.placements if p.tensor.layer == layer]
+
+    def tp_layers_problem(self) -> str | None:
+        """Why this layout cannot serve an engine whose TP ranks load tensors as vLLM's layers
+        do (None when every tensor is split that way, or there is one rank)."""
+        if self.tp == 1:
+            return None
+        shape = self.model.tp_shape
+        if shape is None:
+            return (
+                f"model {self.model.name}'s config.json declares no head geometry "
+                "(num_attention_heads, hidden_size, intermediate_size, vocab_size), so its "
+                f"tensors cannot be split {self.tp} ways as the engine's layers load them"
+            )
+        why = shape_problem(self.tp, shape)
+        if why:
+            return f"model {self.model.name}: {why}"
+        odd = [p.tensor.name for p in self.placements if p.byte_split]
+        if odd:
+            return (
+                f"model {self.model.name}: no tensor-parallel split is known for "
+                f"{len(odd)} tensors ({', '.join(shown_names(odd[:3]))}...)"
+            )
+        return None
 
 
 def config_num_layers(cfg: object) -> int | None:
@@ -321,7 +388,9 @@ class WeightStore:
             profile = EngineProfile(**{k: ws[k] for k in EngineProfile.__annotations__ if k in ws})
         except TypeError as exc:
             raise StoreError(f"{cfg_path}: bad warmserve profile: {exc}") from None
-        return ModelEntry(name, path, num_layers, tuple(tensors), profile)
+        return ModelEntry(
+            name, path, num_layers, tuple(tensors), profile, tp_shape_from_config(cfg)
+        )
 
     def layout(self, name: str, tp: int) -> SlotLayout:
         return SlotLayout.build(self.model(name), tp)
@@ -356,10 +425,8 @@ class WeightStore:
                 return self._digests[key]
         out = []
         for p in layout.placements:
-            s, n = p.shard(rank)
-            out.append(
-                hashlib.blake2b(self.host_view(p.tensor)[s : s + n], digest_size=16).digest()
-            )
+            data = p.shard_data(self.host_view(p.tensor), rank)
+            out.append(hashlib.blake2b(data, digest_size=16).digest())
         with self._lock:
             self._digests[key] = tuple(out)
         return tuple(out)

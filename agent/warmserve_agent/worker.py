@@ -9,7 +9,9 @@ as the exception the worker raised (:mod:`~warmserve_agent.worker_errors`).  Com
 thread, returning at once), ``prepared_state``, ``drop_prepared``, ``start_engine`` (an
 :class:`~warmserve_agent.engines.spec.EngineSpec`; the engine class comes from the registry by
 ``spec.engine``; the engine prepared for the same slot and spec if there is one),
-``layers_ready``, ``set_kv_capacity``, ``stats``, ``stop_engine``, ``exit``.
+``layers_ready``, ``set_kv_capacity``, ``stats``, ``stop_engine``, ``exit``; for a
+tensor-parallel engine's rank ``r >= 1`` (``engines/vllm/tp_executor.py``): ``prepare_rank``,
+``start_rank``, ``rank_layers_ready``, ``rank_kv``, ``stop_rank``.
 
 At most one engine lives in a worker at a time, serving or prepared
 (:mod:`~warmserve_agent.engines.prepared`): one prepared for a slot waits there until that slot
@@ -84,6 +86,7 @@ def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> 
         "gpu": None,
         "engine": None,
         "prepared": None,  # engines.prepared.PreparedEngine
+        "rank": None,  # a tensor-parallel engine's rank >= 1 (tp_executor.VllmRank)
         "import_s": time.perf_counter() - t0,
         "engines": [e for e in engines if e not in failed],
     }
@@ -106,8 +109,10 @@ def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> 
         cur = state["prepared"]
         if cur is not None and cur.slot_id == spec.slot_id and cur.key == spec.prepared_key():
             return  # asked again: it is being built or ready
-        if state["engine"] is not None or cur is not None:
+        if state["engine"] is not None or cur is not None or state["rank"] is not None:
             held = "an engine is running" if cur is None else f"slot {cur.slot_id}'s engine"
+            if state["rank"] is not None:
+                held = f"rank {state['rank'].rank} of slot {state['rank'].spec.slot_id}"
             raise WorkerError(f"this worker holds {held}; it prepares one engine at a time")
         if spec.engine in failed:
             raise WorkerError(f"engine {spec.engine!r} is unavailable here: {failed[spec.engine]}")
@@ -155,6 +160,36 @@ def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> 
             raise
         state["engine"] = eng
         return endpoint
+
+    def prepare_rank(spec: Any, rank: int) -> None:
+        """Rank ``rank`` of ``spec``'s tensor-parallel engine over this GPU's slot: listens for
+        rank 0, whose engine build forms the ranks' process group (prewarm time)."""
+        from warmserve_agent.engines.vllm.tp_executor import VllmRank
+
+        cur = state["rank"]
+        if cur is not None and cur.spec.slot_id == spec.slot_id and cur.rank == rank:
+            return  # asked again
+        if state["engine"] is not None or state["prepared"] is not None or cur is not None:
+            raise WorkerError("this worker holds an engine; it hosts one engine or rank at a time")
+        settle()
+        r = VllmRank(backend=state.get("mem"))
+        r.prepare(spec, rank)
+        state["rank"] = r
+
+    def the_rank(slot_id: str) -> Any:
+        r = state["rank"]
+        if r is None or r.spec.slot_id != slot_id:
+            raise WorkerError(f"this worker hosts no tensor-parallel rank of slot {slot_id}")
+        return r
+
+    def stop_rank(slot_id: str) -> None:
+        from warmserve_agent.engines.prepared import trim_heap
+
+        r = state["rank"]
+        if r is not None and r.spec.slot_id == slot_id:
+            state["rank"] = None
+            r.stop()
+            trim_heap()
 
     def read_va(va: int, nbytes: int) -> bytes:
         return state["mem"].read(state["gpu"], va, nbytes)
@@ -220,6 +255,13 @@ def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> 
         "set_kv_capacity": lambda nbytes: engine().set_kv_capacity(nbytes),
         "stats": lambda: engine().stats(),
         "stop_engine": stop_engine,
+        "prepare_rank": prepare_rank,
+        "start_rank": lambda spec: the_rank(spec.slot_id).start(spec),
+        "rank_layers_ready": lambda slot_id, n: the_rank(slot_id).layers_ready(n),
+        "rank_kv": lambda slot_id, nbytes: the_rank(slot_id).resize_kv(nbytes),
+        "stop_rank": stop_rank,
+        # introspection (tests): the parameters of the engine or rank held, in its slot
+        "slot_params": lambda: (state["rank"] or engine()).slot_params(),
     }
     while True:
         try:
@@ -235,6 +277,8 @@ def worker_main(conn: Connection, engines: tuple[str, ...] = ("simulated",)) -> 
         except Exception as exc:
             conn.send((Reply.ERR, WorkerFault.of(exc).to_wire()))
     stop_engine()
+    if state["rank"] is not None:
+        stop_rank(state["rank"].spec.slot_id)
     if state["prepared"] is not None:
         retiring.append(state["prepared"].drop())
     settle()
@@ -320,6 +364,15 @@ class WorkerHandle:
         if status != Reply.OK:
             raise WorkerFault.from_wire(result).exception(f"worker gpu {self.gpu}: {cmd} failed")
         return result
+
+    def kill(self, timeout_s: float = 10.0) -> None:
+        """End the process at once (SIGKILL) and reap it, so that ``alive()`` is false when this
+        returns (callers then skip its memory, ``backends/workers.py``); the pool's monitor
+        replaces it as a dead worker."""
+        if self.alive():
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout_s)
 
     def wait_ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
         # generous: a worker preloading vLLM imports torch + vllm (10-30 s on a loaded CPU)

@@ -15,7 +15,7 @@ from warmserve.control.decisions import Decisions
 
 from .engine import admit_model_deployment
 from .metrics import Metrics
-from .model_spec import merged_catalog, resolve
+from .model_spec import merged_catalog, resolve, tp_refusal
 from .ports import KubePort
 from .report import REPORT_CONCURRENCY, Deployment, Reporter
 from .snapshot import NodeSnapshot
@@ -156,6 +156,10 @@ class DeploymentBook:
                 # cache is known: "not found" would be a guess, and the gateway answers a
                 # permanent reason with 503 at once.  The status says NoAgents instead (report),
                 # which the gateway holds through.
+                continue
+            why_tp = tp_refusal(md, catalog.get(model))
+            if why_tp:  # before any prewarm or Activate: the engine cannot run this split
+                problems[md.uid] = Condition("Degraded", True, "Unplaceable", why_tp)
                 continue
             if snaps and md.model not in catalog and not md.source:
                 # Sized by its spec but in no reachable agent's weight store: every prewarm or

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from warmserve.api.crd import ModelDeploymentSpec, SpecError
 from warmserve.policy.cluster import ModelSpec, PolicyInputError
 from warmserve.policy.prewarm_depth import DepthChoice, DepthProfile, DepthSource, choose_depth
+from warmserve.policy.tensor_parallel import heads_problem
 
 DEFAULT_LOAD_BANDWIDTH = 2 * 1024**3  # bytes/s host->GPU, for T_c when the spec gives none
 
@@ -95,6 +96,19 @@ class CatalogEntry:
     source: str = ""  # where the node fetched it from ("" = pre-filled or not fetched)
     disk_bytes: int = 0
     profile: MeasuredProfile | None = None  # merged over the nodes that report the model
+    heads: int = 0  # attention / KV heads from config.json (0: not declared)
+    kv_heads: int = 0
+
+
+def tp_refusal(md: ModelDeploymentSpec, entry: CatalogEntry | None) -> str | None:
+    """Why the deployment's engine cannot run its tensor-parallel size on this model (the
+    heads its config declares do not split ``tp`` ways), None when it can or nobody knows yet.
+    The simulated engine splits bytes, so only ``vllm`` is checked; the agent refuses any other
+    split it cannot make at ``Prewarm``."""
+    if md.engine != "vllm" or md.tp == 1 or entry is None or entry.heads == 0:
+        return None
+    why = heads_problem(md.tp, entry.heads, entry.kv_heads or entry.heads)
+    return None if why is None else f"engine vllm cannot split model {md.model!r}: {why}"
 
 
 def merged_catalog(nodes: Iterable[Mapping[str, CatalogEntry]]) -> dict[str, CatalogEntry]:

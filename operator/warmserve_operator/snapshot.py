@@ -260,6 +260,7 @@ def snapshot_from_pb(node: str, desc: Any) -> NodeSnapshot:
         m.name: CatalogEntry(
             m.name, int(m.weight_bytes), int(m.num_layers), m.source, int(m.disk_bytes),
             profile_from_pb(m.profile) if m.HasField("profile") else None,
+            int(m.attention_heads), int(m.kv_heads),
         )
         for m in desc.models
     }

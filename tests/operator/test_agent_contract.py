@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import itertools
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
@@ -43,7 +44,22 @@ def _write_models(root: Path) -> dict[str, tuple[int, int]]:
     mod.write_model(root, A, layers=4, hidden=64, seed=1, profile=prof)
     mod.write_model(root, B, layers=4, hidden=64, seed=2, profile=prof)
     mod.write_model(root.parent / "remote", "model-c", layers=4, hidden=64, seed=3, profile=prof)
-    return {A: (200_000, 4), B: (200_000, 4)}
+    # 3 attention heads / 1 KV head (config.json): no tensor-parallel split of 2 exists for vLLM
+    odd = mod.write_model(root, ODD, layers=2, hidden=48, seed=4, profile=prof)
+    cfg = json.loads((odd / "config.json").read_text())
+    cfg |= ODD_HEADS
+    (odd / "config.json").write_text(json.dumps(cfg))
+    return {A: (200_000, 4), B: (200_000, 4), ODD: (0, 2)}
+
+
+ODD = "model-odd"
+ODD_HEADS = {
+    "num_attention_heads": 3,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "intermediate_size": 96,
+    "vocab_size": 256,
+}
 
 
 def _source(root: Path) -> str:
@@ -72,6 +88,7 @@ def real_agent(contract_dir: Path) -> Any:
         memory_dir=tmp / "mem",
         use_workers=False,
         spare_workers=0,
+        engines=("simulated", "vllm"),  # hosted for the refusals only: nothing imports vLLM
         host_cache_bytes=16 * 1024**2,
         allowed_paths=(tmp / "remote",),
     )
@@ -98,7 +115,7 @@ class Term:
 async def agent(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
     if request.param == "fake":
         catalog = _write_models(tmp_path / "models")
-        yield FakeAgent(
+        fake = FakeAgent(
             "n1",
             gpus=2,
             memory=32 * 1024**2,
@@ -106,6 +123,8 @@ async def agent(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
             remote={_source(tmp_path / "models"): (200_000, 4)},
             fencing=Term(),
         )
+        fake.heads[ODD] = (ODD_HEADS["num_attention_heads"], ODD_HEADS["num_key_value_heads"])
+        yield fake
         return
     real = request.getfixturevalue("real_agent")
     client = GrpcAgent("n1", real.address, AgentAuth(), Term())
@@ -367,3 +386,24 @@ async def test_replies_are_the_records_describe_reports(agent: Any) -> None:
     assert res.hit and res.instance.prewarm_hit and res.instance.slot_id == slot.slot_id
     assert isinstance(res.activation_s, float) and res.activation_s > 0
     assert res.evicted_slot_ids == ()
+
+
+async def test_vllm_refuses_a_tensor_parallel_group_the_heads_do_not_split(agent: Any) -> None:
+    """Describe reports the heads config.json declares; a vllm Prewarm (and Activate) of that
+    model on 2 GPUs is FAILED_PRECONDITION before anything changes; the simulated engine (bytes
+    split) and one GPU are accepted."""
+    snap = await agent.describe()
+    assert (snap.models[ODD].heads, snap.models[ODD].kv_heads) == (3, 1)
+    assert (snap.models[A].heads, snap.models[A].kv_heads) == (0, 0)  # none declared
+    why = await refused(
+        "FAILED_PRECONDITION",
+        lambda: agent.prewarm(ODD, (0, 1), 0, rid("pre"), engine="vllm"),
+    )
+    assert "does not divide the model's 3 attention heads" in why, why
+    why = await refused(
+        "FAILED_PRECONDITION", lambda: agent.activate(ODD, (0, 1), "", rid("act"), engine="vllm")
+    )
+    assert "does not divide the model's 3 attention heads" in why, why
+    assert (await agent.describe()).slots == ()
+    slot = await agent.prewarm(ODD, (0, 1), 0, rid("pre"), engine="simulated")
+    await agent.evict(slot.slot_id, rid("evict"))

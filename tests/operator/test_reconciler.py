@@ -583,3 +583,49 @@ def test_operator_cli_refuses_bad_overshoot_flags(
 
     assert main(["operator", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+async def test_vllm_tp_the_heads_do_not_divide_is_refused_before_any_prewarm() -> None:
+    """engine vllm with tensorParallel=2 on a model of 9 heads / 3 KV heads (SmolLM2's): the
+    deployment is Unplaceable from the heads the agents report, and nothing is prewarmed or
+    started; the same deployment at tensorParallel=1, or on the simulated engine, is served."""
+    h = Harness(gpus=4)
+    for a in h.agents.values():
+        a.heads["huge"] = (9, 3)
+    h.kube.add_md("odd", "huge", tensorParallel=2, minInstances=1, engine={"name": "vllm"})
+    await h.tick(3)
+    cond = h.cond("odd", "Degraded")
+    assert cond["status"] == "True" and cond["reason"] == "Unplaceable", cond
+    assert "does not divide the model's 9 attention heads" in cond["message"]
+    assert h.cond("odd", "Ready")["status"] == "False"
+    assert h.slots("huge") == [] and h.instances("huge") == []
+    assert not any(c[0] in ("prewarm", "activate") for a in h.agents.values() for c in a.calls)
+
+    h.kube.add_md("odd", "huge", tensorParallel=1, minInstances=1, engine={"name": "vllm"})
+    await h.tick(3)
+    assert h.cond("odd", "Degraded")["status"] == "False"
+    assert h.instances("huge"), "tensorParallel=1 splits nothing"
+
+
+def test_tp_refusal_only_for_vllm_and_known_heads() -> None:
+    from warmserve_operator.model_spec import CatalogEntry, tp_refusal
+
+    from warmserve.api.crd import parse_model_deployment
+
+    def md(tp: int, engine: str) -> Any:
+        spec: dict[str, Any] = {"model": {"name": "m"}, "tensorParallel": tp}
+        if engine:
+            spec["engine"] = {"name": engine}
+        return parse_model_deployment({"metadata": {"name": "x"}, "spec": spec})
+
+    known = CatalogEntry("m", 1, 1, heads=32, kv_heads=8)
+    assert tp_refusal(md(4, "vllm"), known) is None
+    assert tp_refusal(md(16, "vllm"), known) is None  # 8 KV heads, each on 2 ranks
+    why = tp_refusal(md(3, "vllm"), known) or ""
+    assert "does not divide the model's 32 attention heads" in why
+    odd_kv = CatalogEntry("m", 1, 1, heads=12, kv_heads=4)
+    assert "neither a divisor nor a multiple" in (tp_refusal(md(6, "vllm"), odd_kv) or "")
+    assert tp_refusal(md(3, "simulated"), known) is None  # bytes split: any size
+    assert tp_refusal(md(3, ""), known) is None  # the agent's default: refused at Prewarm
+    assert tp_refusal(md(3, "vllm"), CatalogEntry("m", 1, 1)) is None  # heads not known
+    assert tp_refusal(md(3, "vllm"), None) is None

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from warmserve_agent.worker import WorkerPool, timeout_for_bytes
+from warmserve_agent.worker_errors import WorkerError
 
 
 class WorkerMemoryBackend:
@@ -70,14 +71,27 @@ class WorkerMemoryBackend:
     def reserve(self, gpu: int, size: int) -> int:
         return int(self._call(gpu, "reserve", gpu, size))
 
+    def _release(self, gpu: int, op: str, *args: Any) -> None:
+        """Unmapping or freeing on a GPU whose worker died is moot: that memory died with it
+        (its own ``gpu_lost`` drops its tables).  Happens when two workers of one slot die
+        together, e.g. a tensor-parallel engine's rank 0 ended after another rank died."""
+        w = self.pool.worker(gpu)
+        if not w.alive():
+            return
+        try:
+            self._call(gpu, op, gpu, *args)
+        except WorkerError:
+            if w.alive():
+                raise
+
     def free_reservation(self, gpu: int, va: int, size: int) -> None:
-        self._call(gpu, "free_reservation", gpu, va, size)
+        self._release(gpu, "free_reservation", va, size)
 
     def map(self, gpu: int, va: int, ppages: Sequence[int]) -> None:
         self._call(gpu, "map", gpu, va, list(ppages))
 
     def unmap(self, gpu: int, va: int, npages: int) -> None:
-        self._call(gpu, "unmap", gpu, va, npages)
+        self._release(gpu, "unmap", va, npages)
 
     def write(self, gpu: int, va: int, data: memoryview | bytes) -> None:
         self._call(gpu, "write", gpu, va, bytes(data))

@@ -29,6 +29,9 @@ class EngineInfo:
     factory: str  # "module:Class"; Class(backend=...) -> Engine
     preload: tuple[str, ...]  # imported by pooled workers ahead of time
     summary: str
+    # its tensor-parallel ranks take each tensor as vLLM's TP layers load it (rows, columns,
+    # vocabulary), so a slot split by bytes cannot serve it (``store.Placement.byte_split``)
+    tp_layers: bool = False
 
     def load(self) -> type:
         mod, _, cls = self.factory.partition(":")
@@ -52,6 +55,7 @@ ENGINES: dict[str, EngineInfo] = {
             "warmserve_agent.engines.vllm.engine:VllmEngine",
             ("warmserve_agent.engines.vllm.preload",),
             "real vLLM in the pooled worker, parameters built over the prewarm slot",
+            tp_layers=True,
         ),
     )
 }

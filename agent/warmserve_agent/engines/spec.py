@@ -62,7 +62,9 @@ class SlotRegion:
 @dataclass(frozen=True, slots=True)
 class TensorPlacement:
     """A checkpoint tensor in the slot: rank ``r``'s shard is ``shard_len[r]`` bytes at
-    ``offset`` (the store's byte split, ``store.SlotLayout``)."""
+    ``offset`` (``store.SlotLayout``), in ``slot_bytes`` reserved on every rank; ``split`` is how
+    the ranks split it (``warmserve.policy.tensor_parallel.Split``: ``bytes`` is no split an
+    engine's tensor-parallel layers know)."""
 
     name: str
     layer: int
@@ -71,6 +73,8 @@ class TensorPlacement:
     dtype: str  # safetensors dtype: BF16, F16, F32, ...
     shape: tuple[int, ...]
     shard_len: tuple[int, ...]
+    split: str = "replicated"
+    slot_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +119,12 @@ class EngineSpec:
     slot_id: str = ""
     # the agent's engine-event socket (engine_events.py: request completions, KV wanted); "" off
     events_addr: str = ""
+    # Tensor parallelism over pooled workers (vllm/tp_executor.py): rank r >= 1 listens on
+    # ``tp_peers[r - 1]`` (Unix sockets in the agent's private directory, ``tp_authkey`` hex),
+    # the ranks' process group meets at ``tp_init`` (a file store there).  Empty for TP 1.
+    tp_peers: tuple[str, ...] = ()
+    tp_init: str = ""
+    tp_authkey: str = ""
 
     @property
     def tp_size(self) -> int:
@@ -140,6 +150,9 @@ class EngineSpec:
             self.trace_sample_ratio,
             self.profile,
             tuple((r.gpu, r.va, r.page_bytes, r.weight_bytes, r.local) for r in self.regions),
+            self.tp_peers,
+            self.tp_init,
+            self.tp_authkey,
         )
 
     def url(self, port: int) -> str:

@@ -35,6 +35,7 @@ from warmserve_agent.fencing import Fence
 
 from warmserve.engine_args import DEFAULT_POLICY, EngineArgsError, validate_engine_args
 from warmserve.policy.cluster import GiB, InstancePhase, WorkerState
+from warmserve.policy.tensor_parallel import heads_problem
 from warmserve_operator.agents import Fencing, Unfenced
 from warmserve_operator.model_spec import CatalogEntry, MeasuredProfile
 from warmserve_operator.snapshot import (
@@ -94,6 +95,7 @@ class FakeAgent:
         self.memory = memory
         self.n = gpus
         self.catalog = catalog or {}
+        self.heads: dict[str, tuple[int, int]] = {}  # model -> (attention, KV heads) declared
         self.clock = clock
         # Model sources this agent can fetch from: source URI -> (weight bytes, layers).
         self.remote = remote or {}
@@ -231,7 +233,10 @@ class FakeAgent:
             for i in self.instances.values()
         )
         models = {
-            m: CatalogEntry(m, w, n, self.fetched_from.get(m, ""), profile=self.profiles.get(m))
+            m: CatalogEntry(
+                m, w, n, self.fetched_from.get(m, ""), profile=self.profiles.get(m),
+                heads=self.heads.get(m, (0, 0))[0], kv_heads=self.heads.get(m, (0, 0))[1],
+            )
             for m, (w, n) in self.catalog.items()
         }
         return NodeSnapshot(
@@ -273,6 +278,16 @@ class FakeAgent:
             raise AgentCallError("FAILED_PRECONDITION", f"{source}: repository not found")
         return CatalogEntry(model, w, n, source)
 
+    def _check_tp(
+        self, request_id: str, key: tuple[Any, ...], model: str, group: Any, engine: str
+    ) -> None:
+        """The real agent's refusal of a vLLM tensor-parallel group the heads cannot split."""
+        heads, kv = self.heads.get(model, (0, 0))
+        why = heads_problem(len(group), heads, kv or heads) if heads else None
+        if engine == "vllm" and len(group) > 1 and why:
+            msg = f"engine 'vllm' cannot serve tensorParallel={len(group)}: model {model}: {why}"
+            self._refuse(request_id, key, "FAILED_PRECONDITION", msg)
+
     async def prewarm(
         self,
         model: str,
@@ -301,6 +316,7 @@ class FakeAgent:
         self._fetch(request_id, key, model, source, on_fetch)
         if model not in self.catalog:
             self._refuse(request_id, key, "NOT_FOUND", f"unknown model {model}")
+        self._check_tp(request_id, key, model, group, engine)
         weight, total = self.catalog[model]
         if layers < 0 or layers > total:
             self._refuse(request_id, key, "INVALID_ARGUMENT", f"layers must be 0..{total}")
@@ -392,6 +408,7 @@ class FakeAgent:
         self._fetch(request_id, key, model, source)
         if model not in self.catalog:
             self._refuse(request_id, key, "NOT_FOUND", f"unknown model {model}")
+        self._check_tp(request_id, key, model, group, engine)
         for g in group:
             if self._state(g) in (WorkerState.DEDICATED, WorkerState.GRACE):
                 self._refuse(request_id, key, "FAILED_PRECONDITION", f"gpu {g} is serving")

@@ -54,6 +54,15 @@ def serve_argv(spec: EngineSpec, key: str, kv_bytes: int) -> list[str]:
     """``vllm serve`` arguments: the tenant's (the agent applied its allowlist before:
     ``Activator.check_engine``) plus what warmserve sets."""
     user = parse_engine_args(spec.engine_args, policy=None)
+    extra: dict[str, object] = {"warmserve_instance": key}
+    if spec.tp_size > 1:  # rank 0's executor reaches the other ranks' pooled workers
+        from warmserve_agent.engines.vllm.tp_executor import EXTRA_KEY
+
+        extra[EXTRA_KEY] = {
+            "peers": list(spec.tp_peers),
+            "init": spec.tp_init,
+            "authkey": spec.tp_authkey,
+        }
     argv = [
         "--model",
         spec.model_dir,
@@ -65,13 +74,15 @@ def serve_argv(spec: EngineSpec, key: str, kv_bytes: int) -> list[str]:
         "--load-format",
         "warmserve_slot",
         "--model-loader-extra-config",
-        json.dumps({"warmserve_instance": key}),
+        json.dumps(extra),
         "--kv-cache-memory-bytes",
         str(kv_bytes),
         "--tensor-parallel-size",
-        "1",
+        str(spec.tp_size),
+        # TP 1: the model runs in this process (UniProcExecutor), over the slot; TP > 1: "mp"
+        # only to pass vLLM's checks, replaced by PooledRankExecutor (engine_config)
         "--distributed-executor-backend",
-        "uni",  # the model runs in this process (UniProcExecutor), over the slot
+        "uni" if spec.tp_size == 1 else "mp",
         "--host",
         spec.host,
         "--disable-uvicorn-access-log",
@@ -102,6 +113,12 @@ def engine_config(spec: EngineSpec, key: str, device: Any) -> tuple[Any, Any, in
     )
     if device.type == "cuda":  # the worker's GPU (the slot's VMM mappings)
         config.device_config.device = device
+    if spec.tp_size > 1:
+        from warmserve_agent.engines.vllm.tp_executor import executor_class
+
+        if len(spec.tp_peers) != spec.tp_size - 1 or not spec.tp_init or not spec.tp_authkey:
+            raise EngineError("a tensor-parallel spec needs its ranks' rendezvous (tp_peers)")
+        config.parallel_config.distributed_executor_backend = executor_class()
     return args, config, kv_bytes
 
 

@@ -96,6 +96,7 @@ class VllmEngine:
         self._kv_lock = threading.Lock()
         self._events = EventSender("", "")
         self._prepared = False  # built by prepare() and not started yet
+        self._tp = 1  # tensor-parallel ranks (the others in their GPUs' workers: tp_executor)
         self._t_start = 0.0
         self._t_first_token: float | None = None
         self._stages = EngineStages()
@@ -154,14 +155,15 @@ class VllmEngine:
         sched = self._client.engine_core.scheduler
         running, waiting = sched.get_request_counts()
         capacity, used = self._kv.usage()
+        tp = self._tp  # every rank holds the same blocks (its heads of them): bytes x ranks
         p95, n = self.ttft.p95()
         first = self._t_first_token
         st = self._stages
         return EngineStats(
             running=running,
             waiting=waiting,
-            kv_used_bytes=used,
-            kv_capacity_bytes=capacity,
+            kv_used_bytes=used * tp,
+            kv_capacity_bytes=capacity * tp,
             layers_resident=self._gate.resident,
             max_batch=int(self._llm.vllm_config.scheduler_config.max_num_seqs),
             ttft_p95_s=p95,
@@ -174,24 +176,25 @@ class VllmEngine:
                 st.endpoint_up_s,
                 None if first is None else first - self._t_start,
             ),
-            kv_wanted_bytes=self._kv.wanted,
+            kv_wanted_bytes=self._kv.wanted * tp,
             kv_geometry=self._kv.geometry,
         )
 
     def set_kv_capacity(self, nbytes: int) -> int:
         """The agent's capacity for this engine: raised as its background mapping lands (and
         when lent KV grows back) through :meth:`grow_kv_cache`, lowered before it lends pages
-        (Eq. 1).  Answers the capacity kept, in bytes."""
+        (Eq. 1).  Answers the capacity kept, in bytes (summed over the ranks, as asked)."""
         assert self._client is not None and self._kv is not None
         kv = self._kv
+        per_rank = int(nbytes) // self._tp
         with self._kv_lock:
-            if int(nbytes) >= self._kv_asked:
-                return self.grow_kv_cache(nbytes, wait=False)
+            if per_rank >= self._kv_asked:
+                return self._grow(per_rank, wait=False) * self._tp
             # A lowering waits for the raises queued before it and for vLLM's answer: it keeps
             # the blocks in use, and the agent gives away only the pages above what it kept.
-            kept = int(self._client.call_sync(lambda: kv.resize(int(nbytes))))
+            kept = int(self._client.call_sync(lambda: kv.resize(per_rank)))
             self._kv_asked = kept
-            return kept
+            return kept * self._tp
 
     def grow_kv_cache(self, nbytes: int, *, wait: bool = True) -> int:
         """Raise the KV capacity to ``nbytes``: the newly usable blocks' pages are mapped in
@@ -204,7 +207,14 @@ class VllmEngine:
         ``wait=False`` (a raise from the agent's pager) queues the growth for the engine thread
         and returns the capacity it will keep: the engine may be inside a forward that waits for
         a layer, which the agent delivers through this worker's command pipe, so waiting here
-        would hold that pipe until the forward gives up (a partial prewarm's first token)."""
+        would hold that pipe until the forward gives up (a partial prewarm's first token).
+
+        ``nbytes`` is summed over the tensor-parallel ranks (the agent's unit); each rank's
+        pages are mapped by that rank's worker before (``tp_executor.VllmRank.resize_kv``)."""
+        return self._grow(int(nbytes) // self._tp, wait=wait) * self._tp
+
+    def _grow(self, nbytes: int, *, wait: bool = True) -> int:
+        """:meth:`grow_kv_cache` on this rank's bytes."""
         assert self._client is not None and self._kv is not None
         kv = self._kv
         if wait:
@@ -253,12 +263,8 @@ class VllmEngine:
         )
         from warmserve_agent.engines.vllm.loader import ActiveSlot, activate_slot
 
-        if spec.tp_size != 1:
-            raise EngineError(
-                "the vllm engine serves tensor-parallel size 1 only for now: the slot layout "
-                "splits tensors by bytes, not by vLLM's row/column sharding (docs/agent.md)"
-            )
         t0 = time.perf_counter()
+        self._tp = spec.tp_size
         self.spec = spec
         region = spec.regions[0]
         self._mem = SlotMemory(region, self._backend, partial=partial)
@@ -327,6 +333,13 @@ class VllmEngine:
             "kv_range": self._slot.kv_range,
             "kv": {n: (t.data_ptr(), extent(t)) for n, t in self._slot.kv.items()},
         }
+
+    def slot_params(self) -> dict[str, tuple[int, int, bytes]]:
+        """Every parameter's offset in the slot and the slot's bytes there (``tp_executor``)."""
+        from warmserve_agent.engines.vllm.tp_executor import slot_params
+
+        assert self._mem is not None
+        return slot_params(self.model(), self._mem)
 
     # ---- on the engine's loop ------------------------------------------------------------------
     async def _open_endpoint(self, spec: EngineSpec) -> str:

@@ -36,6 +36,45 @@ from warmserve_agent.engines.slotmem import SlotMemory
 log = logging.getLogger("warmserve.agent.engine.vllm")
 
 
+def measure_geometry(slot: Any, mem: SlotMemory, nb: int) -> KvGeometry:
+    """Block ``b`` of each of ``slot``'s KV tensors (``nb`` blocks), from their real strides
+    (module docstring).  A layout it cannot read is one block covering the whole range: all or
+    nothing.  The same on every tensor-parallel rank (each holds its heads of every block)."""
+    start, end = slot.kv_range
+    block_bytes = (end - start) // nb
+    base = mem.tensor().data_ptr() + start
+    kv_bytes = nb * block_bytes
+    segs: set[tuple[int, int]] = set()
+    for t in slot.kv.values():
+        dims = [i for i, s in enumerate(t.shape) if s == nb]
+        if len(dims) != 1:
+            return KvGeometry(1, kv_bytes, ((0, kv_bytes),))
+        d = dims[0]
+        stride = t.stride(d) * t.element_size()
+        width = sum(
+            (s - 1) * st for i, (s, st) in enumerate(zip(t.shape, t.stride(), strict=True))
+            if i != d
+        ) * t.element_size() + t.element_size()
+        if width > stride:
+            return KvGeometry(1, kv_bytes, ((0, kv_bytes),))
+        segs.add((t.data_ptr() - base, stride))
+    geo = KvGeometry(nb, block_bytes, tuple(sorted(segs)))
+    geo.validate(mem.region.kv_bytes)
+    return geo
+
+
+def zero_blocks(slot: Any, nb: int, lo: int, hi: int) -> None:
+    """vLLM zeroes a new cache; blocks made usable may hold a previous tenant's bytes."""
+    if hi <= lo:
+        return
+    for t in slot.kv.values():
+        d = [i for i, s in enumerate(t.shape) if s == nb]
+        if len(d) == 1:
+            t.narrow(d[0], lo, hi - lo).zero_()
+        else:
+            t.zero_()
+
+
 class SlotKvPool:
     """See module docstring.  ``client`` is the in-process engine-core client."""
 
@@ -73,27 +112,7 @@ class SlotKvPool:
         return self.client.engine_core.scheduler.kv_cache_manager.block_pool
 
     def _measure(self) -> KvGeometry:
-        """Block ``b`` of each KV tensor, from its real strides (module docstring).  A layout
-        it cannot read is one block covering the whole range: all or nothing."""
-        base = self.mem.tensor().data_ptr() + self.kv_start
-        kv_bytes = self.nb * self.block_bytes
-        segs: set[tuple[int, int]] = set()
-        for t in self.slot.kv.values():
-            dims = [i for i, s in enumerate(t.shape) if s == self.nb]
-            if len(dims) != 1:
-                return KvGeometry(1, kv_bytes, ((0, kv_bytes),))
-            d = dims[0]
-            stride = t.stride(d) * t.element_size()
-            width = sum(
-                (s - 1) * st for i, (s, st) in enumerate(zip(t.shape, t.stride(), strict=True))
-                if i != d
-            ) * t.element_size() + t.element_size()
-            if width > stride:
-                return KvGeometry(1, kv_bytes, ((0, kv_bytes),))
-            segs.add((t.data_ptr() - base, stride))
-        geo = KvGeometry(self.nb, self.block_bytes, tuple(sorted(segs)))
-        geo.validate(self.mem.region.kv_bytes)
-        return geo
+        return measure_geometry(self.slot, self.mem, self.nb)
 
     def _blocks(self, t: int) -> int:
         """vLLM blocks a capacity of ``t`` geometry blocks covers (the fallback geometry's one
@@ -141,15 +160,7 @@ class SlotKvPool:
         return blocks if self.geometry.num_blocks == self.nb else 1
 
     def _zero(self, lo: int, hi: int) -> None:
-        """vLLM zeroes a new cache; blocks made usable may hold a previous tenant's bytes."""
-        if hi <= lo:
-            return
-        for t in self.slot.kv.values():
-            d = [i for i, s in enumerate(t.shape) if s == self.nb]
-            if len(d) == 1:
-                t.narrow(d[0], lo, hi - lo).zero_()
-            else:
-                t.zero_()
+        zero_blocks(self.slot, self.nb, lo, hi)
 
     # ---- what the agent reads ----------------------------------------------------------------
     def usage(self) -> tuple[int, int]:

@@ -94,6 +94,11 @@ class ActiveSlot:
     kv: dict[str, torch.Tensor] = field(default_factory=dict)
     kv_range: tuple[int, int] = (0, 0)  # slot offsets of the KV backing buffer
     gate: LayerGate | None = None  # per-layer readiness (None: every layer is resident)
+    rank: int = 0  # tensor-parallel rank: its region of the spec, its shard of every tensor
+
+    @property
+    def region(self) -> Any:
+        return self.spec.regions[self.rank]
 
 
 _ACTIVE: dict[str, ActiveSlot] = {}
@@ -136,7 +141,7 @@ class SlotModelLoader(BaseModelLoader):
         return None  # the weights are already in the slot
 
     def get_external_weight_memory(self, vllm_config: Any) -> int:
-        return _slot_for(self.load_config).spec.regions[0].weight_bytes
+        return _slot_for(self.load_config).region.weight_bytes
 
     def load_weights(self, model: nn.Module, model_config: Any) -> None:
         raise SlotLoadError(
@@ -196,6 +201,7 @@ def bind_parameters(model: nn.Module, slot: ActiveSlot) -> None:
     base = slot.mem.tensor()
     modules = dict(model.named_modules(remove_duplicate=False))
     done: dict[int, nn.Parameter] = {}  # id(meta param) -> slot param (tied weights)
+    tp = spec.tp_size
     for name, param in model.named_parameters(remove_duplicate=False):
         module_name, _, leaf = name.rpartition(".")
         module = modules[module_name]
@@ -215,6 +221,11 @@ def bind_parameters(model: nn.Module, slot: ActiveSlot) -> None:
         end = start
         for p in parts:
             assert p is not None
+            if tp > 1 and p.split == "bytes":
+                raise SlotLoadError(
+                    f"parameter {name}: tensor {p.name} is split by bytes across the "
+                    f"{tp} ranks, not as vLLM's tensor-parallel layers load it"
+                )
             if p.offset != end:
                 raise SlotLoadError(
                     f"parameter {name}: checkpoint tensors {[q.name for q in parts]} are not "  # type: ignore[union-attr]
@@ -225,14 +236,14 @@ def bind_parameters(model: nn.Module, slot: ActiveSlot) -> None:
                     f"parameter {name}: slot holds {p.dtype}, the model wants {param.dtype}; "
                     "serve with the checkpoint's dtype (--dtype auto)"
                 )
-            end += p.nbytes
+            end += p.slot_bytes if tp > 1 else p.nbytes  # rank's shard (vocabulary padded)
         if end - start != param.numel() * param.element_size():
             raise SlotLoadError(
                 f"parameter {name}: the model wants shape {tuple(param.shape)} "
                 f"({param.numel() * param.element_size()} bytes), the slot holds {end - start} "
                 "bytes for it (vocabulary padding or sharding differs)"
             )
-        if end > spec.regions[0].weight_bytes:
+        if end > slot.region.weight_bytes:
             raise SlotLoadError(f"parameter {name} lies beyond the slot's weights")
         view = base[start:end].view(param.dtype).view(param.shape)
         new = nn.Parameter(view, requires_grad=False)
@@ -336,7 +347,7 @@ def slot_kv_cache(slot: ActiveSlot) -> Iterator[None]:
 
 
 def _kv_views(slot: ActiveSlot, meta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    region = slot.spec.regions[0]
+    region = slot.region
     page = region.page_bytes
     start = -(-region.weight_bytes // page) * page  # KV starts on the first page after weights
     need = 0

@@ -217,7 +217,7 @@ class InstanceInfo(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., gpus: _Optional[_Iterable[int]] = ..., endpoint: _Optional[str] = ..., phase: _Optional[_Union[InstancePhase, str]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_batch: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., lendable_bytes: _Optional[int] = ..., lent_bytes: _Optional[int] = ..., prewarm_hit: _Optional[bool] = ..., slot_id: _Optional[str] = ..., layers_resident: _Optional[int] = ..., layers_total: _Optional[int] = ..., started_unix: _Optional[float] = ..., owner: _Optional[str] = ..., grace_started_unix: _Optional[float] = ..., engine: _Optional[str] = ..., ttft_p95_seconds: _Optional[float] = ..., ttft_samples: _Optional[int] = ..., ttft_window_seconds: _Optional[float] = ..., dropped_requests: _Optional[int] = ..., stages: _Optional[_Union[ActivationStages, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "num_layers", "weight_bytes", "num_tensors", "max_batch", "source", "disk_bytes", "last_used_unix", "profile")
+    __slots__ = ("name", "num_layers", "weight_bytes", "num_tensors", "max_batch", "source", "disk_bytes", "last_used_unix", "profile", "attention_heads", "kv_heads")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,8 @@ class ModelInfo(_message.Message):
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_UNIX_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_layers: int
     weight_bytes: int
@@ -236,7 +238,9 @@ class ModelInfo(_message.Message):
     disk_bytes: int
     last_used_unix: float
     profile: ModelProfile
-    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., max_batch: _Optional[int] = ..., source: _Optional[str] = ..., disk_bytes: _Optional[int] = ..., last_used_unix: _Optional[float] = ..., profile: _Optional[_Union[ModelProfile, _Mapping]] = ...) -> None: ...
+    attention_heads: int
+    kv_heads: int
+    def __init__(self, name: _Optional[str] = ..., num_layers: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., max_batch: _Optional[int] = ..., source: _Optional[str] = ..., disk_bytes: _Optional[int] = ..., last_used_unix: _Optional[float] = ..., profile: _Optional[_Union[ModelProfile, _Mapping]] = ..., attention_heads: _Optional[int] = ..., kv_heads: _Optional[int] = ...) -> None: ...
 
 class ModelProfile(_message.Message):
     __slots__ = ("load_bytes_per_second", "layer_compute_seconds", "prompt_tokens", "compute_tp", "head_seconds", "head_start_seconds", "engine_overhead_bytes")
