@@ -321,29 +321,38 @@ class AgentServer:
             await asyncio.to_thread(self.core.refresh_grace_all)
 
     async def _monitor_loop(self) -> None:
-        """Replace dead worker processes from the spares; drop the instances they hosted."""
+        """Replace dead worker processes from the spares; drop the instances they hosted.  A
+        failure while handling one GPU is logged and retried at the next tick: the loop must
+        outlive it, or no later dead worker would ever be replaced."""
         assert self.core is not None and self.service is not None
         while True:
             await asyncio.sleep(self.cfg.monitor_interval_s)
             for g in self.pool.dead_gpus():
-                if memory_in_workers(self.cfg):
-                    # The GPU's memory died with its owner: drop what it held, then give the
-                    # replacement worker a fresh page pool.
-                    insts, slots = await asyncio.to_thread(self.core.gpu_lost, g)
-                    new = await asyncio.to_thread(self.pool.replace, g)
-                    await asyncio.to_thread(self.core.gpu_restored, g)
-                    iid = ",".join(insts)
-                    msg = f"worker of GPU {g} died with its memory ({len(slots)} slots lost); "
-                    msg += f"replaced by pid {new.pid}"
-                else:
-                    iid = await asyncio.to_thread(self.core.worker_died, g) or ""
-                    new = await asyncio.to_thread(self.pool.replace, g)
-                    msg = f"worker of GPU {g} died; replaced by pid {new.pid}"
-                await asyncio.to_thread(self.core.worker_replaced, g)
-                if iid:
-                    msg += f"; instance(s) {iid} lost"
-                log.warning("event=worker_died gpu=%d instance=%s new_pid=%d", g, iid, new.pid)
-                self.core.emit(EventKind.WORKER_REPLACED, str(g), msg)
+                try:
+                    await self._replace_dead_worker(g)
+                except Exception:
+                    log.exception("event=worker_replace_failed gpu=%d (retried)", g)
+
+    async def _replace_dead_worker(self, g: int) -> None:
+        assert self.core is not None
+        if memory_in_workers(self.cfg):
+            # The GPU's memory died with its owner: drop what it held, then give the
+            # replacement worker a fresh page pool.
+            insts, slots = await asyncio.to_thread(self.core.gpu_lost, g)
+            new = await asyncio.to_thread(self.pool.replace, g)
+            await asyncio.to_thread(self.core.gpu_restored, g)
+            iid = ",".join(insts)
+            msg = f"worker of GPU {g} died with its memory ({len(slots)} slots lost); "
+            msg += f"replaced by pid {new.pid}"
+        else:
+            iid = await asyncio.to_thread(self.core.worker_died, g) or ""
+            new = await asyncio.to_thread(self.pool.replace, g)
+            msg = f"worker of GPU {g} died; replaced by pid {new.pid}"
+        await asyncio.to_thread(self.core.worker_replaced, g)
+        if iid:
+            msg += f"; instance(s) {iid} lost"
+        log.warning("event=worker_died gpu=%d instance=%s new_pid=%d", g, iid, new.pid)
+        self.core.emit(EventKind.WORKER_REPLACED, str(g), msg)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         for t in self._tasks:

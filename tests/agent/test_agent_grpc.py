@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -315,6 +316,34 @@ def test_crashed_worker_is_replaced(tmp_path: Path, model_root: Path) -> None:
         act2 = c.activate("gamma", [0])  # served by the replacement worker
         assert act2.prewarm_hit
         assert json.loads(http(act2.instance.endpoint + "/v1/models"))["data"][0]["id"] == "gamma"
+        c.close()
+
+
+def test_a_failed_replacement_is_retried_and_the_monitor_lives_on(
+    tmp_path: Path, model_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failure while replacing one dead worker must not end the monitor: it is logged, tried
+    again at the next tick, and later deaths are still handled."""
+    with AgentThread(cfg_for(tmp_path, model_root, use_workers=True)) as a:
+        c = SyncAgentClient(a.address)
+        pool = a.server.pool
+        real_replace, calls = pool.replace, []
+
+        def flaky(g: int) -> Any:
+            calls.append(g)
+            if len(calls) == 1:
+                raise OSError("no spare could be started")
+            return real_replace(g)
+
+        pool.replace = flaky
+        pid = c.describe().gpus[0].worker_pid
+        os.kill(pid, 9)
+        wait_for(lambda: c.describe().gpus[0].worker_restarts == 1, what="replacement, retried")
+        assert calls[:2] == [0, 0]
+        assert any("event=worker_replace_failed gpu=0" in r.getMessage() for r in caplog.records)
+        pid1 = c.describe().gpus[1].worker_pid  # the loop still runs: a later death on GPU 1
+        os.kill(pid1, 9)
+        wait_for(lambda: c.describe().gpus[1].worker_restarts == 1, what="second replacement")
         c.close()
 
 
