@@ -71,7 +71,8 @@ python -m pytest -m "not vllm" "$@" || rc=$?
 # (SmolLM2-135M; built after collection on first use, ~75 s and 93 MB from PyPI, then cached),
 # bench/engine_bench.py --smoke (~50 s), and real tokens through the whole stack: the official
 # openai client -> gateway -> operator -> agent -> vLLM on a real kube-apiserver
-# (tests/e2e/test_real_engine_e2e.py) and a short `warmserve up --engine vllm`
+# (tests/e2e/test_real_engine_e2e.py; a tensorParallel: 2 deployment on a 2-GPU group,
+# tests/e2e/test_real_engine_tp_e2e.py, ~75 s) and a short `warmserve up --engine vllm`
 # (tests/local/test_up_vllm.py). The venv has no warmserve: the checkout's packages come from
 # PYTHONPATH (the gateway's too: both run it).
 if [ "${WARMSERVE_SKIP_VLLM:-0}" = 1 ]; then
@@ -82,7 +83,8 @@ else
   echo "== pytest -m vllm (real vLLM)"
   PYTHONPATH="$PWD:$PWD/operator:$PWD/agent:$PWD/gateway" WARMSERVE_REQUIRE_VLLM=1 \
     "$VLLM_PY" -m pytest -m vllm -p no:cacheprovider tests/engines \
-    tests/e2e/test_real_engine_e2e.py tests/local/test_up_vllm.py \
+    tests/e2e/test_real_engine_e2e.py tests/e2e/test_real_engine_tp_e2e.py \
+    tests/local/test_up_vllm.py \
     || { r=$?; [ "$rc" != 0 ] || rc=$r; }
 fi
 exit "$rc"

@@ -96,18 +96,26 @@ class Activator:
             raise Refusal("INVALID_ARGUMENT", str(exc)) from None
         return name
 
-    @staticmethod
-    def check_tp(engine: str, layout: SlotLayout) -> None:
+    def check_tp(self, engine: str, layout: SlotLayout) -> None:
         """Refuse a tensor-parallel group the engine cannot split this model over (before any
         state changes): an engine whose ranks load tensors as vLLM's layers do needs every
-        tensor split by rows/columns (``store.SlotLayout.tp_layers_problem``)."""
-        if not ENGINES[engine].tp_layers:
+        tensor split by rows/columns (``store.SlotLayout.tp_layers_problem``) and a worker
+        process per GPU to host ranks >= 1 (with engines in the agent process, rank 0 would
+        wait for ranks that never come and fail a minute later)."""
+        if not ENGINES[engine].tp_layers or layout.tp == 1:
             return
         why = layout.tp_layers_problem()
         if why:
             raise Refusal(
                 "FAILED_PRECONDITION",
                 f"engine {engine!r} cannot serve tensorParallel={layout.tp}: {why}",
+            )
+        if not self._engines.rank_workers:
+            raise Refusal(
+                "FAILED_PRECONDITION",
+                f"engine {engine!r} cannot serve tensorParallel={layout.tp} on node "
+                f"{self._state.node_name}: its engines run in the agent process, with no "
+                "worker process per GPU to host the other ranks",
             )
 
     def activate(

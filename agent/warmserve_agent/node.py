@@ -79,6 +79,7 @@ class NodeCore:
         engine_policy: EngineArgPolicy = DEFAULT_POLICY,
         kv_background: bool = True,
         kv_pager_thread: bool = True,
+        rank_workers: bool = True,
     ) -> None:
         # The engine settings are checked before any GPU is opened.
         self.engine_settings = EngineSettings(
@@ -89,6 +90,7 @@ class NodeCore:
             engine_host,
             advertise_host,
             traces,
+            rank_workers,
         )
         self.state = NodeState(mm, store, gpu_memory, node_name=node_name)
         # KV page-table work off the critical path (kv_background=False: the synchronous

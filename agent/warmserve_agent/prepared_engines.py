@@ -73,6 +73,9 @@ class EngineSettings:
     host: str = "127.0.0.1"  # where engines bind their HTTP endpoint
     advertise_host: str = ""  # what Activate returns ("": ``host``)
     traces: tuple[str, float] = ("", 1.0)  # engines' OTLP endpoint and sample ratio (EngineSpec)
+    # Each GPU has a worker process that can host a tensor-parallel rank (False: engines in the
+    # agent process, tests and debugging, where no rank >= 1 of a vLLM TP group can live).
+    rank_workers: bool = True
 
     def __post_init__(self) -> None:
         unknown = [e for e in self.engines if e not in ENGINES]

@@ -152,6 +152,7 @@ class AgentServer:
             engines=cfg.engines,
             default_engine=cfg.default_engine,
             engine_policy=cfg.engine_policy,
+            rank_workers=cfg.use_workers,
         )
         log.info(
             "event=gpus_opened gpus=%d backend=%s seconds=%.2f",

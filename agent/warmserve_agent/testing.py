@@ -110,8 +110,8 @@ def agent_parser() -> argparse.ArgumentParser:
         prog="python -m warmserve_agent.testing",
         description="One node agent with simulated GPUs on a free loopback port; writes "
         "host:port to --address-file once it serves, runs until SIGTERM/SIGINT.  Engines run "
-        "inside the agent process (no per-GPU worker processes), to keep a stack of several "
-        "agents light on a small machine.",
+        "inside the agent process (no per-GPU worker processes, unless --workers), to keep a "
+        "stack of several agents light on a small machine.",
     )
     ap.add_argument("--models", required=True, type=Path)
     ap.add_argument("--gpus", required=True, help="e.g. 4x256MiB")
@@ -136,6 +136,10 @@ def agent_parser() -> argparse.ArgumentParser:
     # test_real_engine_e2e.py: simulated,vllm, in the venv of hack/vllm/setup.sh).
     ap.add_argument("--engines", default="simulated")
     ap.add_argument("--page-bytes", type=int, default=2 * 1024**2)
+    # One pooled worker process per GPU, as in production, instead of engines in the agent
+    # process: a tensor-parallel vllm engine needs a worker per rank (tests/e2e/
+    # test_real_engine_tp_e2e.py).
+    ap.add_argument("--workers", action="store_true")
     return ap
 
 
@@ -155,7 +159,7 @@ async def serve_simulated(args: argparse.Namespace) -> None:
         listen="127.0.0.1:0",
         node_name=args.node,
         memory_dir=args.memory_dir,
-        use_workers=False,
+        use_workers=args.workers,
         spare_workers=0,
         host_cache_bytes=64 * 1024**2,
         sim_copy_bytes_per_s=args.sim_copy_gbps * 1e9,

@@ -1,6 +1,7 @@
-"""Helpers of ``test_real_engine_e2e.py``: the two real models in an agent's store, plain vLLM's
-greedy reference computed in a process of its own (while the stack starts), and a recorder of
-what the agent reports (slots, instances, lending) between the operator's moves."""
+"""Helpers of ``test_real_engine_e2e.py`` (and ``test_real_engine_tp_e2e.py``): the two real
+models in an agent's store, plain vLLM's greedy reference computed in a process of its own (while
+the stack starts), and a recorder of what the agent reports (slots, instances, lending) between
+the operator's moves."""
 
 from __future__ import annotations
 
@@ -55,14 +56,26 @@ def store_models(src: Path, root: Path, names: tuple[str, ...]) -> Path:
 
 
 class Reference:
-    """Plain vLLM's greedy answer, computed in a subprocess started at once."""
+    """Plain vLLM's greedy answer, computed in a subprocess started at once (``script`` gets
+    the model directory, the question and the token limit as arguments)."""
 
-    def __init__(self, model_dir: Path, log: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "HF_HUB_OFFLINE": "1"}
+    def __init__(
+        self,
+        model_dir: Path,
+        log: Path,
+        script: str = REFERENCE,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(sys.path),
+            "HF_HUB_OFFLINE": "1",
+            **(env or {}),
+        }
         self._log = log
         self._out = log.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", REFERENCE, str(model_dir), QUESTION, str(MAX_TOKENS)],
+            [sys.executable, "-c", script, str(model_dir), QUESTION, str(MAX_TOKENS)],
             stdout=subprocess.PIPE,
             stderr=self._out,
             text=True,
