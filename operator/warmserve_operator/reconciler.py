@@ -222,6 +222,11 @@ class Reconciler:
         self.metrics.polls.inc()
         phases = Phases(self.metrics)
         mds, invalid = await self.book.sync()
+        # The calls in flight now: one that lands while the agents are described is in neither
+        # a snapshot taken before it landed nor, once forgotten, the pending sets, so it would be
+        # decided again (a second start on a GPU the snapshot still shows free).
+        pending_prewarms = dict(self.actor.pending_prewarms)
+        pending_starts = dict(self.actor.pending_starts)
         await self.observer.load_nodes()
         try:
             await self.kube.sync_agent_nodes()
@@ -249,8 +254,8 @@ class Reconciler:
             snaps,
             owner_uid,
             self.live_uids,
-            self.actor.pending_prewarms.values(),
-            self.actor.pending_starts.values(),
+            {**pending_prewarms, **self.actor.pending_prewarms}.values(),
+            {**pending_starts, **self.actor.pending_starts}.values(),
             await self._gateway_held(),
             {m: e.spec.engine_overhead_bytes for m, e in self.controller.models.items()},
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import replace
 from typing import Any
@@ -629,3 +630,48 @@ def test_tp_refusal_only_for_vllm_and_known_heads() -> None:
     assert tp_refusal(md(3, ""), known) is None  # the agent's default: refused at Prewarm
     assert tp_refusal(md(3, "vllm"), CatalogEntry("m", 1, 1)) is None  # heads not known
     assert tp_refusal(md(3, "vllm"), None) is None
+
+
+class _ActivateLandsDuringDescribe(FakeAgent):
+    """An agent whose in-flight Activate completes while a Describe is answering, after the
+    snapshot was taken: the operator's next observation sees neither the instance (the
+    snapshot is older) nor, unless it kept it, the start it had pending."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.gate = asyncio.Event()
+        self.land_in_describe = False
+        self.sent = 0  # Activate calls received (held at the gate until it opens)
+
+    async def activate(self, *a: Any, **kw: Any) -> Any:
+        self.sent += 1
+        await self.gate.wait()
+        return await super().activate(*a, **kw)
+
+    async def describe(self) -> Any:
+        snap = await super().describe()
+        if self.land_in_describe:
+            self.gate.set()
+            for _ in range(50):  # the Activate call, its status write and _forget run now
+                await asyncio.sleep(0)
+        return snap
+
+
+async def test_a_start_landing_during_a_describe_is_not_started_twice() -> None:
+    h = Harness(nodes=1)
+    agent = _ActivateLandsDuringDescribe("node-0", 4, catalog=CATALOG, clock=h.clock)
+    h.agents["node-0"] = agent
+    h.rec = h.new_reconciler()
+    h.kube.add_md("a", "llama-a", maxBatchSize=4, minInstances=1, maxInstances=4,
+                  prewarm={"enabled": False})  # fmt: skip
+    for _ in range(4):  # until the start is in flight (held at the agent)
+        await h.rec.tick()
+        h.clock.t += 0.5
+        if agent.sent:
+            break
+    assert agent.sent == 1
+    agent.land_in_describe = True
+    await h.rec.tick()  # its Describe predates the instance; the start must still count
+    await h.rec.drain_tasks(timeout=5)
+    assert len(h.instances("llama-a")) == 1
+    assert agent.sent == 1, agent.calls
