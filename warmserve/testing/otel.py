@@ -58,8 +58,11 @@ def _attrs(items: list[dict[str, Any]] | None) -> dict[str, Any]:
 
 
 def parse_lines(text: str) -> list[Span]:
+    """The spans of the collector's file exporter output (one JSON document per line).  A last
+    line without its newline is still being written by the collector: left for the next read."""
     spans = []
-    for line in text.splitlines():
+    complete = text if text.endswith("\n") else text[: text.rfind("\n") + 1]
+    for line in complete.splitlines():
         if not line.strip():
             continue
         for rs in json.loads(line).get("resourceSpans", []):
