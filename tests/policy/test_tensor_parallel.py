@@ -39,6 +39,11 @@ def test_shape_from_config() -> None:
     assert tp_shape_from_config({**cfg, "head_dim": 16}) == TpShape(4, 2, 16, 128, 256, 500)
     assert tp_shape_from_config({**cfg, "num_attention_heads": True}) is None
     assert tp_shape_from_config([1]) is None
+    # an absurd value (an untrusted file) is not a geometry: it would not fit Describe's uint32
+    assert tp_shape_from_config({**cfg, "num_attention_heads": 2**40}) is None
+    assert tp_shape_from_config({**cfg, "vocab_size": 2**32}) is None
+    assert tp_shape_from_config({**cfg, "num_key_value_heads": 2**33}) is None
+    assert tp_shape_from_config({**cfg, "num_key_value_heads": "2"}) is None
     shape = TpShape(4, 2, 32, 128, 250, 500)
     assert "250" in (shape_problem(4, shape) or "")
 

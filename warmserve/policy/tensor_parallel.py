@@ -53,9 +53,15 @@ class TpShape:
     vocab: int
 
 
+_MAX_DIM = 2**31 - 1  # beyond any real model; the heads travel as uint32 in Describe
+
+
 def _pos_int(cfg: Mapping[str, object], key: str) -> int | None:
+    """A positive dimension of ``config.json``; None when absent, not an int, or absurd (a
+    model's file is untrusted: one bad value must not break the node's Describe)."""
     v = cfg.get(key)
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else None
+    ok = isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= _MAX_DIM
+    return v if ok else None  # type: ignore[return-value]
 
 
 def tp_shape_from_config(cfg: object) -> TpShape | None:
@@ -68,7 +74,10 @@ def tp_shape_from_config(cfg: object) -> TpShape | None:
     inter = _pos_int(cfg, "intermediate_size")
     if heads is None or hidden is None or vocab is None or inter is None:
         return None
-    kv = _pos_int(cfg, "num_key_value_heads") or heads
+    kv = _pos_int(cfg, "num_key_value_heads")
+    if kv is None and cfg.get("num_key_value_heads") is not None:
+        return None  # declared, but not a usable count
+    kv = kv or heads
     head_dim = _pos_int(cfg, "head_dim") or (hidden // heads if hidden % heads == 0 else None)
     if head_dim is None:
         return None
