@@ -58,6 +58,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import fresh_vllm
 from engine_tp import bench_tp, print_tp, summarize_tp
 
 from warmserve.testing.smoke import add_smoke_flag, apply_smoke
@@ -65,19 +66,6 @@ from warmserve.testing.smoke import add_smoke_flag, apply_smoke
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = {"rounds": 1, "models": "tiny"}  # one full hit; no fresh process
 
-FRESH = r"""
-import json, os, sys, time
-t0 = float(sys.argv[3])
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from vllm import LLM, SamplingParams
-t_import = time.time()
-llm = LLM(model=sys.argv[1], **json.loads(sys.argv[2]))
-t_engine = time.time()
-llm.generate([{"prompt_token_ids": [0, 5, 7]}], SamplingParams(max_tokens=1, temperature=0))
-t_tok = time.time()
-print("FRESH " + json.dumps({"import_s": t_import - t0, "engine_s": t_engine - t_import,
-                             "first_token_s": t_tok - t_engine, "ttft_s": t_tok - t0}))
-"""
 
 
 def _post(url: str, body: dict) -> dict:
@@ -89,6 +77,7 @@ def _post(url: str, body: dict) -> dict:
 
 
 def fresh_run(model_dir: Path, kv_bytes: int, max_len: int, gpu: bool = False) -> dict:
+    """Figure 8's no-prewarm start of the model (``bench/fresh_vllm.py``)."""
     kwargs = {
         "dtype": "auto",  # the checkpoint's, as the slot engine computes in
         "enforce_eager": True,
@@ -97,19 +86,7 @@ def fresh_run(model_dir: Path, kv_bytes: int, max_len: int, gpu: bool = False) -
     }
     if gpu:
         kwargs["gpu_memory_utilization"] = 0.9
-    env = dict(os.environ)  # vLLM is in this interpreter's venv; warmserve is not needed
-    t0 = time.time()
-    out = subprocess.run(
-        [sys.executable, "-c", FRESH, str(model_dir), json.dumps(kwargs), repr(t0)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env=env,
-    )
-    line = next((x for x in out.stdout.splitlines() if x.startswith("FRESH ")), None)
-    if line is None:
-        raise RuntimeError(f"fresh vLLM process failed:\n{out.stderr[-3000:]}")
-    return json.loads(line[6:])
+    return fresh_vllm.fresh_run(model_dir, kwargs, dict(os.environ))
 
 
 def loadavg() -> float:

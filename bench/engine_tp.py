@@ -21,13 +21,14 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import fresh_vllm
 
 GOAL_TP2_OVER_TP1 = 1.5
 KINDS = ("tp1", "tp2_preformed", "tp2_at_activation")
@@ -38,21 +39,6 @@ LABELS = {
 }
 OTHER_ARGS = ["--max-num-seqs", "17"]  # a prepared engine the activation cannot use
 
-FRESH_TP = r"""
-import json, os, sys, time
-t0 = float(sys.argv[3])
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from vllm import LLM, SamplingParams
-t_import = time.time()
-llm = LLM(model=sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="mp",
-          **json.loads(sys.argv[2]))
-t_engine = time.time()
-llm.generate([{"prompt_token_ids": [0, 5, 7]}], SamplingParams(max_tokens=1, temperature=0))
-t_tok = time.time()
-print("FRESH " + json.dumps({"import_s": t_import - t0, "engine_s": t_engine - t_import,
-                             "first_token_s": t_tok - t_engine, "ttft_s": t_tok - t0}), flush=True)
-os._exit(0)
-"""
 
 
 def _wait(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -115,7 +101,10 @@ def tp_round(client: Any, model: str, kind: str, args: list[str]) -> dict:
 
 
 def fresh_tp_run(model_dir: Path, kv_bytes: int, max_len: int) -> dict:
-    kwargs = {
+    """A fresh vLLM TP=2 process (vLLM's own multiprocessing executor spawns rank 1)."""
+    kwargs: dict[str, Any] = {
+        "tensor_parallel_size": 2,
+        "distributed_executor_backend": "mp",
         "dtype": "auto",
         "enforce_eager": True,
         "max_model_len": max_len,
@@ -124,18 +113,7 @@ def fresh_tp_run(model_dir: Path, kv_bytes: int, max_len: int) -> dict:
     env = dict(
         os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     )
-    t0 = time.time()
-    out = subprocess.run(
-        [sys.executable, "-c", FRESH_TP, str(model_dir), json.dumps(kwargs), repr(t0)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env=env,
-    )
-    line = next((x for x in out.stdout.splitlines() if x.startswith("FRESH ")), None)
-    if line is None:
-        raise RuntimeError(f"fresh vLLM TP=2 process failed:\n{out.stderr[-3000:]}")
-    return json.loads(line[6:])
+    return fresh_vllm.fresh_run(model_dir, kwargs, env)
 
 
 def bench_tp(

@@ -39,6 +39,32 @@ print("RESULT " + json.dumps({"prompt": list(out[0].prompt_token_ids), "tokens":
 """
 
 
+def vllm_deployment(ns: str, name: str, tp: int = 1) -> dict[str, Any]:
+    """A ModelDeployment of ``name`` on the real engine, scaled from zero, its requests held up
+    to 10 minutes (a vLLM start on a loaded 2-core machine)."""
+    spec: dict[str, Any] = {
+        "model": {"name": name, "coldStartSeconds": 30},
+        "engine": {"name": "vllm", "args": ENGINE_ARGS},
+        "maxBatchSize": 4,
+        "minInstances": 0,
+        "maxInstances": 1,
+        "gateway": {"maxHoldSeconds": 600, "maxQueue": 16},
+    }
+    if tp != 1:
+        spec["tensorParallel"] = tp
+    return {
+        "apiVersion": "warmserve.io/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": spec,
+    }
+
+
+def status_of(st: Any, name: str) -> dict[str, Any]:
+    """The ModelDeployment's status (empty until the operator wrote one); ``st``: a Stack."""
+    return st.get("wsmd", name).get("status") or {}
+
+
 def store_models(src: Path, root: Path, names: tuple[str, ...]) -> Path:
     """The real model under each of ``names`` in an agent's store at ``root`` (hard links where
     the file system allows: the cache is read-only to tests and 270 MB a copy)."""

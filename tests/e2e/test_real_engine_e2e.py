@@ -39,12 +39,13 @@ import openai
 import pytest
 
 from tests.e2e.real_engine_support import (
-    ENGINE_ARGS,
     MAX_TOKENS,
     QUESTION,
     AgentRecorder,
     Reference,
+    status_of,
     store_models,
+    vllm_deployment,
 )
 from warmserve.testing.procs import Procs, wait_for
 from warmserve.testing.stack import Stack, demand_of, metric, seed_history
@@ -56,29 +57,9 @@ SETTLE_S = 120.0  # the operator's moves (prewarm, plan) on a loaded 2-core mach
 START_S = 420.0  # a vLLM engine built over a slot on this CPU, under load
 
 
-def _md(ns: str, name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "warmserve.io/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {
-            "model": {"name": name, "coldStartSeconds": 30},
-            "engine": {"name": "vllm", "args": ENGINE_ARGS},
-            "maxBatchSize": 4,
-            "minInstances": 0,
-            "maxInstances": 1,
-            "gateway": {"maxHoldSeconds": 600, "maxQueue": 16},
-        },
-    }
-
-
 @pytest.fixture
 def stack(k8s_control_plane: Any, k8s_namespace: str, tmp_path: Path, procs: Procs) -> Stack:
     return Stack(k8s_control_plane, k8s_namespace, tmp_path, procs)
-
-
-def _status(st: Stack, name: str) -> dict[str, Any]:
-    return st.get("wsmd", name).get("status") or {}
 
 
 def _events(st: Stack, name: str) -> list[str]:
@@ -167,7 +148,8 @@ def test_real_tokens_through_gateway_operator_agent_and_vllm(
         st.start_agents(models, {"node-a": "1x1GiB"}, extra=("--engines", "simulated,vllm"))
         ((node, address),) = st.agents.items()
         rec = AgentRecorder(address, (A, B))
-        items = {"apiVersion": "v1", "kind": "List", "items": [_md(ns, A), _md(ns, B)]}
+        mds = [vllm_deployment(ns, A), vllm_deployment(ns, B)]
+        items = {"apiVersion": "v1", "kind": "List", "items": mds}
         st.kubectl("apply", "-f", "-", input=json.dumps(items))
         for name in (A, B):  # one basic prewarmed replica each
             seed_history(st.kubectl, ns, name, name, avg=1.0, peak=1.0)
@@ -183,7 +165,7 @@ def test_real_tokens_through_gateway_operator_agent_and_vllm(
         # 1. Both real models prewarmed into slots of the one GPU, no instance.
         def both_prewarmed() -> bool:
             for name in (A, B):
-                reps = _status(st, name).get("prewarmedReplicas") or []
+                reps = status_of(st, name).get("prewarmedReplicas") or []
                 if not reps or any(r["state"] != "ready" for r in reps):
                     return False
             return rec is not None and rec.seen.together
@@ -193,7 +175,7 @@ def test_real_tokens_through_gateway_operator_agent_and_vllm(
         times["prewarmed_s"] = time.monotonic() - t_start
 
         # 2. The first request to A at zero instances: held, a prewarm hit, plain vLLM's tokens.
-        assert _status(st, A).get("instanceCount", 0) == 0
+        assert status_of(st, A).get("instanceCount", 0) == 0
         first = Held(client, A)
         wait_for(
             lambda: (
@@ -231,8 +213,8 @@ def test_real_tokens_through_gateway_operator_agent_and_vllm(
         _check_tokens(answer_b, reference, B)
         wait_for(
             lambda: (
-                _status(st, A).get("instanceCount", 0) == 0
-                and _status(st, B).get("instanceCount") == 1
+                status_of(st, A).get("instanceCount", 0) == 0
+                and status_of(st, B).get("instanceCount") == 1
             ),
             "A at 0 instances, B at 1 in status",
             SETTLE_S,

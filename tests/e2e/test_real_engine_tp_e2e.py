@@ -28,7 +28,13 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.real_engine_support import ENGINE_ARGS, MAX_TOKENS, QUESTION, Reference
+from tests.e2e.real_engine_support import (
+    MAX_TOKENS,
+    QUESTION,
+    Reference,
+    status_of,
+    vllm_deployment,
+)
 from warmserve.modelref import store_dirname
 from warmserve.testing.procs import Procs, wait_for
 from warmserve.testing.stack import Stack, demand_of, metric, seed_history
@@ -57,34 +63,13 @@ os._exit(0)
 """
 
 
-def _md(ns: str, name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "warmserve.io/v1alpha1",
-        "kind": "ModelDeployment",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {
-            "model": {"name": name, "coldStartSeconds": 30},
-            "engine": {"name": "vllm", "args": ENGINE_ARGS},
-            "tensorParallel": 2,
-            "maxBatchSize": 4,
-            "minInstances": 0,
-            "maxInstances": 1,
-            "gateway": {"maxHoldSeconds": 600, "maxQueue": 16},
-        },
-    }
-
-
 @pytest.fixture
 def stack(k8s_control_plane: Any, k8s_namespace: str, tmp_path: Path, procs: Procs) -> Stack:
     return Stack(k8s_control_plane, k8s_namespace, tmp_path, procs)
 
 
-def _status(st: Stack, name: str) -> dict[str, Any]:
-    return st.get("wsmd", name).get("status") or {}
-
-
 def _condition(st: Stack, name: str, kind: str) -> dict[str, Any]:
-    conds = _status(st, name).get("conditions") or []
+    conds = status_of(st, name).get("conditions") or []
     return next((c for c in conds if c.get("type") == kind), {})
 
 
@@ -128,7 +113,8 @@ def test_tp2_deployment_prewarmed_on_a_2gpu_group_serves_plain_vllm_tp2_tokens(
             extra=("--engines", "vllm", "--workers", "--page-bytes", str(64 * 1024)),
         )
         ((node, address),) = st.agents.items()
-        items = {"apiVersion": "v1", "kind": "List", "items": [_md(ns, TP), _md(ns, ODD)]}
+        mds = [vllm_deployment(ns, TP, tp=2), vllm_deployment(ns, ODD, tp=2)]
+        items = {"apiVersion": "v1", "kind": "List", "items": mds}
         st.kubectl("apply", "-f", "-", input=json.dumps(items))
         seed_history(st.kubectl, ns, TP, TP, avg=1.0, peak=1.0)  # one basic prewarmed replica
         st.start_operator("operator", 100, poll_s=1.0, extra=("--scale-down-delay", "60"))
@@ -157,9 +143,9 @@ def test_tp2_deployment_prewarmed_on_a_2gpu_group_serves_plain_vllm_tp2_tokens(
             )
             times["prewarmed_s"] = time.monotonic() - t_start
             assert list(slot.gpus) == [0, 1] and slot.prepared_engine.engine == "vllm"
-            (rep,) = _status(st, TP)["prewarmedReplicas"]
+            (rep,) = status_of(st, TP)["prewarmedReplicas"]
             assert rep["gpus"] == [0, 1] and rep["slotId"] == slot.slot_id, rep
-            assert _status(st, TP).get("instanceCount", 0) == 0
+            assert status_of(st, TP).get("instanceCount", 0) == 0
 
             # 3. The split the heads refuse: Unplaceable before any prewarm (checked here, while
             #    the TP=2 engine idles; the operator has seen the agent's catalog by now).

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -100,6 +101,22 @@ def tp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def _agent_config(tmp_path: Path, tp_root: Path, **kw: Any) -> Any:
+    """An agent with two simulated GPUs, pooled workers and the vLLM engine over ``tp_root``."""
+    from warmserve_agent.config import AgentConfig, parse_simulated_gpus
+
+    return AgentConfig(
+        model_dir=tp_root,
+        simulate_gpus=parse_simulated_gpus("2x48MiB"),
+        listen="127.0.0.1:0",
+        page_bytes=PAGE,
+        memory_dir=tmp_path / "mem",
+        spare_workers=0,
+        engines=("vllm",),
+        **kw,
+    )
+
+
 @pytest.fixture(scope="module")
 def reference_tp2(tp_root: Path) -> list[int]:
     """Greedy tokens of plain vLLM with --tensor-parallel-size 2 loading the files itself."""
@@ -119,20 +136,11 @@ def reference_tp2(tp_root: Path) -> list[int]:
 def test_tp2_hit_from_per_rank_slots_equals_plain_vllm_tp2(
     tmp_path: Path, tp_root: Path, reference_tp2: list[int]
 ) -> None:
-    from warmserve_agent.config import AgentConfig, parse_simulated_gpus
     from warmserve_agent.testing import AgentThread
 
     from warmserve.api.agent.client import SyncAgentClient, pb
 
-    cfg = AgentConfig(
-        model_dir=tp_root,
-        simulate_gpus=parse_simulated_gpus("2x48MiB"),
-        listen="127.0.0.1:0",
-        page_bytes=PAGE,
-        memory_dir=tmp_path / "mem",
-        spare_workers=0,
-        engines=("vllm",),
-    )
+    cfg = _agent_config(tmp_path, tp_root)
     with AgentThread(cfg) as agent, SyncAgentClient(agent.address) as c:
         t0 = time.monotonic()
         sid = c.prewarm_wait("tiny", [0, 1], engine="vllm", engine_args=ARGS).slot_id
@@ -192,21 +200,11 @@ def test_tp2_dead_rank_ends_the_instance_frees_both_slots_and_the_workers_serve_
     import threading
     import urllib.error
 
-    from warmserve_agent.config import AgentConfig, parse_simulated_gpus
     from warmserve_agent.testing import AgentThread
 
     from warmserve.api.agent.client import SyncAgentClient
 
-    cfg = AgentConfig(
-        model_dir=tp_root,
-        simulate_gpus=parse_simulated_gpus("2x48MiB"),
-        listen="127.0.0.1:0",
-        page_bytes=PAGE,
-        memory_dir=tmp_path / "mem",
-        spare_workers=0,
-        memory_in_workers=True,
-        engines=("vllm",),
-    )
+    cfg = _agent_config(tmp_path, tp_root, memory_in_workers=True)
     with AgentThread(cfg) as agent, SyncAgentClient(agent.address) as c:
         pool = agent.server.pool
         sid = c.prewarm_wait("tiny", [0, 1], engine="vllm", engine_args=ARGS).slot_id
