@@ -93,9 +93,10 @@ class InProcessEngine:
 class WorkerEngine:
     """Engine protocol over the engine in the worker process of ``gpus[0]``.
 
-    When the slot is given by virtual address (memory owned by the workers), each other rank's
-    shard is verified by that rank's own worker — only it can read its GPU — before the engine
-    starts and whenever more layers land."""
+    When the slot is given by virtual address (memory owned by the workers) and the engine
+    checks its own rank's bytes (``EngineInfo.verifies_slot``: the simulated engine), each other
+    rank's shard is verified by that rank's own worker — only it can read its GPU — before the
+    engine starts and whenever more layers land."""
 
     start_timeout_s = 600.0  # a real engine builds (and on a GPU compiles) within this
 
@@ -184,6 +185,8 @@ class WorkerEngine:
     def _verify_remote(self, start: int, end: int) -> None:
         spec = self._spec
         assert spec is not None
+        if not engine_info(spec.engine).verifies_slot:
+            return  # rank 0 is not checked either (EngineInfo.verifies_slot)
         for rank, region in enumerate(spec.regions):
             if region.host_file or region.local:
                 continue

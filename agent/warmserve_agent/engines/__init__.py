@@ -32,6 +32,10 @@ class EngineInfo:
     # its tensor-parallel ranks take each tensor as vLLM's TP layers load it (rows, columns,
     # vocabulary), so a slot split by bytes cannot serve it (``store.Placement.byte_split``)
     tp_layers: bool = False
+    # its start checks the slot's bytes against the store's digests (the simulated engine hashes
+    # its own rank; the other ranks' workers hash theirs).  A real engine trusts the slot the
+    # loader filled, as it trusts a file: hashing a 70B shard at activation takes a minute.
+    verifies_slot: bool = False
 
     def load(self) -> type:
         mod, _, cls = self.factory.partition(":")
@@ -49,6 +53,7 @@ ENGINES: dict[str, EngineInfo] = {
             "warmserve_agent.engines.simulated:SimulatedEngine",
             ("aiohttp.web", "prometheus_client", "warmserve_agent.engines.simulated"),
             "OpenAI-compatible server paced from the model's profile; verifies the slot's bytes",
+            verifies_slot=True,
         ),
         EngineInfo(
             "vllm",
