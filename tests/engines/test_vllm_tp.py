@@ -22,6 +22,7 @@ from tests.engines.test_vllm_engine import (
     ARGS,
     PAGE,
     PROMPT,
+    REF_SCRIPT,
     _garble_weight_files,
     _tokens,
 )
@@ -117,20 +118,30 @@ def _agent_config(tmp_path: Path, tp_root: Path, **kw: Any) -> Any:
     )
 
 
-@pytest.fixture(scope="module")
-def reference_tp2(tp_root: Path) -> list[int]:
-    """Greedy tokens of plain vLLM with --tensor-parallel-size 2 loading the files itself."""
+def _reference(script: str, model_dir: Path) -> list[int]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), VLLM_CPU_OMP_THREADS_BIND="0|1")
     out = subprocess.run(
-        [sys.executable, "-c", REF_TP2, str(tp_root / "tiny"), json.dumps(PROMPT), "16"],
+        [sys.executable, "-c", script, str(model_dir), json.dumps(PROMPT), "16"],
         capture_output=True,
         text=True,
         timeout=600,
         env=env,
     )
     line = next((x for x in out.stdout.splitlines() if x.startswith("TOKENS ")), None)
-    assert line, f"reference vLLM (TP 2) failed:\n{out.stderr[-4000:]}"
+    assert line, f"reference vLLM failed:\n{out.stderr[-4000:]}"
     return json.loads(line[7:])
+
+
+@pytest.fixture(scope="module")
+def reference_tp2(tp_root: Path) -> list[int]:
+    """Greedy tokens of plain vLLM with --tensor-parallel-size 2 loading the files itself."""
+    return _reference(REF_TP2, tp_root / "tiny")
+
+
+@pytest.fixture(scope="module")
+def reference_tp1(tp_root: Path) -> list[int]:
+    """The same with tensor parallelism 1."""
+    return _reference(REF_SCRIPT, tp_root / "tiny")
 
 
 def test_tp2_hit_from_per_rank_slots_equals_plain_vllm_tp2(
@@ -274,3 +285,54 @@ def test_tp2_dead_rank_ends_the_instance_frees_both_slots_and_the_workers_serve_
             f"{replaced_s:.1f} s (rank 0's ended: {rank0_ended}), outcomes {outcomes[-3:]}; "
             f"EndInstance {end_s:.1f} s"
         )
+
+
+def _poison_free_pages(agent: Any) -> int:
+    """A previous tenant's bytes in every page no slot maps now: NaN (0xFF) everywhere, so KV
+    blocks a request used without zeroing them would turn its logits to NaN."""
+    be = agent.server.core.mm.backend
+    n = 0
+    for g, mem in be._mm.items():
+        page = be.page_bytes
+        for p in range(len(mem) // page):
+            if p not in be._used[g]:
+                mem[p * page : (p + 1) * page] = b"\xff" * page
+                n += 1
+    return n
+
+
+def test_engines_rebuilt_in_the_same_pooled_workers_over_a_previous_tenants_pages(
+    tmp_path: Path, tp_root: Path, reference_tp1: list[int], reference_tp2: list[int]
+) -> None:
+    """A pooled worker's history does not change its next engine.  GPU 0's worker serves a TP=1
+    engine first, then a TP=2 slot's engine is prepared for other arguments and built again at
+    Activate (the slot's group formed twice over the same workers): each group gets vLLM's CPU
+    shared-memory all-reduce, named as in a fresh process (vLLM names groups by a per-process
+    counter, and ranks whose names differ fall back to gloo over TCP), and the second build is
+    not refused for the first one's segment.  Every free page holds NaN before each activation
+    (a previous tenant's KV): blocks are zeroed as vLLM hands them out, on every rank, so the
+    answers are plain vLLM's."""
+    from warmserve_agent.testing import AgentThread
+
+    from warmserve.api.agent.client import SyncAgentClient
+
+    cfg = _agent_config(tmp_path, tp_root)
+    with AgentThread(cfg) as agent, SyncAgentClient(agent.address) as c:
+        assert _poison_free_pages(agent) > 0
+        res = c.activate("tiny", [0], engine="vllm", engine_args=ARGS)
+        assert _tokens(res.instance.endpoint) == reference_tp1
+        c.begin_grace(res.instance.instance_id)
+        c.end_instance(res.instance.instance_id, evict_weights=True)
+
+        other = [*ARGS, "--max-num-seqs", "17"]  # a prepared engine the activation drops
+        sid = c.prewarm_wait("tiny", [0, 1], engine="vllm", engine_args=other).slot_id
+        _prepared_ready(c)
+        want = [f"{sid}.store-tp:0-[0-1]-cpushm_{r}" for r in range(2)]
+        assert sorted(p.name for p in Path("/dev/shm").glob(f"{sid}.store-*")) == want
+        assert _poison_free_pages(agent) > 0
+        res2 = c.activate("tiny", [0, 1], slot_id=sid, engine="vllm", engine_args=ARGS)
+        assert res2.prewarm_hit and not res2.instance.stages.engine_prepared
+        assert sorted(p.name for p in Path("/dev/shm").glob(f"{sid}.store-*")) == want
+        assert _tokens(res2.instance.endpoint) == reference_tp2
+        c.begin_grace(res2.instance.instance_id)
+        c.end_instance(res2.instance.instance_id, evict_weights=True)

@@ -261,6 +261,7 @@ class VllmEngine:
             engine_config,
             runs_forward_while_building,
         )
+        from warmserve_agent.engines.vllm.cpu_threads import adopt, use_rank_threads
         from warmserve_agent.engines.vllm.loader import ActiveSlot, activate_slot
 
         t0 = time.perf_counter()
@@ -275,6 +276,7 @@ class VllmEngine:
         self._slot = ActiveSlot(spec, self._mem, device, gate=self._gate)
         self._key = spec.slot_id or spec.instance_id
         args, config, kv_bytes = engine_config(spec, self._key, device)
+        use_rank_threads(spec.tp_size)  # before the engine's threads and its group exist
         if partial:
             why = runs_forward_while_building(config)
             if why:
@@ -284,6 +286,7 @@ class VllmEngine:
         built: list[Any] = []
 
         async def make() -> None:
+            adopt()  # the loop thread builds the model and its attention metadata
             built.append(
                 await build(spec, self._key, args, config, kv_bytes, self.ttft, self._first_token)
             )

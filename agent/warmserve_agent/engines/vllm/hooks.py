@@ -90,8 +90,14 @@ def zero_kv_blocks_on_allocation(client: Any) -> None:
         if isinstance(mgr.kv_cache_spec, AttentionSpec):
             mgr._record_new_block_ids = True
     sched.needs_kv_cache_zeroing = True
-    runner = core.model_executor.driver_worker.worker.model_runner
-    # The CPU runner zeroes by block itself; the GPU runner needs its zeroer's metadata.
+    runner_zeroes_blocks(core.model_executor.driver_worker.worker.model_runner)
+
+
+def runner_zeroes_blocks(runner: Any) -> None:
+    """Let one rank's model runner zero the blocks the scheduler lists (every rank gets the
+    list with each step): the CPU runner zeroes by block itself; the GPU runner needs its
+    zeroer's metadata, which vLLM builds only for caches it knows need zeroing (without it the
+    GPU runner skips zeroing silently)."""
     gpu_runner = runner.device.type != "cpu" and hasattr(runner, "_init_kv_zero_meta")
     if gpu_runner and not hasattr(runner, "_kv_block_zeroer"):
         runner._init_kv_zero_meta()
@@ -148,7 +154,13 @@ def cleanup_vllm_process_state() -> None:
     import gc
 
     with contextlib.suppress(Exception):
+        from vllm.distributed import parallel_state
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         cleanup_dist_env_and_memory()
+        # Group names count up per process ("tp:0", "tp:1", ...) and vLLM's CPU shared-memory
+        # all-reduce needs every rank's name to agree: ranks in pooled workers with different
+        # histories would fall back to gloo over TCP (several ms an all-reduce).  Next engine:
+        # names as in a fresh process.
+        parallel_state._group_name_counter.clear()
     gc.collect()

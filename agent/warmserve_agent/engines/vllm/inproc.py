@@ -55,6 +55,9 @@ class AsyncInprocClient(InprocClient):
 
     # ---- the engine thread ---------------------------------------------------------------
     def _busy_loop(self) -> None:
+        from warmserve_agent.engines.vllm.cpu_threads import adopt
+
+        adopt()  # this thread runs the forwards: its OpenMP pool is the rank's size from the start
         core = self.engine_core
         try:
             while not self._stop:

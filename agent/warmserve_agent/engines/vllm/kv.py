@@ -63,14 +63,18 @@ def measure_geometry(slot: Any, mem: SlotMemory, nb: int) -> KvGeometry:
     return geo
 
 
-def zero_blocks(slot: Any, nb: int, lo: int, hi: int) -> None:
-    """vLLM zeroes a new cache; blocks made usable may hold a previous tenant's bytes."""
-    if hi <= lo:
+def zero_null_block(slot: Any, nb: int, lo: int, hi: int) -> None:
+    """Zero vLLM's null block (block 0, in padding of block tables) when blocks ``[lo, hi)``
+    newly usable include it.  Every other block is zeroed by vLLM itself when it hands the block
+    to a request, on every rank (``hooks.zero_kv_blocks_on_allocation``), so the pages a
+    previous tenant left never reach a request and a growth only maps; the null block is never
+    handed out.  A layout without a block dimension is zeroed whole (all or nothing)."""
+    if hi <= lo or lo > 0:
         return
     for t in slot.kv.values():
         d = [i for i, s in enumerate(t.shape) if s == nb]
         if len(d) == 1:
-            t.narrow(d[0], lo, hi - lo).zero_()
+            t.narrow(d[0], 0, 1).zero_()
         else:
             t.zero_()
 
@@ -160,7 +164,7 @@ class SlotKvPool:
         return blocks if self.geometry.num_blocks == self.nb else 1
 
     def _zero(self, lo: int, hi: int) -> None:
-        zero_blocks(self.slot, self.nb, lo, hi)
+        zero_null_block(self.slot, self.nb, lo, hi)
 
     # ---- what the agent reads ----------------------------------------------------------------
     def usage(self) -> tuple[int, int]:

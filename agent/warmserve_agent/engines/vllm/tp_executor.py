@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import logging
+import os
 import socket
 import threading
 from concurrent.futures import Future
@@ -100,6 +102,7 @@ def _make_executor_class() -> type:
                 ]
             )
             self._gather("init_worker")
+            unlink_stale_rank_shm(init, 0)
             self.collective_rpc("init_device")  # the ranks' process group forms here
             self.collective_rpc("load_model")
             self.collective_rpc(warm_vocab_masking)  # each rank alone: no collective inside
@@ -205,15 +208,29 @@ def warm_vocab_masking(wrapper: Any) -> None:
 
 
 def remove_group_shm(slot_id: str, shm_dir: str = "/dev/shm") -> int:
-    """Unlink what vLLM's CPU shared-memory all-reduce left of ``slot_id``'s group: one 8 MiB
-    segment per rank, named after the group's store (``<slot>.store-tp:...-cpushm_<rank>``),
-    which a rank killed inside the group never unlinks (seen: one pair per killed TP=2 group).
+    """Unlink what vLLM's CPU shared-memory all-reduce left of ``slot_id``'s group: one segment
+    per rank, named after the group's store (``<slot>.store-tp:...-cpushm_<rank>``), which a
+    rank killed inside the group never unlinks (seen: one pair per killed TP=2 group).
     Returns how many were removed."""
-    import glob
-    import os
+    return _unlink(os.path.join(glob.escape(shm_dir), glob.escape(slot_id) + ".store-*"))
 
+
+def unlink_stale_rank_shm(init_method: str, rank: int, shm_dir: str = "/dev/shm") -> int:
+    """Before rank ``rank`` joins the group meeting at ``init_method``: unlink its shared-memory
+    segment left by an earlier group of the same slot.  vLLM creates it exclusively and unlinks
+    it only when the process exits (its manager lives as long as the process), and a slot's
+    group is named the same at every build, so a pooled worker building the slot's engine again
+    (a prepared engine dropped, then built at activation) would fail with EEXIST.  A process
+    still mapping the old segment keeps it; only the name goes.  Each rank removes only its own:
+    the others open it after the group's barrier, when it is the new one."""
+    ident = os.path.basename(init_method.removeprefix("file://"))
+    pattern = glob.escape(ident) + f"-*-cpushm_{int(rank)}"
+    return _unlink(os.path.join(glob.escape(shm_dir), pattern))
+
+
+def _unlink(pattern: str) -> int:
     n = 0
-    for path in glob.glob(os.path.join(glob.escape(shm_dir), glob.escape(slot_id) + ".store-*")):
+    for path in glob.glob(pattern):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             n += 1
@@ -280,8 +297,6 @@ class VllmRank:
 
     def prepare(self, spec: Any, rank: int) -> None:
         """Open this rank's slot (pages not mapped yet stay inaccessible) and listen."""
-        import os
-
         import torch
 
         from warmserve_agent.engines.layer_gate import LayerGate
@@ -338,7 +353,11 @@ class VllmRank:
 
             from vllm.v1.worker.worker_base import WorkerWrapperBase
 
+            from warmserve_agent.engines.vllm.cpu_threads import use_rank_threads
+
             _, config, rank, init = msg
+            use_rank_threads(self.spec.tp_size)  # this thread runs the rank's forwards
+            unlink_stale_rank_shm(init, rank)
             self._worker = WorkerWrapperBase(rpc_rank=0, global_rank=rank)
             self._worker.init_worker(
                 all_kwargs=[
@@ -365,6 +384,10 @@ class VllmRank:
         out = run_method(self._worker, method, args, kwargs)
         if isinstance(out, AsyncModelRunnerOutput):
             out = out.get_output()
+        if method == "initialize_from_config":  # its KV cache exists now
+            from warmserve_agent.engines.vllm.hooks import runner_zeroes_blocks
+
+            runner_zeroes_blocks(self._worker.worker.model_runner)
         return out if want else None
 
     # ---- driven by the agent, through this worker's pipe ----------------------------------------
@@ -383,7 +406,7 @@ class VllmRank:
         ``nbytes`` covers, as rank 0's ``SlotKvPool.resize`` does on its own (same geometry)."""
         import bisect
 
-        from warmserve_agent.engines.vllm.kv import measure_geometry, zero_blocks
+        from warmserve_agent.engines.vllm.kv import measure_geometry, zero_null_block
 
         if not self._slot.kv or not self._nb:
             raise EngineError(f"rank {self.rank}: its KV cache is not built yet")
@@ -408,7 +431,7 @@ class VllmRank:
         t = min(geo.num_blocks, max(0, nbytes) // geo.block_bytes)
         if t > self._granted:
             self._mem.grant_pages(pages(t))
-            zero_blocks(self._slot, nb, vblocks(self._granted), vblocks(t))
+            zero_null_block(self._slot, nb, vblocks(self._granted), vblocks(t))
         elif t < self._granted:
             keep = set(pages(t))
             self._mem.revoke_pages(p for p in pages(self._granted) if p not in keep)
