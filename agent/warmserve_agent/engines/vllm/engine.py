@@ -198,8 +198,9 @@ class VllmEngine:
 
     def grow_kv_cache(self, nbytes: int, *, wait: bool = True) -> int:
         """Raise the KV capacity to ``nbytes``: the newly usable blocks' pages are mapped in
-        this process (checked against the agent's page table on the simulated backend) and
-        zeroed, then handed to vLLM's scheduler (engine thread, between steps; ``kv.py``).  The
+        this process (checked against the agent's page table on the simulated backend), then
+        handed to vLLM's scheduler, which zeroes each block as it gives it to a request (engine
+        thread, between steps; ``kv.py``).  The
         one place the KV cache grows: at :meth:`start` (what the agent mapped already: a
         prepared engine's blocks are all held until then) and whenever the agent's background
         mapping raises the capacity.  Returns the capacity kept, in bytes.

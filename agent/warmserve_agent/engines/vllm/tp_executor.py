@@ -18,11 +18,12 @@ exists before the slot is activated, and an activation only opens the endpoint.
 
 Per-rank state the agent drives directly through each rank's worker pipe (``worker.py``):
 ``start_rank`` (the weights mapped since preparation), ``rank_layers_ready`` (per-layer gates, a
-rank never reads a layer before it is resident) and ``rank_kv`` (KV pages mapped, zeroed or
-revoked on that rank before rank 0's scheduler uses or after it gives up blocks: every rank
-holds the same blocks, its own heads of them).  A rank whose process dies breaks the link: rank
-0's next call fails, the engine core stops, and the agent's worker monitor drops the GPU's
-slots and instances (``NodeCore.gpu_lost``), freeing every rank's slot.
+rank never reads a layer before it is resident) and ``rank_kv`` (KV pages mapped or revoked
+on that rank before rank 0's scheduler uses or after it gives up blocks: every rank holds the
+same blocks, its own heads of them, and zeroes a block when the scheduler hands it out).  A
+rank whose process dies breaks the link: rank 0's next call fails, the engine core stops, and
+the agent's worker monitor drops the GPU's slots and instances (``NodeCore.gpu_lost``), freeing
+every rank's slot.
 """
 
 from __future__ import annotations
@@ -402,8 +403,8 @@ class VllmRank:
         self._gate.advance(n)
 
     def resize_kv(self, nbytes: int) -> int:
-        """Map and zero (or revoke) this rank's pages of the blocks a per-rank capacity of
-        ``nbytes`` covers, as rank 0's ``SlotKvPool.resize`` does on its own (same geometry)."""
+        """Map (or revoke) this rank's pages of the blocks a per-rank capacity of ``nbytes``
+        covers, as rank 0's ``SlotKvPool.resize`` does on its own (same geometry)."""
         import bisect
 
         from warmserve_agent.engines.vllm.kv import measure_geometry, zero_null_block
