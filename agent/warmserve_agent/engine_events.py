@@ -141,6 +141,10 @@ class EventListener:
             contextlib.suppress(OSError),
             socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s,
         ):
+            # never blocking: a full queue (10 datagrams by default) means the listener has
+            # something to read and will see _closed anyway, while a blocking send would wait
+            # forever once the listener, inside its handler when we closed, returns unread
+            s.setblocking(False)
             s.sendto(b"", self.address)
         self._thread.join(5)
         self._sock.close()

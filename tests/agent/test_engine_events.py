@@ -106,3 +106,30 @@ def test_the_socket_is_private_and_senders_never_fail() -> None:
     assert EngineEvent.decode(EngineEvent(EngineEventKind.KV_WANTED, IID).encode()) == EngineEvent(
         EngineEventKind.KV_WANTED, IID
     )
+
+
+def test_close_returns_when_the_queue_filled_while_the_handler_was_busy() -> None:
+    """The agent closes its listener while the handler is inside a call (it waits for the node's
+    lock that the closing thread holds) and engines have filled the socket's queue meanwhile
+    (aborts report a completion each; Linux queues 10 datagrams by default).  close() must not
+    wait for room in that queue: the listener leaves without reading once it sees it is closed."""
+    inside, release = threading.Event(), threading.Event()
+
+    def handler(batch: dict) -> None:
+        inside.set()
+        release.wait(30)
+
+    lis = EventListener(handler)
+    tx = EventSender(lis.address, IID)
+    tx.send(EngineEventKind.FINISHED)
+    assert inside.wait(10)
+    for _ in range(50):  # more than the queue holds: the rest are dropped by the sender
+        tx.send(EngineEventKind.KV_WANTED)
+    assert tx.lost > 0, "the queue never filled: the test shows nothing"
+    done = threading.Event()
+    closer = threading.Thread(target=lambda: (lis.close(), done.set()), daemon=True)
+    closer.start()
+    time.sleep(0.3)
+    release.set()
+    assert done.wait(10), "close() waited for room in a full queue"
+    tx.close()
