@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -144,8 +145,20 @@ def reference_tp1(tp_root: Path) -> list[int]:
     return _reference(REF_SCRIPT, tp_root / "tiny")
 
 
+def _restorer(model_dir: Path) -> Callable[[], None]:
+    """Put the weight files back as they are now (bytes and times)."""
+    kept = {f: (f.read_bytes(), f.stat()) for f in model_dir.glob("*.safetensors")}
+
+    def restore() -> None:
+        for f, (data, st) in kept.items():
+            f.write_bytes(data)
+            os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    return restore
+
+
 def test_tp2_hit_from_per_rank_slots_equals_plain_vllm_tp2(
-    tmp_path: Path, tp_root: Path, reference_tp2: list[int]
+    tmp_path: Path, tp_root: Path, reference_tp2: list[int], request: pytest.FixtureRequest
 ) -> None:
     from warmserve_agent.testing import AgentThread
 
@@ -170,7 +183,9 @@ def test_tp2_hit_from_per_rank_slots_equals_plain_vllm_tp2(
         assert rank1.call("ping")["engine_builds"] == 0
         shards = [_rank_shards(tp_root / "tiny", 2, r) for r in range(2)]
         assert shards[0] != shards[1]
+        saved = _restorer(tp_root / "tiny")
         garbled = _garble_weight_files(tp_root / "tiny")  # a read at activation would show
+        request.addfinalizer(saved)  # the module's later tests load the real weights
         assert garbled > 0
         t1 = time.monotonic()
         res = c.activate("tiny", [0, 1], slot_id=sid, engine="vllm", engine_args=ARGS)
