@@ -169,15 +169,17 @@ class WorkerEngine:
         self.worker.kill()
 
     def _stop_ranks(self, slot_id: str) -> None:
-        """Tear the other ranks down (rank 0's teardown closed their links, ending the group)."""
-        lost = False
-        for _, w in self._ranks(self._spec):
+        """Tear the other ranks down (rank 0's teardown closed their links, ending the group),
+        then unlink the group's shared-memory names: vLLM unlinks them only when a rank's process
+        exits (never, for a killed one), so a worker killed later — an agent's shutdown stops
+        workers that do not exit in time — would leave them in ``/dev/shm``.  The ranks' own
+        mappings stay valid until their processes drop them."""
+        ranks = self._ranks(self._spec)
+        for _, w in ranks:
             if w.alive():
                 with contextlib.suppress(Exception):
                     w.call("stop_rank", timeout_s=90.0, slot_id=slot_id)
-            else:
-                lost = True
-        if lost:  # a dead rank never unlinks its part of the group's shared memory
+        if ranks:
             from warmserve_agent.engines.vllm.tp_executor import remove_group_shm
 
             remove_group_shm(slot_id)

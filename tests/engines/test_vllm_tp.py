@@ -351,3 +351,5 @@ def test_engines_rebuilt_in_the_same_pooled_workers_over_a_previous_tenants_page
         assert _tokens(res2.instance.endpoint) == reference_tp2
         c.begin_grace(res2.instance.instance_id)
         c.end_instance(res2.instance.instance_id, evict_weights=True)
+        # evicted: no name of its group is left for a later kill of the workers to strand
+        assert not list(Path("/dev/shm").glob(f"{sid}.store-*"))
