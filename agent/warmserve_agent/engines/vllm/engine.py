@@ -200,10 +200,10 @@ class VllmEngine:
         """Raise the KV capacity to ``nbytes``: the newly usable blocks' pages are mapped in
         this process (checked against the agent's page table on the simulated backend), then
         handed to vLLM's scheduler, which zeroes each block as it gives it to a request (engine
-        thread, between steps; ``kv.py``).  The
-        one place the KV cache grows: at :meth:`start` (what the agent mapped already: a
-        prepared engine's blocks are all held until then) and whenever the agent's background
-        mapping raises the capacity.  Returns the capacity kept, in bytes.
+        thread, between steps; ``kv.py``).  The one place the KV cache grows: at :meth:`start`
+        (what the agent mapped already: a prepared engine's blocks are all held until then) and
+        whenever the agent's background mapping raises the capacity.  Returns the capacity
+        kept, in bytes.
 
         ``wait=False`` (a raise from the agent's pager) queues the growth for the engine thread
         and returns the capacity it will keep: the engine may be inside a forward that waits for

@@ -16,9 +16,9 @@ no kept block touches, in every layer's region.
 Before blocks become usable, their pages are mapped in this process (``SlotMemory.grant_pages``:
 on the simulated backend from the backend's shared page table, which also checks they are
 mapped); vLLM zeroes each block as it hands it to a request (``zero_null_block``); pages given
-up are made inaccessible here
-(``revoke_pages``) before the agent unmaps them, so a stray access faults instead of corrupting
-a neighbour.  On CUDA the process's VMM range is the agent's mapping: nothing to do there.
+up are made inaccessible here (``revoke_pages``) before the agent unmaps them, so a stray access
+faults instead of corrupting a neighbour.  On CUDA the process's VMM range is the agent's
+mapping: nothing to do there.
 
 Every call runs on vLLM's engine thread, between steps.
 """

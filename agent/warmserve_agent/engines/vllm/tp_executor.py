@@ -213,7 +213,7 @@ def remove_group_shm(slot_id: str, shm_dir: str = "/dev/shm") -> int:
     per rank, named after the group's store (``<slot>.store-tp:...-cpushm_<rank>``), which a
     rank killed inside the group never unlinks (seen: one pair per killed TP=2 group).
     Returns how many were removed."""
-    return _unlink(os.path.join(glob.escape(shm_dir), glob.escape(slot_id) + ".store-*"))
+    return _unlink(_group_shm(shm_dir, slot_id + ".store", "*"))
 
 
 def unlink_stale_rank_shm(init_method: str, rank: int, shm_dir: str = "/dev/shm") -> int:
@@ -225,8 +225,14 @@ def unlink_stale_rank_shm(init_method: str, rank: int, shm_dir: str = "/dev/shm"
     still mapping the old segment keeps it; only the name goes.  Each rank removes only its own:
     the others open it after the group's barrier, when it is the new one."""
     ident = os.path.basename(init_method.removeprefix("file://"))
-    pattern = glob.escape(ident) + f"-*-cpushm_{int(rank)}"
-    return _unlink(os.path.join(glob.escape(shm_dir), pattern))
+    return _unlink(_group_shm(shm_dir, ident, str(int(rank))))
+
+
+def _group_shm(shm_dir: str, ident: str, rank: str) -> str:
+    """vLLM's name for a rank's segment (``<ident>-<group>-[<ranks>]-cpushm_<rank>``, ``ident``
+    the basename of the group's store, ``<slot>.store``: ``prepared_engines._tp_rendezvous``) as
+    a glob over ``shm_dir``; ``rank`` ``*`` for every rank."""
+    return os.path.join(glob.escape(shm_dir), glob.escape(ident) + f"-*-cpushm_{rank}")
 
 
 def _unlink(pattern: str) -> int:
