@@ -260,16 +260,20 @@ class WorkerEngine:
         return self.worker.call("stats")
 
     def stop(self) -> None:
-        self.drop_prepared()
-        if self.worker.alive() and self._rank_lost():
-            try:  # idle between steps it stops; inside a step's collective it never returns
-                self.worker.call("stop_engine", timeout_s=TP_LOST_STOP_S)
-            except Exception:
-                self._end_rank0("a rank died under its serving engine")
-        elif self.worker.alive():
-            self.worker.call("stop_engine", timeout_s=60.0)
-        if self._spec is not None and self._spec.tp_peers:
-            self._stop_ranks(self._spec.slot_id)
+        try:
+            self.drop_prepared()
+            if self.worker.alive() and self._rank_lost():
+                try:  # idle between steps it stops; inside a step's collective it never returns
+                    self.worker.call("stop_engine", timeout_s=TP_LOST_STOP_S)
+                except Exception:
+                    self._end_rank0("a rank died under its serving engine")
+            elif self.worker.alive():
+                self.worker.call("stop_engine", timeout_s=60.0)
+        finally:
+            # also when rank 0's worker died under the call (an agent's shutdown: the signal
+            # reaches the workers too): the group's names are ours to unlink either way
+            if self._spec is not None and self._spec.tp_peers:
+                self._stop_ranks(self._spec.slot_id)
 
 
 class FreshWorkerEngine(WorkerEngine):
