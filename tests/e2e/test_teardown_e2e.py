@@ -162,7 +162,10 @@ def test_delete_drains_through_grace_and_a_duplicate_owns_nothing(
         # The owner's planner may place a prewarm replica meanwhile (a new slot, its owner's);
         # what the delete must not do is end, take over or add a slot for the duplicate.
         kept = {s.slot_id: s.owner for s in after.slots}
-        assert all(kept.get(s.slot_id) == code_uid for s in before.slots), (before.slots, after.slots)
+        assert all(kept.get(s.slot_id) == code_uid for s in before.slots), (
+            before.slots,
+            after.slots,
+        )
         assert all(s.owner == code_uid for s in after.slots), (dup_uid, after.slots)
 
         # Removal drains: delete the owner while its instance serves requests: drained, then gone.
