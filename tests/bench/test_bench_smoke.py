@@ -135,7 +135,11 @@ def test_every_bench_smoke_runs(k8s_bin_dir: Path, tmp_path: Path) -> None:
 
 def _descendants(pid: int) -> set[int]:
     out: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    try:  # a process exiting meanwhile: listing its tasks fails with ESRCH, not ENOENT
+        tasks = list(Path(f"/proc/{pid}/task").glob("*"))
+    except OSError:
+        return out
+    for task in tasks:
         try:
             kids = (task / "children").read_text().split()
         except OSError:
